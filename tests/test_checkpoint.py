@@ -1,0 +1,95 @@
+"""Checkpoints: the original release's format loads and reproduces outputs; wrong ones are refused clearly."""
+
+import os
+
+import pytest
+import torch
+
+from vil.checkpoint import load_checkpoint, save_checkpoint
+from vil.models import PRESETS, MsViT
+
+ARCH = PRESETS["vil_tiny_rpb"]  # relative bias: also exercises the original's derived index buffers
+
+
+def model(seed, arch=ARCH):
+    torch.manual_seed(seed)
+    return MsViT(arch, img_size=64, num_classes=7).eval()
+
+
+def original_release_checkpoint(state):
+    """A state dict saved the way the original release did: under "net", from a DDP wrapper (``module.``),
+    with its ``relative_position_index`` buffers, plus its other entries."""
+    net = {f"module.{k}": v for k, v in state.items()}
+    net["module.layer1.1.attn.relative_position_index"] = torch.zeros(49, 441, dtype=torch.int64)
+    net["module.layer3.1.attn.relative_position_index"] = torch.zeros(4, 4, dtype=torch.int64)
+    return {"net": net, "arch": "msvit", "epoch": 300, "best_acc": 76.6}
+
+
+def test_original_release_checkpoint_loads_and_gives_the_same_outputs(tmp_path):
+    source, target = model(0), model(1)
+    x = torch.randn(2, 3, 64, 64)
+    assert not torch.allclose(source(x), target(x))
+    path = tmp_path / "vil_tiny_original.pth"
+    torch.save(original_release_checkpoint(source.state_dict()), path)
+    checkpoint = load_checkpoint(target, path)
+    assert checkpoint["epoch"] == 300
+    torch.testing.assert_close(target(x), source(x), rtol=0, atol=0)
+
+
+def test_own_checkpoint_round_trip_and_bare_state_dict(tmp_path):
+    source, target = model(0), model(1)
+    save_checkpoint(tmp_path / "ckpt.pth", source, epoch=3)
+    assert load_checkpoint(target, tmp_path / "ckpt.pth")["epoch"] == 3
+    x = torch.randn(1, 3, 64, 64)
+    torch.testing.assert_close(target(x), source(x), rtol=0, atol=0)
+    torch.save(source.state_dict(), tmp_path / "bare.pth")
+    load_checkpoint(model(2), tmp_path / "bare.pth")
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pth"
+    save_checkpoint(path, model(0), epoch=1)
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_checkpoint(path, model(1), epoch=2)
+    assert path.read_bytes() == before  # the old checkpoint is intact
+    assert os.listdir(tmp_path) == ["ckpt.pth"]  # and no temporary file is left behind
+
+
+def test_checkpoint_of_another_architecture_is_one_sentence(tmp_path):
+    save_checkpoint(tmp_path / "small.pth", MsViT(PRESETS["vil_small"], img_size=64, num_classes=7))
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(model(0), tmp_path / "small.pth")
+    message = str(err.value)
+    assert message.startswith(f"Checkpoint {tmp_path / 'small.pth'} does not fit this model's architecture:")
+    assert "mis-shaped (checkpoint vs model): layer1.0.cls_token (1, 1, 96) vs (1, 1, 48)" in message
+    assert "missing: layer1.1.attn.local_relative_position_bias_table" in message
+    assert "unexpected: layer1.0.cls_pos_embed" in message
+    assert "\n" not in message
+
+
+def test_missing_and_unreadable_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(model(0), tmp_path / "nope.pth")
+    (tmp_path / "junk.pth").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="is not a readable PyTorch checkpoint"):
+        load_checkpoint(model(0), tmp_path / "junk.pth")
+    torch.save({"net": {"a": 1}}, tmp_path / "odd.pth")
+    with pytest.raises(ValueError, match="has no model state dict"):
+        load_checkpoint(model(0), tmp_path / "odd.pth")
+
+
+def test_untrusted_pickles_are_not_executed(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    torch.save({"net": {}, "payload": Evil()}, tmp_path / "evil.pth")
+    with pytest.raises(ValueError, match="is not a readable PyTorch checkpoint"):
+        load_checkpoint(model(0), tmp_path / "evil.pth")
+    assert not (tmp_path / "pwned").exists()

@@ -1,0 +1,67 @@
+"""The yacs config: the original release's keys and files, and clear errors."""
+
+import pytest
+
+from vil.config import get_cfg, load_cfg
+
+ORIGINAL_STYLE_YAML = """
+INPUT:
+  INTERPOLATION: 3
+AUG:
+  MIXUP_PROB: 1.0
+  TIMM_AUG:
+    USE_TRANSFORM: True
+    RE_PROB: 0.25
+    AUTO_AUGMENT: rand-m9-mstd0.5-inc1
+DATALOADER:
+  BSZ: 256
+  WORKERS: 6
+OPTIM:
+  LR: 5.0e-4
+  WD: 0.05
+SOLVER:
+  LR_POLICY: cosine
+  WARMUP_FACTOR: 0.002
+MODEL:
+  ARCH: msvit
+  VIT:
+    MSVIT:
+      ARCH: 'l1,h1,d48,n1,s1,g1,p4,f7_l2,h3,d96,n1,s1,g1,p2,f7_l3,h3,d192,n9,s0,g1,p2,f7_l4,h6,d384,n1,s0,g0,p2,f7'
+      ATTN_TYPE: longformerhand
+      LN_EPS: 1.0e-06
+      ONLY_GLOBAL: False
+EVALUATE: True
+"""
+
+
+def test_defaults_are_the_original_releases():
+    cfg = get_cfg()
+    assert cfg.MODEL.VIT.MSVIT.ATTN_TYPE == "longformerhand"
+    assert cfg.MODEL.VIT.MSVIT.SW_EXACT == 0 and cfg.MODEL.VIT.MSVIT.MODE == 0
+    assert cfg.MODEL.VIT.MSVIT.VIL_MODE_SWITCH == 0.75 and cfg.MODEL.VIT.MSVIT.LN_EPS == 1e-6
+    assert cfg.MODEL.VIT.DROP_PATH == 0.1 and cfg.MODEL.VIT.NORM_EMBED is True
+    assert cfg.INPUT.CROP_PCT == 0.875
+    get_cfg().INPUT.IMAGE_SIZE = 1  # a fresh copy each time
+    assert get_cfg().INPUT.IMAGE_SIZE == 224
+
+
+def test_original_style_yaml_and_overrides(tmp_path):
+    path = tmp_path / "msvit.yaml"
+    path.write_text(ORIGINAL_STYLE_YAML)
+    cfg = load_cfg(path, ["MODEL.VIT.MSVIT.SW_EXACT", "-1", "OPTIM.EPOCHS", "10"])
+    assert cfg.AUG.TIMM_AUG.RE_PROB == 0.25 and cfg.AUG.TIMM_AUG.AUTO_AUGMENT == "rand-m9-mstd0.5-inc1"
+    assert cfg.MODEL.VIT.MSVIT.SW_EXACT == -1 and cfg.OPTIM.EPOCHS == 10 and cfg.EVALUATE is True
+    assert cfg.is_frozen()
+
+
+def test_unknown_keys_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"^Unknown config key MODEL.VIT.MSVIT.ATTNTYPE: it is not one of the keys"):
+        load_cfg(overrides=["MODEL.VIT.MSVIT.ATTNTYPE", "full"])
+    path = tmp_path / "typo.yaml"
+    path.write_text("MODEL:\n  VIT:\n    DROPPATH: 0.2\n")
+    with pytest.raises(ValueError, match=r"^Unknown config key MODEL.VIT.DROPPATH"):
+        load_cfg(path)
+    with pytest.raises(ValueError, match="KEY VALUE pairs"):
+        load_cfg(overrides=["OPTIM.LR"])
+    with pytest.raises(ValueError, match="Type mismatch"):
+        load_cfg(overrides=["INPUT.IMAGE_SIZE", "big"])

@@ -1,0 +1,244 @@
+"""local_attention_2d: the reference against hand-computed windows, every backend against the reference."""
+
+import itertools
+
+import pytest
+import torch
+
+from vil.ops import available_backends, default_backend, local_attention_2d
+from vil.ops.backends.reference import window_pairs
+
+FAST_BACKENDS = [b for b in available_backends() if b != "reference"]
+CPU = torch.device("cpu")
+
+
+def visible(rows, cols, window, exact, mode, query):
+    """The set of (row, col) keys the reference lets the local query at ``query`` see."""
+    allowed, _ = window_pairs(rows, cols, window, exact, mode, CPU)
+    row = allowed[query[0] * cols + query[1]]
+    return {(int(i) // cols, int(i) % cols) for i in row.nonzero().flatten()}
+
+
+def box(r0, r1, c0, c1):
+    return {(i, j) for i in range(r0, r1) for j in range(c0, c1)}
+
+
+# --- The oracle itself, against windows worked out by hand from the spec. ---
+
+def test_reference_window_zero_padding():
+    # 6x6 map, w=2: chunks are 2x2, a 3x3 grid of them. Query (2, 3) is in chunk (1, 1): sees everything.
+    assert visible(6, 6, 2, 0, 0, (2, 3)) == box(0, 6, 0, 6)
+    # Query (0, 0) in chunk (0, 0): chunks (0..1, 0..1) only.
+    assert visible(6, 6, 2, 0, 0, (0, 0)) == box(0, 4, 0, 4)
+    # 5x5 with w=2 pads to 6x6: the padded row/column are never keys.
+    assert visible(5, 5, 2, 0, 0, (4, 4)) == box(2, 5, 2, 5)
+
+
+def test_reference_window_cyclic():
+    # 6x6 map, w=2, cyclic: query (0, 0) in chunk (0, 0) sees chunk rows/cols {2, 0, 1}: everything.
+    assert visible(6, 6, 2, -1, 0, (0, 0)) == box(0, 6, 0, 6)
+    # 8x8 map, w=2 (4x4 chunks): chunk (0, 0) sees chunk rows/cols {3, 0, 1}.
+    expected = {(i, j) for i in (6, 7, 0, 1, 2, 3) for j in (6, 7, 0, 1, 2, 3)}
+    assert visible(8, 8, 2, -1, 0, (0, 0)) == expected
+
+
+def test_reference_window_exact():
+    # Exact window of radius 1 around (2, 2) in a 5x5 map; truncated at the corner for (0, 0).
+    assert visible(5, 5, 1, 1, 0, (2, 2)) == box(1, 4, 1, 4)
+    assert visible(5, 5, 1, 1, 0, (0, 0)) == box(0, 2, 0, 2)
+
+
+def test_reference_window_modes():
+    # 6x6 map, w=2, query (2, 2) in chunk (1, 1). Mode -1: own chunk; mode 1: plus chunk (0, 0); mode 8: plus (2, 2).
+    own = box(2, 4, 2, 4)
+    assert visible(6, 6, 2, 0, -1, (2, 2)) == own
+    assert visible(6, 6, 2, 0, 1, (2, 2)) == own | box(0, 2, 0, 2)
+    assert visible(6, 6, 2, 0, 5, (2, 2)) == own | box(2, 4, 4, 6)
+    assert visible(6, 6, 2, 0, 8, (2, 2)) == own | box(4, 6, 4, 6)
+    # Mode 1 from chunk (0, 0) with zero padding: the neighbour is outside, only the own chunk remains.
+    assert visible(6, 6, 2, 0, 1, (0, 0)) == box(0, 2, 0, 2)
+    # ... and cyclic: the neighbour wraps to chunk (2, 2).
+    assert visible(6, 6, 2, -1, 1, (0, 0)) == box(0, 2, 0, 2) | box(4, 6, 4, 6)
+
+
+def test_reference_relative_bias_index():
+    w = 2
+    _, index = window_pairs(6, 6, w, 0, 0, CPU)
+    # Query (2, 3), key (1, 5): di = 1, dj = -2 -> row (1 + 3) * 7 + (-2 + 3) = 29.
+    assert index[2 * 6 + 3, 1 * 6 + 5] == 29
+    # Cyclic, 8x8 map (4 chunks a side): query (0, 0), key (7, 7) is in the wrapped neighbour chunk (-1, -1):
+    # nominal position (-1, -1), so di = dj = 1 -> row (1 + 3) * 7 + (1 + 3) = 32.
+    _, index = window_pairs(8, 8, w, -1, 0, CPU)
+    assert index[0, 7 * 8 + 7] == 32
+
+
+def test_reference_cyclic_counts_each_key_once():
+    # A 2x2 chunk grid: offsets -1 and +1 reach the same chunk. Each key once, at its direct (unwrapped) offset.
+    w = 2
+    allowed, index = window_pairs(4, 4, w, -1, 0, CPU)
+    assert bool(allowed.all())
+    # Query (0, 0), key (3, 3): direct offset (+1, +1) chunk -> di = dj = -3 -> row 0 * 7 + 0 = 0.
+    assert index[0, 3 * 4 + 3] == 0
+    q = torch.randn(1, 1, 4, 4, 3, dtype=torch.float64)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    cyclic = local_attention_2d(q, k, v, w, exact=-1, backend="reference")
+    zero_pad = local_attention_2d(q, k, v, w, exact=0, backend="reference")
+    torch.testing.assert_close(cyclic, zero_pad)  # with 2 chunks a side both see all 16 keys once
+
+
+def test_reference_matches_dense_softmax_by_hand():
+    # One query row computed by hand: softmax over its visible keys plus one global key, with biases.
+    torch.manual_seed(0)
+    X, Y, w, D = 5, 4, 2, 3
+    q, k, v = (torch.randn(1, 1, X, Y, D, dtype=torch.float64) for _ in range(3))
+    gk, gv = torch.randn(1, 1, 1, D, dtype=torch.float64), torch.randn(1, 1, 1, D, dtype=torch.float64)
+    rel = torch.randn(1, (4 * w - 1) ** 2, dtype=torch.float64)
+    gb = torch.randn(1, 1, dtype=torch.float64)
+    out = local_attention_2d(q, k, v, w, global_k=gk, global_v=gv, rel_bias=rel, global_bias=gb, backend="reference")
+    qi, qj = 3, 1  # chunk (1, 0): sees chunk rows 0..2, chunk cols 0..1 -> rows 0..4, cols 0..3
+    keys = box(0, 5, 0, 4)
+    scale = D**-0.5
+    scores = [float(q[0, 0, qi, qj] @ gk[0, 0, 0]) * scale + float(gb[0, 0])]
+    values = [gv[0, 0, 0]]
+    for ki, kj in sorted(keys):
+        row = (qi - ki + 2 * w - 1) * (4 * w - 1) + (qj - kj + 2 * w - 1)
+        scores.append(float(q[0, 0, qi, qj] @ k[0, 0, ki, kj]) * scale + float(rel[0, row]))
+        values.append(v[0, 0, ki, kj])
+    weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+    expected = sum(wt * val for wt, val in zip(weights, values))
+    torch.testing.assert_close(out[0, 0, qi, qj], expected)
+
+
+# --- Every backend against the reference. ---
+
+WINDOWS = [(1, 0), (0, 0), (-1, 0)] + [(exact, mode) for exact in (0, -1) for mode in [-1] + list(range(1, 9))]
+SHAPES = [(13, 17, 3), (8, 8, 4), (5, 6, 1), (7, 9, 2), (9, 11, 7), (4, 10, 3)]
+
+
+def make_inputs(X, Y, w, G, rel, glob_bias, B=2, H=2, D=4, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_()
+
+    inputs = dict(q=rand(B, H, X, Y, D), k=rand(B, H, X, Y, D), v=rand(B, H, X, Y, D))
+    inputs["global_k"] = rand(B, H, G, D) if G else None
+    inputs["global_v"] = rand(B, H, G, D) if G else None
+    inputs["rel_bias"] = rand(H, (4 * w - 1) ** 2) if rel else None
+    inputs["global_bias"] = rand(H, G) if glob_bias and G else None
+    return inputs
+
+
+def run(backend, inputs, window, exact, mode, grad_seed=1):
+    out = local_attention_2d(
+        inputs["q"], inputs["k"], inputs["v"], window, exact=exact, mode=mode, global_k=inputs["global_k"],
+        global_v=inputs["global_v"], rel_bias=inputs["rel_bias"], global_bias=inputs["global_bias"], backend=backend,
+    )
+    leaves = [t for t in inputs.values() if t is not None]
+    upstream = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(grad_seed))
+    return out, torch.autograd.grad(out, leaves, upstream)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("exact,mode", WINDOWS)
+def test_backend_matches_reference(backend, exact, mode):
+    for (X, Y, w), G in itertools.product(SHAPES, (0, 1, 2)):
+        inputs = make_inputs(X, Y, w, G, rel=True, glob_bias=True)
+        expected, expected_grads = run("reference", inputs, w, exact, mode)
+        out, grads = run(backend, inputs, w, exact, mode)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("rel,glob_bias,G", [(False, False, 0), (False, False, 1), (True, False, 1), (False, True, 2)])
+def test_backend_matches_reference_without_some_inputs(backend, rel, glob_bias, G):
+    inputs = make_inputs(7, 9, 3, G, rel=rel, glob_bias=glob_bias)
+    expected, expected_grads = run("reference", inputs, 3, 0, 0)
+    out, grads = run(backend, inputs, 3, 0, 0)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("exact,mode", [(1, 0), (0, 0), (-1, 0), (0, 3), (-1, -1)])
+def test_sliding_chunk_gradcheck(exact, mode):
+    inputs = make_inputs(3, 5, 2, 1, rel=True, glob_bias=True, B=1, H=2, D=2)
+    names = list(inputs)
+
+    def fn(*tensors):
+        kw = dict(zip(names, tensors))
+        return local_attention_2d(kw.pop("q"), kw.pop("k"), kw.pop("v"), 2, exact=exact, mode=mode, backend="sliding_chunk", **kw)
+
+    assert torch.autograd.gradcheck(fn, tuple(inputs.values()))
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_float32_and_explicit_scale(backend):
+    inputs = make_inputs(14, 14, 7, 1, rel=True, glob_bias=True, dtype=torch.float32, D=8)
+    expected = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 7, global_k=inputs["global_k"],
+                                  global_v=inputs["global_v"], scale=0.3, backend="reference")
+    out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 7, global_k=inputs["global_k"],
+                             global_v=inputs["global_v"], scale=0.3, backend=backend)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_large_batch_spans_several_blocks():
+    # Enough batch and chunks that the hand-written backend works in several (batch, chunk) blocks.
+    inputs = make_inputs(42, 35, 7, 1, rel=True, glob_bias=True, B=3, H=3, D=4, dtype=torch.float32)
+    expected, expected_grads = run("sliding_chunk_autograd", inputs, 7, 0, 0)
+    out, grads = run("sliding_chunk", inputs, 7, 0, 0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_default_backend_is_a_fast_one():
+    assert default_backend(CPU, torch.float32) in FAST_BACKENDS
+    inputs = make_inputs(6, 6, 2, 1, rel=False, glob_bias=False)
+    expected, _ = run("reference", inputs, 2, 0, 0)
+    out, _ = run(None, inputs, 2, 0, 0)
+    torch.testing.assert_close(out, expected)
+
+
+# --- Bad input: one plain sentence each. ---
+
+def _qkv(shape=(1, 2, 4, 4, 8), **kw):
+    return [torch.randn(*shape, **kw) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(window=0), "window must be a positive integer"),
+        (dict(exact=2), "exact (SW_EXACT) must be 1, 0 or -1"),
+        (dict(mode=9), "mode must be 0, -1 or one of 1..8"),
+        (dict(exact=1, mode=2), "the exact window (exact 1) takes mode 0 only"),
+        (dict(backend="nope"), "Unknown local attention backend 'nope'; available: sliding_chunk"),
+        (dict(global_k=torch.randn(1, 2, 1, 8)), "global_k and global_v go together"),
+        (dict(global_k=torch.randn(1, 2, 1, 4), global_v=torch.randn(1, 2, 1, 4)), "global_k must have shape (B, heads, G, head_dim)"),
+        (dict(rel_bias=torch.randn(2, 10)), "rel_bias must have shape (heads, (4w-1)**2) = (2, 49)"),
+        (dict(global_bias=torch.randn(2, 1)), "global_bias needs global_k and global_v"),
+    ],
+)
+def test_bad_arguments_are_one_sentence(kwargs, message):
+    q, k, v = _qkv()
+    args = dict(window=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError) as err:
+        local_attention_2d(q, k, v, args.pop("window"), **args)
+    assert message in str(err.value)
+    assert str(err.value).count("\n") == 0
+
+
+def test_mismatched_tensors_are_refused():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"k must have the shape of q \(1, 2, 4, 4, 8\), got \(1, 2, 4, 5, 8\)"):
+        local_attention_2d(q, torch.randn(1, 2, 4, 5, 8), v, 2)
+    with pytest.raises(ValueError, match="v is torch.float64 on cpu but q is torch.float32 on cpu; all must match"):
+        local_attention_2d(q, k, v.double(), 2)
+    with pytest.raises(ValueError, match=r"q must have shape \(B, heads, X, Y, head_dim\), got \(2, 4, 4, 8\)"):
+        local_attention_2d(q[0], k[0], v[0], 2)
+    with pytest.raises(ValueError, match="must be floating point"):
+        local_attention_2d(*(t.long() for t in (q, k, v)), 2)

@@ -1,0 +1,278 @@
+"""The ViL model against the spec: layout and parameter counts, attention wiring, modes, bad input."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import vil.models.attention as attention_module
+from vil.config import load_cfg
+from vil.models import PRESETS, MsViT, build_model, parse_arch
+from vil.models.attention import FullAttention, LongformerAttention
+from vil.ops.backends.reference import window_pairs
+
+ROOT = Path(__file__).resolve().parents[1]
+ORIGINAL_LAYOUTS = ROOT.parent / "shared" / "reference" / "original-release-state-dicts.txt"
+PAPER_PARAMETERS = {  # millions, as published; Tiny and Small exactly
+    "vil_tiny": 6_707_080, "vil_small": 24_635_752, "vil_medium_deep": 39.7, "vil_medium_wide": 39.8,
+    "vil_base_deep": 55.7, "vil_base_wide": 79.0,
+}
+
+
+def count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_PARAMETERS))
+def test_preset_configs_build_with_paper_parameter_counts(name):
+    model = build_model(load_cfg(ROOT / "configs" / f"{name}.yaml"))
+    expected = PAPER_PARAMETERS[name]
+    if isinstance(expected, int):
+        assert count(model) == expected
+    else:
+        assert round(count(model) / 1e6, 1) == expected
+    assert load_cfg(ROOT / "configs" / f"{name}.yaml").MODEL.VIT.MSVIT.ARCH == PRESETS[name]
+
+
+def original_layouts():
+    if not ORIGINAL_LAYOUTS.exists():
+        pytest.skip(f"the original release's state-dict listing is not beside this checkout ({ORIGINAL_LAYOUTS})")
+    text = ORIGINAL_LAYOUTS.read_text()
+    parts = re.split(r"^### (ViL-[^\n]*?) MODEL\.VIT\.MSVIT\.ARCH=(\S+)[^\n]*\n### parameters: (\d+)\n", text, flags=re.M)
+    for i in range(1, len(parts), 4):
+        title, arch, params, body = parts[i : i + 4]
+        shapes = {}
+        for line in body.strip().splitlines():
+            if line and not line.startswith("#"):
+                key, shape = re.match(r"(\S+) \(([\d, ]*)\)", line).groups()
+                shapes[key] = tuple(int(s) for s in shape.replace(" ", "").split(",") if s)
+        yield title, arch, int(params), shapes
+
+
+def test_state_dict_layout_equals_the_original_release():
+    layouts = list(original_layouts())
+    assert len(layouts) == 4
+    for title, arch, params, shapes in layouts:
+        model = MsViT(arch)
+        ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        theirs = {k: v for k, v in shapes.items() if not k.endswith("relative_position_index")}
+        assert ours == theirs, title
+        assert count(model) == params, title
+
+
+def naive_longformer(attn, x, nx, ny, mode):
+    """The spec's section 4 written densely: every query's scores over all keys, masked to its window."""
+    G, H = attn.num_global, attn.heads
+    B, N, C = x.shape
+    D = C // H
+    allowed, index = window_pairs(nx, ny, attn.window, attn.exact, mode, x.device)
+
+    def heads(t):
+        return t.view(B, -1, H, D).transpose(1, 2)
+
+    k, v = heads(attn.kv(x)[..., :C]), heads(attn.kv(x)[..., C:])
+    q = heads(attn.query(x[:, G:])) * D**-0.5
+    scores = q @ k.transpose(-1, -2)  # local queries x (global + local keys)
+    bias = torch.zeros(H, N - G, N)
+    mask = torch.ones(N - G, N, dtype=torch.bool)
+    mask[:, G:] = allowed
+    if attn.rpe:
+        bias[:, :, G:] = attn.local_relative_position_bias_table[index].permute(2, 0, 1)
+        if G:
+            bias[:, :, :G] = attn.g2l_relative_position_bias[1][:, None, :]
+    local = torch.softmax((scores + bias).masked_fill(~mask, float("-inf")), -1) @ v
+    out = attn.proj(local.transpose(1, 2).reshape(B, N - G, C))
+    if not G:
+        return out
+    kg, vg = heads(attn.kv_global(x)[..., :C]), heads(attn.kv_global(x)[..., C:])
+    qg = heads(attn.query_global(x[:, :G])) * D**-0.5
+    gscores = qg @ kg.transpose(-1, -2)
+    if attn.rpe:
+        gscores = gscores + torch.cat([attn.g2g_relative_position_bias, attn.g2l_relative_position_bias[0][:, :, None].expand(H, G, N - G)], -1)
+    gout = attn.proj_global((torch.softmax(gscores, -1) @ vg).transpose(1, 2).reshape(B, G, C))
+    return torch.cat([gout, out], dim=1)
+
+
+@pytest.mark.parametrize(
+    "G,rpe,exact,mode,share_w",
+    [(1, True, 0, 0, True), (2, True, -1, 0, False), (1, False, 1, 0, True), (0, True, 0, -1, True), (2, False, 0, 6, False)],
+)
+def test_longformer_attention_matches_the_spec_densely(G, rpe, exact, mode, share_w):
+    torch.manual_seed(0)
+    nx, ny, dim = 5, 7, 12
+    attn = LongformerAttention(dim, 3, G, 2, rpe=rpe, exact=exact, mode=mode, share_w=share_w).eval()
+    x = torch.randn(2, G + nx * ny, dim)
+    with torch.no_grad():
+        expected = naive_longformer(attn, x, nx, ny, mode if mode <= 0 else mode)
+        attn.mode = mode  # a fixed mode (mode > 0 is random only in training; set it for this comparison)
+        if mode > 0:
+            attn.current_mode = lambda: mode
+        torch.testing.assert_close(attn(x, nx, ny), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_only_global_attends_to_the_global_tokens_only():
+    torch.manual_seed(0)
+    attn = LongformerAttention(8, 2, 1, 2, rpe=True, only_global=True).eval()
+    x = torch.randn(1, 1 + 16, 8)
+    out = attn(x, 4, 4)
+    # Each local query sees one key, the global token: its attention output is that token's value.
+    value = attn.kv(x[:, :1])[..., 8:]
+    torch.testing.assert_close(out[:, 1:], attn.proj(value).expand(1, 16, 8))
+
+
+def test_full_attention_relative_bias_by_hand():
+    torch.manual_seed(0)
+    nx, ny, heads, G = 3, 4, 2, 1
+    attn = FullAttention(8, heads, G, nx, ny, rpe=True).eval()
+    table = attn.local_relative_position_bias_table
+    bias = attn._bias()
+    for qi in range(nx):
+        for qj in range(ny):
+            for ki in range(nx):
+                for kj in range(ny):
+                    row = (qi - ki + nx - 1) * (2 * ny - 1) + (qj - kj + ny - 1)
+                    assert torch.equal(bias[:, G + qi * ny + qj, G + ki * ny + kj], table[row])
+    g2l, g2g = attn.g2l_relative_position_bias, attn.g2g_relative_position_bias
+    assert torch.equal(bias[:, 0, 0], g2g[:, 0, 0])
+    assert torch.equal(bias[:, 0, 5], g2l[0, :, 0])  # global query -> local key
+    assert torch.equal(bias[:, 5, 0], g2l[1, :, 0])  # local query -> global key
+
+
+def tiny_cfg(*overrides):
+    return load_cfg(ROOT / "configs" / "vil_tiny.yaml", ["INPUT.IMAGE_SIZE", "64", "DATA.NUM_CLASSES", "10", *overrides])
+
+
+def test_longformerhand_and_longformerauto_give_the_same_logits():
+    torch.manual_seed(0)
+    hand = build_model(tiny_cfg("MODEL.VIT.MSVIT.ATTN_TYPE", "longformerhand")).eval()
+    auto = build_model(tiny_cfg("MODEL.VIT.MSVIT.ATTN_TYPE", "longformerauto")).eval()
+    auto.load_state_dict(hand.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(hand(x), auto(x), rtol=1e-5, atol=1e-5)
+    # and the same gradients
+    hand.train(), auto.train()
+    torch.manual_seed(1)
+    hand(x).square().sum().backward()
+    torch.manual_seed(1)
+    auto(x).square().sum().backward()
+    for (name, a), b in zip(hand.named_parameters(), auto.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_full_attn_type_uses_full_attention_everywhere():
+    model = build_model(tiny_cfg("MODEL.VIT.MSVIT.ATTN_TYPE", "full"))
+    assert not any(isinstance(m, LongformerAttention) for m in model.modules())
+    # With SHARE_W, query + kv + proj hold exactly the parameters of qkv + proj.
+    assert count(model) == count(build_model(tiny_cfg()))
+
+
+def test_s0_stages_use_full_attention_and_s1_stages_longformer():
+    model = build_model(tiny_cfg())
+    assert isinstance(model.layer1[1].attn, LongformerAttention)
+    assert isinstance(model.layer2[1].attn, LongformerAttention)
+    assert isinstance(model.layer3[1].attn, FullAttention)
+    assert isinstance(model.layer4[1].attn, FullAttention)
+
+
+def test_random_shift_mode_draws_per_layer_in_training_and_uses_mode_0_in_eval(monkeypatch):
+    seen = []
+    real = attention_module.local_attention_2d
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["mode"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "local_attention_2d", spy)
+    model = build_model(tiny_cfg("MODEL.VIT.MSVIT.MODE", "1"))
+    x = torch.randn(1, 3, 64, 64)
+    torch.manual_seed(0)
+    for _ in range(10):
+        model(x)
+    assert len(seen) == 20 and set(seen) <= set(range(1, 9)) and len(set(seen)) > 2
+    seen.clear()
+    model.eval()
+    model(x)
+    assert seen == [0, 0]
+    model.train()
+    model.reset_vil_mode(0)
+    seen.clear()
+    model(x)
+    assert seen == [0, 0]
+    model.reset_vil_mode(-1)
+    seen.clear()
+    model(x)
+    assert seen == [-1, -1]
+
+
+def test_pooling_follows_the_spec():
+    torch.manual_seed(0)
+    model = MsViT(PRESETS["vil_tiny"].replace("g0", "g2"), img_size=64, num_classes=5).eval()
+    feats = model.forward_features(torch.randn(1, 3, 64, 64))
+    torch.testing.assert_close(model.forward_head(feats), model.head(feats[:, 0]))
+    model.avg_pool = True
+    torch.testing.assert_close(model.forward_head(feats), model.head(feats.mean(1)))
+
+
+def test_ln_eps_is_honoured():
+    model = build_model(tiny_cfg("MODEL.VIT.MSVIT.LN_EPS", "1e-5"))
+    assert {m.eps for m in model.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-5}
+
+
+def test_no_weight_decay_names():
+    names = build_model(tiny_cfg()).no_weight_decay()
+    assert "layer1.0.cls_token" in names and "layer1.0.x_pos_embed" in names and "head.bias" in names
+    assert "layer1.1.norm.weight" in names and "layer1.1.attn.query.weight" not in names
+
+
+# --- Bad input: one plain sentence each. ---
+
+@pytest.mark.parametrize(
+    "arch,message",
+    [
+        ("l1,h3,d96_l2,h3,d192", "has 2 stages; it needs 3 or 4"),
+        ("l1,h3,d96_l2,x3_l3", "stage 2 ('l2,x3'), field 'x3': unknown letter 'x'"),
+        ("l1,h3,d96_l2,h3,dd_l3", "stage 2 ('l2,h3,dd'), field 'dd': 'd' must be followed by a non-negative integer"),
+        ("l1,h3,d96_l3,h3_l2", "stage 2 ('l3,h3') says l3: stage indices must be 1, 2, 3(, 4) in order"),
+        ("l1,h5,d96_l2_l3", "stage 1 ('l1,h5,d96'): hidden size d96 is not divisible by heads h5"),
+        ("l1,s2_l2_l3", "field 's2': s (local) must be 0 or 1"),
+        ("l1,h1,d5_l2_l3", "d5 must be even"),
+        ("l1,h3,h3_l2_l3", "'h' is given twice"),
+    ],
+)
+def test_bad_arch_strings(arch, message):
+    with pytest.raises(ValueError) as err:
+        parse_arch(arch)
+    assert message in str(err.value)
+    if "field" in message:
+        assert "e.g." in str(err.value)  # shows the grammar
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"), "Unknown MODEL.VIT.MSVIT.ATTN_TYPE 'longformer_magic'; known: full, longformerhand"),
+        (("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), "SW_EXACT 1 (exact window) cannot be combined with MODE 3"),
+        (("INPUT.IMAGE_SIZE", "100"), "Image size 100 is not a multiple of the model's total stride 32"),
+        (("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.ARCH", "l1,g0,d48,h1_l2,g0_l3,g0"), "ONLY_GLOBAL needs global tokens"),
+        (("MODEL.ARCH", "resnet50"), "MODEL.ARCH 'resnet50' is not a model of this project"),
+    ],
+)
+def test_bad_model_configs(overrides, message):
+    with pytest.raises(ValueError) as err:
+        build_model(tiny_cfg(*overrides))
+    assert message in str(err.value)
+
+
+def test_wrong_image_size_at_forward():
+    model = build_model(tiny_cfg())
+    with pytest.raises(ValueError, match=r"takes images of shape \(B, C, 64, 64\); got \(1, 3, 96, 96\)"):
+        model(torch.randn(1, 3, 96, 96))
+
+
+def test_reset_vil_mode_rejects_bad_modes():
+    model = build_model(tiny_cfg("MODEL.VIT.MSVIT.SW_EXACT", "1"))
+    with pytest.raises(ValueError, match="take mode 0 only"):
+        model.reset_vil_mode(2)
+    with pytest.raises(ValueError, match="mode must be 0, -1 or one of 1..8"):
+        model.reset_vil_mode(12)

@@ -1,0 +1,91 @@
+"""Checkpoints: this project's and the original ViL release's.
+
+Both are ``torch.save``d dicts whose key ``"net"`` holds the model's state dict (the original release's
+layout, which this project's models share, so no conversion is needed); keys may carry the ``module.``
+prefix of a DistributedDataParallel wrapper. This project adds ``"arch"``, ``"epoch"`` and whatever else
+the trainer stores. A bare state dict is accepted too.
+"""
+
+import os
+import tempfile
+
+import torch
+
+# Buffers the original release saved that this project derives from the shapes instead.
+_DERIVED_KEYS = ("relative_position_index",)
+
+
+def save_checkpoint(path, model, **extra):
+    """Write ``{"net": model.state_dict(), **extra}`` to ``path`` atomically: a crash never leaves a broken file."""
+    state = {"net": _unwrap(model).state_dict(), **extra}
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pth")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_checkpoint(path):
+    """The checkpoint dict at ``path``, loaded with ``weights_only=True`` (checkpoints are untrusted input)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Checkpoint {path} does not exist.")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
+    return checkpoint
+
+
+def model_state(checkpoint, path="checkpoint"):
+    """The model state dict inside a checkpoint dict: its ``"net"`` entry, or the dict itself; without ``module.``
+    prefixes and without the derived buffers of the original release."""
+    state = checkpoint.get("net", checkpoint)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path} has no model state dict: expected a dict of tensors, or one under the key 'net'.")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k[len("module.") :]: v for k, v in state.items()}
+    return {k: v for k, v in state.items() if not k.endswith(_DERIVED_KEYS)}
+
+
+def load_checkpoint(model, path, strict=True):
+    """Load the weights of the checkpoint at ``path`` into ``model``; returns the checkpoint dict.
+
+    Strict by default: keys missing from the checkpoint, keys the model does not have, and tensors of the
+    wrong shape are all named in one ``ValueError``. With ``strict=False`` only matching tensors are loaded.
+    """
+    checkpoint = read_checkpoint(path)
+    state = model_state(checkpoint, path)
+    target = _unwrap(model)
+    expected = target.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mis_shaped = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if strict and (missing or unexpected or mis_shaped):
+        problems = [
+            f"{len(items)} {what}: {_sample(items)}"
+            for what, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped (checkpoint vs model)", mis_shaped))
+            if items
+        ]
+        raise ValueError(f"Checkpoint {path} does not fit this model's architecture: " + "; ".join(problems) + ".")
+    fitting = {k: v for k, v in state.items() if k in expected and v.shape == expected[k].shape}
+    target.load_state_dict(fitting, strict=strict)
+    return checkpoint
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
+
+
+def _sample(items, limit=6):
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")

@@ -1,0 +1,151 @@
+"""The yacs configuration: every key of the original ViL release (so its YAML files and command-line
+overrides work unchanged), with the defaults of the original release, plus a few keys of our own."""
+
+from yacs.config import CfgNode as CN
+
+_C = CN()
+
+_C.INPUT = CN()
+_C.INPUT.MEAN = [0.485, 0.456, 0.406]
+_C.INPUT.STD = [0.229, 0.224, 0.225]
+_C.INPUT.IMAGE_SIZE = 224
+_C.INPUT.CROP_PCT = 0.875
+_C.INPUT.INTERPOLATION = 2  # PIL codes: 2 bilinear, 3 bicubic
+
+_C.AMP = CN()
+_C.AMP.ENABLED = False
+_C.AMP.MEMORY_FORMAT = "nchw"
+
+_C.AUG = CN()
+_C.AUG.SCALE = (0.08, 1.0)
+_C.AUG.RATIO = (3.0 / 4.0, 4.0 / 3.0)
+_C.AUG.COLOR_JITTER = [0.4, 0.4, 0.4, 0.1, 0.0]
+_C.AUG.GRAY_SCALE = 0.0
+_C.AUG.GAUSSIAN_BLUR = 0.0
+_C.AUG.DROPBLOCK_LAYERS = [3, 4]
+_C.AUG.DROPBLOCK_KEEP_PROB = 1.0
+_C.AUG.DROPBLOCK_BLOCK_SIZE = 7
+_C.AUG.MIXUP_PROB = 0.0
+_C.AUG.MIXUP = 0.0
+_C.AUG.MIXCUT = 0.0
+_C.AUG.MIXCUT_MINMAX = []
+_C.AUG.MIXUP_SWITCH_PROB = 0.5
+_C.AUG.MIXUP_MODE = "batch"
+_C.AUG.MIXCUT_AND_MIXUP = False
+_C.AUG.REPEATED_AUG = False
+_C.AUG.TIMM_AUG = CN(new_allowed=True)  # timm's transform options (RE_PROB, AUTO_AUGMENT, ...)
+_C.AUG.TIMM_AUG.USE_TRANSFORM = False
+
+_C.DATA = CN()
+_C.DATA.TRAIN = ("imagenet",)
+_C.DATA.TEST = ("imagenet",)
+_C.DATA.NUM_CLASSES = 1000
+_C.DATA.TARGETMAP = ""
+_C.DATA.PATH = "./datasets"
+_C.DATA.DATA_DIR = "./data"
+
+_C.LOSS = CN()
+_C.LOSS.LABEL_SMOOTHING = 0.0
+_C.LOSS.LOSS = "xentropy"
+_C.LOSS.FOCAL = CN()
+_C.LOSS.FOCAL.NORMALIZE = True
+_C.LOSS.FOCAL.ALPHA = 1.0
+_C.LOSS.FOCAL.GAMMA = 0.5
+
+_C.DATALOADER = CN()
+_C.DATALOADER.BSZ = 128
+_C.DATALOADER.RE = "no"
+_C.DATALOADER.WORKERS = 0
+
+_C.OPTIM = CN()
+_C.OPTIM.OPT = "adamw"
+_C.OPTIM.LR = 1.0
+_C.OPTIM.MOM = 0.9
+_C.OPTIM.NU = 1.0
+_C.OPTIM.WD = 5e-4
+_C.OPTIM.WD0 = 0.0
+_C.OPTIM.EPOCHS = 150
+_C.OPTIM.WARMUP = 0
+_C.OPTIM.DROP_FREQ = 50
+_C.OPTIM.DROP_FACTOR = 10.0
+_C.OPTIM.VAL = 0
+_C.OPTIM.TEST_FREQ = 1000
+_C.OPTIM.ADAM = CN()
+_C.OPTIM.ADAM.BETA1 = 0.9
+_C.OPTIM.ADAM.BETA2 = 0.999
+_C.OPTIM.ADAM.EPS = 1e-8
+
+_C.SOLVER = CN()
+_C.SOLVER.LR_POLICY = ""
+_C.SOLVER.WARMUP_FACTOR = 1.0 / 3.0
+_C.SOLVER.WARMUP_EPOCHS = 5.0
+_C.SOLVER.WARMUP_METHOD = "linear"
+_C.SOLVER.MIN_LR = 0.0
+_C.SOLVER.DETECT_ANOMALY = False
+_C.SOLVER.EPOCH_BASED_SCHEDULE = False
+_C.SOLVER.USE_LARC = False
+
+_C.MODEL = CN()
+_C.MODEL.ARCH = "msvit"
+_C.MODEL.NONLINEARITY = "celu"
+_C.MODEL.MODEL_PATH = ""
+_C.MODEL.PRETRAINED = False
+_C.MODEL.FREEZE_CONV_BODY_AT = -1
+
+_C.MODEL.VIT = CN()
+_C.MODEL.VIT.DROP = 0.0
+_C.MODEL.VIT.DROP_PATH = 0.1
+_C.MODEL.VIT.NORM_EMBED = True
+_C.MODEL.VIT.AVG_POOL = False
+
+_C.MODEL.VIT.MSVIT = CN()
+# Stages separated by "_", fields "<letter><int>" separated by ","; see vil/models/arch.py. Default: ViL-Small.
+_C.MODEL.VIT.MSVIT.ARCH = (
+    "l1,h3,d96,n1,s1,g1,p4,f7,a1_l2,h3,d192,n2,s1,g1,p2,f7,a1_l3,h6,d384,n8,s0,g1,p2,f7,a1_l4,h12,d768,n1,s0,g0,p2,f7,a1"
+)
+_C.MODEL.VIT.MSVIT.SHARE_W = True
+_C.MODEL.VIT.MSVIT.ATTN_TYPE = "longformerhand"
+_C.MODEL.VIT.MSVIT.SHARE_KV = True  # used by the original's linformer attention only; kept for its YAML files
+_C.MODEL.VIT.MSVIT.ONLY_GLOBAL = False
+_C.MODEL.VIT.MSVIT.SW_EXACT = 0
+_C.MODEL.VIT.MSVIT.LN_EPS = 1e-6
+_C.MODEL.VIT.MSVIT.MODE = 0
+_C.MODEL.VIT.MSVIT.VIL_MODE_SWITCH = 0.75
+
+_C.FINETUNE = CN()
+_C.FINETUNE.FINETUNE = False
+_C.FINETUNE.USE_TRAIN_AUG = False
+
+_C.OUTPUT_DIR = "./output"
+_C.BACKUP_LOG_DIR = ""
+_C.LOG_FREQ = 10
+_C.EVALUATE = False
+_C.OUTPUT_PERCLASS_ACC = False
+_C.ONLY_SAVE_LAST = 0
+_C.DISTRIBUTED_BACKEND = "nccl"
+_C.GATHER_ON_CPU = False
+
+
+def get_cfg():
+    """A fresh copy of all defaults."""
+    return _C.clone()
+
+
+def load_cfg(config_file=None, overrides=()):
+    """Defaults, then ``config_file`` (YAML), then ``overrides`` (``["KEY", "VALUE", ...]``); frozen.
+
+    An unknown key or a malformed override list raises ``ValueError`` with one sentence naming it.
+    """
+    cfg = get_cfg()
+    try:
+        if config_file:
+            cfg.merge_from_file(config_file)
+        if overrides:
+            if len(overrides) % 2:
+                raise ValueError(f"Config overrides come in KEY VALUE pairs; got an odd number of items: {list(overrides)}.")
+            cfg.merge_from_list(list(overrides))
+    except (KeyError, AssertionError) as e:  # yacs: KeyError from files, AssertionError from override lists
+        key = str(e).strip("'\"").rsplit(": ", 1)[-1]
+        raise ValueError(f"Unknown config key {key}: it is not one of the keys defined in vil/config.py.") from None
+    cfg.freeze()
+    return cfg

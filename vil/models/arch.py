@@ -1,0 +1,88 @@
+"""The architecture string of ``MODEL.VIT.MSVIT.ARCH`` and the named presets."""
+
+from dataclasses import dataclass
+
+GRAMMAR = (
+    'stages separated by "_", each a comma-separated list of <letter><integer> fields: l (stage index, '
+    "1-based), h (heads), d (hidden size), n (layers), s (1 local / 0 full attention), g (global tokens), "
+    "p (patch size), f (window), a (1 absolute position embedding / 0 relative bias); "
+    'e.g. "l1,h3,d96,n1,s1,g1,p4,f7,a1_l2,h3,d192,n2,s1,g1,p2,f7,a1_l3,h6,d384,n8,s0,g1,p2,f7,a1"'
+)
+_FIELDS = {"l": "index", "h": "heads", "d": "dim", "n": "depth", "s": "local", "g": "num_global", "p": "patch", "f": "window", "a": "ape"}
+_DEFAULTS = {"l": 1, "h": 3, "d": 192, "n": 1, "s": 1, "g": 1, "p": 2, "f": 7, "a": 1}
+_MINIMUM = {"l": 1, "h": 1, "d": 1, "n": 1, "s": 0, "g": 0, "p": 1, "f": 1, "a": 0}
+_MAXIMUM = {"s": 1, "a": 1}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    index: int
+    heads: int
+    dim: int
+    depth: int
+    local: bool  # False: full attention whatever ATTN_TYPE says
+    num_global: int
+    patch: int
+    window: int
+    ape: bool  # absolute position embedding; False: relative position bias
+
+
+def parse_arch(arch):
+    """``"l1,h3,d96,..._l2,..."`` -> a list of 3 or 4 :class:`StageSpec`; malformed strings raise ``ValueError``."""
+    stages = arch.split("_")
+    if len(stages) not in (3, 4):
+        raise ValueError(f"Arch string {arch!r} has {len(stages)} stages; it needs 3 or 4: {GRAMMAR}.")
+    specs = []
+    for position, stage in enumerate(stages, start=1):
+        values = dict(_DEFAULTS)
+        seen = set()
+        for field in stage.split(","):
+            letter, number = field[:1], field[1:]
+            where = f"Arch string stage {position} ({stage!r}), field {field!r}"
+            if letter not in _FIELDS:
+                raise ValueError(f"{where}: unknown letter {letter!r}; {GRAMMAR}.")
+            if letter in seen:
+                raise ValueError(f"{where}: {letter!r} is given twice; {GRAMMAR}.")
+            if not number.isdigit():
+                raise ValueError(f"{where}: {letter!r} must be followed by a non-negative integer; {GRAMMAR}.")
+            value = int(number)
+            low, high = _MINIMUM[letter], _MAXIMUM.get(letter)
+            if value < low or (high is not None and value > high):
+                allowed = f"{low} or {high}" if high is not None else f"at least {low}"
+                raise ValueError(f"{where}: {letter} ({_FIELDS[letter]}) must be {allowed}; {GRAMMAR}.")
+            seen.add(letter)
+            values[letter] = value
+        if values["l"] != position:
+            raise ValueError(
+                f"Arch string stage {position} ({stage!r}) says l{values['l']}: stage indices must be 1, 2, 3(, 4) in order; {GRAMMAR}."
+            )
+        if values["d"] % values["h"]:
+            raise ValueError(f"Arch string stage {position} ({stage!r}): hidden size d{values['d']} is not divisible by heads h{values['h']}.")
+        if values["a"] and values["d"] % 2:
+            raise ValueError(
+                f"Arch string stage {position} ({stage!r}): absolute position embedding (a1) splits d between rows and columns, so d{values['d']} must be even."
+            )
+        specs.append(StageSpec(**{_FIELDS[k]: (bool(v) if k in "sa" else v) for k, v in values.items()}))
+    return specs
+
+
+def _arch(stages, windows=(7, 7, 7, 7), ape=True):
+    """Arch string of a preset: ``stages`` as (layers, patch, heads, dim); stages 1-2 local, 3-4 full."""
+    return "_".join(
+        f"l{i},h{h},d{d},n{n},s{int(i <= 2)},g{int(i < 4)},p{p},f{f},a{int(ape)}"
+        for i, ((n, p, h, d), f) in enumerate(zip(stages, windows), start=1)
+    )
+
+
+_PRESET_STAGES = {
+    "vil_tiny": (((1, 4, 1, 48), (1, 2, 3, 96), (9, 2, 3, 192), (1, 2, 6, 384)), (7, 7, 7, 7)),
+    "vil_small": (((1, 4, 3, 96), (2, 2, 3, 192), (8, 2, 6, 384), (1, 2, 12, 768)), (7, 7, 7, 7)),
+    "vil_medium_deep": (((1, 4, 3, 96), (4, 2, 3, 192), (16, 2, 6, 384), (1, 2, 12, 768)), (7, 7, 7, 7)),
+    "vil_medium_wide": (((1, 4, 3, 192), (2, 2, 6, 384), (8, 2, 8, 512), (1, 2, 12, 768)), (7, 7, 7, 7)),
+    "vil_base_deep": (((1, 4, 3, 96), (8, 2, 3, 192), (24, 2, 6, 384), (1, 2, 12, 768)), (6, 8, 7, 7)),
+    "vil_base_wide": (((1, 4, 3, 192), (2, 2, 6, 384), (8, 2, 12, 768), (1, 2, 16, 1024)), (8, 8, 7, 7)),
+}
+# Preset name -> arch string (absolute position embedding, as in the paper's parameter counts).
+PRESETS = {name: _arch(stages, windows) for name, (stages, windows) in _PRESET_STAGES.items()}
+# The relative-position-bias variants.
+PRESETS.update({f"{name}_rpb": _arch(stages, windows, ape=False) for name, (stages, windows) in _PRESET_STAGES.items()})

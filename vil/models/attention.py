@@ -1,0 +1,159 @@
+"""ViL's two attention modules: full attention, and longformer (local 2D) attention with global tokens.
+
+Tokens are always ``[G global tokens, nx*ny local tokens row-major]``. Parameter names follow the original
+release, so its checkpoints load unchanged.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import trunc_normal_
+
+from ..ops import local_attention_2d
+
+
+def _split_heads(x, heads):
+    """(B, N, heads * D) -> (B, heads, N, D)."""
+    B, N, C = x.shape
+    return x.view(B, N, heads, C // heads).transpose(1, 2)
+
+
+def _merge_heads(x):
+    """(B, heads, N, D) -> (B, N, heads * D)."""
+    B, H, N, D = x.shape
+    return x.transpose(1, 2).reshape(B, N, H * D)
+
+
+class _Attention(nn.Module):
+    """What both attention modules share: the biases between global and local tokens used with relative
+    position bias (a0). ``g2g[h, t, u]`` is added for global query t -> global key u, ``g2l[0][h, t]`` for
+    global query t -> every local key, ``g2l[1][h, t]`` for every local query -> global key t."""
+
+    def _init_relative_bias(self, table_rows, heads, num_global):
+        self.local_relative_position_bias_table = nn.Parameter(torch.zeros(table_rows, heads))
+        trunc_normal_(self.local_relative_position_bias_table, std=0.02)
+        if num_global:
+            self.g2l_relative_position_bias = nn.Parameter(torch.zeros(2, heads, num_global))
+            self.g2g_relative_position_bias = nn.Parameter(torch.zeros(heads, num_global, num_global))
+            trunc_normal_(self.g2l_relative_position_bias, std=0.02)
+            trunc_normal_(self.g2g_relative_position_bias, std=0.02)
+
+    def _global_query_bias(self, num_local):
+        """(heads, G, G + N): the bias of the global queries' scores."""
+        g2l = self.g2l_relative_position_bias[0]
+        return torch.cat([self.g2g_relative_position_bias, g2l[:, :, None].expand(-1, -1, num_local)], dim=2)
+
+
+class FullAttention(_Attention):
+    """Multi-head self-attention over all tokens (stages with s0, or ATTN_TYPE full).
+
+    With relative position bias (``rpe``), a ``(2nx-1)(2ny-1) x heads`` table indexed by the row and column
+    offsets of a local query and key, plus the global-token biases when there are global tokens.
+    """
+
+    def __init__(self, dim, heads, num_global, nx, ny, rpe=False, drop=0.0):
+        super().__init__()
+        self.heads, self.num_global = heads, num_global
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(drop)
+        self.rpe = rpe
+        if rpe:
+            self._init_relative_bias((2 * nx - 1) * (2 * ny - 1), heads, num_global)
+            rows, cols = torch.meshgrid(torch.arange(nx), torch.arange(ny), indexing="ij")
+            rows, cols = rows.reshape(-1), cols.reshape(-1)
+            index = (rows[:, None] - rows[None, :] + nx - 1) * (2 * ny - 1) + (cols[:, None] - cols[None, :] + ny - 1)
+            self.register_buffer("relative_position_index", index, persistent=False)
+
+    def _bias(self):
+        """(heads, G + N, G + N), the relative position bias of every score."""
+        local = self.local_relative_position_bias_table[self.relative_position_index].permute(2, 0, 1)
+        if not self.num_global:
+            return local
+        N = local.shape[-1]
+        g2l = self.g2l_relative_position_bias[1]  # local query -> global key
+        local_rows = torch.cat([g2l[:, None, :].expand(-1, N, -1), local], dim=2)
+        return torch.cat([self._global_query_bias(N), local_rows], dim=1)
+
+    def forward(self, x, nx, ny):
+        B, N, C = x.shape
+        q, k, v = _split_heads(self.qkv(x), 3 * self.heads).chunk(3, dim=1)
+        bias = self._bias().to(q.dtype)[None] if self.rpe else None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.proj_drop(self.proj(_merge_heads(out)))
+
+
+class LongformerAttention(_Attention):
+    """Conv-like local attention on the ``nx x ny`` map with G global tokens.
+
+    Local queries attend, in one softmax, to the global keys and to the keys of their window
+    (:func:`vil.ops.local_attention_2d`); global queries attend to all tokens. ``query``/``kv``/``proj`` act on
+    local queries, all keys and local outputs; ``query_global``/``kv_global``/``proj_global`` on global
+    queries, the global queries' keys and their outputs, and are the same modules when ``share_w``.
+
+    ``mode``: 0 all 9 chunks, -1 the own chunk, > 0 a random neighbour chunk per training forward
+    (1..8, uniformly) and all 9 in evaluation.
+    """
+
+    def __init__(self, dim, heads, num_global, window, rpe=False, exact=0, mode=0, share_w=True,
+                 only_global=False, backend=None, drop=0.0):
+        super().__init__()
+        if exact not in (1, 0, -1):
+            raise ValueError(f"SW_EXACT must be 1, 0 or -1, got {exact!r}.")
+        if mode not in range(-1, 9):
+            raise ValueError(f"MODE must be 0, -1 or one of 1..8, got {mode!r}.")
+        if exact == 1 and mode != 0:
+            raise ValueError(f"SW_EXACT 1 (exact window) cannot be combined with MODE {mode}; random-shift modes need SW_EXACT 0 or -1.")
+        if only_global and num_global == 0:
+            raise ValueError("ONLY_GLOBAL needs global tokens, but a longformer stage has g0; give it g1 or more.")
+        self.heads, self.num_global, self.window = heads, num_global, window
+        self.exact, self.mode, self.only_global, self.backend = exact, mode, only_global, backend
+        self.query = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(drop)
+        if num_global:
+            self.query_global = self.query if share_w else nn.Linear(dim, dim)
+            self.kv_global = self.kv if share_w else nn.Linear(dim, 2 * dim)
+            self.proj_global = self.proj if share_w else nn.Linear(dim, dim)
+        self.rpe = rpe
+        if rpe:
+            self._init_relative_bias((4 * window - 1) ** 2, heads, num_global)
+
+    def current_mode(self):
+        """The neighbour mode of this forward: a fresh random one in training when ``mode > 0``."""
+        if self.mode > 0:
+            return int(torch.randint(1, 9, ())) if self.training else 0
+        return self.mode
+
+    def forward(self, x, nx, ny):
+        B, N, C = x.shape
+        G, H = self.num_global, self.heads
+        k, v = _split_heads(self.kv(x), 2 * H).chunk(2, dim=1)  # (B, H, G + nx*ny, D), globals first
+        q = _split_heads(self.query(x[:, G:]), H)
+
+        local_bias_g = self.g2l_relative_position_bias[1] if self.rpe and G else None
+        if self.only_global:
+            mask = None if local_bias_g is None else local_bias_g[None, :, None, :].to(q.dtype)
+            local_out = F.scaled_dot_product_attention(q, k[:, :, :G], v[:, :, :G], attn_mask=mask)
+        else:
+            grid = (B, H, nx, ny, C // H)
+            local_out = local_attention_2d(
+                q.reshape(grid), k[:, :, G:].reshape(grid), v[:, :, G:].reshape(grid), self.window,
+                exact=self.exact, mode=self.current_mode(),
+                global_k=k[:, :, :G] if G else None, global_v=v[:, :, :G] if G else None,
+                rel_bias=self.local_relative_position_bias_table.t() if self.rpe else None,
+                global_bias=local_bias_g, backend=self.backend,
+            ).reshape(B, H, nx * ny, C // H)
+        local_out = self.proj(_merge_heads(local_out))
+        if not G:
+            return self.proj_drop(local_out)
+
+        kv_global = k, v
+        if self.kv_global is not self.kv:
+            kv_global = _split_heads(self.kv_global(x), 2 * H).chunk(2, dim=1)
+        q_global = _split_heads(self.query_global(x[:, :G]), H)
+        mask = self._global_query_bias(N - G)[None].to(q.dtype) if self.rpe else None
+        global_out = F.scaled_dot_product_attention(q_global, *kv_global, attn_mask=mask)
+        global_out = self.proj_global(_merge_heads(global_out))
+        return self.proj_drop(torch.cat([global_out, local_out], dim=1))

@@ -1,0 +1,69 @@
+"""The naive oracle: full attention over all tokens with the window as a boolean mask.
+
+It is written from the definition of the window (token positions and chunk indices), independently of
+the chunk machinery the fast backends share, so that tests can hold those backends against it.
+Memory grows with tokens squared: use it on small maps only.
+"""
+
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=32)
+def window_pairs(rows, cols, window, exact, mode, device):
+    """For every (query, key) pair of an ``rows x cols`` map: may the query see the key, and which row
+    of the ``(4w-1)^2`` relative bias table applies. Returns ``(allowed, bias_index)``, both ``(N, N)``."""
+    w = window
+    pos = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
+    qi, qj = pos[:, 0, None], pos[:, 1, None]  # queries along dim 0
+    ki, kj = pos[None, :, 0], pos[None, :, 1]  # keys along dim 1
+    if exact == 1:
+        allowed = ((qi - ki).abs() <= w) & ((qj - kj).abs() <= w)
+        di, dj = qi - ki, qj - kj
+    else:
+        mx, my = -(-rows // w), -(-cols // w)
+        if mode == 0:
+            offsets = [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1)]
+        elif mode == -1:
+            offsets = [(0, 0)]
+        else:
+            offsets = [(0, 0), [(-1, -1), (-1, 0), (-1, 1), (0, -1), (0, 1), (1, -1), (1, 0), (1, 1)][mode - 1]]
+        n = rows * cols
+        best_wraps = torch.full((n, n), 3)  # 3 = not reachable
+        di = torch.zeros(n, n, dtype=torch.long)
+        dj = torch.zeros(n, n, dtype=torch.long)
+        for a, b in offsets:
+            # The nominal neighbour chunk of each query; cyclic mode wraps it into the grid.
+            na, nb = qi // w + a, qj // w + b
+            wraps = ((na < 0) | (na >= mx)).long() + ((nb < 0) | (nb >= my)).long()
+            if exact == -1:
+                hit = (ki // w == na % mx) & (kj // w == nb % my)
+            else:
+                hit = (ki // w == na) & (kj // w == nb) & (wraps == 0)
+            take = hit & (wraps < best_wraps)
+            best_wraps = torch.where(take, wraps, best_wraps)
+            # Positions as if the neighbour chunk sat next to the query's chunk.
+            di = torch.where(take, qi - (na * w + ki % w), di)
+            dj = torch.where(take, qj - (nb * w + kj % w), dj)
+        allowed = best_wraps < 3
+    bias_index = ((di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)).clamp(0, (4 * w - 1) ** 2 - 1)
+    return allowed.to(device), bias_index.to(device)
+
+
+def reference(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
+    B, H, X, Y, D = q.shape
+    allowed, bias_index = window_pairs(X, Y, window, exact, mode, q.device)
+    qf, kf, vf = (t.reshape(B, H, X * Y, D) for t in (q, k, v))
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if rel_bias is not None:
+        scores = scores + rel_bias[:, bias_index]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if global_k is not None:
+        global_scores = torch.matmul(qf, global_k.transpose(-1, -2)) * scale
+        if global_bias is not None:
+            global_scores = global_scores + global_bias[:, None, :]
+        scores = torch.cat([global_scores, scores], dim=-1)
+        vf = torch.cat([global_v, vf], dim=2)
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)
+    return out.reshape(B, H, X, Y, D)

@@ -1,0 +1,111 @@
+"""``local_attention_2d``: ViL's conv-like local attention over a 2D map, with one switch for how it is computed.
+
+Every backend computes the same function (``../docs`` and the README describe it); they differ in speed
+and memory only. A backend is a plain function
+``fn(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale)`` that receives
+validated arguments.
+"""
+
+from .backends.reference import reference
+from .backends.sliding_chunk import sliding_chunk
+from .backends.sliding_chunk_autograd import sliding_chunk_autograd
+
+_BACKENDS = {
+    "sliding_chunk": sliding_chunk,
+    "sliding_chunk_autograd": sliding_chunk_autograd,
+    "reference": reference,
+}
+# Fastest first, as measured by tools/benchmark_attention.py (see BENCHMARKS.md).
+_PREFERENCE = ("sliding_chunk", "sliding_chunk_autograd")
+
+
+def available_backends():
+    """Names accepted by ``local_attention_2d(..., backend=name)``."""
+    return list(_BACKENDS)
+
+
+def default_backend(device, dtype):
+    """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``."""
+    return _PREFERENCE[0]
+
+
+def local_attention_2d(
+    q,
+    k,
+    v,
+    window,
+    *,
+    exact=0,
+    mode=0,
+    global_k=None,
+    global_v=None,
+    rel_bias=None,
+    global_bias=None,
+    scale=None,
+    backend=None,
+):
+    """Local attention of every position of a 2D map to its window, plus G global keys in the same softmax.
+
+    Args:
+        q, k, v: ``(B, heads, X, Y, head_dim)``; the result has the same shape.
+        window: chunk size ``w`` (SW_EXACT 0 / -1) or window radius (SW_EXACT 1).
+        exact: SW_EXACT: 0 = the 3x3 chunks around the query's chunk, zero padded at the border;
+            -1 = the same, wrapping around cyclically; 1 = the exact ``(2w+1)^2`` window.
+        mode: 0 = all 9 chunks, -1 = the own chunk only, 1..8 = the own chunk plus one neighbour
+            (1:(-1,-1) 2:(-1,0) 3:(-1,+1) 4:(0,-1) 5:(0,+1) 6:(+1,-1) 7:(+1,0) 8:(+1,+1)); only with exact 0/-1.
+        global_k, global_v: ``(B, heads, G, head_dim)``: keys every query also attends to.
+        rel_bias: ``(heads, (4w-1)**2)``: bias for query (qi, qj) and key (ki, kj) at row
+            ``(qi-ki + 2w-1) * (4w-1) + (qj-kj + 2w-1)``, offsets taken as if neighbour chunks were adjacent.
+        global_bias: ``(heads, G)``: bias added to the scores of the global keys.
+        scale: factor of the scores; ``head_dim ** -0.5`` when None.
+        backend: one of :func:`available_backends`; None picks the fastest for the device and dtype.
+    """
+    _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias)
+    if backend is None:
+        backend = default_backend(q.device, q.dtype)
+    if backend not in _BACKENDS:
+        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(_BACKENDS)}.")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _BACKENDS[backend](q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale)
+
+
+def _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias):
+    if q.dim() != 5:
+        raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}.")
+    for name, t in (("k", k), ("v", v), ("global_k", global_k), ("global_v", global_v)):
+        if t is not None and (t.dtype != q.dtype or t.device != q.device):
+            raise ValueError(
+                f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; all must match."
+            )
+    if not q.is_floating_point():
+        raise ValueError(f"q, k and v must be floating point, got {q.dtype}.")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive integer, got {window!r}.")
+    if exact not in (1, 0, -1):
+        raise ValueError(f"exact (SW_EXACT) must be 1, 0 or -1, got {exact!r}.")
+    if mode not in range(-1, 9):
+        raise ValueError(f"mode must be 0, -1 or one of 1..8, got {mode!r}.")
+    if exact == 1 and mode != 0:
+        raise ValueError(f"mode {mode} needs chunked windows (exact 0 or -1); the exact window (exact 1) takes mode 0 only.")
+    B, H, X, Y, D = q.shape
+    if (global_k is None) != (global_v is None):
+        raise ValueError("global_k and global_v go together: give both or neither.")
+    G = 0
+    if global_k is not None:
+        G = global_k.shape[2] if global_k.dim() == 4 else -1
+        for name, t in (("global_k", global_k), ("global_v", global_v)):
+            if t.dim() != 4 or t.shape[:2] != (B, H) or t.shape[3] != D or t.shape[2] != G:
+                raise ValueError(f"{name} must have shape (B, heads, G, head_dim) = ({B}, {H}, G, {D}), got {tuple(t.shape)}.")
+    if global_bias is not None and global_k is None:
+        raise ValueError("global_bias needs global_k and global_v.")
+    for name, t, shape in (("rel_bias", rel_bias, (H, (4 * window - 1) ** 2)), ("global_bias", global_bias, (H, G))):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape (heads, {'(4w-1)**2' if name == 'rel_bias' else 'G'}) = {shape}, got {tuple(t.shape)}.")
+        if t.device != q.device or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor on {q.device}, got {t.dtype} on {t.device}.")
