@@ -1,0 +1,10 @@
+# A CUDA PyTorch image with this project installed. The image brings its own torch/torchvision, so the
+# torch pins of requirements.txt are left out; everything else is installed from requirements.txt.
+FROM pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+
+WORKDIR /workspace/vil
+COPY . .
+RUN grep -v -E '^(torch|torchvision)==' requirements.txt > /tmp/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/requirements.txt
+
+CMD ["python", "tools/smoke_run.py", "--help"]

@@ -1,0 +1,186 @@
+"""Forward+backward time and peak memory of one local attention layer, per backend and map size, next to
+``torch.nn.functional.scaled_dot_product_attention`` over all tokens.
+
+Default problem: one attention layer of ViL-Small's first stage (batch 4, 3 heads x 32, w=7, one global
+token), fp32. Every point runs in a fresh process, so that one point's memory cannot hide another's:
+on the CPU its peak is the rise of the process's resident-set high-water mark (reset through
+``/proc/self/clear_refs`` just before the measured call) over the resident set before it; on CUDA,
+``torch.cuda.max_memory_allocated`` over the memory allocated before it. Both include the outputs and
+gradients; neither includes the inputs. Time is the best of ``--repeats`` calls after a warm-up.
+
+    python tools/benchmark_attention.py                      # CPU, maps 28, 56, 84
+    python tools/benchmark_attention.py --device cuda --dtype bfloat16 --sizes 28 56 112
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from vil.ops import available_backends, default_backend, local_attention_2d
+
+SDPA = "sdpa (full attention)"
+REFERENCE_MAX_TOKENS = 56 * 56  # the naive masked reference needs tokens^2 memory: skipped above this
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--sizes", type=int, nargs="+", default=[28, 56, 84], help="feature-map sides")
+    p.add_argument("--backends", nargs="+", default=available_backends(), help="local attention backends")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--window", type=int, default=7)
+    p.add_argument("--num-global", type=int, default=1)
+    p.add_argument("--exact", type=int, default=0, choices=[1, 0, -1], help="SW_EXACT")
+    p.add_argument("--rel-bias", action="store_true", help="add a relative position bias table")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one point, print JSON
+    return p.parse_args(argv)
+
+
+def _resident_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def measure(args, backend, size):
+    """Time (s) and peak memory (MiB) of one forward+backward at map ``size``, in this process."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    B, H, D, G = args.batch, args.heads, args.head_dim, args.num_global
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    if backend == SDPA:
+        leaves = [rand(B, H, size * size + G, D) for _ in range(3)]
+
+        def step():
+            F.scaled_dot_product_attention(*leaves).backward(torch.ones(B, H, size * size + G, D, device=device, dtype=dtype))
+    else:
+        q, k, v = (rand(B, H, size, size, D) for _ in range(3))
+        gk, gv = (rand(B, H, G, D), rand(B, H, G, D)) if G else (None, None)
+        rel = rand(H, (4 * args.window - 1) ** 2) if args.rel_bias else None
+        leaves = [t for t in (q, k, v, gk, gv, rel) if t is not None]
+
+        def step():
+            out = local_attention_2d(q, k, v, args.window, exact=args.exact, global_k=gk, global_v=gv, rel_bias=rel, backend=backend)
+            out.backward(torch.ones_like(out))
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    run()  # warm-up
+    for t in leaves:
+        t.grad = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        before = _resident_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current resident set
+        run()
+        peak = (_resident_kb("VmHWM") - before) * 1024
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times), peak / 2**20
+
+
+def run_point(args, backend, size):
+    """Measure one point in a fresh process; returns (seconds, MiB) or a string saying why not."""
+    if backend == "reference" and size * size > REFERENCE_MAX_TOKENS:
+        return "skipped (tokens^2 memory)"
+    options = {"--device": args.device, "--dtype": args.dtype, "--batch": args.batch, "--heads": args.heads,
+               "--head-dim": args.head_dim, "--window": args.window, "--num-global": args.num_global,
+               "--exact": args.exact, "--repeats": args.repeats}
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([backend, size])]
+    argv += [str(x) for item in options.items() for x in item] + (["--rel-bias"] if args.rel_bias else [])
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        return f"failed: {last[:80]}"
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def machine():
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = platform.processor() or "unknown CPU"
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        backend, size = json.loads(args.worker)
+        print(json.dumps(measure(args, backend, size)))
+        return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda was asked for, but torch sees no CUDA device here.")
+    for backend in args.backends:
+        if backend not in available_backends():
+            sys.exit(f"Unknown backend {backend!r}; available: {', '.join(available_backends())}.")
+    default = default_backend(torch.device(args.device), getattr(torch, args.dtype))
+    lines = [
+        f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}",
+        f"One layer, forward+backward: batch {args.batch}, {args.heads} heads x {args.head_dim}, w={args.window}, "
+        f"{args.num_global} global, SW_EXACT {args.exact}, {'relative bias, ' if args.rel_bias else ''}{args.dtype} on {args.device}; "
+        f"best of {args.repeats}; backend=None picks {default!r}",
+        "",
+        "| map | backend | time (ms) | peak memory (MiB) | vs SDPA |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    summary = []
+    for size in args.sizes:
+        results = {name: run_point(args, name, size) for name in [SDPA] + args.backends}
+        sdpa = results[SDPA]
+        best_local = None
+        for name, result in results.items():
+            if isinstance(result, str):
+                row = f"| {size}x{size} | {name} | {result} | | |"
+            else:
+                speedup = f"{sdpa[0] / result[0]:.2f}x" if not isinstance(sdpa, str) else ""
+                row = f"| {size}x{size} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {speedup} |"
+                if name not in (SDPA, "reference") and (best_local is None or result[0] < best_local[1][0]):
+                    best_local = (name, result)
+            lines.append(row)
+            print(row, flush=True)
+        if best_local and not isinstance(sdpa, str):
+            summary.append(f"{size}x{size}: fastest local backend {best_local[0]} is {sdpa[0] / best_local[1][0]:.2f}x faster than SDPA")
+    lines += [""] + summary
+    print("\n" + "\n".join(summary))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
