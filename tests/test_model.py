@@ -276,3 +276,21 @@ def test_reset_vil_mode_rejects_bad_modes():
         model.reset_vil_mode(2)
     with pytest.raises(ValueError, match="mode must be 0, -1 or one of 1..8"):
         model.reset_vil_mode(12)
+
+
+def test_three_stage_model_and_drop_path_schedule():
+    arch = "l1,h2,d32,n2,s1,g1,p4,f3,a1_l2,h2,d64,n1,s1,g2,p2,f3,a0_l3,h4,d64,n1,s0,g1,p2,f3,a1"
+    model = MsViT(arch, img_size=32, num_classes=4, drop_path_rate=0.3)
+    assert not hasattr(model, "layer4")
+    rates = [m.drop_path.drop_prob if hasattr(m.drop_path, "drop_prob") else 0.0
+             for stage in (model.layer1, model.layer2, model.layer3) for m in stage[1:]]
+    # linspace(0, 0.3, 4 layers), both blocks of a layer share its rate
+    expected = [0.0, 0.0, 0.1, 0.1, 0.2, 0.2, 0.3, 0.3]
+    assert rates == pytest.approx(expected)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+
+
+def test_kernels_package_is_importable_under_its_own_name():
+    import vil_kernels
+
+    assert vil_kernels.__name__ == "vil_kernels"
