@@ -213,8 +213,8 @@ def _qkv(shape=(1, 2, 4, 4, 8), **kw):
     [
         (dict(window=0), "window must be a positive integer"),
         (dict(exact=2), "exact (SW_EXACT) must be 1, 0 or -1"),
-        (dict(mode=9), "mode must be 0, -1 or one of 1..8"),
-        (dict(exact=1, mode=2), "the exact window (exact 1) takes mode 0 only"),
+        (dict(mode=9), "mode (MODE) must be 0, -1 or one of 1..8, got 9"),
+        (dict(exact=1, mode=2), "mode (MODE) 2 needs chunked windows (SW_EXACT 0 or -1); the exact window (SW_EXACT 1) takes mode 0 only"),
         (dict(backend="nope"), "Unknown local attention backend 'nope'; available: sliding_chunk"),
         (dict(global_k=torch.randn(1, 2, 1, 8)), "global_k and global_v go together"),
         (dict(global_k=torch.randn(1, 2, 1, 4), global_v=torch.randn(1, 2, 1, 4)), "global_k must have shape (B, heads, G, head_dim)"),

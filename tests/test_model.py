@@ -252,7 +252,7 @@ def test_bad_arch_strings(arch, message):
     "overrides,message",
     [
         (("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"), "Unknown MODEL.VIT.MSVIT.ATTN_TYPE 'longformer_magic'; known: full, longformerhand"),
-        (("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), "SW_EXACT 1 (exact window) cannot be combined with MODE 3"),
+        (("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), "mode (MODE) 3 needs chunked windows (SW_EXACT 0 or -1)"),
         (("INPUT.IMAGE_SIZE", "100"), "Image size 100 is not a multiple of the model's total stride 32"),
         (("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.ARCH", "l1,g0,d48,h1_l2,g0_l3,g0"), "ONLY_GLOBAL needs global tokens"),
         (("MODEL.ARCH", "resnet50"), "MODEL.ARCH 'resnet50' is not a model of this project"),
@@ -272,9 +272,9 @@ def test_wrong_image_size_at_forward():
 
 def test_reset_vil_mode_rejects_bad_modes():
     model = build_model(tiny_cfg("MODEL.VIT.MSVIT.SW_EXACT", "1"))
-    with pytest.raises(ValueError, match="take mode 0 only"):
+    with pytest.raises(ValueError, match="takes mode 0 only"):
         model.reset_vil_mode(2)
-    with pytest.raises(ValueError, match="mode must be 0, -1 or one of 1..8"):
+    with pytest.raises(ValueError, match=r"mode \(MODE\) must be 0, -1 or one of 1..8"):
         model.reset_vil_mode(12)
 
 

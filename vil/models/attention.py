@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
 
-from ..ops import local_attention_2d
+from ..ops import check_window_options, local_attention_2d
 
 
 def _split_heads(x, heads):
@@ -98,12 +98,7 @@ class LongformerAttention(_Attention):
     def __init__(self, dim, heads, num_global, window, rpe=False, exact=0, mode=0, share_w=True,
                  only_global=False, backend=None, drop=0.0):
         super().__init__()
-        if exact not in (1, 0, -1):
-            raise ValueError(f"SW_EXACT must be 1, 0 or -1, got {exact!r}.")
-        if mode not in range(-1, 9):
-            raise ValueError(f"MODE must be 0, -1 or one of 1..8, got {mode!r}.")
-        if exact == 1 and mode != 0:
-            raise ValueError(f"SW_EXACT 1 (exact window) cannot be combined with MODE {mode}; random-shift modes need SW_EXACT 0 or -1.")
+        check_window_options(exact, mode)
         if only_global and num_global == 0:
             raise ValueError("ONLY_GLOBAL needs global tokens, but a longformer stage has g0; give it g1 or more.")
         self.heads, self.num_global, self.window = heads, num_global, window

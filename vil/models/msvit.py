@@ -10,6 +10,7 @@ import torch.nn as nn
 from timm.layers import DropPath, Mlp, trunc_normal_
 
 from .arch import PRESETS, parse_arch
+from ..ops import check_window_options
 from .attention import FullAttention, LongformerAttention
 
 
@@ -153,10 +154,8 @@ class MsViT(nn.Module):
     def reset_vil_mode(self, mode):
         """Set the neighbour mode of every longformer attention layer (e.g. 0 when random shifting ends)."""
         layers = [m for m in self.modules() if isinstance(m, LongformerAttention)]
-        if mode not in range(-1, 9):
-            raise ValueError(f"mode must be 0, -1 or one of 1..8, got {mode!r}.")
-        if mode != 0 and any(m.exact == 1 for m in layers):
-            raise ValueError(f"Layers with SW_EXACT 1 (the exact window) take mode 0 only, got {mode}.")
+        for m in layers:
+            check_window_options(m.exact, mode)
         for m in layers:
             m.mode = mode
 

@@ -70,6 +70,16 @@ def local_attention_2d(
     return _BACKENDS[backend](q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale)
 
 
+def check_window_options(exact, mode):
+    """Raise ``ValueError`` unless ``exact`` (SW_EXACT) and ``mode`` (MODE) are valid together."""
+    if exact not in (1, 0, -1):
+        raise ValueError(f"exact (SW_EXACT) must be 1, 0 or -1, got {exact!r}.")
+    if mode not in range(-1, 9):
+        raise ValueError(f"mode (MODE) must be 0, -1 or one of 1..8, got {mode!r}.")
+    if exact == 1 and mode != 0:
+        raise ValueError(f"mode (MODE) {mode} needs chunked windows (SW_EXACT 0 or -1); the exact window (SW_EXACT 1) takes mode 0 only.")
+
+
 def _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias):
     if q.dim() != 5:
         raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
@@ -85,12 +95,7 @@ def _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, gl
         raise ValueError(f"q, k and v must be floating point, got {q.dtype}.")
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive integer, got {window!r}.")
-    if exact not in (1, 0, -1):
-        raise ValueError(f"exact (SW_EXACT) must be 1, 0 or -1, got {exact!r}.")
-    if mode not in range(-1, 9):
-        raise ValueError(f"mode must be 0, -1 or one of 1..8, got {mode!r}.")
-    if exact == 1 and mode != 0:
-        raise ValueError(f"mode {mode} needs chunked windows (exact 0 or -1); the exact window (exact 1) takes mode 0 only.")
+    check_window_options(exact, mode)
     B, H, X, Y, D = q.shape
     if (global_k is None) != (global_v is None):
         raise ValueError("global_k and global_v go together: give both or neither.")
