@@ -1,14 +1,22 @@
-"""Sliding chunks over all chunks at once, backward left to autograd (it keeps every intermediate)."""
+"""Sliding chunks, all chunks of a group at once, backward left to autograd (it keeps every intermediate)."""
 
 import torch
 
-from ..chunks import chunk_layout, from_chunks, gather_windows, to_chunks, window_bias, window_probs
+from ..chunks import chunk_plan, from_chunks, gather_windows, global_scores, to_chunks, window_bias, window_scores
 
 
 def sliding_chunk_autograd(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
-    G = 0 if global_k is None else global_k.shape[2]
-    layout = chunk_layout(q.shape[2], q.shape[3], window, exact, mode, G, q.device)
-    keys = gather_windows(to_chunks(k, layout, global_k), layout)
-    values = gather_windows(to_chunks(v, layout, global_v), layout)
-    probs = window_probs(to_chunks(q, layout), keys, window_bias(layout, rel_bias, global_bias, q.dtype), scale)
-    return from_chunks(torch.matmul(probs, values), layout)[0]
+    plan = chunk_plan(q.shape[2], q.shape[3], window, exact, mode, q.device)
+    queries = to_chunks(q, plan) * scale
+    keys, values = to_chunks(k, plan), to_chunks(v, plan)
+    outputs = []
+    for group in plan.groups:
+        group_queries = queries[:, group.start : group.stop]
+        scores = window_scores(group_queries, gather_windows(keys, group), group, window_bias(group, rel_bias, q.dtype))
+        group_values = gather_windows(values, group)  # (B, c, H, L, D)
+        if global_k is not None:
+            scores = torch.cat([global_scores(group_queries, global_k, global_bias), scores], dim=-2)
+            group_values = torch.cat([global_v[:, None].expand(-1, group.num_chunks, -1, -1, -1), group_values], dim=-2)
+        probs = torch.softmax(scores, dim=-2)  # over the keys, dim -2
+        outputs.append(torch.matmul(probs.transpose(-1, -2), group_values))
+    return from_chunks(torch.cat(outputs, dim=1), plan)
