@@ -5,7 +5,7 @@ The feature map is padded at the bottom and right to multiples of the chunk size
 ("slots": the 9 neighbour chunks, or 1 or 2 in the random-shift modes), so one chunk's local scores are
 an ``L x S`` matrix, ``L = slots * S``, and many chunks together are one batched matrix product. Chunks
 whose neighbours lie outside the map (at the border, with zero padding) use fewer slots: a
-:class:`ChunkPlan` orders the chunks into :class:`ChunkGroup`\ s of equal slot count (inside, edges,
+:class:`ChunkPlan` orders the chunks into groups (:class:`ChunkGroup`) of equal slot count (inside, edges,
 corners), so that no product is spent on keys that do not exist.
 
 Scores are kept key-major, ``(..., L, S)``: on the CPU the products ``K Q^T`` and ``V dO^T`` that produce
