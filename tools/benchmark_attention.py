@@ -6,7 +6,8 @@ token), fp32. Every point runs in a fresh process, so that one point's memory ca
 on the CPU its peak is the rise of the process's resident-set high-water mark (reset through
 ``/proc/self/clear_refs`` just before the measured call) over the resident set before it; on CUDA,
 ``torch.cuda.max_memory_allocated`` over the memory allocated before it. Both include the outputs and
-gradients; neither includes the inputs. Time is the best of ``--repeats`` calls after a warm-up.
+gradients; neither includes the inputs. Memory is taken on the first call of the fresh process (later
+calls reuse pages the allocator kept); time is the best of ``--repeats`` calls after it.
 
     python tools/benchmark_attention.py                      # CPU, maps 28, 56, 84
     python tools/benchmark_attention.py --device cuda --dtype bfloat16 --sizes 28 56 112
@@ -42,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--num-global", type=int, default=1)
     p.add_argument("--exact", type=int, default=0, choices=[1, 0, -1], help="SW_EXACT")
     p.add_argument("--rel-bias", action="store_true", help="add a relative position bias table")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one point, print JSON
     return p.parse_args(argv)
@@ -86,9 +87,8 @@ def measure(args, backend, size):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    run()  # warm-up
-    for t in leaves:
-        t.grad = None
+    # Memory first, on the process's first call: later calls reuse pages the allocator kept, which the
+    # resident set would not show.
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
