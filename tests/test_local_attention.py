@@ -242,3 +242,16 @@ def test_mismatched_tensors_are_refused():
         local_attention_2d(q[0], k[0], v[0], 2)
     with pytest.raises(ValueError, match="must be floating point"):
         local_attention_2d(*(t.long() for t in (q, k, v)), 2)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_half_precision_inputs(backend, dtype, tolerance):
+    inputs = make_inputs(13, 17, 3, 1, rel=True, glob_bias=True, D=16, dtype=torch.float32)
+    expected, expected_grads = run("reference", inputs, 3, 0, 0)
+    low = {name: None if t is None else t.detach().to(dtype).requires_grad_() for name, t in inputs.items()}
+    out, grads = run(backend, low, 3, 0, 0)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got.float(), want, rtol=10 * tolerance, atol=10 * tolerance)
