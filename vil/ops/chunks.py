@@ -86,10 +86,6 @@ class ChunkPlan:
     order: torch.Tensor  # (C,) long: the natural (row-major) index of each planned chunk
     groups: tuple
 
-    @property
-    def num_chunks(self):
-        return self.chunk_rows * self.chunk_cols
-
 
 @lru_cache(maxsize=64)
 def chunk_plan(rows, cols, window, exact, mode, device):
