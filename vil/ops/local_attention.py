@@ -15,8 +15,8 @@ _BACKENDS = {
     "sliding_chunk_autograd": sliding_chunk_autograd,
     "reference": reference,
 }
-# Fastest first, as measured by tools/benchmark_attention.py (see BENCHMARKS.md).
-_PREFERENCE = ("sliding_chunk", "sliding_chunk_autograd")
+# The fastest backend, as measured by tools/benchmark_attention.py (see BENCHMARKS.md).
+_DEFAULT = "sliding_chunk"
 
 
 def available_backends():
@@ -27,7 +27,7 @@ def available_backends():
 def default_backend(device, dtype):
     """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: today the same everywhere,
     ``sliding_chunk``, the fastest at the map sizes where local attention pays (see BENCHMARKS.md)."""
-    return _PREFERENCE[0]
+    return _DEFAULT
 
 
 def local_attention_2d(
