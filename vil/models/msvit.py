@@ -5,6 +5,8 @@ Module and parameter names follow the original release (``layer1.0.proj.weight``
 (index 0) followed by, per transformer layer, an attention block and an MLP block.
 """
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 from timm.layers import DropPath, Mlp, trunc_normal_
@@ -100,21 +102,21 @@ class MsViT(nn.Module):
                  norm_embed=True, avg_pool=False, full_attention=False, attn_backend=None, share_w=True, only_global=False,
                  sw_exact=0, mode=0, ln_eps=1e-6):
         super().__init__()
-        self.stages = parse_arch(arch)
+        self.stage_specs = parse_arch(arch)
         self.img_size, self.num_classes, self.avg_pool = img_size, num_classes, avg_pool
         stride = 1
-        for spec in self.stages:
+        for spec in self.stage_specs:
             stride *= spec.patch
         if img_size % stride:
             raise ValueError(
                 f"Image size {img_size} is not a multiple of the model's total stride {stride} (the product of the "
                 f"stages' patch sizes); use a multiple of {stride}, e.g. {max(stride, img_size // stride * stride)}."
             )
-        norm_layer = lambda d: nn.LayerNorm(d, eps=ln_eps)  # noqa: E731
-        rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stages)).tolist()
+        norm_layer = partial(nn.LayerNorm, eps=ln_eps)
+        rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs)).tolist()
 
         in_dim, size, layer = in_chans, img_size, 0
-        for spec in self.stages:
+        for spec in self.stage_specs:
             size //= spec.patch
             blocks = [PatchEmbed(in_dim, spec.dim, spec.patch, size, size, spec.num_global, spec.ape, norm_embed, norm_layer, drop_rate)]
             for _ in range(spec.depth):
@@ -165,14 +167,14 @@ class MsViT(nn.Module):
             raise ValueError(
                 f"This model takes images of shape (B, C, {self.img_size}, {self.img_size}); got {tuple(x.shape)}."
             )
-        for i, spec in enumerate(self.stages):
+        for i, spec in enumerate(self.stage_specs):
             x, (nx, ny) = getattr(self, f"layer{spec.index}")(x)
-            if i + 1 < len(self.stages):  # drop the global tokens; the local ones form the next stage's image
+            if i + 1 < len(self.stage_specs):  # drop the global tokens; the local ones form the next stage's image
                 x = x[:, spec.num_global :].transpose(1, 2).reshape(x.shape[0], -1, nx, ny)
         return self.norm(x)
 
     def forward_head(self, x):
-        pooled = x[:, 0] if self.stages[-1].num_global and not self.avg_pool else x.mean(dim=1)
+        pooled = x[:, 0] if self.stage_specs[-1].num_global and not self.avg_pool else x.mean(dim=1)
         return self.head(pooled)
 
     def forward(self, x):
