@@ -93,3 +93,21 @@ def test_untrusted_pickles_are_not_executed(tmp_path):
     with pytest.raises(ValueError, match="is not a readable PyTorch checkpoint"):
         load_checkpoint(model(0), tmp_path / "evil.pth")
     assert not (tmp_path / "pwned").exists()
+
+
+def test_share_w_false_checkpoint_is_refused_by_a_share_w_true_model(tmp_path):
+    torch.manual_seed(0)
+    separate = MsViT(ARCH, img_size=64, num_classes=7, share_w=False)
+    save_checkpoint(tmp_path / "separate.pth", separate)
+    with pytest.raises(ValueError, match=r"holds different tensors under layer1.1.attn.query.weight and layer1.1.attn.query_global.weight, which are one tensor in this model \(SHARE_W True\)"):
+        load_checkpoint(model(0), tmp_path / "separate.pth")
+    load_checkpoint(MsViT(ARCH, img_size=64, num_classes=7, share_w=False), tmp_path / "separate.pth")
+
+
+def test_compiled_model_prefix_is_stripped(tmp_path):
+    source = model(0)
+    torch.save({"net": {f"_orig_mod.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "compiled.pth")
+    target = model(1)
+    load_checkpoint(target, tmp_path / "compiled.pth")
+    x = torch.randn(1, 3, 64, 64)
+    torch.testing.assert_close(target(x), source(x), rtol=0, atol=0)

@@ -256,6 +256,8 @@ def test_bad_arch_strings(arch, message):
         (("INPUT.IMAGE_SIZE", "100"), "Image size 100 is not a multiple of the model's total stride 32"),
         (("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.ARCH", "l1,g0,d48,h1_l2,g0_l3,g0"), "ONLY_GLOBAL needs global tokens"),
         (("MODEL.ARCH", "resnet50"), "MODEL.ARCH 'resnet50' is not a model of this project"),
+        (("MODEL.VIT.MSVIT.ATTN_TYPE", "full", "MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), "mode (MODE) 3 needs chunked windows"),
+        (("MODEL.VIT.MSVIT.SW_EXACT", "7"), "exact (SW_EXACT) must be 1, 0 or -1, got 7"),
     ],
 )
 def test_bad_model_configs(overrides, message):
@@ -294,3 +296,15 @@ def test_kernels_package_is_importable_under_its_own_name():
     import vil_kernels
 
     assert vil_kernels.__name__ == "vil_kernels"
+
+
+@pytest.mark.parametrize("attn_type", ["longformerhand", "longformerauto"])
+def test_relative_bias_model_trains_under_bfloat16_autocast(attn_type):
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg("MODEL.VIT.MSVIT.ARCH", PRESETS["vil_tiny_rpb"], "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(2, 3, 64, 64)).float().logsumexp(-1).mean()
+    loss.backward()
+    table = model.layer1[1].attn.local_relative_position_bias_table
+    assert table.grad is not None and torch.isfinite(table.grad).all() and table.grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

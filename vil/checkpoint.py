@@ -52,8 +52,9 @@ def model_state(checkpoint, path="checkpoint"):
     state = checkpoint.get("net", checkpoint)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path} has no model state dict: expected a dict of tensors, or one under the key 'net'.")
-    if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module.") :]: v for k, v in state.items()}
+    for prefix in ("module.", "_orig_mod."):  # DistributedDataParallel, torch.compile
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix) :]: v for k, v in state.items()}
     return {k: v for k, v in state.items() if not k.endswith(_DERIVED_KEYS)}
 
 
@@ -77,9 +78,26 @@ def load_checkpoint(model, path, strict=True):
             if items
         ]
         raise ValueError(f"Checkpoint {path} does not fit this model's architecture: " + "; ".join(problems) + ".")
+    _check_shared(state, target, path)
     fitting = {k: v for k, v in state.items() if k in expected and v.shape == expected[k].shape}
     target.load_state_dict(fitting, strict=strict)
     return checkpoint
+
+
+def _check_shared(state, model, path):
+    """Names that are one tensor in the model (e.g. ``query`` and ``query_global`` with SHARE_W True) must
+    hold equal tensors in the checkpoint: otherwise one would silently overwrite the other."""
+    names_by_tensor = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names_by_tensor.setdefault(tensor, []).append(name)
+    for names in names_by_tensor.values():
+        present = [n for n in names if n in state]
+        for other in present[1:]:
+            if state[other].shape == state[present[0]].shape and not torch.equal(state[other], state[present[0]]):
+                raise ValueError(
+                    f"Checkpoint {path} holds different tensors under {present[0]} and {other}, which are one "
+                    "tensor in this model (SHARE_W True); build the model with SHARE_W False to load it."
+                )
 
 
 def _unwrap(model):

@@ -82,8 +82,9 @@ class Stage(nn.Sequential):
     """A patch embedding followed by alternating attention and MLP blocks."""
 
     def forward(self, x):
-        x, (nx, ny) = self[0](x)
-        for block in self[1:]:
+        embed, *blocks = self
+        x, (nx, ny) = embed(x)
+        for block in blocks:
             x = block(x, nx, ny)
         return x, (nx, ny)
 
@@ -193,6 +194,7 @@ def build_model(cfg):
     if msvit.ATTN_TYPE not in ATTN_TYPES:
         raise ValueError(f"Unknown MODEL.VIT.MSVIT.ATTN_TYPE {msvit.ATTN_TYPE!r}; known: {', '.join(ATTN_TYPES)}.")
     backend = ATTN_TYPES[msvit.ATTN_TYPE]
+    check_window_options(msvit.SW_EXACT, msvit.MODE)  # also where no layer is a longformer one
     return MsViT(
         msvit.ARCH, img_size=cfg.INPUT.IMAGE_SIZE, num_classes=cfg.DATA.NUM_CLASSES, drop_rate=vit.DROP,
         drop_path_rate=vit.DROP_PATH, norm_embed=vit.NORM_EMBED, avg_pool=vit.AVG_POOL,

@@ -58,8 +58,10 @@ def local_attention_2d(
         rel_bias: ``(heads, (4w-1)**2)``: bias for query (qi, qj) and key (ki, kj) at row
             ``(qi-ki + 2w-1) * (4w-1) + (qj-kj + 2w-1)``, offsets taken as if neighbour chunks were adjacent.
         global_bias: ``(heads, G)``: bias added to the scores of the global keys.
+            Both bias tables may have another floating dtype than q (e.g. float32 parameters under
+            autocast); they are cast to q's dtype.
         scale: factor of the scores; ``head_dim ** -0.5`` when None.
-        backend: one of :func:`available_backends`; None picks the fastest for the device and dtype.
+        backend: one of :func:`available_backends`; None: :func:`default_backend`.
     """
     _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias)
     if backend is None:
@@ -68,6 +70,13 @@ def local_attention_2d(
         raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(_BACKENDS)}.")
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if global_k is not None and global_k.shape[2] == 0:
+        global_k = global_v = global_bias = None
+    # Bias tables are parameters, often float32 next to half-precision activations (autocast).
+    rel_bias = None if rel_bias is None else rel_bias.to(q.dtype)
+    global_bias = None if global_bias is None else global_bias.to(q.dtype)
+    if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
+        backend = "reference"
     return _BACKENDS[backend](q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale)
 
 

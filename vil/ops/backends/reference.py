@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=4)  # tokens^2 entries each
 def window_pairs(rows, cols, window, exact, mode, device):
     """For every (query, key) pair of an ``rows x cols`` map: may the query see the key, and which row
     of the ``(4w-1)^2`` relative bias table applies. Returns ``(allowed, bias_index)``, both ``(N, N)``."""

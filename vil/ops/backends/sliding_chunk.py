@@ -103,13 +103,11 @@ class SlidingChunkAttention(torch.autograd.Function):
         global_bias2 = _base2(global_bias)
         grad_queries = torch.empty_like(out)
         grad_keys, grad_values = torch.zeros_like(out), torch.zeros_like(out)
-        acc_dtype = torch.promote_types(q.dtype, torch.float32)
-        if rel_bias is not None:
-            grad_rel_bias = torch.zeros_like(rel_bias, dtype=acc_dtype)
+        grad_rel_bias = None if rel_bias is None else torch.zeros_like(rel_bias)
+        grad_global_bias = None if global_bias is None else torch.zeros_like(global_bias)
+        grad_global_k = grad_global_v = None
         if global_k is not None:
             grad_global_k, grad_global_v = torch.zeros_like(global_k), torch.zeros_like(global_v)
-        if global_bias is not None:
-            grad_global_bias = torch.zeros_like(global_bias, dtype=acc_dtype)
 
         for group, b, c, cx in _blocks(queries, plan):
             block_keys, block_values = gather_windows(keys, group, b, c), gather_windows(values, group, b, c)
@@ -136,13 +134,15 @@ class SlidingChunkAttention(torch.autograd.Function):
             block_grad_q *= scale
 
         grad_k, grad_v = from_chunks(grad_keys, plan), from_chunks(grad_values, plan)
-        grad_rel_bias = grad_rel_bias.to(rel_bias.dtype) if rel_bias is not None else None
-        if global_k is None:
-            grad_global_k = grad_global_v = None
-        grad_global_bias = grad_global_bias.to(global_bias.dtype) if global_bias is not None else None
         return from_chunks(grad_queries, plan), grad_k, grad_v, grad_global_k, grad_global_v, grad_rel_bias, grad_global_bias, None, None
 
 
 def sliding_chunk(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
     plan = chunk_plan(q.shape[2], q.shape[3], window, exact, mode, q.device)
-    return SlidingChunkAttention.apply(q, k, v, global_k, global_v, rel_bias, global_bias, plan, scale)
+    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    if compute != q.dtype:
+        # Half precision is computed in float32: the recomputed probabilities need an exact log-sum-exp.
+        inputs = tuple(None if t is None else t.to(compute) for t in inputs)
+    with torch.autocast(q.device.type, enabled=False):  # the dtypes are chosen here, not by autocast
+        return SlidingChunkAttention.apply(*inputs, plan, scale).to(q.dtype)
