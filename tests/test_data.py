@@ -1,0 +1,82 @@
+"""Data: ImageNet-style folders with unreadable files, the digits split, transforms, Mixup and the loss."""
+
+import pytest
+import torch
+from PIL import Image
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from torch.utils.data import DataLoader
+
+from vil.config import load_cfg
+from vil.data import DigitsDataset, build_dataset, build_loss, build_mixup, collate_skipping
+
+
+def make_folder(root, classes=("cat", "dog"), per_class=3, size=40, corrupt=True):
+    for split in ("train", "val"):
+        for c, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (size + i, size), (40 * c, 10 * i, 100)).save(folder / f"{i}.JPEG")
+    if corrupt:
+        (root / "train" / classes[0] / "broken.JPEG").write_bytes(b"not a jpeg")
+    return root
+
+
+def cfg_for(root, *overrides):
+    return load_cfg(overrides=["DATA.PATH", str(root), "DATA.NUM_CLASSES", "2", "INPUT.IMAGE_SIZE", "32", *overrides])
+
+
+def test_unreadable_images_are_skipped_named_and_counted(tmp_path):
+    cfg = cfg_for(make_folder(tmp_path))
+    dataset = build_dataset(cfg, train=True)
+    assert len(dataset) == 7
+    with pytest.warns(UserWarning, match=r"Skipping unreadable image .*broken\.JPEG"):
+        batches = list(DataLoader(dataset, batch_size=4, collate_fn=collate_skipping))
+    assert sum(skipped for _, _, skipped in batches) == 1
+    assert sum(len(images) for images, _, _ in batches) == 6
+    images, targets, _ = batches[0]
+    assert images.shape[1:] == (3, 32, 32) and targets.dtype == torch.long
+
+
+def test_eval_transform_resizes_and_center_crops(tmp_path):
+    cfg = cfg_for(make_folder(tmp_path, corrupt=False), "INPUT.CROP_PCT", "0.5")
+    image, _ = build_dataset(cfg, train=False)[0]
+    assert image.shape == (3, 32, 32)
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty"])
+def test_missing_or_empty_data_folder_is_one_sentence(tmp_path, layout):
+    if layout == "empty":
+        (tmp_path / "train" / "cat").mkdir(parents=True)
+    with pytest.raises(ValueError) as err:
+        build_dataset(cfg_for(tmp_path), train=True)
+    assert str(err.value) == (
+        f"No images found in {tmp_path / 'train'}: the data must be ImageNet-style folders, "
+        "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<image>."
+    )
+
+
+def test_class_count_must_match(tmp_path):
+    with pytest.raises(ValueError, match="has 2 classes but DATA.NUM_CLASSES is 5; set DATA.NUM_CLASSES 2"):
+        build_dataset(cfg_for(make_folder(tmp_path), "DATA.NUM_CLASSES", "5"), train=True)
+
+
+def test_digits_split_is_disjoint_stratified_and_fixed():
+    train, held_out = DigitsDataset(train=True), DigitsDataset(train=False)
+    assert len(train) + len(held_out) == 1797 and len(held_out) == 359
+    assert not set(train.indices) & set(held_out.indices)
+    assert sorted(set(held_out.targets)) == list(range(10))
+    assert DigitsDataset(train=False).indices == held_out.indices
+    assert train.images[0].size == (8, 8) and train.images[0].mode == "RGB"
+
+
+def test_mixup_and_loss_follow_the_config(tmp_path):
+    cfg = cfg_for(tmp_path, "AUG.MIXUP_PROB", "1.0", "AUG.MIXUP", "0.8", "AUG.MIXCUT", "1.0", "LOSS.LABEL_SMOOTHING", "0.1")
+    mixup = build_mixup(cfg)
+    images, targets = mixup(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 1, 0]))
+    assert targets.shape == (4, 2) and torch.allclose(targets.sum(1), torch.ones(4))
+    assert targets.min() >= 0.05 - 1e-6  # smoothing 0.1 over 2 classes
+    assert isinstance(build_loss(cfg, mixup), SoftTargetCrossEntropy)
+    plain = cfg_for(tmp_path, "LOSS.LABEL_SMOOTHING", "0.1")
+    assert build_mixup(plain) is None and isinstance(build_loss(plain, None), LabelSmoothingCrossEntropy)
+    assert isinstance(build_loss(cfg_for(tmp_path), None), torch.nn.CrossEntropyLoss)

@@ -1,0 +1,156 @@
+"""Datasets, transforms, batch mixing and the loss, built from the config.
+
+``DATA.TRAIN`` / ``DATA.TEST`` name the data: ``('imagenet',)`` (or any other name) reads ImageNet-style
+folders under ``DATA.PATH``; ``('digits',)`` is the 1,797 handwritten digits that scikit-learn ships.
+"""
+
+import os
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import Mixup, create_transform
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from torch.utils.data import Dataset, default_collate
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+EXPECTED_LAYOUT = "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<image>"
+# INPUT.INTERPOLATION holds PIL's codes, as in the original release.
+_INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+
+
+class SkippingImageFolder(ImageFolder):
+    """An ImageFolder whose unreadable or corrupt images are skipped: each is named in a warning and comes out
+    as None, which :func:`collate_skipping` drops and counts."""
+
+    def __getitem__(self, index):
+        path, target = self.samples[index]
+        try:
+            image = self.loader(path)
+        except (OSError, ValueError) as e:  # PIL's errors for unreadable, truncated or non-image files
+            warnings.warn(f"Skipping unreadable image {path}: {e}", stacklevel=2)
+            return None
+        return (self.transform(image) if self.transform else image), target
+
+
+class DigitsDataset(Dataset):
+    """scikit-learn's 1,797 8x8 handwritten digits as RGB images, with a fixed stratified split: 20% of each
+    class held out for evaluation (359 images), the rest for training (1,438)."""
+
+    num_classes = 10
+
+    def __init__(self, train, transform=None, held_out=0.2):
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        rng = np.random.default_rng(0)
+        chosen = []
+        for label in range(10):
+            members = rng.permutation(np.flatnonzero(digits.target == label))
+            cut = int(round(len(members) * held_out))
+            chosen.extend(members[cut:] if train else members[:cut])
+        chosen = np.sort(np.array(chosen))
+        self.indices = chosen.tolist()  # into scikit-learn's array
+        pixels = (digits.images[chosen] * (255.0 / 16.0)).astype(np.uint8)
+        self.images = [Image.fromarray(p).convert("RGB") for p in pixels]
+        self.targets = digits.target[chosen].tolist()
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        image = self.images[index]
+        return (self.transform(image) if self.transform else image), self.targets[index]
+
+
+def collate_skipping(batch):
+    """Collate the samples that loaded; returns ``(images, targets, number of skipped samples)``."""
+    kept = [sample for sample in batch if sample is not None]
+    if not kept:
+        return torch.empty(0), torch.empty(0, dtype=torch.long), len(batch)
+    images, targets = default_collate(kept)
+    return images, targets, len(batch) - len(kept)
+
+
+def build_transform(cfg, train):
+    """timm's training transform (random resized crop, flips, RandAugment, random erasing from
+    ``AUG.TIMM_AUG`` when ``USE_TRANSFORM``, else crop and flip only), or resize + center crop by
+    ``INPUT.CROP_PCT`` for evaluation."""
+    if cfg.INPUT.INTERPOLATION not in _INTERPOLATIONS:
+        raise ValueError(f"INPUT.INTERPOLATION {cfg.INPUT.INTERPOLATION} is not a PIL code this project knows; use 0, 2 or 3.")
+    common = dict(
+        input_size=cfg.INPUT.IMAGE_SIZE,
+        interpolation=_INTERPOLATIONS[cfg.INPUT.INTERPOLATION],
+        mean=tuple(cfg.INPUT.MEAN),
+        std=tuple(cfg.INPUT.STD),
+    )
+    if not train:
+        return create_transform(is_training=False, crop_pct=cfg.INPUT.CROP_PCT, **common)
+    timm_aug = cfg.AUG.TIMM_AUG
+    full = timm_aug.USE_TRANSFORM
+    return create_transform(
+        is_training=True,
+        scale=tuple(cfg.AUG.SCALE),
+        ratio=tuple(cfg.AUG.RATIO),
+        hflip=timm_aug.get("HFLIP", 0.5),
+        vflip=timm_aug.get("VFLIP", 0.0),
+        color_jitter=timm_aug.get("COLOR_JITTER", 0.4) if full else None,
+        auto_augment=timm_aug.get("AUTO_AUGMENT", None) if full else None,
+        re_prob=timm_aug.get("RE_PROB", 0.0) if full else 0.0,
+        re_mode=timm_aug.get("RE_MODE", "pixel"),
+        re_count=timm_aug.get("RE_COUNT", 1),
+        **common,
+    )
+
+
+def build_dataset(cfg, train):
+    """The training (``DATA.TRAIN``) or evaluation (``DATA.TEST``) dataset with its transform."""
+    name = (cfg.DATA.TRAIN if train else cfg.DATA.TEST)[0]
+    transform = build_transform(cfg, train)
+    if name == "digits":
+        dataset = DigitsDataset(train, transform)
+        classes = DigitsDataset.num_classes
+    else:
+        root = os.path.join(cfg.DATA.PATH, "train" if train else "val")
+        has_images = os.path.isdir(root) and any(
+            f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(root) for f in files
+        )
+        if not has_images:
+            raise ValueError(f"No images found in {root}: the data must be ImageNet-style folders, {EXPECTED_LAYOUT}.")
+        dataset = SkippingImageFolder(root, transform)
+        classes = len(dataset.classes)
+    if classes != cfg.DATA.NUM_CLASSES:
+        raise ValueError(f"The {'training' if train else 'evaluation'} data has {classes} classes but DATA.NUM_CLASSES is {cfg.DATA.NUM_CLASSES}; set DATA.NUM_CLASSES {classes}.")
+    return dataset
+
+
+def build_mixup(cfg):
+    """timm's Mixup/CutMix (with label smoothing in its soft targets) from ``AUG.*``, or None when off."""
+    aug = cfg.AUG
+    if aug.MIXUP_PROB <= 0 or (aug.MIXUP <= 0 and aug.MIXCUT <= 0 and not aug.MIXCUT_MINMAX):
+        return None
+    return Mixup(
+        mixup_alpha=aug.MIXUP,
+        cutmix_alpha=aug.MIXCUT,
+        cutmix_minmax=tuple(aug.MIXCUT_MINMAX) or None,
+        prob=aug.MIXUP_PROB,
+        switch_prob=aug.MIXUP_SWITCH_PROB,
+        mode=aug.MIXUP_MODE,
+        label_smoothing=cfg.LOSS.LABEL_SMOOTHING,
+        num_classes=cfg.DATA.NUM_CLASSES,
+    )
+
+
+def build_loss(cfg, mixup):
+    """The training loss: soft-target cross entropy with Mixup (its targets carry the smoothing), else
+    label-smoothed or plain cross entropy."""
+    if cfg.LOSS.LOSS != "xentropy":
+        raise ValueError(f"LOSS.LOSS {cfg.LOSS.LOSS!r} is not supported; use 'xentropy'.")
+    if mixup is not None:
+        return SoftTargetCrossEntropy()
+    if cfg.LOSS.LABEL_SMOOTHING > 0:
+        return LabelSmoothingCrossEntropy(smoothing=cfg.LOSS.LABEL_SMOOTHING)
+    return torch.nn.CrossEntropyLoss()
