@@ -1,5 +1,7 @@
 """Data: ImageNet-style folders with unreadable files, the digits split, transforms, Mixup and the loss."""
 
+from functools import partial
+
 import pytest
 import torch
 from PIL import Image
@@ -33,9 +35,12 @@ def test_unreadable_images_are_skipped_named_and_counted(tmp_path):
     with pytest.warns(UserWarning, match=r"Skipping unreadable image .*broken\.JPEG"):
         batches = list(DataLoader(dataset, batch_size=4, collate_fn=collate_skipping))
     assert sum(skipped for _, _, skipped in batches) == 1
-    assert sum(len(images) for images, _, _ in batches) == 6
+    assert sum(len(images) for images, _, _ in batches) == 6  # evaluation drops it
     images, targets, _ = batches[0]
     assert images.shape[1:] == (3, 32, 32) and targets.dtype == torch.long
+    with pytest.warns(UserWarning):
+        refilled = list(DataLoader(dataset, batch_size=4, collate_fn=partial(collate_skipping, refill=True)))
+    assert [len(images) for images, _, _ in refilled] == [4, 3]  # training keeps every batch full
 
 
 def test_eval_transform_resizes_and_center_crops(tmp_path):

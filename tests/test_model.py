@@ -308,3 +308,16 @@ def test_relative_bias_model_trains_under_bfloat16_autocast(attn_type):
     table = model.layer1[1].attn.local_relative_position_bias_table
     assert table.grad is not None and torch.isfinite(table.grad).all() and table.grad.abs().sum() > 0
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_grad_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = MsViT(PRESETS["vil_tiny"], img_size=64, num_classes=5, drop_path_rate=0.0)
+    x = torch.randn(2, 3, 64, 64)
+    model(x).square().sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    model(x).square().sum().backward()
+    for a, b in zip(plain, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b)

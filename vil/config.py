@@ -15,6 +15,7 @@ _C.INPUT.INTERPOLATION = 2  # PIL codes: 2 bilinear, 3 bicubic
 _C.AMP = CN()
 _C.AMP.ENABLED = False
 _C.AMP.MEMORY_FORMAT = "nchw"
+_C.AMP.DTYPE = "bfloat16"  # on CUDA: bfloat16, or float16 with a gradient scaler
 
 _C.AUG = CN()
 _C.AUG.SCALE = (0.08, 1.0)
@@ -74,6 +75,8 @@ _C.OPTIM.ADAM = CN()
 _C.OPTIM.ADAM.BETA1 = 0.9
 _C.OPTIM.ADAM.BETA2 = 0.999
 _C.OPTIM.ADAM.EPS = 1e-8
+_C.OPTIM.CLIP_GRAD = 0.0  # max gradient norm; 0: no clipping
+_C.OPTIM.ACCUM_STEPS = 1  # batches per optimizer step
 
 _C.SOLVER = CN()
 _C.SOLVER.LR_POLICY = ""
@@ -91,6 +94,9 @@ _C.MODEL.NONLINEARITY = "celu"
 _C.MODEL.MODEL_PATH = ""
 _C.MODEL.PRETRAINED = False
 _C.MODEL.FREEZE_CONV_BODY_AT = -1
+_C.MODEL.EMA = False  # keep an exponential moving average of the weights
+_C.MODEL.EMA_DECAY = 0.9998
+_C.MODEL.GRAD_CHECKPOINT = False  # recompute each block's activations in backward
 
 _C.MODEL.VIT = CN()
 _C.MODEL.VIT.DROP = 0.0
@@ -124,6 +130,10 @@ _C.OUTPUT_PERCLASS_ACC = False
 _C.ONLY_SAVE_LAST = 0
 _C.DISTRIBUTED_BACKEND = "nccl"
 _C.GATHER_ON_CPU = False
+_C.SEED = 0
+_C.CHECKPOINT = CN()
+_C.CHECKPOINT.EVERY_STEPS = 0  # also write checkpoint_last.pth every N optimizer steps; 0: once per epoch
+_C.CHECKPOINT.KEEP = 3  # epoch checkpoints kept besides checkpoint_last.pth and model_best.pth
 
 
 def get_cfg():

@@ -66,13 +66,22 @@ class DigitsDataset(Dataset):
         return (self.transform(image) if self.transform else image), self.targets[index]
 
 
-def collate_skipping(batch):
-    """Collate the samples that loaded; returns ``(images, targets, number of skipped samples)``."""
+def collate_skipping(batch, refill=False):
+    """Collate the samples that loaded; returns ``(images, targets, number of unreadable samples)``.
+
+    With ``refill``, unreadable samples are replaced by readable ones of the same batch, so that every
+    batch keeps its size: in distributed training every process must take every step, and Mixup needs
+    an even batch. Evaluation drops them instead, so that no sample counts twice."""
     kept = [sample for sample in batch if sample is not None]
+    missing = len(batch) - len(kept)
     if not kept:
-        return torch.empty(0), torch.empty(0, dtype=torch.long), len(batch)
+        if refill:
+            raise ValueError(f"All {len(batch)} images of a training batch are unreadable; check the data.")
+        return torch.empty(0), torch.empty(0, dtype=torch.long), missing
+    if refill:
+        kept += [kept[i % len(kept)] for i in range(missing)]
     images, targets = default_collate(kept)
-    return images, targets, len(batch) - len(kept)
+    return images, targets, missing
 
 
 def build_transform(cfg, train):

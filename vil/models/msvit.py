@@ -10,6 +10,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from timm.layers import DropPath, Mlp, trunc_normal_
+from torch.utils.checkpoint import checkpoint
 
 from .arch import PRESETS, parse_arch
 from ..ops import check_window_options
@@ -81,11 +82,16 @@ class MlpBlock(nn.Module):
 class Stage(nn.Sequential):
     """A patch embedding followed by alternating attention and MLP blocks."""
 
+    grad_checkpointing = False
+
     def forward(self, x):
         embed, *blocks = self
         x, (nx, ny) = embed(x)
         for block in blocks:
-            x = block(x, nx, ny)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, nx, ny, use_reentrant=False)
+            else:
+                x = block(x, nx, ny)
         return x, (nx, ny)
 
 
@@ -153,6 +159,12 @@ class MsViT(nn.Module):
         """Names of the parameters trained without weight decay (position embeddings, tokens, norms, biases tables)."""
         keywords = ("pos_embed", "cls_token", "norm.weight", "norm.bias", "norm_embed", "head.bias", "relative_position")
         return {name for name, _ in self.named_parameters() if any(k in name for k in keywords)}
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable=True):
+        """Recompute each block's activations in backward instead of keeping them (less memory, more time)."""
+        for spec in self.stage_specs:
+            getattr(self, f"layer{spec.index}").grad_checkpointing = enable
 
     def reset_vil_mode(self, mode):
         """Set the neighbour mode of every longformer attention layer (e.g. 0 when random shifting ends)."""

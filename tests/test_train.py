@@ -1,0 +1,163 @@
+"""Training end to end on tiny data: outputs, exact resume, torchrun, the mode switch, and clear failures."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vil.engine as engine
+from vil.checkpoint import read_checkpoint
+from vil.config import load_cfg
+from vil.engine import train
+
+from test_data import make_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_ARCH = "l1,h1,d16,n1,s1,g1,p4,f2,a1_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g1,p2,f2,a1"
+
+
+def tiny_cfg(data, out, *overrides):
+    return load_cfg(overrides=[
+        "MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data), "DATA.NUM_CLASSES", "2",
+        "DATALOADER.BSZ", "4", "OPTIM.EPOCHS", "2", "OPTIM.LR", "1e-3", "SOLVER.LR_POLICY", "cosine",
+        "SOLVER.WARMUP_EPOCHS", "0.5", "MODEL.VIT.DROP_PATH", "0.1", "OUTPUT_DIR", str(out), *overrides,
+    ])
+
+
+@pytest.fixture
+def data(tmp_path):
+    return make_folder(tmp_path / "data", per_class=6)
+
+
+def final_weights(out):
+    return read_checkpoint(str(out / "checkpoint_last.pth"))["net"]
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning, match="broken.JPEG"):
+        top1 = train(tiny_cfg(data, out))
+    assert 0 <= top1 <= 100
+    for name in ("config.yaml", "checkpoint_last.pth", "model_best.pth", "checkpoint_epoch1.pth", "log.txt"):
+        assert (out / name).exists(), name
+    assert any((out / "tensorboard").iterdir())
+    text = (out / "log.txt").read_text()
+    assert "epoch 2/2: loss" in text and "top1" in text and "images_per_s" in text
+    assert "skipped 1 unreadable images" in text
+    state = read_checkpoint(str(out / "checkpoint_last.pth"))
+    assert state["epoch"] == 2 and {"optimizer", "scheduler", "rng", "step"} <= state.keys()
+    assert load_cfg(out / "config.yaml").OPTIM.EPOCHS == 2
+
+
+def test_resume_after_one_epoch_gives_identical_weights(data, tmp_path):
+    straight = tmp_path / "straight"
+    train(tiny_cfg(data, straight, "MODEL.EMA", "True"))
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    # The state after the first epoch, as a run stopped there would have left it.
+    (resumed / "checkpoint_last.pth").write_bytes((straight / "checkpoint_epoch1.pth").read_bytes())
+    train(tiny_cfg(data, resumed, "MODEL.EMA", "True"))
+    assert "Resumed from" in (resumed / "log.txt").read_text()
+    assert_same_weights(final_weights(straight), final_weights(resumed))
+    ema = [read_checkpoint(str(d / "checkpoint_last.pth"))["ema"] for d in (straight, resumed)]
+    assert_same_weights(*ema)
+
+
+def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    train(tiny_cfg(data, straight, "CHECKPOINT.EVERY_STEPS", "2"))
+    killed = tmp_path / "killed"
+    saves = []
+    real_save = engine.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        saves.append(kwargs["batch_in_epoch"])
+        if len(saves) == 3:  # steps 2 (mid epoch 1) and 3 (its end), then step 4: batch 1 of epoch 2
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2"))
+    assert saves == [2, 0, 1]  # killed mid-epoch, right after the checkpoint at batch 1 of epoch 2
+    monkeypatch.setattr(engine, "save_checkpoint", real_save)
+    train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2"))
+    assert_same_weights(final_weights(straight), final_weights(killed))
+
+
+def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp_path):
+    out = tmp_path / "modes"
+    train(tiny_cfg(data, out, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.5"))
+    text = (out / "log.txt").read_text()
+    assert "Epoch 2: random-shift training ends" in text and "Epoch 1: random-shift" not in text
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    (resumed / "checkpoint_last.pth").write_bytes((out / "checkpoint_epoch1.pth").read_bytes())
+    train(tiny_cfg(data, resumed, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.5"))
+    assert "Epoch 2: random-shift training ends" in (resumed / "log.txt").read_text()
+    assert_same_weights(final_weights(out), final_weights(resumed))
+
+
+def cli(*args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=600)
+
+
+def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    overrides = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data), "DATA.NUM_CLASSES", "2",
+                 "DATALOADER.BSZ", "2", "DATALOADER.WORKERS", "0", "OPTIM.EPOCHS", "1", "OUTPUT_DIR", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+         str(ROOT / "tools" / "train.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"), *overrides],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = (out / "log.txt").read_text()
+    assert "2 process(es)" in text and "All 2 processes hold identical weights." in text
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["OPTIM.LRR", "0.1"], "error: Unknown config key OPTIM.LRR: it is not one of the keys defined in vil/config.py."),
+        (["DATA.PATH", "/nonexistent"], "error: No images found in /nonexistent/train: the data must be ImageNet-style folders"),
+    ],
+)
+def test_config_typo_and_missing_data_are_one_sentence(args, message, tmp_path):
+    done = cli("--config-file", str(ROOT / "configs" / "vil_tiny.yaml"), "OUTPUT_DIR", str(tmp_path / "o"), *args)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith(message)
+    assert "Traceback" not in done.stderr
+
+
+def test_nan_loss_stops_before_the_last_good_checkpoint_is_overwritten(data, tmp_path, monkeypatch):
+    real_loss = engine.build_loss
+    calls = []
+
+    def loss_that_breaks(cfg, mixup):
+        criterion = real_loss(cfg, mixup)
+
+        def loss(logits, targets):
+            calls.append(1)
+            value = criterion(logits, targets)
+            return value * float("nan") if len(calls) == 5 else value  # epoch 2, batch 2 (3 batches an epoch)
+
+        return loss
+
+    monkeypatch.setattr(engine, "build_loss", loss_that_breaks)
+    out = tmp_path / "nan"
+    with pytest.raises(FloatingPointError, match=r"The loss became nan at epoch 2, batch 2: training stops"):
+        train(tiny_cfg(data, out))
+    assert (out / "checkpoint_last.pth").read_bytes() == (out / "checkpoint_epoch1.pth").read_bytes()
+    assert read_checkpoint(str(out / "checkpoint_last.pth"))["epoch"] == 1
