@@ -1,6 +1,8 @@
 """Training end to end on tiny data: outputs, exact resume, torchrun, the mode switch, and clear failures."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +163,25 @@ def test_nan_loss_stops_before_the_last_good_checkpoint_is_overwritten(data, tmp
         train(tiny_cfg(data, out))
     assert (out / "checkpoint_last.pth").read_bytes() == (out / "checkpoint_epoch1.pth").read_bytes()
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["epoch"] == 1
+
+
+def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
+    net = read_checkpoint(str(out / "model_best.pth"))["net"]
+    torch.save({"net": {f"module.{k}": v for k, v in net.items()}, "arch": "msvit"}, tmp_path / "original.pth")
+    common = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data),
+              "DATA.NUM_CLASSES", "2", "DATALOADER.WORKERS", "0", "OUTPUT_DIR", str(tmp_path / "eval")]
+    lines = []
+    for checkpoint in (out / "model_best.pth", tmp_path / "original.pth"):
+        done = subprocess.run([sys.executable, str(ROOT / "tools" / "eval.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"),
+                               *common, "MODEL.MODEL_PATH", str(checkpoint)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        lines.append(done.stdout.strip().splitlines()[-1])
+    assert lines[0] == lines[1]
+    assert re.fullmatch(r"top-1 \d+\.\d\d top-5 \d+\.\d\d", lines[0])
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert f"top-1 {result['top1']:.2f} top-5 {result['top5']:.2f}" == lines[0] and result["images"] == 12
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "eval.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"), *common],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 1 and done.stderr.strip() == "error: Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth."

@@ -7,6 +7,7 @@ what an uninterrupted one would have done (from a mid-epoch checkpoint, bit for 
 ``DATALOADER.WORKERS 0``; data-loading workers restart their random streams).
 """
 
+import json
 import logging
 import os
 import random
@@ -23,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from .checkpoint import model_state, read_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, model_state, read_checkpoint, save_checkpoint
 from .data import build_dataset, build_loss, build_mixup, collate_skipping
 from .models import build_model
 from .models.attention import LongformerAttention
@@ -290,6 +291,25 @@ def train(cfg):
     if runtime.world > 1:
         dist.barrier()
     return top1
+
+
+def evaluate_checkpoint(cfg):
+    """Top-1 and top-5 (percent) of the checkpoint ``MODEL.MODEL_PATH`` (this project's or the original
+    release's) on the evaluation data; also written to ``OUTPUT_DIR/eval.json``."""
+    if not cfg.MODEL.MODEL_PATH:
+        raise ValueError("Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth.")
+    runtime = Runtime()
+    setup_logging(cfg.OUTPUT_DIR, False)
+    model = build_model(cfg)
+    load_checkpoint(model, cfg.MODEL.MODEL_PATH)
+    amp, _ = amp_context(cfg, runtime.device)
+    dataset = build_dataset(cfg, train=False)
+    top1, top5 = evaluate(model.to(runtime.device), eval_loader(dataset, cfg, runtime), runtime, amp)
+    if runtime.is_main:
+        os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
+        result = {"checkpoint": cfg.MODEL.MODEL_PATH, "top1": top1, "top5": top5, "images": len(dataset)}
+        _write_text(os.path.join(cfg.OUTPUT_DIR, "eval.json"), json.dumps(result, indent=2) + "\n")
+    return top1, top5
 
 
 def _check_ranks_agree(model, runtime):

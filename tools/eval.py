@@ -1,0 +1,28 @@
+"""Evaluate a checkpoint: ``python tools/eval.py --config-file F MODEL.MODEL_PATH ckpt [KEY VALUE ...]``.
+
+Top-1/top-5 on the evaluation data of the config (the val folder, or the held-out digits), for this
+project's checkpoints and the original release's. The last line reads ``top-1 NN.NN top-5 NN.NN``; the
+numbers also go to ``OUTPUT_DIR/eval.json``. Works under ``torchrun`` too.
+"""
+
+import argparse
+import sys
+
+from vil.config import load_cfg
+from vil.engine import evaluate_checkpoint
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config-file", required=True, help="the YAML file the model was trained with")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ... (MODEL.MODEL_PATH ckpt)")
+    args = parser.parse_args()
+    try:
+        top1, top5 = evaluate_checkpoint(load_cfg(args.config_file, args.opts))
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    print(f"top-1 {top1:.2f} top-5 {top5:.2f}")
+
+
+if __name__ == "__main__":
+    main()
