@@ -7,4 +7,4 @@ COPY . .
 RUN grep -v -E '^(torch|torchvision)==' requirements.txt > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 
-CMD ["python", "tools/smoke_run.py", "--help"]
+CMD ["python", "tools/train.py", "--help"]

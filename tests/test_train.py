@@ -185,3 +185,36 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "eval.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"), *common],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 1 and done.stderr.strip() == "error: Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth."
+
+
+def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
+    data = make_folder(tmp_path / "clean", per_class=6, corrupt=False)  # a refilled batch would differ
+    # SGD: linear in the gradient (Adam would turn rounding noise in near-zero gradients into full steps).
+    common = ("MODEL.VIT.DROP_PATH", "0.0", "OPTIM.EPOCHS", "1", "SOLVER.WARMUP_EPOCHS", "0.0", "OPTIM.OPT", "sgd")
+    train(tiny_cfg(data, tmp_path / "big", *common, "DATALOADER.BSZ", "4"))
+    train(tiny_cfg(data, tmp_path / "accum", *common, "DATALOADER.BSZ", "2", "OPTIM.ACCUM_STEPS", "2"))
+    big, accum = final_weights(tmp_path / "big"), final_weights(tmp_path / "accum")
+    for key in big:
+        torch.testing.assert_close(accum[key], big[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert read_checkpoint(str(tmp_path / "accum" / "checkpoint_last.pth"))["step"] == 3
+
+
+def test_gradient_clipping_bounds_each_update(data, tmp_path):
+    common = ("MODEL.VIT.DROP_PATH", "0.0", "OPTIM.EPOCHS", "1", "OPTIM.OPT", "sgd", "OPTIM.MOM", "0.0",
+              "OPTIM.WD", "0.0", "SOLVER.WARMUP_EPOCHS", "0.0", "OPTIM.LR", "0.1")
+    train(tiny_cfg(data, tmp_path / "clipped", *common, "OPTIM.CLIP_GRAD", "1e-3"))
+    start = read_checkpoint(str(tmp_path / "clipped" / "checkpoint_epoch1.pth"))  # after 3 steps of lr <= 0.1
+    from vil.models import MsViT
+
+    torch.manual_seed(0)
+    initial = MsViT(TINY_ARCH, img_size=32, num_classes=2).state_dict()
+    moved = torch.sqrt(sum(((start["net"][k] - initial[k]) ** 2).sum() for k in initial if initial[k].is_floating_point()))
+    assert moved <= 3 * 0.1 * 1e-3 * 1.001  # three SGD steps, each of norm at most lr * max_norm
+
+
+def test_ema_weights_are_kept_and_differ_from_the_model(data, tmp_path):
+    train(tiny_cfg(data, tmp_path / "ema", "MODEL.EMA", "True", "MODEL.EMA_DECAY", "0.5"))
+    state = read_checkpoint(str(tmp_path / "ema" / "checkpoint_last.pth"))
+    assert state["ema"].keys() == state["net"].keys()
+    assert any(not torch.equal(state["ema"][k], state["net"][k]) for k in state["net"])
+    assert "top1_ema" in (tmp_path / "ema" / "log.txt").read_text()

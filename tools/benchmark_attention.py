@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from vil.ops import available_backends, default_backend, local_attention_2d
+from vil.profiling import PeakMemory
 
 SDPA = "sdpa (full attention)"
 REFERENCE_MAX_TOKENS = 56 * 56  # the naive masked reference needs tokens^2 memory: skipped above this
@@ -47,14 +48,6 @@ def parse_args(argv=None):
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one point, print JSON
     return p.parse_args(argv)
-
-
-def _resident_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
 def measure(args, backend, size):
@@ -89,23 +82,14 @@ def measure(args, backend, size):
 
     # Memory first, on the process's first call: later calls reuse pages the allocator kept, which the
     # resident set would not show.
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+    with PeakMemory(device) as peak:
         run()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        before = _resident_kb("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the high-water mark to the current resident set
-        run()
-        peak = (_resident_kb("VmHWM") - before) * 1024
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return min(times), peak / 2**20
+    return min(times), peak.mib
 
 
 def run_point(args, backend, size):

@@ -15,11 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vil.config import load_cfg
 from vil.models import build_model
-
-
-def _resident_mib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+from vil.profiling import PeakMemory
 
 
 def main():
@@ -67,15 +63,8 @@ def main():
         return args.batch * args.steps / (time.perf_counter() - start)
 
     model.train()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    before = _resident_mib("VmRSS") if device.type == "cpu" else 0
-    if device.type == "cpu":
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    train_step()
-    sync()
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _resident_mib("VmHWM") - before
+    with PeakMemory(device) as peak:
+        train_step()
     train_speed = timed(train_step)
     model.eval()
     with torch.no_grad():
@@ -84,7 +73,7 @@ def main():
     print(f"| model | ATTN_TYPE | device | batch | params | GMACs | train img/s | infer img/s | train peak memory (MiB) |")
     print(f"|---|---|---|---|---|---|---|---|---|")
     print(f"| {name} | {cfg.MODEL.VIT.MSVIT.ATTN_TYPE} | {args.device} | {args.batch} | {params / 1e6:.2f}M | {macs / 1e9:.2f} | "
-          f"{train_speed:.1f} | {infer_speed:.1f} | {peak:.0f} |")
+          f"{train_speed:.1f} | {infer_speed:.1f} | {peak.mib:.0f} |")
 
 
 if __name__ == "__main__":

@@ -5,20 +5,15 @@ project's checkpoints and the original release's. The last line reads ``top-1 NN
 numbers also go to ``OUTPUT_DIR/eval.json``. Works under ``torchrun`` too.
 """
 
-import argparse
 import sys
 
-from vil.config import load_cfg
+from vil.config import config_from_command_line
 from vil.engine import evaluate_checkpoint
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config-file", required=True, help="the YAML file the model was trained with")
-    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ... (MODEL.MODEL_PATH ckpt)")
-    args = parser.parse_args()
     try:
-        top1, top5 = evaluate_checkpoint(load_cfg(args.config_file, args.opts))
+        top1, top5 = evaluate_checkpoint(config_from_command_line(__doc__.split("\n\n")[0]))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     print(f"top-1 {top1:.2f} top-5 {top5:.2f}")

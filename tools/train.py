@@ -4,20 +4,15 @@ Config overrides follow the file, as in the original release. With ``torchrun --
 with DistributedDataParallel. Running the same command again resumes from ``OUTPUT_DIR/checkpoint_last.pth``.
 """
 
-import argparse
 import sys
 
-from vil.config import load_cfg
+from vil.config import config_from_command_line
 from vil.engine import train
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config-file", required=True, help="a YAML file, e.g. configs/vil_digits.yaml")
-    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
-    args = parser.parse_args()
     try:
-        train(load_cfg(args.config_file, args.opts))
+        train(config_from_command_line(__doc__.split("\n\n")[0]))
     except (ValueError, FileNotFoundError, FloatingPointError) as e:
         sys.exit(f"error: {e}")
 

@@ -159,3 +159,14 @@ def load_cfg(config_file=None, overrides=()):
         raise ValueError(f"Unknown config key {key}: it is not one of the keys defined in vil/config.py.") from None
     cfg.freeze()
     return cfg
+
+
+def config_from_command_line(description, argv=None):
+    """The tools' command line, ``--config-file F [KEY VALUE ...]``, as a config from :func:`load_cfg`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config-file", required=True, help="a YAML file under configs/")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
+    args = parser.parse_args(argv)
+    return load_cfg(args.config_file, args.opts)
