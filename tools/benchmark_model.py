@@ -69,10 +69,9 @@ def main():
     model.eval()
     with torch.no_grad():
         infer_speed = timed(lambda: model(images))
-    name = cfg.MODEL.VIT.MSVIT.ARCH if len(cfg.MODEL.VIT.MSVIT.ARCH) < 40 else args.config_file
     print(f"| model | ATTN_TYPE | device | batch | params | GMACs | train img/s | infer img/s | train peak memory (MiB) |")
     print(f"|---|---|---|---|---|---|---|---|---|")
-    print(f"| {name} | {cfg.MODEL.VIT.MSVIT.ATTN_TYPE} | {args.device} | {args.batch} | {params / 1e6:.2f}M | {macs / 1e9:.2f} | "
+    print(f"| {args.config_file} | {cfg.MODEL.VIT.MSVIT.ATTN_TYPE} | {args.device} | {args.batch} | {params / 1e6:.2f}M | {macs / 1e9:.2f} | "
           f"{train_speed:.1f} | {infer_speed:.1f} | {peak.mib:.0f} |")
 
 

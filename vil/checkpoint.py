@@ -15,15 +15,15 @@ import torch
 _DERIVED_KEYS = ("relative_position_index",)
 
 
-def save_checkpoint(path, model, **extra):
-    """Write ``{"net": model.state_dict(), **extra}`` to ``path`` atomically: a crash never leaves a broken file."""
-    state = {"net": _unwrap(model).state_dict(), **extra}
+def atomic_write(path, write):
+    """Write a file through ``write(binary_file)`` into a temporary file beside ``path``, then rename it over
+    ``path``: a crash never leaves a broken file, and an old one stays intact until the new one is complete."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pth")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -31,6 +31,12 @@ def save_checkpoint(path, model, **extra):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def save_checkpoint(path, model, **extra):
+    """Write ``{"net": model.state_dict(), **extra}`` to ``path`` atomically."""
+    state = {"net": _unwrap(model).state_dict(), **extra}
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def read_checkpoint(path):

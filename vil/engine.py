@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from .checkpoint import load_checkpoint, model_state, read_checkpoint, save_checkpoint
+from .checkpoint import atomic_write, load_checkpoint, model_state, read_checkpoint, save_checkpoint
 from .data import build_dataset, build_loss, build_mixup, collate_skipping
 from .models import build_model
 from .models.attention import LongformerAttention
@@ -159,7 +159,8 @@ def train(cfg):
     if cfg.AMP.ENABLED and runtime.device.type != "cuda":
         log.info("AMP.ENABLED applies on CUDA; this run trains in float32 on the CPU.")
     batch, accum = cfg.DATALOADER.BSZ, cfg.OPTIM.ACCUM_STEPS
-    if build_mixup(cfg) is not None and batch % 2:
+    mixup = build_mixup(cfg)
+    if mixup is not None and batch % 2:
         raise ValueError(f"Mixup/CutMix pairs the samples of a batch, so DATALOADER.BSZ must be even, not {batch}.")
     batches_per_epoch = len(train_set) // runtime.world // batch
     if batches_per_epoch < accum:
@@ -168,7 +169,6 @@ def train(cfg):
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch)
     ema = ModelEmaV3(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None
-    mixup = build_mixup(cfg)
     criterion = build_loss(cfg, mixup)
     net = DistributedDataParallel(model) if runtime.world > 1 else model
 
@@ -330,13 +330,9 @@ def _peak_rss_mib():
 
 
 def _write_text(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _copy(source, target):
-    """Copy a file atomically (a temporary file, then a rename)."""
-    shutil.copyfile(source, target + ".tmp")
-    os.replace(target + ".tmp", target)
+    with open(source, "rb") as src:
+        atomic_write(target, lambda f: shutil.copyfileobj(src, f))
