@@ -8,7 +8,9 @@ import torch
 from vil.ops import available_backends, default_backend, local_attention_2d
 from vil.ops.backends.reference import window_pairs
 
-FAST_BACKENDS = [b for b in available_backends() if b != "reference"]
+# The Triton kernels have their own tests (tests/test_triton_kernels.py: interpreter, smaller problems), and
+# so has FlexAttention (no backward on the CPU).
+FAST_BACKENDS = [b for b in available_backends() if b not in ("reference", "triton", "flex")]
 CPU = torch.device("cpu")
 
 
@@ -46,6 +48,20 @@ def test_reference_window_exact():
     # Exact window of radius 1 around (2, 2) in a 5x5 map; truncated at the corner for (0, 0).
     assert visible(5, 5, 1, 1, 0, (2, 2)) == box(1, 4, 1, 4)
     assert visible(5, 5, 1, 1, 0, (0, 0)) == box(0, 2, 0, 2)
+
+
+def test_reference_window_dilated():
+    # Dilation 2, radius 1 around (3, 3) in a 7x7 map: rows and columns 1, 3, 5; at (0, 1): rows 0, 2, columns 1, 3.
+    def visible_dilated(query):
+        allowed, index = window_pairs(7, 7, 1, 1, 0, CPU, 2)
+        row = allowed[query[0] * 7 + query[1]]
+        return {(int(i) // 7, int(i) % 7) for i in row.nonzero().flatten()}, index[query[0] * 7 + query[1]]
+
+    keys, index = visible_dilated((3, 3))
+    assert keys == {(i, j) for i in (1, 3, 5) for j in (1, 3, 5)}
+    # The bias row counts offsets in steps of the dilation: key (1, 5) is (a, b) = (1, -1) steps away.
+    assert index[1 * 7 + 5] == (1 + 1) * 3 + (-1 + 1)
+    assert visible_dilated((0, 1))[0] == {(i, j) for i in (0, 2) for j in (1, 3)}
 
 
 def test_reference_window_modes():
@@ -203,6 +219,63 @@ def test_default_backend_is_a_fast_one():
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_dilation_runs_per_sub_lattice(backend):
+    # Backends without dilated windows of their own compute each sub-lattice of equal residues separately.
+    for X, Y, w, d in ((9, 7, 2, 2), (8, 10, 1, 3)):
+        inputs = make_inputs(X, Y, w, 1, rel=True, glob_bias=True)
+        leaves = [t for t in inputs.values() if t is not None]
+        outs = []
+        for name in ("reference", backend):
+            out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], w, exact=1, dilation=d, backend=name,
+                                     **{k: v for k, v in inputs.items() if k not in "qkv"})
+            outs.append((out, torch.autograd.grad(out.square().sum(), leaves)))
+        torch.testing.assert_close(outs[1][0], outs[0][0])
+        for got, want in zip(outs[1][1], outs[0][1]):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("exact,mode", WINDOWS)
+def test_flex_forward_matches_reference(exact, mode):
+    # On the CPU torch's FlexAttention runs forward only (the gradients are tested on CUDA below).
+    for X, Y, w, G in ((7, 9, 2, 2), (5, 4, 7, 0)):
+        inputs = make_inputs(X, Y, w, G, rel=True, glob_bias=True, dtype=torch.float32, D=16)
+        with torch.no_grad():
+            expected, _ = run_forward("reference", inputs, w, exact, mode)
+            out, _ = run_forward("flex", inputs, w, exact, mode)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    inputs = make_inputs(9, 8, 1, 1, rel=True, glob_bias=True, dtype=torch.float32, D=16)
+    with torch.no_grad():
+        torch.testing.assert_close(run_forward("flex", inputs, 1, 1, 0, dilation=2)[0],
+                                   run_forward("reference", inputs, 1, 1, 0, dilation=2)[0], rtol=1e-5, atol=1e-5)
+
+
+def run_forward(backend, inputs, window, exact, mode, dilation=1):
+    kw = {name: t for name, t in inputs.items() if name not in ("q", "k", "v")}
+    return local_attention_2d(inputs["q"], inputs["k"], inputs["v"], window, exact=exact, mode=mode,
+                              dilation=dilation, backend=backend, **kw), kw
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's FlexAttention has no backward on the CPU")
+@pytest.mark.parametrize("exact,mode", [(1, 0), (0, 0), (-1, 0), (0, 3), (-1, -1)])
+def test_flex_gradients_match_reference_on_cuda(exact, mode):
+    for (X, Y, w), G in itertools.product(SHAPES[:4], (0, 1)):
+        inputs = {n: None if t is None else t.detach().float().cuda().requires_grad_()
+                  for n, t in make_inputs(X, Y, w, G, rel=True, glob_bias=True, D=16).items()}
+        expected, expected_grads = run("reference", inputs, w, exact, mode)
+        out, grads = run("flex", inputs, w, exact, mode)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_flex_refuses_to_train_on_the_cpu():
+    inputs = make_inputs(6, 6, 2, 1, rel=True, glob_bias=True, dtype=torch.float32, D=16)
+    with pytest.raises(ValueError, match=r"^The flex backend cannot train on the CPU: torch's FlexAttention has no CPU "
+                                         r"backward; use backend 'sliding_chunk' there, or flex on a CUDA GPU\.$"):
+        run("flex", inputs, 2, 0, 0)
+
+
 # --- Bad input: one plain sentence each. ---
 
 def _qkv(shape=(1, 2, 4, 4, 8), **kw):
@@ -221,6 +294,8 @@ def _qkv(shape=(1, 2, 4, 4, 8), **kw):
         (dict(global_k=torch.randn(1, 2, 1, 4), global_v=torch.randn(1, 2, 1, 4)), "global_k must have shape (B, heads, G, head_dim)"),
         (dict(rel_bias=torch.randn(2, 10)), "rel_bias must have shape (heads, (4w-1)**2) = (2, 49)"),
         (dict(global_bias=torch.randn(2, 1)), "global_bias needs global_k and global_v"),
+        (dict(dilation=2), "dilation 2 needs the exact window (SW_EXACT 1); chunked windows take dilation 1"),
+        (dict(exact=1, dilation=0), "dilation must be a positive integer, got 0"),
     ],
 )
 def test_bad_arguments_are_one_sentence(kwargs, message):
@@ -260,7 +335,7 @@ def test_half_precision_inputs(backend, dtype, tolerance):
         torch.testing.assert_close(got.float(), want, rtol=3 * tolerance, atol=3 * tolerance)
 
 
-@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("backend", FAST_BACKENDS + ["reference"])
 def test_bias_tables_of_another_dtype_are_cast(backend):
     # float32 parameters next to half-precision activations, as under autocast: no error, same result.
     inputs = make_inputs(7, 9, 3, 1, rel=True, glob_bias=True, dtype=torch.float32)
@@ -271,7 +346,7 @@ def test_bias_tables_of_another_dtype_are_cast(backend):
     assert grads[-2].dtype == torch.float64 and grads[-1].dtype == torch.float64
 
 
-@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("backend", FAST_BACKENDS + ["reference"])
 def test_empty_inputs(backend):
     q, k, v = (torch.randn(2, 2, 5, 6, 4) for _ in range(3))
     none = torch.randn(2, 2, 0, 4)  # zero global keys

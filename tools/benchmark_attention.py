@@ -4,13 +4,18 @@
 Default problem: one attention layer of ViL-Small's first stage (batch 4, 3 heads x 32, w=7, one global
 token), fp32. Every point runs in a fresh process, so that one point's memory cannot hide another's:
 on the CPU its peak is the rise of the process's resident-set high-water mark (reset through
-``/proc/self/clear_refs`` just before the measured call) over the resident set before it; on CUDA,
-``torch.cuda.max_memory_allocated`` over the memory allocated before it. Both include the outputs and
-gradients; neither includes the inputs. Memory is taken on the first call of the fresh process (later
-calls reuse pages the allocator kept); time is the best of ``--repeats`` calls after it.
+``/proc/self/clear_refs`` just before the measured call) over the resident set before it, taken on the
+process's first call (later calls reuse pages the allocator kept); on CUDA, ``torch.cuda.max_memory_allocated``
+over the memory allocated before it, taken after one warm-up call (compilation and kernel tuning allocate
+scratch memory of their own). Both include the outputs and gradients; neither includes the inputs. The last
+column puts the inputs plus that peak over the inputs, outputs and their gradients (1.0: no memory beyond
+them). Time is the best of ``--repeats`` calls.
 
     python tools/benchmark_attention.py                      # CPU, maps 28, 56, 84
-    python tools/benchmark_attention.py --device cuda --dtype bfloat16 --sizes 28 56 112
+    python tools/benchmark_attention.py --device cuda --dtype bfloat16 --batch 64 --rel-bias --sizes 28 56 112
+
+On CUDA the default backends are ``triton``, ``flex`` (compiled) and ``sliding_chunk``; on the CPU, those that
+run there.
 """
 
 import argparse
@@ -36,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--sizes", type=int, nargs="+", default=[28, 56, 84], help="feature-map sides")
-    p.add_argument("--backends", nargs="+", default=available_backends(), help="local attention backends")
+    p.add_argument("--backends", nargs="+", help="local attention backends (default: those for the device)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=32)
@@ -60,6 +65,7 @@ def measure(args, backend, size):
 
     if backend == SDPA:
         leaves = [rand(B, H, size * size + G, D) for _ in range(3)]
+        out_numel = leaves[0].numel()
 
         def step():
             F.scaled_dot_product_attention(*leaves).backward(torch.ones(B, H, size * size + G, D, device=device, dtype=dtype))
@@ -68,6 +74,7 @@ def measure(args, backend, size):
         gk, gv = (rand(B, H, G, D), rand(B, H, G, D)) if G else (None, None)
         rel = rand(H, (4 * args.window - 1) ** 2) if args.rel_bias else None
         leaves = [t for t in (q, k, v, gk, gv, rel) if t is not None]
+        out_numel = q.numel()
 
         def step():
             out = local_attention_2d(q, k, v, args.window, exact=args.exact, global_k=gk, global_v=gv, rel_bias=rel, backend=backend)
@@ -80,7 +87,9 @@ def measure(args, backend, size):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    # Memory first, on the process's first call: later calls reuse pages the allocator kept, which the
+    if device.type == "cuda":
+        run()  # compilation and tuning first: they allocate scratch memory of their own
+    # On the CPU, memory on the process's first call: later calls reuse pages the allocator kept, which the
     # resident set would not show.
     with PeakMemory(device) as peak:
         run()
@@ -89,7 +98,9 @@ def measure(args, backend, size):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return min(times), peak.mib
+    input_bytes = sum(t.numel() for t in leaves) * leaves[0].element_size()
+    io_bytes = 2 * input_bytes + 2 * out_numel * leaves[0].element_size()  # inputs, output, their gradients
+    return min(times), peak.mib, (input_bytes + peak.mib * 2**20) / io_bytes
 
 
 def run_point(args, backend, size):
@@ -128,6 +139,9 @@ def main():
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda was asked for, but torch sees no CUDA device here.")
+    if args.backends is None:
+        args.backends = (["triton", "flex", "sliding_chunk"] if args.device == "cuda"
+                         else ["sliding_chunk", "sliding_chunk_autograd", "reference"])
     for backend in args.backends:
         if backend not in available_backends():
             sys.exit(f"Unknown backend {backend!r}; available: {', '.join(available_backends())}.")
@@ -138,8 +152,8 @@ def main():
         f"{args.num_global} global, SW_EXACT {args.exact}, {'relative bias, ' if args.rel_bias else ''}{args.dtype} on {args.device}; "
         f"best of {args.repeats}; backend=None picks {default!r}",
         "",
-        "| map | backend | time (ms) | peak memory (MiB) | vs SDPA |",
-        "|---|---|---|---|---|",
+        "| map | backend | time (ms) | peak memory (MiB) | vs SDPA | memory / (inputs, outputs, gradients) |",
+        "|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     summary = []
@@ -149,16 +163,22 @@ def main():
         best_local = None
         for name, result in results.items():
             if isinstance(result, str):
-                row = f"| {size}x{size} | {name} | {result} | | |"
+                row = f"| {size}x{size} | {name} | {result} | | | |"
             else:
                 speedup = f"{sdpa[0] / result[0]:.2f}x" if not isinstance(sdpa, str) else ""
-                row = f"| {size}x{size} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {speedup} |"
+                row = f"| {size}x{size} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {speedup} | {result[2]:.2f} |"
                 if name not in (SDPA, "reference") and (best_local is None or result[0] < best_local[1][0]):
                     best_local = (name, result)
             lines.append(row)
             print(row, flush=True)
         if best_local and not isinstance(sdpa, str):
             summary.append(f"{size}x{size}: fastest local backend {best_local[0]} is {sdpa[0] / best_local[1][0]:.2f}x faster than SDPA")
+        fused = results.get("triton")
+        if isinstance(fused, tuple):
+            others = [f"{result[0] / fused[0]:.2f}x {name}" for name, result in results.items()
+                      if name != "triton" and isinstance(result, tuple)]
+            summary.append(f"{size}x{size}: triton's speed-up over {', '.join(others)}; its memory is {fused[2]:.2f}x "
+                           f"the inputs, outputs and gradients")
     lines += [""] + summary
     print("\n" + "\n".join(summary))
     if args.markdown:

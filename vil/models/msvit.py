@@ -195,7 +195,14 @@ class MsViT(nn.Module):
 
 
 # Attention implementations by MODEL.VIT.MSVIT.ATTN_TYPE: the local_attention_2d backend, or "full".
-ATTN_TYPES = {"full": "full", "longformerhand": "sliding_chunk", "longformerauto": "sliding_chunk_autograd"}
+ATTN_TYPES = {
+    "full": "full",
+    "longformerhand": "sliding_chunk",
+    "longformerauto": "sliding_chunk_autograd",
+    "longformer_triton": "triton",
+    "longformer_cuda": "triton",  # the original release's name for its custom kernel
+    "longformer_flex": "flex",
+}
 
 
 def build_model(cfg):

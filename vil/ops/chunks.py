@@ -87,15 +87,17 @@ class ChunkPlan:
     groups: tuple
 
 
-@lru_cache(maxsize=64)
-def chunk_plan(rows, cols, window, exact, mode, device):
-    w, S = window, window * window
-    mx, my = -(-rows // w), -(-cols // w)
+def neighbour_slots(mx, my, exact, mode):
+    """Which chunk each chunk of an ``mx x my`` grid reads through each of its neighbour offsets.
+
+    Returns ``(offsets, neighbour, used)``: the offsets (:func:`neighbour_offsets`), the row-major index of the
+    chunk each chunk reaches through each offset (wrapped around cyclically), ``(C, n)``, and whether that slot
+    is read, ``(C, n)`` bool: not outside the grid (zero padding), and not a second way to the same chunk
+    (wrap-around with fewer than 3 chunks along an axis), so that every key is counted once."""
     C = mx * my
     offsets = neighbour_offsets(exact, mode)
     n = len(offsets)
     off = torch.tensor(offsets)  # (n, 2)
-
     ci = torch.arange(mx).repeat_interleave(my)  # chunk row of each flat chunk
     cj = torch.arange(my).repeat(mx)
     nbr_i = ci[:, None] + off[None, :, 0]  # (C, n), nominal neighbour chunk row
@@ -103,16 +105,27 @@ def chunk_plan(rows, cols, window, exact, mode, device):
     wrapped_i, wrapped_j = nbr_i % mx, nbr_j % my
     neighbour = wrapped_i * my + wrapped_j
     if exact == -1:
-        # With fewer than 3 chunks along an axis, several offsets reach the same chunk: keep each key once,
-        # seen through the offset that wraps around the fewest axes (the direct one where there is one).
+        # Several offsets reaching the same chunk: keep the one that wraps around the fewest axes (the direct
+        # one where there is one).
         wraps = (nbr_i != wrapped_i).long() + (nbr_j != wrapped_j).long()
-        slot_used = torch.ones(C, n, dtype=torch.bool)
+        used = torch.ones(C, n, dtype=torch.bool)
         for s in range(n):
             same = neighbour == neighbour[:, s : s + 1]
             rank_before = (wraps < wraps[:, s : s + 1]) | ((wraps == wraps[:, s : s + 1]) & (torch.arange(n) < s))
-            slot_used[:, s] = ~(same & rank_before).any(dim=1)
+            used[:, s] = ~(same & rank_before).any(dim=1)
     else:
-        slot_used = (nbr_i >= 0) & (nbr_i < mx) & (nbr_j >= 0) & (nbr_j < my)
+        used = (nbr_i >= 0) & (nbr_i < mx) & (nbr_j >= 0) & (nbr_j < my)
+    return offsets, neighbour, used
+
+
+@lru_cache(maxsize=64)
+def chunk_plan(rows, cols, window, exact, mode, device):
+    w, S = window, window * window
+    mx, my = -(-rows // w), -(-cols // w)
+    C = mx * my
+    offsets, neighbour, slot_used = neighbour_slots(mx, my, exact, mode)
+    off = torch.tensor(offsets)  # (n, 2)
+    wrapped_i, wrapped_j = neighbour // my, neighbour % my
 
     # Group the chunks by the number of slots they use, most first.
     counts = slot_used.sum(1)

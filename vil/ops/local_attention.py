@@ -3,9 +3,15 @@
 Every backend computes the same function (see :func:`local_attention_2d` and the README); they differ in
 speed and memory only. A backend is a plain function
 ``fn(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale)`` that receives
-validated arguments.
+validated arguments; backends that compute dilated windows themselves also take ``dilation``.
 """
 
+import logging
+
+import torch
+
+from .backends.flex import flex
+from .backends.fused_triton import check_fused_triton, fused_triton
 from .backends.reference import reference
 from .backends.sliding_chunk import sliding_chunk
 from .backends.sliding_chunk_autograd import sliding_chunk_autograd
@@ -13,10 +19,16 @@ from .backends.sliding_chunk_autograd import sliding_chunk_autograd
 _BACKENDS = {
     "sliding_chunk": sliding_chunk,
     "sliding_chunk_autograd": sliding_chunk_autograd,
+    "triton": fused_triton,
+    "flex": flex,
     "reference": reference,
 }
-# The fastest backend, as measured by tools/benchmark_attention.py (see BENCHMARKS.md).
+# Backends that take ``dilation``; the others run once per sub-lattice of equal residues (see _per_sub_lattice).
+_DILATION_BACKENDS = {"triton", "flex", "reference"}
+# The fastest backend measured on the CPU by tools/benchmark_attention.py (see BENCHMARKS.md).
 _DEFAULT = "sliding_chunk"
+_log = logging.getLogger(__name__)
+_logged_choices = set()
 
 
 def available_backends():
@@ -25,9 +37,16 @@ def available_backends():
 
 
 def default_backend(device, dtype):
-    """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: today the same everywhere,
-    ``sliding_chunk``, the fastest at the map sizes where local attention pays (see BENCHMARKS.md)."""
+    """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: ``sliding_chunk``, the fastest
+    measured (see BENCHMARKS.md). The Triton kernels are chosen explicitly (``backend="triton"``, ATTN_TYPE
+    ``longformer_triton``) until GPU measurements make them the default there."""
     return _DEFAULT
+
+
+def _log_choice(device, dtype, backend):
+    if (device.type, dtype, backend) not in _logged_choices:
+        _logged_choices.add((device.type, dtype, backend))
+        _log.info("local_attention_2d: backend %r for %s on %s (backend=None).", backend, dtype, device.type)
 
 
 def local_attention_2d(
@@ -43,6 +62,7 @@ def local_attention_2d(
     rel_bias=None,
     global_bias=None,
     scale=None,
+    dilation=1,
     backend=None,
 ):
     """Local attention of every position of a 2D map to its window, plus G global keys in the same softmax.
@@ -61,11 +81,15 @@ def local_attention_2d(
             Both bias tables may have another floating dtype than q (e.g. float32 parameters under
             autocast); they are cast to q's dtype.
         scale: factor of the scores; ``head_dim ** -0.5`` when None.
+        dilation: with exact 1, keys at ``(qi + dilation*a, qj + dilation*b)``, ``|a|, |b| <= w``, as in dilated
+            neighborhood attention; the bias row uses ``(a, b)`` as the offsets.
         backend: one of :func:`available_backends`; None: :func:`default_backend`.
     """
     _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias)
+    check_window_options(exact, mode, dilation)
     if backend is None:
         backend = default_backend(q.device, q.dtype)
+        _log_choice(q.device, q.dtype, backend)
     if backend not in _BACKENDS:
         raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(_BACKENDS)}.")
     if scale is None:
@@ -77,17 +101,48 @@ def local_attention_2d(
     global_bias = None if global_bias is None else global_bias.to(q.dtype)
     if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
         backend = "reference"
-    return _BACKENDS[backend](q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale)
+    fn = _BACKENDS[backend]
+    args = (window, exact, mode, global_k, global_v, rel_bias, global_bias, scale)
+    if dilation == 1:
+        return fn(q, k, v, *args)
+    if backend in _DILATION_BACKENDS:
+        return fn(q, k, v, *args, dilation=dilation)
+    return _per_sub_lattice(fn, q, k, v, dilation, args)
 
 
-def check_window_options(exact, mode):
-    """Raise ``ValueError`` unless ``exact`` (SW_EXACT) and ``mode`` (MODE) are valid together."""
+def _per_sub_lattice(fn, q, k, v, dilation, args):
+    """Dilated exact windows for a backend without them: the positions whose row and column have the same
+    residues modulo ``dilation`` form a map of their own, on which the window is the undilated one."""
+    out = torch.empty_like(q)
+    for r in range(dilation):
+        for c in range(dilation):
+            part = (slice(None), slice(None), slice(r, None, dilation), slice(c, None, dilation))
+            out[part] = fn(q[part].contiguous(), k[part].contiguous(), v[part].contiguous(), *args)
+    return out
+
+
+def check_backend(backend, head_dim, window, exact=0, mode=0, dilation=1):
+    """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these options (device and dtype
+    are checked when it runs)."""
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(_BACKENDS)}.")
+    check_window_options(exact, mode, dilation)
+    if backend == "triton":
+        check_fused_triton(head_dim, window)
+
+
+def check_window_options(exact, mode, dilation=1):
+    """Raise ``ValueError`` unless ``exact`` (SW_EXACT), ``mode`` (MODE) and ``dilation`` are valid together."""
     if exact not in (1, 0, -1):
         raise ValueError(f"exact (SW_EXACT) must be 1, 0 or -1, got {exact!r}.")
     if mode not in range(-1, 9):
         raise ValueError(f"mode (MODE) must be 0, -1 or one of 1..8, got {mode!r}.")
     if exact == 1 and mode != 0:
         raise ValueError(f"mode (MODE) {mode} needs chunked windows (SW_EXACT 0 or -1); the exact window (SW_EXACT 1) takes mode 0 only.")
+    if not isinstance(dilation, int) or dilation < 1:
+        raise ValueError(f"dilation must be a positive integer, got {dilation!r}.")
+    if dilation > 1 and exact != 1:
+        raise ValueError(f"dilation {dilation} needs the exact window (SW_EXACT 1); chunked windows take dilation 1.")
 
 
 def _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias):

@@ -11,16 +11,17 @@ import torch
 
 
 @lru_cache(maxsize=4)  # tokens^2 entries each
-def window_pairs(rows, cols, window, exact, mode, device):
+def window_pairs(rows, cols, window, exact, mode, device, dilation=1):
     """For every (query, key) pair of an ``rows x cols`` map: may the query see the key, and which row
     of the ``(4w-1)^2`` relative bias table applies. Returns ``(allowed, bias_index)``, both ``(N, N)``."""
-    w = window
+    w, d = window, dilation
     pos = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
     qi, qj = pos[:, 0, None], pos[:, 1, None]  # queries along dim 0
     ki, kj = pos[None, :, 0], pos[None, :, 1]  # keys along dim 1
     if exact == 1:
-        allowed = ((qi - ki).abs() <= w) & ((qj - kj).abs() <= w)
-        di, dj = qi - ki, qj - kj
+        # Keys at qi + d*a, |a| <= w; the bias is indexed by a (offsets in units of the dilation).
+        allowed = ((qi - ki).abs() <= w * d) & ((qj - kj).abs() <= w * d) & ((qi - ki) % d == 0) & ((qj - kj) % d == 0)
+        di, dj = (qi - ki).div(d, rounding_mode="floor"), (qj - kj).div(d, rounding_mode="floor")
     else:
         mx, my = -(-rows // w), -(-cols // w)
         if mode == 0:
@@ -51,9 +52,9 @@ def window_pairs(rows, cols, window, exact, mode, device):
     return allowed.to(device), bias_index.to(device)
 
 
-def reference(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
+def reference(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale, dilation=1):
     B, H, X, Y, D = q.shape
-    allowed, bias_index = window_pairs(X, Y, window, exact, mode, q.device)
+    allowed, bias_index = window_pairs(X, Y, window, exact, mode, q.device, dilation)
     qf, kf, vf = (t.reshape(B, H, X * Y, D) for t in (q, k, v))
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if rel_bias is not None:

@@ -1,0 +1,589 @@
+"""Fused 2D local attention (ViL's conv-like windows) in Triton.
+
+The map is cut into chunks of ``C x C`` tokens (``C = W`` for ViL's chunked windows). One program handles a
+tile of a query chunk (``BQI`` of its rows), and loops over the key chunks of its window (the 3x3 neighbour
+chunks, or the 1 or 2 of the random-shift modes) with an online softmax, after the G global keys, all in one
+softmax. A chunk is laid out as ``P x P`` tokens, ``P`` a power of two >= C, so that a token's row and column
+inside its chunk are ``t // P`` and ``t % P``; tokens with a row or column >= C, or outside the map, are padding
+and are masked.
+
+Which chunk a query chunk reads through each neighbour offset (or none: outside the map with zero padding, or
+a duplicate under wrap-around) comes from a small table built on the host, as does the transposed table the
+key-centric backward uses. Relative offsets for the bias are taken "as if neighbour chunks were adjacent":
+``qi - ki - a * C`` for in-chunk rows and the chunk offset ``a``.
+
+SW_EXACT 1 uses chunks of ``C = P`` tokens, whose 3x3 neighbours cover every ``(2W+1)^2`` window of a chunk's
+queries, and masks by distance. Dilation ``DIL`` (SW_EXACT 1 only) runs the same on each of the ``DIL^2`` sub-lattices of
+positions with equal row and column residues modulo ``DIL``; all indices are lattice indices.
+
+Forward: one pass, saves the output and the base-2 log-sum-exp. Backward, by recomputation:
+``_bwd_delta_kernel`` (rowsum(dO * O)), ``_bwd_dkdv_kernel`` (key-centric: loops over the query chunks that see a
+key chunk), ``_bwd_dq_kernel`` (query-centric: dQ, and per-program partial sums for the global keys' and the
+bias tables' gradients, which the host adds up in a fixed order, so results are deterministic).
+"""
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from vil.ops.chunks import neighbour_slots
+
+HEAD_DIMS = (16, 32, 48, 64, 96, 128)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_WINDOW = 16
+LOG2E = 1.4426950408889634
+
+
+def interpreting():
+    """Whether Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Allocator of every buffer a kernel writes; tests replace it with one that fills buffers with NaN.
+new_output = torch.empty
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile(chunk, first_row, res_i, res_j, X, Y, MY, C: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr,
+          DIL: tl.constexpr):
+    """The ``ROWS x P`` tokens from row ``first_row`` of lattice chunk ``chunk``: in-chunk row and column, map row
+    and column, and whether the token exists."""
+    t = tl.arange(0, ROWS * P)
+    row = first_row + t // P
+    col = t % P
+    x = res_i + DIL * ((chunk // MY) * C + row)
+    y = res_j + DIL * ((chunk % MY) * C + col)
+    return row, col, x, y, (row < C) & (col < C) & (x < X) & (y < Y)
+
+
+@triton.jit
+def _load_tile(base, stride_x, stride_y, x, y, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    ptrs = base + x[:, None] * stride_x + y[:, None] * stride_y + d[None, :]
+    return tl.load(ptrs, mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _store_tile(base, stride_x, stride_y, x, y, valid, value, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    ptrs = base + x[:, None] * stride_x + y[:, None] * stride_y + d[None, :]
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _load_globals(base, stride_g, G, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(base + g[:, None] * stride_g + d[None, :], mask=(g[:, None] < G) & (d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _global_scores(q, gk, global_bias, G, qk_scale, BLOCK_G: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """Base-2 scores of the tile's queries against the global keys: (queries, BLOCK_G), -inf past G."""
+    g = tl.arange(0, BLOCK_G)
+    s = tl.dot(q, tl.trans(gk), input_precision=DOT_PRECISION) * qk_scale
+    if HAS_GLOBAL_BIAS:
+        s += tl.load(global_bias + g, mask=g < G, other=0.0).to(tl.float32)[None, :] * 1.4426950408889634
+    return tl.where((g < G)[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_scale, W: tl.constexpr,
+                  C: tl.constexpr, EXACT: tl.constexpr, HAS_REL_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  KEY_MAJOR: tl.constexpr = False):
+    """Base-2 scores of a query tile against a key tile of the neighbour chunk at offset (a, b):
+    (queries, keys), -inf where the key is not in the query's window. With KEY_MAJOR, the caller passes the
+    key tile as ``q`` and the query tile as ``k`` (positions likewise, offset negated) and gets (keys, queries)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    di = q_row[:, None] - k_row[None, :] - a * C
+    dj = q_col[:, None] - k_col[None, :] - b * C
+    if KEY_MAJOR:
+        di, dj = -di, -dj
+    allowed = (q_row < C)[:, None] & k_valid[None, :]
+    if EXACT == 1:
+        allowed = allowed & (di <= W) & (di >= -W) & (dj <= W) & (dj >= -W)
+    if HAS_REL_BIAS:
+        index = (di + 2 * W - 1) * (4 * W - 1) + (dj + 2 * W - 1)
+        s += tl.load(rel_bias + index, mask=allowed, other=0.0).to(tl.float32) * 1.4426950408889634
+    return tl.where(allowed, s, float("-inf"))
+
+
+@triton.jit
+def _rel_bias_grad(ds, q_row0, k_row0, a, b, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, BQI: tl.constexpr,
+                   BKI: tl.constexpr, BT: tl.constexpr):
+    """Sums of a (BQI*P, BKI*P) tile of score gradients per relative offset, as a (BT, BT) block of the
+    (4W-1) x (4W-1) bias table: two products with one-hot matrices, after regrouping the tile so that rows
+    pair a query row with a key row and columns a query column with a key column."""
+    ds = tl.reshape(ds, (BQI, P, BKI, P))
+    ds = tl.permute(ds, (0, 2, 1, 3))
+    ds = tl.reshape(ds, (BQI * BKI, P * P))
+    pair = tl.arange(0, BQI * BKI)
+    row_bin = (q_row0 + pair // BKI) - (k_row0 + pair % BKI) - a * C + 2 * W - 1
+    col = tl.arange(0, P * P)
+    col_bin = col // P - col % P - b * C + 2 * W - 1
+    bins = tl.arange(0, BT)
+    by_col = tl.dot(ds, (col_bin[:, None] == bins[None, :]).to(tl.float32), input_precision="tf32x3")
+    return tl.dot((bins[:, None] == row_bin[None, :]).to(tl.float32), by_col, input_precision="tf32x3")
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, GK, GV, REL_BIAS, GLOBAL_BIAS, NEIGHBOURS, OFFSETS, O, LSE,
+    s_qb, s_qh, s_qx, s_qy, s_kb, s_kh, s_kx, s_ky, s_vb, s_vh, s_vx, s_vy, s_ob, s_oh, s_ox, s_oy,
+    s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg,
+    H, X, Y, MY, N_CHUNKS, G, qk_scale,
+    W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, EXACT: tl.constexpr, N_OFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr, HAS_REL_BIAS: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
+    BQI: tl.constexpr, BKI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
+    b_idx, h = bh // H, bh % H
+    sub = tile % (P // BQI)
+    chunk = (tile // (P // BQI)) % N_CHUNKS
+    residue = tile // ((P // BQI) * N_CHUNKS)
+    res_i, res_j = residue // DIL, residue % DIL
+
+    q_row, q_col, qx, qy, q_valid = _tile(chunk, sub * BQI, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
+    q = _load_tile(Q + b_idx * s_qb + h * s_qh, s_qx, s_qy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
+    rel_bias = REL_BIAS + h * (4 * W - 1) * (4 * W - 1)
+
+    m_i = tl.full([BQI * P], -1.0e30, tl.float32)
+    l_i = tl.zeros([BQI * P], tl.float32)
+    acc = tl.zeros([BQI * P, BLOCK_D], tl.float32)
+    if HAS_GLOBAL:
+        gk = _load_globals(GK + b_idx * s_gkb + h * s_gkh, s_gkg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
+        gv = _load_globals(GV + b_idx * s_gvb + h * s_gvh, s_gvg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
+        s_g = _global_scores(q, gk, GLOBAL_BIAS + h * G, G, qk_scale, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
+        m_i = tl.maximum(m_i, tl.max(s_g, 1))
+        p_g = tl.exp2(s_g - m_i[:, None])
+        l_i = tl.sum(p_g, 1)
+        acc = tl.dot(p_g.to(gv.dtype), gv, input_precision=DOT_PRECISION)
+
+    for o in range(N_OFF):
+        key_chunk = tl.load(NEIGHBOURS + chunk * N_OFF + o)
+        a = tl.load(OFFSETS + 2 * o)
+        b = tl.load(OFFSETS + 2 * o + 1)
+        if key_chunk >= 0:
+            for kb in tl.static_range(P // BKI):
+                k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
+                k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+                v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+                s = _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_scale, W, C, EXACT,
+                                  HAS_REL_BIAS, DOT_PRECISION)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    _store_tile(O + b_idx * s_ob + h * s_oh, s_ox, s_oy, qx, qy, q_valid, acc / l_safe[:, None], HEAD_DIM, BLOCK_D)
+    tl.store(LSE + bh * X * Y + qx * Y + qy, m_i + tl.log2(l_safe), mask=q_valid)
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, s_ob, s_oh, s_ox, s_oy, s_db, s_dh, s_dx, s_dy, H, X, Y,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """delta = rowsum(dO * O) per query, the softmax backward's correction term."""
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
+    b_idx, h = bh // H, bh % H
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x, y, valid = n // Y, n % Y, n < X * Y
+    o = _load_tile(O + b_idx * s_ob + h * s_oh, s_ox, s_oy, x, y, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
+    do = _load_tile(DO + b_idx * s_db + h * s_dh, s_dx, s_dy, x, y, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
+    tl.store(DELTA + bh * X * Y + n, tl.sum(o * do, 1), mask=valid)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, REL_BIAS, LSE, DELTA, NEIGHBOURS_T, OFFSETS, DK, DV,
+    s_qb, s_qh, s_qx, s_qy, s_kb, s_kh, s_kx, s_ky, s_vb, s_vh, s_vx, s_vy, s_db, s_dh, s_dx, s_dy,
+    H, X, Y, MY, N_CHUNKS, qk_scale, scale,
+    W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, EXACT: tl.constexpr, N_OFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_REL_BIAS: tl.constexpr,
+    BQI: tl.constexpr, BKI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK and dV of a key tile: a loop over the query chunks that see its chunk (the transposed table).
+    DK and DV are contiguous."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
+    b_idx, h = bh // H, bh % H
+    sub = tile % (P // BKI)
+    chunk = (tile // (P // BKI)) % N_CHUNKS
+    residue = tile // ((P // BKI) * N_CHUNKS)
+    res_i, res_j = residue // DIL, residue % DIL
+
+    k_row, k_col, kx, ky, k_valid = _tile(chunk, sub * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
+    k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+    v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+    rel_bias = REL_BIAS + h * (4 * W - 1) * (4 * W - 1)
+    dk = tl.zeros([BKI * P, BLOCK_D], tl.float32)
+    dv = tl.zeros([BKI * P, BLOCK_D], tl.float32)
+
+    for o in range(N_OFF):
+        query_chunk = tl.load(NEIGHBOURS_T + chunk * N_OFF + o)
+        a = tl.load(OFFSETS + 2 * o)
+        b = tl.load(OFFSETS + 2 * o + 1)
+        if query_chunk >= 0:
+            for qb in tl.static_range(P // BQI):
+                q_row, q_col, qx, qy, q_valid = _tile(query_chunk, qb * BQI, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
+                q = _load_tile(Q + b_idx * s_qb + h * s_qh, s_qx, s_qy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
+                do = _load_tile(DO + b_idx * s_db + h * s_dh, s_dx, s_dy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
+                lse = tl.load(LSE + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
+                delta = tl.load(DELTA + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
+                # Key-major (keys, queries) tiles: the products with Q and dO need no transposed copies.
+                s_t = _local_scores(k, q, k_row, k_col, q_row, q_col, q_valid, -a, -b, rel_bias, qk_scale, W, C,
+                                    EXACT, HAS_REL_BIAS, DOT_PRECISION, KEY_MAJOR=True)
+                p_t = tl.where(q_valid[None, :], tl.exp2(s_t - lse[None, :]), 0.0)
+                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+
+    base = bh * X * Y * HEAD_DIM
+    _store_tile(DK + base, Y * HEAD_DIM, HEAD_DIM, kx, ky, k_valid, dk * scale, HEAD_DIM, BLOCK_D)
+    _store_tile(DV + base, Y * HEAD_DIM, HEAD_DIM, kx, ky, k_valid, dv, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, GK, GV, DO, REL_BIAS, GLOBAL_BIAS, LSE, DELTA, NEIGHBOURS, OFFSETS,
+    DQ, DGK_PART, DGV_PART, DGB_PART, DRB_PART,
+    s_qb, s_qh, s_qx, s_qy, s_kb, s_kh, s_kx, s_ky, s_vb, s_vh, s_vx, s_vy, s_db, s_dh, s_dx, s_dy,
+    s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg,
+    B, H, X, Y, MY, N_CHUNKS, G, BATCH_PER_PROGRAM, qk_scale, scale,
+    W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, EXACT: tl.constexpr, N_OFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BT: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr, HAS_REL_BIAS: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
+    BQI: tl.constexpr, BKI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dQ of a query tile for BATCH_PER_PROGRAM batch entries, plus this program's partial sums:
+    DGK_PART/DGV_PART (B, H, tiles, G, HEAD_DIM) per batch entry, DGB_PART (groups, H, tiles, BLOCK_G) and
+    DRB_PART (groups, H, tiles, BT, BT) summed over its batch entries. DQ is contiguous."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    group = tl.program_id(2)
+    n_tiles = tl.num_programs(0)
+    sub = tile % (P // BQI)
+    chunk = (tile // (P // BQI)) % N_CHUNKS
+    residue = tile // ((P // BQI) * N_CHUNKS)
+    res_i, res_j = residue // DIL, residue % DIL
+
+    q_row, q_col, qx, qy, q_valid = _tile(chunk, sub * BQI, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
+    rel_bias = REL_BIAS + h * (4 * W - 1) * (4 * W - 1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    dgb = tl.zeros([BLOCK_G], tl.float32)
+    drb = tl.zeros([BT, BT], tl.float32)
+
+    for i in range(BATCH_PER_PROGRAM):
+        b_idx = (group * BATCH_PER_PROGRAM + i).to(tl.int64)
+        if b_idx < B:
+            bh = b_idx * H + h
+            q = _load_tile(Q + b_idx * s_qb + h * s_qh, s_qx, s_qy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
+            do = _load_tile(DO + b_idx * s_db + h * s_dh, s_dx, s_dy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
+            lse = tl.load(LSE + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
+            delta = tl.load(DELTA + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
+            dq = tl.zeros([BQI * P, BLOCK_D], tl.float32)
+            if HAS_GLOBAL:
+                gk = _load_globals(GK + b_idx * s_gkb + h * s_gkh, s_gkg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
+                gv = _load_globals(GV + b_idx * s_gvb + h * s_gvh, s_gvg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
+                s_g = _global_scores(q, gk, GLOBAL_BIAS + h * G, G, qk_scale, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
+                p_g = tl.where(q_valid[:, None], tl.exp2(s_g - lse[:, None]), 0.0)
+                dp_g = tl.dot(do, tl.trans(gv), input_precision=DOT_PRECISION)
+                ds_g = p_g * (dp_g - delta[:, None])
+                dq += tl.dot(ds_g.to(gk.dtype), gk, input_precision=DOT_PRECISION)
+                dgb += tl.sum(ds_g, 0)
+                part = ((bh * n_tiles + tile) * G + g[:, None]) * HEAD_DIM + d[None, :]
+                part_mask = (g[:, None] < G) & (d[None, :] < HEAD_DIM)
+                dgk = tl.dot(tl.trans(ds_g.to(q.dtype)), q, input_precision=DOT_PRECISION)
+                tl.store(DGK_PART + part, dgk, mask=part_mask)
+                dgv = tl.dot(tl.trans(p_g.to(do.dtype)), do, input_precision=DOT_PRECISION)
+                tl.store(DGV_PART + part, dgv, mask=part_mask)
+
+            for o in range(N_OFF):
+                key_chunk = tl.load(NEIGHBOURS + chunk * N_OFF + o)
+                a = tl.load(OFFSETS + 2 * o)
+                b = tl.load(OFFSETS + 2 * o + 1)
+                if key_chunk >= 0:
+                    for kb in tl.static_range(P // BKI):
+                        k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
+                        k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+                        v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+                        s = _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_scale, W, C,
+                                          EXACT, HAS_REL_BIAS, DOT_PRECISION)
+                        p = tl.where(q_valid[:, None], tl.exp2(s - lse[:, None]), 0.0)
+                        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+                        ds = p * (dp - delta[:, None])
+                        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+                        if HAS_REL_BIAS:
+                            drb += _rel_bias_grad(ds, sub * BQI, kb * BKI, a, b, W, C, P, BQI, BKI, BT)
+            _store_tile(DQ + bh * X * Y * HEAD_DIM, Y * HEAD_DIM, HEAD_DIM, qx, qy, q_valid, dq * scale, HEAD_DIM, BLOCK_D)
+
+    slot = (group * H + h) * n_tiles + tile
+    if HAS_GLOBAL_BIAS:
+        tl.store(DGB_PART + slot * BLOCK_G + g, dgb)
+    if HAS_REL_BIAS:
+        t = tl.arange(0, BT)
+        tl.store(DRB_PART + (slot * BT + t[:, None]) * BT + t[None, :], drb)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Geometry:
+    """The lattice, chunks and neighbour tables of one (map size, window, SW_EXACT, mode, dilation)."""
+
+    window: int  # W: chunk size (SW_EXACT 0, -1) or window radius (SW_EXACT 1)
+    chunk: int  # C: tokens per chunk side
+    chunk_pad: int  # P: the power of two >= C that tiles are laid out in
+    dilation: int
+    exact: int
+    chunk_cols: int  # MY
+    num_chunks: int
+    neighbours: torch.Tensor  # (chunks, slots) int32: key chunk read through each slot, -1 for none
+    neighbours_t: torch.Tensor  # (chunks, slots) int32: query chunk that reads this chunk through each slot
+    offsets: torch.Tensor  # (slots, 2) int32: the slot's chunk offset (a, b)
+
+    @property
+    def num_slots(self):
+        return self.offsets.shape[0]
+
+    def tiles(self, rows_per_tile):
+        """Programs along the map for tiles of ``rows_per_tile`` chunk rows (all sub-lattices)."""
+        return self.dilation**2 * self.num_chunks * (self.chunk_pad // rows_per_tile)
+
+
+@lru_cache(maxsize=64)
+def _geometry(rows, cols, window, exact, mode, dilation, device):
+    chunk_pad = max(4, triton.next_power_of_2(window))
+    # Exact windows of radius W lie within the 3x3 chunks around a query's chunk for any chunk side >= W, so
+    # those chunks fill their tiles; ViL's chunked windows are defined by chunks of W.
+    chunk = chunk_pad if exact == 1 else window
+    lattice_rows, lattice_cols = -(-rows // dilation), -(-cols // dilation)
+    mx, my = -(-lattice_rows // chunk), -(-lattice_cols // chunk)
+    offsets, neighbour, used = neighbour_slots(mx, my, exact, mode)
+    table = torch.where(used, neighbour, -1)
+    # For slot s the map from query chunk to key chunk is one-to-one, so it can be inverted slot by slot.
+    table_t = torch.full_like(table, -1)
+    for s in range(table.shape[1]):
+        reads = table[:, s] >= 0
+        table_t[table[reads, s], s] = torch.arange(table.shape[0])[reads]
+    return _Geometry(
+        window=window,
+        chunk=chunk,
+        chunk_pad=chunk_pad,
+        dilation=dilation,
+        exact=exact,
+        chunk_cols=my,
+        num_chunks=mx * my,
+        neighbours=table.to(device, torch.int32).contiguous(),
+        neighbours_t=table_t.to(device, torch.int32).contiguous(),
+        offsets=torch.tensor(offsets, dtype=torch.int32, device=device).contiguous(),
+    )
+
+
+def _tile_shapes(chunk_pad):
+    """Candidate (query rows, key rows) per program: whole chunk rows up to 128 tokens, and half that. Every tile
+    has at least 16 tokens (Triton's smallest product) and the bias-gradient regrouping at least 16 row pairs."""
+    rows = min(chunk_pad, 128 // chunk_pad)
+    shapes = [(q, k) for q in (rows, rows // 2) for k in (rows, rows // 2)]
+    return [(q, k) for q, k in shapes if q * chunk_pad >= 16 and k * chunk_pad >= 16 and q * k >= 16]
+
+
+_TUNED = {}
+
+
+def _tuned_launch(name, key, launch):
+    """Run ``launch(query_rows, key_rows, num_warps)`` with the fastest candidate tile shape for ``key``, measured
+    on the first call and cached for the process; shapes that need more shared memory than the GPU has are
+    skipped. The interpreter takes the first candidate."""
+    chunk_pad = key[0]
+    candidates = [(bq, bk, 4 if bq * chunk_pad <= 64 else 8) for bq, bk in _tile_shapes(chunk_pad)]
+    if (name, key) not in _TUNED:
+        if interpreting() or len(candidates) == 1:
+            _TUNED[name, key] = candidates[0]
+        else:
+            timings = {}
+            for config in candidates:
+                try:
+                    timings[config] = triton.testing.do_bench(lambda: launch(*config))
+                except OutOfResources:
+                    continue
+            if not timings:
+                raise RuntimeError(f"No tile shape of the triton backend's {name} kernel fits this GPU for {key}.")
+            _TUNED[name, key] = min(timings, key=timings.get)
+    return launch(*_TUNED[name, key])
+
+
+def _dot_precision(dtype):
+    """Float32 products follow torch's TF32 switch: TF32, or else three TF32 products (about float32's
+    accuracy, still on tensor cores). Half-precision products ignore the setting."""
+    return "tf32x3" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+
+
+def _strides4(t):
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+def _forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
+    B, H, X, Y, D = q.shape
+    G = 0 if gk is None else gk.shape[2]
+    o = new_output(q.shape, dtype=q.dtype, device=q.device)
+    lse = new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
+    dummy = q.new_empty(0)
+    key = (geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
+
+    def launch(bq, bk, warps):
+        _fwd_kernel[(geo.tiles(bq), B * H)](
+            q, k, v, gk if G else dummy, gv if G else dummy, dummy if rel_bias is None else rel_bias,
+            dummy if global_bias is None else global_bias, geo.neighbours, geo.offsets, o, lse,
+            *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
+            *(gk.stride()[:3] if G else (0, 0, 0)), *(gv.stride()[:3] if G else (0, 0, 0)),
+            H, X, Y, geo.chunk_cols, geo.num_chunks, G, scale * LOG2E,
+            W=geo.window, C=geo.chunk, P=geo.chunk_pad, DIL=geo.dilation, EXACT=geo.exact, N_OFF=geo.num_slots,
+            HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
+            HAS_GLOBAL=G > 0, HAS_REL_BIAS=rel_bias is not None, HAS_GLOBAL_BIAS=global_bias is not None,
+            BQI=bq, BKI=bk, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps,
+        )
+
+    _tuned_launch("forward", key, launch)
+    return o, lse
+
+
+def _backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
+    B, H, X, Y, D = q.shape
+    G = 0 if gk is None else gk.shape[2]
+    BLOCK_D, BLOCK_G = triton.next_power_of_2(D), max(16, triton.next_power_of_2(G))
+    BT = max(16, triton.next_power_of_2(4 * geo.window - 1))
+    dummy = q.new_empty(0)
+    precision = _dot_precision(q.dtype)
+    common = dict(W=geo.window, C=geo.chunk, P=geo.chunk_pad, DIL=geo.dilation, EXACT=geo.exact, N_OFF=geo.num_slots,
+                  HEAD_DIM=D, BLOCK_D=BLOCK_D, HAS_REL_BIAS=rel_bias is not None, DOT_PRECISION=precision)
+    key = (geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
+    rel = dummy if rel_bias is None else rel_bias
+
+    delta = new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
+    BLOCK_N = 64
+    _bwd_delta_kernel[(triton.cdiv(X * Y, BLOCK_N), B * H)](
+        o, do, delta, *_strides4(o), *_strides4(do), H, X, Y, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N
+    )
+
+    dk = new_output(k.shape, dtype=k.dtype, device=k.device)
+    dv = new_output(v.shape, dtype=v.dtype, device=v.device)
+
+    def launch_dkdv(bq, bk, warps):
+        _bwd_dkdv_kernel[(geo.tiles(bk), B * H)](
+            q, k, v, do, rel, lse, delta, geo.neighbours_t, geo.offsets, dk, dv,
+            *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do),
+            H, X, Y, geo.chunk_cols, geo.num_chunks, scale * LOG2E, scale,
+            BQI=bq, BKI=bk, num_warps=warps, **common,
+        )
+
+    _tuned_launch("backward_dkdv", key, launch_dkdv)
+
+    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
+    result = {}
+
+    def launch_dq(bq, bk, warps):
+        tiles = geo.tiles(bq)
+        # Enough programs to fill a GPU; each adds up its batch entries, which bounds the partial sums' size.
+        groups = min(B, max(1, -(-2048 // (tiles * H))))
+        per_program = -(-B // groups)
+        groups = -(-B // per_program)
+        dgk = new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
+        dgv = new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
+        dgb = new_output((groups, H, tiles, BLOCK_G), dtype=torch.float32, device=q.device) if global_bias is not None else dummy
+        drb = new_output((groups, H, tiles, BT, BT), dtype=torch.float32, device=q.device) if rel_bias is not None else dummy
+        _bwd_dq_kernel[(tiles, H, groups)](
+            q, k, v, gk if G else dummy, gv if G else dummy, do, rel,
+            dummy if global_bias is None else global_bias, lse, delta, geo.neighbours, geo.offsets,
+            dq, dgk, dgv, dgb, drb,
+            *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do),
+            *(gk.stride()[:3] if G else (0, 0, 0)), *(gv.stride()[:3] if G else (0, 0, 0)),
+            B, H, X, Y, geo.chunk_cols, geo.num_chunks, G, per_program, scale * LOG2E, scale,
+            BLOCK_G=BLOCK_G, BT=BT, HAS_GLOBAL=G > 0, HAS_GLOBAL_BIAS=global_bias is not None,
+            BQI=bq, BKI=bk, num_warps=warps, **common,
+        )
+        result.update(dgk=dgk, dgv=dgv, dgb=dgb, drb=drb)
+
+    _tuned_launch("backward_dq", key, launch_dq)
+
+    grads = dict(dq=dq, dk=dk, dv=dv, dgk=None, dgv=None, drb=None, dgb=None)
+    if G:
+        grads["dgk"] = (result["dgk"].sum(2) * scale).to(gk.dtype)
+        grads["dgv"] = result["dgv"].sum(2).to(gv.dtype)
+    if global_bias is not None:
+        grads["dgb"] = result["dgb"].sum((0, 2))[:, :G].to(global_bias.dtype)
+    if rel_bias is not None:
+        T = 4 * geo.window - 1
+        grads["drb"] = result["drb"].sum((0, 2))[:, :T, :T].reshape(H, T * T).to(rel_bias.dtype)
+    return grads
+
+
+class _LocalAttention2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale):
+        o, lse = _forward(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale)
+        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, o, lse)
+        ctx.geo, ctx.scale = geo, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, gk, gv, rel_bias, global_bias, o, lse = ctx.saved_tensors
+        if do.stride(-1) != 1:
+            do = do.contiguous()
+        g = _backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, ctx.geo, ctx.scale)
+        return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"], None, None
+
+
+def check_supported(head_dim, window, dtype=None, device=None, batch_heads=1):
+    """Raise ``ValueError`` with one sentence if the kernels cannot take these inputs (``dtype`` and ``device``
+    are checked where given)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"The triton backend takes head_dim {', '.join(map(str, HEAD_DIMS))}, got {head_dim}.")
+    if window > MAX_WINDOW:
+        raise ValueError(f"The triton backend takes windows 1..{MAX_WINDOW}, got {window}.")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"The triton backend takes float32, float16 or bfloat16 inputs, got {dtype}.")
+    if device is not None and device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"The triton backend runs on CUDA GPUs (or on the CPU under TRITON_INTERPRET=1, for tests), but the "
+            f"inputs are on {device}; use backend 'sliding_chunk' there."
+        )
+    if device is not None and device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
+        raise ValueError("The triton backend needs a GPU of compute capability 8.0 or newer for bfloat16; use float16.")
+    if batch_heads > 65535:
+        raise ValueError(f"The triton backend takes at most 65535 batch x heads, got {batch_heads}.")
+
+
+def local_attention_2d_triton(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale,
+                              dilation=1):
+    """ViL local attention with the fused kernels; arguments as :func:`vil.ops.local_attention_2d` (validated)."""
+    check_supported(q.shape[-1], window, q.dtype, q.device, q.shape[0] * q.shape[1])
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if global_k is not None:
+        global_k, global_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (global_k, global_v))
+    rel_bias = None if rel_bias is None else rel_bias.contiguous()
+    global_bias = None if global_bias is None else global_bias.contiguous()
+    B, H, X, Y, D = q.shape
+    geo = _geometry(X, Y, window, exact, mode, dilation, q.device)
+    return _LocalAttention2d.apply(q, k, v, global_k, global_v, rel_bias, global_bias, geo, float(scale))

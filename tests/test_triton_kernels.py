@@ -1,0 +1,242 @@
+"""The fused Triton kernels against the reference backend, run by Triton's CPU interpreter (tests/conftest.py),
+or on a CUDA GPU with ``TRITON_INTERPRET=0 python -m pytest tests/test_triton_kernels.py``.
+
+Interpreted kernels are slow, so problems are small (one or two heads of 16 channels, maps of a few chunks);
+every output buffer a kernel writes is filled with NaN first, so that an element it fails to write fails.
+"""
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the triton package is not installed; the triton backend cannot run here")
+
+from vil.config import load_cfg  # noqa: E402
+from vil.models import build_model  # noqa: E402
+from vil.ops import local_attention_2d  # noqa: E402
+from vil_kernels import local_attention as kernels  # noqa: E402
+
+DEVICE = torch.device("cpu" if kernels.interpreting() or not torch.cuda.is_available() else "cuda")
+
+# What the kernels must cover, as (X, Y, w, exact, mode, G, rel_bias, global_bias, dilation): every SW_EXACT,
+# the random-shift modes, 0/1/2 global keys, each bias table alone and together, odd map sizes, maps smaller
+# than a chunk or of one chunk along an axis (duplicate neighbours under wrap-around), w 1..7, dilation 2 and 3.
+CASES = [
+    (7, 8, 3, 0, 0, 1, True, True, 1),
+    (9, 7, 2, 0, 0, 2, True, False, 1),
+    (6, 10, 3, 0, 0, 0, False, False, 1),
+    (7, 7, 3, -1, 0, 1, True, True, 1),
+    (5, 7, 3, -1, 0, 2, True, True, 1),  # 2 x 3 chunks: wrapped neighbours coincide
+    (3, 8, 4, -1, 0, 1, False, True, 1),  # one chunk row
+    (8, 6, 3, 1, 0, 1, True, True, 1),
+    (9, 9, 1, 1, 0, 0, True, False, 1),
+    (11, 5, 2, 1, 0, 2, False, True, 1),
+    (6, 7, 3, 0, -1, 1, True, True, 1),
+    (7, 7, 2, 0, 1, 1, True, True, 1),
+    (8, 7, 3, 0, 5, 2, True, False, 1),
+    (6, 6, 3, -1, 2, 1, True, True, 1),
+    (5, 8, 3, -1, 8, 0, True, False, 1),
+    (4, 6, 3, -1, 3, 1, False, True, 1),  # modes with wrap-around onto the own chunk
+    (6, 5, 7, 0, 0, 1, True, True, 1),  # the map is smaller than w
+    (10, 9, 5, 0, 0, 1, True, True, 1),  # w 5..8: 8 x 8 chunk tiles
+    (9, 10, 6, 1, 0, 1, True, False, 1),
+    (9, 9, 7, -1, 0, 1, True, True, 1),
+    (9, 8, 1, 1, 0, 1, True, True, 2),  # dilation
+    (11, 7, 2, 1, 0, 0, True, False, 2),
+    (10, 9, 1, 1, 0, 2, False, True, 3),
+]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every buffer the kernels write starts as NaN (or the smallest integer), and the tuning cache is fresh."""
+
+    def poisoned(*shape, dtype=None, device=None):
+        out = torch.empty(*shape, dtype=dtype, device=device)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(torch.iinfo(out.dtype).min)
+
+    monkeypatch.setattr(kernels, "new_output", poisoned)
+    monkeypatch.setattr(kernels, "_TUNED", {})
+
+
+def make_inputs(X, Y, w, G, rel, glob, B=1, H=2, D=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype).requires_grad_()
+
+    inputs = dict(q=rand(B, H, X, Y, D), k=rand(B, H, X, Y, D), v=rand(B, H, X, Y, D))
+    inputs["global_k"] = rand(B, H, G, D) if G else None
+    inputs["global_v"] = rand(B, H, G, D) if G else None
+    inputs["rel_bias"] = rand(H, (4 * w - 1) ** 2) if rel else None
+    inputs["global_bias"] = rand(H, G) if glob and G else None
+    return inputs
+
+
+def run(backend, inputs, w, exact=0, mode=0, dilation=1):
+    kw = {name: t for name, t in inputs.items() if name not in ("q", "k", "v")}
+    out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], w, exact=exact, mode=mode, dilation=dilation,
+                             backend=backend, **kw)
+    leaves = [t for t in inputs.values() if t is not None]
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    return out, torch.autograd.grad(out, leaves, upstream)
+
+
+def assert_matches_reference(inputs, w, exact=0, mode=0, dilation=1, tolerance=2e-5):
+    """Output and every gradient of the kernels against the reference, computed in float64."""
+    wide = {n: None if t is None else t.detach().double().requires_grad_() for n, t in inputs.items()}
+    expected, expected_grads = run("reference", wide, w, exact, mode, dilation)
+    out, grads = run("triton", inputs, w, exact, mode, dilation)
+    assert out.dtype == inputs["q"].dtype
+    names = ["output"] + [n for n, t in inputs.items() if t is not None]
+    for name, got, want in zip(names, (out, *grads), (expected, *expected_grads)):
+        assert got.dtype == inputs[name].dtype if name != "output" else True
+        torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("X,Y,w,exact,mode,G,rel,glob,dilation", CASES)
+def test_matches_reference(X, Y, w, exact, mode, G, rel, glob, dilation):
+    assert_matches_reference(make_inputs(X, Y, w, G, rel, glob), w, exact, mode, dilation)
+
+
+def test_batch_of_several_and_strided_inputs():
+    # Two batch entries (the backward adds up the bias gradients over them), q/k/v as views of one tensor.
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 7, 6, 3, 2, 16, generator=gen).to(DEVICE).requires_grad_()
+    inputs = make_inputs(7, 6, 3, 1, True, True, B=2)
+    q, k, v = (qkv[:, :, :, i].permute(0, 3, 1, 2, 4) for i in range(3))
+    inputs.update(q=q, k=k, v=v)
+    assert not q.is_contiguous()
+    assert_matches_reference(inputs, 3, 0, 0)
+
+
+@pytest.mark.parametrize("D", [32, 48, 96, 128])
+def test_head_dims(D):
+    # 48 and 96 are not powers of two: the kernels mask the channels past them.
+    assert_matches_reference(make_inputs(6, 5, 2, 1, True, True, H=1, D=D), 2, 0, 0)
+
+
+@pytest.mark.parametrize("w,shape", [(5, (8, 4)), (6, (4, 8)), (7, (4, 4)), (9, (8, 8)), (10, (4, 4))])
+def test_every_tile_shape(monkeypatch, w, shape):
+    # The interpreter runs the first candidate tile shape; tuning on a GPU may pick any other. Chunks of 5..8
+    # tokens are 8 x 8 tiles, of 9..16 tokens 16 x 16, split into (query rows, key rows) per program.
+    assert shape in kernels._tile_shapes(max(4, 1 << (w - 1).bit_length()))
+    monkeypatch.setattr(kernels, "_tile_shapes", lambda chunk_pad: [shape])
+    X, Y = (12, 11) if w < 9 else (11, 13)
+    assert_matches_reference(make_inputs(X, Y, w, 1, True, True, H=1), w, 0 if w != 9 else 1, 0)
+
+
+def test_tile_shapes_fit_the_products():
+    for chunk_pad in (4, 8, 16):
+        shapes = kernels._tile_shapes(chunk_pad)
+        assert shapes and shapes[0][0] * chunk_pad >= 16
+        for q_rows, k_rows in shapes:
+            assert chunk_pad % q_rows == 0 and chunk_pad % k_rows == 0
+            assert q_rows * chunk_pad >= 16 and k_rows * chunk_pad >= 16 and q_rows * k_rows >= 16
+
+
+def test_float16():
+    inputs = make_inputs(7, 9, 3, 1, True, True, dtype=torch.float16)
+    assert_matches_reference(inputs, 3, 0, 0, tolerance=1e-2)
+    assert_matches_reference(make_inputs(8, 7, 2, 1, True, True, dtype=torch.float16), 2, 1, 0, tolerance=1e-2)
+
+
+def _interpreter_multiplies_bfloat16():
+    """Triton 3.8's interpreter computes tl.dot wrongly on bfloat16 operands; probe it on a 16x16 product."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def product(a, b, out):
+        i = tl.arange(0, 16)
+        x = tl.load(a + i[:, None] * 16 + i[None, :])
+        y = tl.load(b + i[:, None] * 16 + i[None, :])
+        tl.store(out + i[:, None] * 16 + i[None, :], tl.dot(x, y))
+
+    a = torch.eye(16, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.full((16, 16), 2.0, dtype=torch.bfloat16, device=DEVICE)
+    out = torch.empty(16, 16, device=DEVICE)
+    product[(1,)](a, b, out)
+    return torch.equal(out, b.float())
+
+
+def test_bfloat16():
+    if not _interpreter_multiplies_bfloat16():
+        pytest.skip("this Triton interpreter computes tl.dot on bfloat16 operands wrongly (a 16x16 probe fails)")
+    assert_matches_reference(make_inputs(7, 9, 3, 1, True, True, dtype=torch.bfloat16), 3, 0, 0, tolerance=3e-2)
+
+
+def test_bias_tables_of_float32_under_half_inputs():
+    # Float32 parameters next to float16 activations, as under autocast: gradients come back in float32.
+    inputs = make_inputs(6, 6, 2, 1, True, True, dtype=torch.float16)
+    inputs["rel_bias"] = inputs["rel_bias"].detach().float().requires_grad_()
+    inputs["global_bias"] = inputs["global_bias"].detach().float().requires_grad_()
+    _, grads = run("triton", inputs, 2)
+    assert grads[-2].dtype == torch.float32 and grads[-1].dtype == torch.float32
+
+
+def _tiny_cfg(attn_type):
+    arch = "l1,h2,d32,n1,s1,g1,p4,f3,a0_l2,h1,d32,n1,s1,g1,p2,f2,a0_l3,h1,d32,n1,s0,g1,p2,f2,a0"
+    return load_cfg(None, ["MODEL.VIT.MSVIT.ARCH", arch, "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type,
+                           "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "5", "MODEL.VIT.DROP_PATH", "0.0"])
+
+
+@pytest.mark.parametrize("attn_type", ["longformer_triton", "longformer_cuda"])
+def test_model_gives_the_logits_of_longformerhand(attn_type):
+    torch.manual_seed(0)
+    hand = build_model(_tiny_cfg("longformerhand")).eval().to(DEVICE)
+    fused = build_model(_tiny_cfg(attn_type)).eval().to(DEVICE)
+    with torch.no_grad():  # relative bias tables start near zero: make them count
+        for name, param in hand.named_parameters():
+            if "relative_position" in name:
+                param.normal_()
+    fused.load_state_dict(hand.state_dict())
+    images = torch.randn(2, 3, 32, 32, device=DEVICE)
+    torch.testing.assert_close(fused(images), hand(images), rtol=1e-4, atol=1e-4)
+
+
+# --- Bad input: one plain sentence each. ---
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(D=40), "The triton backend takes head_dim 16, 32, 48, 64, 96, 128, got 40."),
+        (dict(dtype=torch.float64), "The triton backend takes float32, float16 or bfloat16 inputs, got torch.float64."),
+        (dict(w=17), "The triton backend takes windows 1..16, got 17."),
+    ],
+)
+def test_unsupported_inputs_are_one_sentence(change, message):
+    w = change.pop("w", 2)
+    inputs = make_inputs(4, 4, w, 0, False, False, **change)
+    with pytest.raises(ValueError) as err:
+        run("triton", inputs, w)
+    assert str(err.value) == message
+
+
+def test_cpu_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"runs on CUDA GPUs \(or on the CPU under TRITON_INTERPRET=1, for tests\), "
+                                         r"but the inputs are on cpu; use backend 'sliding_chunk' there\.$"):
+        run("triton", make_inputs(4, 4, 2, 0, False, False), 2)
+
+
+def test_model_with_an_unsupported_head_dim_is_refused_at_build():
+    cfg = _tiny_cfg("longformer_triton")
+    cfg.defrost()
+    cfg.MODEL.VIT.MSVIT.ARCH = cfg.MODEL.VIT.MSVIT.ARCH.replace("d32", "d40", 1)
+    with pytest.raises(ValueError, match="^The triton backend takes head_dim 16, 32, 48, 64, 96, 128, got 20.$"):
+        build_model(cfg)
+
+
+def test_kernels_compile_for_a_gpu():
+    # The interpreter does not compile; this does, for sm_90, every candidate tile shape of ViL-Small's variant.
+    import os
+    import subprocess
+
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "tools/compile_kernels.py", "--arch", "90", "--variant", "bfloat16,32,7,0"],
+                          capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("| sm_90 |") == 1 + 3 * len(kernels._tile_shapes(8))
