@@ -54,6 +54,21 @@ new_output = torch.empty
 
 
 @triton.jit
+def _split_tile_index(tile, N_CHUNKS, P: tl.constexpr, ROWS: tl.constexpr, DIL: tl.constexpr):
+    """Program index along the map -> (first chunk row of the tile, chunk, sub-lattice row and column residue)."""
+    sub = tile % (P // ROWS)
+    chunk = (tile // (P // ROWS)) % N_CHUNKS
+    residue = tile // ((P // ROWS) * N_CHUNKS)
+    return sub * ROWS, chunk, residue // DIL, residue % DIL
+
+
+@triton.jit
+def _neighbour(TABLE, OFFSETS, chunk, o, N_OFF: tl.constexpr):
+    """Slot ``o`` of a chunk's row of a neighbour table: the other chunk (-1: none) and the slot's offset (a, b)."""
+    return tl.load(TABLE + chunk * N_OFF + o), tl.load(OFFSETS + 2 * o), tl.load(OFFSETS + 2 * o + 1)
+
+
+@triton.jit
 def _tile(chunk, first_row, res_i, res_j, X, Y, MY, C: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr,
           DIL: tl.constexpr):
     """The ``ROWS x P`` tokens from row ``first_row`` of lattice chunk ``chunk``: in-chunk row and column, map row
@@ -151,12 +166,9 @@ def _fwd_kernel(
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
     b_idx, h = bh // H, bh % H
-    sub = tile % (P // BQI)
-    chunk = (tile // (P // BQI)) % N_CHUNKS
-    residue = tile // ((P // BQI) * N_CHUNKS)
-    res_i, res_j = residue // DIL, residue % DIL
+    first_row, chunk, res_i, res_j = _split_tile_index(tile, N_CHUNKS, P, BQI, DIL)
 
-    q_row, q_col, qx, qy, q_valid = _tile(chunk, sub * BQI, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
+    q_row, q_col, qx, qy, q_valid = _tile(chunk, first_row, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
     q = _load_tile(Q + b_idx * s_qb + h * s_qh, s_qx, s_qy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
     rel_bias = REL_BIAS + h * (4 * W - 1) * (4 * W - 1)
 
@@ -173,9 +185,7 @@ def _fwd_kernel(
         acc = tl.dot(p_g.to(gv.dtype), gv, input_precision=DOT_PRECISION)
 
     for o in range(N_OFF):
-        key_chunk = tl.load(NEIGHBOURS + chunk * N_OFF + o)
-        a = tl.load(OFFSETS + 2 * o)
-        b = tl.load(OFFSETS + 2 * o + 1)
+        key_chunk, a, b = _neighbour(NEIGHBOURS, OFFSETS, chunk, o, N_OFF)
         if key_chunk >= 0:
             for kb in tl.static_range(P // BKI):
                 k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
@@ -222,12 +232,9 @@ def _bwd_dkdv_kernel(
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
     b_idx, h = bh // H, bh % H
-    sub = tile % (P // BKI)
-    chunk = (tile // (P // BKI)) % N_CHUNKS
-    residue = tile // ((P // BKI) * N_CHUNKS)
-    res_i, res_j = residue // DIL, residue % DIL
+    first_row, chunk, res_i, res_j = _split_tile_index(tile, N_CHUNKS, P, BKI, DIL)
 
-    k_row, k_col, kx, ky, k_valid = _tile(chunk, sub * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
+    k_row, k_col, kx, ky, k_valid = _tile(chunk, first_row, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
     k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
     v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
     rel_bias = REL_BIAS + h * (4 * W - 1) * (4 * W - 1)
@@ -235,9 +242,7 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BKI * P, BLOCK_D], tl.float32)
 
     for o in range(N_OFF):
-        query_chunk = tl.load(NEIGHBOURS_T + chunk * N_OFF + o)
-        a = tl.load(OFFSETS + 2 * o)
-        b = tl.load(OFFSETS + 2 * o + 1)
+        query_chunk, a, b = _neighbour(NEIGHBOURS_T, OFFSETS, chunk, o, N_OFF)
         if query_chunk >= 0:
             for qb in tl.static_range(P // BQI):
                 q_row, q_col, qx, qy, q_valid = _tile(query_chunk, qb * BQI, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
@@ -278,12 +283,9 @@ def _bwd_dq_kernel(
     h = tl.program_id(1)
     group = tl.program_id(2)
     n_tiles = tl.num_programs(0)
-    sub = tile % (P // BQI)
-    chunk = (tile // (P // BQI)) % N_CHUNKS
-    residue = tile // ((P // BQI) * N_CHUNKS)
-    res_i, res_j = residue // DIL, residue % DIL
+    first_row, chunk, res_i, res_j = _split_tile_index(tile, N_CHUNKS, P, BQI, DIL)
 
-    q_row, q_col, qx, qy, q_valid = _tile(chunk, sub * BQI, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
+    q_row, q_col, qx, qy, q_valid = _tile(chunk, first_row, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
     rel_bias = REL_BIAS + h * (4 * W - 1) * (4 * W - 1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -316,9 +318,7 @@ def _bwd_dq_kernel(
                 tl.store(DGV_PART + part, dgv, mask=part_mask)
 
             for o in range(N_OFF):
-                key_chunk = tl.load(NEIGHBOURS + chunk * N_OFF + o)
-                a = tl.load(OFFSETS + 2 * o)
-                b = tl.load(OFFSETS + 2 * o + 1)
+                key_chunk, a, b = _neighbour(NEIGHBOURS, OFFSETS, chunk, o, N_OFF)
                 if key_chunk >= 0:
                     for kb in tl.static_range(P // BKI):
                         k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
@@ -331,7 +331,7 @@ def _bwd_dq_kernel(
                         ds = p * (dp - delta[:, None])
                         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
                         if HAS_REL_BIAS:
-                            drb += _rel_bias_grad(ds, sub * BQI, kb * BKI, a, b, W, C, P, BQI, BKI, BT)
+                            drb += _rel_bias_grad(ds, first_row, kb * BKI, a, b, W, C, P, BQI, BKI, BT)
             _store_tile(DQ + bh * X * Y * HEAD_DIM, Y * HEAD_DIM, HEAD_DIM, qx, qy, q_valid, dq * scale, HEAD_DIM, BLOCK_D)
 
     slot = (group * H + h) * n_tiles + tile
@@ -408,6 +408,11 @@ def _tile_shapes(chunk_pad):
     return [(q, k) for q, k in shapes if q * chunk_pad >= 16 and k * chunk_pad >= 16 and q * k >= 16]
 
 
+def num_warps(query_rows, chunk_pad):
+    """Warps per program: 4 for tiles of up to 64 queries, 8 above."""
+    return 4 if query_rows * chunk_pad <= 64 else 8
+
+
 _TUNED = {}
 
 
@@ -416,7 +421,7 @@ def _tuned_launch(name, key, launch):
     on the first call and cached for the process; shapes that need more shared memory than the GPU has are
     skipped. The interpreter takes the first candidate."""
     chunk_pad = key[0]
-    candidates = [(bq, bk, 4 if bq * chunk_pad <= 64 else 8) for bq, bk in _tile_shapes(chunk_pad)]
+    candidates = [(bq, bk, num_warps(bq, chunk_pad)) for bq, bk in _tile_shapes(chunk_pad)]
     if (name, key) not in _TUNED:
         if interpreting() or len(candidates) == 1:
             _TUNED[name, key] = candidates[0]

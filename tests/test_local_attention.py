@@ -131,11 +131,11 @@ WINDOWS = [(1, 0), (0, 0), (-1, 0)] + [(exact, mode) for exact in (0, -1) for mo
 SHAPES = [(13, 17, 3), (8, 8, 4), (5, 6, 1), (7, 9, 2), (9, 11, 7), (4, 10, 3), (2, 9, 3), (5, 4, 7)]  # last: one chunk along an axis; map smaller than w
 
 
-def make_inputs(X, Y, w, G, rel, glob_bias, B=2, H=2, D=4, dtype=torch.float64, seed=0):
+def make_inputs(X, Y, w, G, rel, glob_bias, B=2, H=2, D=4, dtype=torch.float64, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_()
+        return torch.randn(*shape, generator=gen, dtype=dtype).to(device).requires_grad_()
 
     inputs = dict(q=rand(B, H, X, Y, D), k=rand(B, H, X, Y, D), v=rand(B, H, X, Y, D))
     inputs["global_k"] = rand(B, H, G, D) if G else None

@@ -16,6 +16,7 @@ from vil.config import load_cfg  # noqa: E402
 from vil.models import build_model  # noqa: E402
 from vil.ops import local_attention_2d  # noqa: E402
 from vil_kernels import local_attention as kernels  # noqa: E402
+from test_local_attention import make_inputs as make_local_inputs  # noqa: E402
 
 DEVICE = torch.device("cpu" if kernels.interpreting() or not torch.cuda.is_available() else "cuda")
 
@@ -61,17 +62,7 @@ def poisoned_outputs(monkeypatch):
 
 
 def make_inputs(X, Y, w, G, rel, glob, B=1, H=2, D=16, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(DEVICE, dtype).requires_grad_()
-
-    inputs = dict(q=rand(B, H, X, Y, D), k=rand(B, H, X, Y, D), v=rand(B, H, X, Y, D))
-    inputs["global_k"] = rand(B, H, G, D) if G else None
-    inputs["global_v"] = rand(B, H, G, D) if G else None
-    inputs["rel_bias"] = rand(H, (4 * w - 1) ** 2) if rel else None
-    inputs["global_bias"] = rand(H, G) if glob and G else None
-    return inputs
+    return make_local_inputs(X, Y, w, G, rel, glob, B=B, H=H, D=D, dtype=dtype, seed=seed, device=DEVICE)
 
 
 def run(backend, inputs, w, exact=0, mode=0, dilation=1):

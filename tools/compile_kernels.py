@@ -69,7 +69,7 @@ def compile_variant(arch, dtype, head_dim, window, exact):
         constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
         source = triton.compiler.ASTSource(fn=kernel, signature=signature(kernel, constants, DTYPES[dtype]),
                                            constexprs=constants)
-        warps = 4 if shape is None or shape[0] * geo.chunk_pad <= 64 else 8  # as the launcher's tuner
+        warps = 4 if shape is None else kernels.num_warps(shape[0], geo.chunk_pad)
         compiled = triton.compile(source, target=target, options={"num_warps": warps})
         yield kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, shape, compiled.metadata.shared
 
