@@ -202,6 +202,8 @@ ATTN_TYPES = {
     "longformer_triton": "triton",
     "longformer_cuda": "triton",  # the original release's name for its custom kernel
     "longformer_flex": "flex",
+    "longformer_unfold": "unfold",
+    "longformer_unfold_nnf": "unfold_nnf",
 }
 
 

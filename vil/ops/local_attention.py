@@ -15,12 +15,15 @@ from .backends.fused_triton import check_fused_triton, fused_triton
 from .backends.reference import reference
 from .backends.sliding_chunk import sliding_chunk
 from .backends.sliding_chunk_autograd import sliding_chunk_autograd
+from .backends.unfold import unfold, unfold_nnf
 
 _BACKENDS = {
     "sliding_chunk": sliding_chunk,
     "sliding_chunk_autograd": sliding_chunk_autograd,
     "triton": fused_triton,
     "flex": flex,
+    "unfold": unfold,
+    "unfold_nnf": unfold_nnf,
     "reference": reference,
 }
 # Backends that take ``dilation``; the others run once per sub-lattice of equal residues (see _per_sub_lattice).

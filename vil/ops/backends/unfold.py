@@ -1,0 +1,124 @@
+"""Windows gathered by unfolding: every query's keys are copied next to it, then one batched product.
+
+``unfold`` uses ``Tensor.unfold`` (a strided view, copied by the product), ``unfold_nnf``
+``torch.nn.functional.unfold`` (im2col). The exact window (SW_EXACT 1) unfolds ``(2w+1) x (2w+1)`` tokens
+around every token; ViL's chunked windows (SW_EXACT 0, -1) unfold the ``3w x 3w`` tokens of the 3x3 chunks
+around every chunk, with stride w, from a map padded by one chunk (zeros, or wrapped around for -1). Which
+unfolded keys are real (not padding, not a second copy under wrap-around, in the mode's chunks) is unfolded
+from a map of ones the same way. Backward is autograd's, which keeps the unfolded keys and values: these
+backends take tokens x window x head_dim memory, the baseline the fused and chunked backends improve on.
+"""
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from ..chunks import NEIGHBOURS, neighbour_slots
+
+
+def _pad_map(x, window, exact):
+    """(N, C, X, Y) -> padded for unfolding: by w (exact 1), or to multiples of w and then one chunk on every
+    side (zeros for SW_EXACT 0, wrapped around for -1)."""
+    w = window
+    if exact == 1:
+        return F.pad(x, (w, w, w, w))
+    X, Y = x.shape[-2:]
+    x = F.pad(x, (0, -Y % w, 0, -X % w))
+    return F.pad(x, (w, w, w, w), mode="circular" if exact == -1 else "constant")
+
+
+def _tensor_unfold(x, size, step):
+    """(N, C, Xp, Yp) -> (N, C, n_rows, n_cols, size * size), with Tensor.unfold."""
+    patches = x.unfold(2, size, step).unfold(3, size, step)
+    return patches.reshape(*patches.shape[:4], size * size)
+
+
+def _functional_unfold(x, size, step):
+    """The same with torch.nn.functional.unfold."""
+    N, C, Xp, Yp = x.shape
+    rows, cols = (Xp - size) // step + 1, (Yp - size) // step + 1
+    patches = F.unfold(x, size, stride=step)  # (N, C * size * size, rows * cols)
+    return patches.view(N, C, size * size, rows, cols).permute(0, 1, 3, 4, 2)
+
+
+@lru_cache(maxsize=16)
+def _window_tables(rows, cols, window, exact, mode, device):
+    """For the unfolded layout of a ``rows x cols`` map: which unfolded keys the mode and the wrap-around
+    allow, ``(n_rows, n_cols, 1 or S, K)`` bool (real tokens are checked separately), and the relative bias
+    row of every (query, unfolded key), ``(1 or S, K)``."""
+    w = window
+    if exact == 1:
+        a = torch.arange(-w, w + 1)
+        di, dj = -a[:, None].expand(-1, 2 * w + 1), -a[None, :].expand(2 * w + 1, -1)  # query - key
+        bias_index = ((di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)).reshape(1, -1)
+        return None, bias_index.to(device)
+    mx, my = -(-rows // w), -(-cols // w)
+    offsets, _, used = neighbour_slots(mx, my, exact, mode)
+    # Slot of each unfolded key: the 3w x 3w block is 3 x 3 chunks in NEIGHBOURS order.
+    r = torch.arange(3 * w)
+    slot = (r[:, None] // w) * 3 + (r[None, :] // w)  # (3w, 3w)
+    slot_used = torch.zeros(mx * my, 9, dtype=torch.bool)
+    for s, ab in enumerate(offsets):
+        slot_used[:, NEIGHBOURS.index(ab)] = used[:, s]
+    allowed = slot_used[:, slot.flatten()].view(mx, my, 1, 9 * w * w)
+    # Query (qi, qj) inside its chunk; key at block position (r, c) sits at chunk offset (r // w - 1, ...).
+    q = torch.arange(w * w)
+    qi, qj = q // w, q % w
+    di = qi[:, None] + w - r.repeat_interleave(3 * w)[None, :]  # (S, 9w^2): query row - virtual key row
+    dj = qj[:, None] + w - r.repeat(3 * w)[None, :]
+    bias_index = (di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)
+    return allowed.to(device), bias_index.to(device)
+
+
+def _unfolded_attention(unfold, q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
+    B, H, X, Y, D = q.shape
+    w = window
+    size, step = (2 * w + 1, 1) if exact == 1 else (3 * w, w)
+
+    def windows(x):  # (B, H, X, Y, D) -> (B*H, D, n_rows, n_cols, K)
+        return unfold(_pad_map(x.reshape(B * H, X, Y, D).permute(0, 3, 1, 2), w, exact), size, step)
+
+    ones = torch.ones(1, 1, X, Y, device=q.device, dtype=q.dtype)
+    real = unfold(_pad_map(ones, w, exact), size, step)[0, 0] > 0  # (n_rows, n_cols, K)
+    allowed, bias_index = _window_tables(X, Y, w, exact, mode, q.device)
+    keys, values = windows(k), windows(v)
+    n_rows, n_cols, K = real.shape
+
+    if exact == 1:
+        queries = q.reshape(B * H, X, Y, 1, D)  # one query per unfolded window
+        valid = real[:, :, None, :]
+    else:
+        S = w * w
+        grid = F.pad(q, (0, 0, 0, -Y % w, 0, -X % w))  # queries by chunk: (B*H, mx, my, S, D)
+        queries = grid.reshape(B * H, n_rows, w, n_cols, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_rows, n_cols, S, D)
+        valid = real[:, :, None, :] & allowed
+    # (B*H, n_rows, n_cols, queries per window, K)
+    scores = torch.einsum("nijqd,ndijk->nijqk", queries, keys) * scale
+    if rel_bias is not None:
+        scores = scores + rel_bias[:, bias_index].repeat(B, 1, 1)[:, None, None]
+    scores = scores.masked_fill(~valid, float("-inf"))
+    if global_k is not None:
+        g_scores = torch.einsum("nijqd,ngd->nijqg", queries, global_k.reshape(B * H, -1, D)) * scale
+        if global_bias is not None:
+            g_scores = g_scores + global_bias.repeat(B, 1)[:, None, None, None, :]
+        scores = torch.cat([g_scores, scores], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    G = 0 if global_k is None else global_k.shape[2]
+    out = torch.einsum("nijqk,ndijk->nijqd", probs[..., G:], values)
+    if G:
+        out = out + torch.einsum("nijqg,ngd->nijqd", probs[..., :G], global_v.reshape(B * H, G, D))
+    if exact == 1:
+        return out.reshape(B, H, X, Y, D)
+    out = out.reshape(B * H, n_rows, n_cols, w, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B, H, n_rows * w, n_cols * w, D)
+    return out[:, :, :X, :Y]
+
+
+def unfold(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
+    return _unfolded_attention(_tensor_unfold, q, k, v, window, exact, mode, global_k, global_v, rel_bias,
+                               global_bias, scale)
+
+
+def unfold_nnf(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
+    return _unfolded_attention(_functional_unfold, q, k, v, window, exact, mode, global_k, global_v, rel_bias,
+                               global_bias, scale)
