@@ -211,6 +211,19 @@ def test_large_batch_spans_several_blocks():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_chunk_rows_in_blocks_of_one_batch_entry(monkeypatch):
+    # Large inputs are processed a chunk row and a few batch entries at a time: force one entry per block.
+    from vil.ops.backends import chunk_rows
+
+    monkeypatch.setattr(chunk_rows, "_BLOCK_BYTES", 1)
+    inputs = make_inputs(9, 8, 3, 2, rel=True, glob_bias=True, B=3, H=2)
+    expected, expected_grads = run("reference", inputs, 3, -1, 0)
+    out, grads = run("chunk_rows", inputs, 3, -1, 0)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+
+
 def test_default_backend_is_a_fast_one():
     assert default_backend(CPU, torch.float32) in FAST_BACKENDS
     inputs = make_inputs(6, 6, 2, 1, rel=False, glob_bias=False)

@@ -143,7 +143,9 @@ def tiny_cfg(*overrides):
     return load_cfg(ROOT / "configs" / "vil_tiny.yaml", ["INPUT.IMAGE_SIZE", "64", "DATA.NUM_CLASSES", "10", *overrides])
 
 
-@pytest.mark.parametrize("attn_type", ["longformerauto", "longformer_unfold", "longformer_unfold_nnf", "longformer_flex"])
+@pytest.mark.parametrize(
+    "attn_type", ["longformerauto", "longformer_unfold", "longformer_unfold_nnf", "longformer_chunk_rows", "longformer_flex"]
+)
 def test_every_attn_type_gives_the_logits_of_longformerhand(attn_type):
     # longformer_triton: tests/test_triton_kernels.py
     torch.manual_seed(0)

@@ -204,6 +204,7 @@ ATTN_TYPES = {
     "longformer_flex": "flex",
     "longformer_unfold": "unfold",
     "longformer_unfold_nnf": "unfold_nnf",
+    "longformer_chunk_rows": "chunk_rows",
 }
 
 

@@ -276,3 +276,27 @@ def window_scores(queries, keys, group, bias, chunks=slice(None)):
         if lo < hi:
             scores[:, lo - first : hi - first] += mask[lo:hi, None]
     return scores
+
+
+@lru_cache(maxsize=16)
+def unfolded_window_tables(rows, cols, window, exact, mode, device):
+    """For the 3x3-chunk window of every chunk unfolded as ``3w x 3w`` tokens (row-major): ``allowed``
+    (mx, my, 1 or S, 9S) bool: slots of the mode, each key once under wrap-around, and the distance for SW_EXACT
+    1 (whether a key is a real token is checked separately); ``bias_index`` (S, 9S): the relative bias row of
+    each (query, key), neighbour chunks taken as adjacent."""
+    w = window
+    mx, my = -(-rows // w), -(-cols // w)
+    offsets, _, used = neighbour_slots(mx, my, exact, mode)
+    slot_used = torch.zeros(mx * my, 9, dtype=torch.bool)
+    for s, ab in enumerate(offsets):
+        slot_used[:, NEIGHBOURS.index(ab)] = used[:, s]
+    r = torch.arange(3 * w)
+    slot = ((r[:, None] // w) * 3 + (r[None, :] // w)).flatten()  # slot of each of the 9S window keys
+    q = torch.arange(w * w)
+    di = (q // w)[:, None] + w - r.repeat_interleave(3 * w)[None, :]  # query row - key row: (S, 9S)
+    dj = (q % w)[:, None] + w - r.repeat(3 * w)[None, :]
+    allowed = slot_used[:, slot].view(mx, my, 1, 9 * w * w)
+    if exact == 1:
+        allowed = allowed & ((di.abs() <= w) & (dj.abs() <= w))
+    bias_index = (di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)
+    return allowed.to(device), bias_index.to(device)

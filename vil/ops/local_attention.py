@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from .backends.chunk_rows import chunk_rows
 from .backends.flex import flex
 from .backends.fused_triton import check_fused_triton, fused_triton
 from .backends.reference import reference
@@ -24,6 +25,7 @@ _BACKENDS = {
     "flex": flex,
     "unfold": unfold,
     "unfold_nnf": unfold_nnf,
+    "chunk_rows": chunk_rows,
     "reference": reference,
 }
 # Backends that take ``dilation``; the others run once per sub-lattice of equal residues (see _per_sub_lattice).

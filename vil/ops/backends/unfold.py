@@ -9,12 +9,10 @@ from a map of ones the same way. Backward is autograd's, which keeps the unfolde
 backends take tokens x window x head_dim memory, the baseline the fused and chunked backends improve on.
 """
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 
-from ..chunks import NEIGHBOURS, neighbour_slots
+from ..chunks import unfolded_window_tables
 
 
 def _pad_map(x, window, exact):
@@ -42,33 +40,15 @@ def _functional_unfold(x, size, step):
     return patches.view(N, C, size * size, rows, cols).permute(0, 1, 3, 4, 2)
 
 
-@lru_cache(maxsize=16)
 def _window_tables(rows, cols, window, exact, mode, device):
-    """For the unfolded layout of a ``rows x cols`` map: which unfolded keys the mode and the wrap-around
-    allow, ``(n_rows, n_cols, 1 or S, K)`` bool (real tokens are checked separately), and the relative bias
-    row of every (query, unfolded key), ``(1 or S, K)``."""
+    """``(allowed, bias_index)`` of the unfolded windows (see :func:`unfolded_window_tables`); the exact window
+    needs no ``allowed`` (real tokens are checked separately) and has one bias row per window position."""
     w = window
-    if exact == 1:
-        a = torch.arange(-w, w + 1)
-        di, dj = -a[:, None].expand(-1, 2 * w + 1), -a[None, :].expand(2 * w + 1, -1)  # query - key
-        bias_index = ((di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)).reshape(1, -1)
-        return None, bias_index.to(device)
-    mx, my = -(-rows // w), -(-cols // w)
-    offsets, _, used = neighbour_slots(mx, my, exact, mode)
-    # Slot of each unfolded key: the 3w x 3w block is 3 x 3 chunks in NEIGHBOURS order.
-    r = torch.arange(3 * w)
-    slot = (r[:, None] // w) * 3 + (r[None, :] // w)  # (3w, 3w)
-    slot_used = torch.zeros(mx * my, 9, dtype=torch.bool)
-    for s, ab in enumerate(offsets):
-        slot_used[:, NEIGHBOURS.index(ab)] = used[:, s]
-    allowed = slot_used[:, slot.flatten()].view(mx, my, 1, 9 * w * w)
-    # Query (qi, qj) inside its chunk; key at block position (r, c) sits at chunk offset (r // w - 1, ...).
-    q = torch.arange(w * w)
-    qi, qj = q // w, q % w
-    di = qi[:, None] + w - r.repeat_interleave(3 * w)[None, :]  # (S, 9w^2): query row - virtual key row
-    dj = qj[:, None] + w - r.repeat(3 * w)[None, :]
-    bias_index = (di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)
-    return allowed.to(device), bias_index.to(device)
+    if exact != 1:
+        return unfolded_window_tables(rows, cols, window, exact, mode, device)
+    a = torch.arange(-w, w + 1)
+    di, dj = -a[:, None].expand(-1, 2 * w + 1), -a[None, :].expand(2 * w + 1, -1)  # query - key
+    return None, ((di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)).reshape(1, -1).to(device)
 
 
 def _unfolded_attention(unfold, q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
