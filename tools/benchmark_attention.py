@@ -14,8 +14,11 @@ them). Time is the best of ``--repeats`` calls.
     python tools/benchmark_attention.py                      # CPU, maps 28, 56, 84
     python tools/benchmark_attention.py --device cuda --dtype bfloat16 --batch 64 --rel-bias --sizes 28 56 112
 
-On CUDA the default backends are ``triton``, ``flex`` (compiled) and ``sliding_chunk``; on the CPU, those that
-run there.
+On CUDA the default backends are ``triton``, ``flex`` (compiled) and ``sliding_chunk``; on the CPU, every backend
+that trains there. ``--plot PREFIX`` also draws time and peak memory against the map size (log scales, one line
+per backend, as the original paper's implementation study): ``PREFIX_time.png`` and ``PREFIX_memory.png``.
+
+    python tools/benchmark_attention.py --sizes 14 28 42 56 84 --exact 0 --plot docs/study_exact0
 """
 
 import argparse
@@ -29,11 +32,14 @@ import time
 import torch
 import torch.nn.functional as F
 
+from vil.checkpoint import atomic_write
 from vil.ops import available_backends, default_backend, local_attention_2d
 from vil.profiling import PeakMemory
 
 SDPA = "sdpa (full attention)"
 REFERENCE_MAX_TOKENS = 56 * 56  # the naive masked reference needs tokens^2 memory: skipped above this
+UNFOLD_MAX_BYTES = 6 * 2**30  # the unfold backends keep the unfolded keys and values: skipped above this
+CPU_BACKENDS = ["sliding_chunk", "sliding_chunk_autograd", "chunk_rows", "unfold", "unfold_nnf", "reference"]
 
 
 def parse_args(argv=None):
@@ -51,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--rel-bias", action="store_true", help="add a relative position bias table")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png and PREFIX_memory.png")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one point, print JSON
     return p.parse_args(argv)
 
@@ -107,6 +114,10 @@ def run_point(args, backend, size):
     """Measure one point in a fresh process; returns (seconds, MiB) or a string saying why not."""
     if backend == "reference" and size * size > REFERENCE_MAX_TOKENS:
         return "skipped (tokens^2 memory)"
+    window_keys = (2 * args.window + 1) ** 2 if args.exact == 1 else 9 * args.window**2
+    unfolded = 4 * args.batch * args.heads * size * size * window_keys * args.head_dim * 4  # K, V and gradients
+    if backend.startswith("unfold") and unfolded > UNFOLD_MAX_BYTES:
+        return "skipped (tokens x window x head_dim memory)"
     options = {"--device": args.device, "--dtype": args.dtype, "--batch": args.batch, "--heads": args.heads,
                "--head-dim": args.head_dim, "--window": args.window, "--num-global": args.num_global,
                "--exact": args.exact, "--repeats": args.repeats}
@@ -140,8 +151,7 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda was asked for, but torch sees no CUDA device here.")
     if args.backends is None:
-        args.backends = (["triton", "flex", "sliding_chunk"] if args.device == "cuda"
-                         else ["sliding_chunk", "sliding_chunk_autograd", "reference"])
+        args.backends = ["triton", "flex", "sliding_chunk"] if args.device == "cuda" else CPU_BACKENDS
     for backend in args.backends:
         if backend not in available_backends():
             sys.exit(f"Unknown backend {backend!r}; available: {', '.join(available_backends())}.")
@@ -156,9 +166,9 @@ def main():
         "|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
-    summary = []
+    summary, study = [], {}
     for size in args.sizes:
-        results = {name: run_point(args, name, size) for name in [SDPA] + args.backends}
+        results = study[size] = {name: run_point(args, name, size) for name in [SDPA] + args.backends}
         sdpa = results[SDPA]
         best_local = None
         for name, result in results.items():
@@ -182,8 +192,38 @@ def main():
     lines += [""] + summary
     print("\n" + "\n".join(summary))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        atomic_write(args.markdown, lambda f: f.write(("\n".join(lines) + "\n").encode()))
+    if args.plot:
+        plot_study(study, args.plot, lines[1])
+
+
+def plot_study(study, prefix, title):
+    """``study[size][backend]`` = (seconds, MiB, ratio) or a reason -> PREFIX_time.png, PREFIX_memory.png."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = list(dict.fromkeys(name for results in study.values() for name in results))
+    for column, what, unit in ((0, "time", "forward + backward time (ms)"), (1, "memory", "peak memory (MiB)")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in backends:
+            points = [(size, results[name][column] * (1e3 if column == 0 else 1))
+                      for size, results in sorted(study.items()) if isinstance(results.get(name), tuple)]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xticks(sorted(study), [f"{s}x{s}" for s in sorted(study)])
+        ax.set_xlabel("feature map")
+        ax.set_ylabel(unit)
+        ax.set_title(title, fontsize=7, wrap=True)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        atomic_write(f"{prefix}_{what}.png", lambda f: fig.savefig(f, format="png", dpi=110))
+        plt.close(fig)
 
 
 if __name__ == "__main__":
