@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
 
-from ..ops import check_backend, check_window_options, local_attention_2d
+from ..ops import check_backend, local_attention_2d
 
 
 def _split_heads(x, heads):
@@ -98,9 +98,7 @@ class LongformerAttention(_Attention):
     def __init__(self, dim, heads, num_global, window, rpe=False, exact=0, mode=0, share_w=True,
                  only_global=False, backend=None, drop=0.0):
         super().__init__()
-        if not only_global:
-            check_backend(backend, dim // heads, window, exact, mode)
-        check_window_options(exact, mode)
+        check_backend(None if only_global else backend, dim // heads, window, exact, mode)
         if only_global and num_global == 0:
             raise ValueError("ONLY_GLOBAL needs global tokens, but a longformer stage has g0; give it g1 or more.")
         self.heads, self.num_global, self.window = heads, num_global, window

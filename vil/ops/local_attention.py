@@ -90,8 +90,7 @@ def local_attention_2d(
             neighborhood attention; the bias row uses ``(a, b)`` as the offsets.
         backend: one of :func:`available_backends`; None: :func:`default_backend`.
     """
-    _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias)
-    check_window_options(exact, mode, dilation)
+    _check_inputs(q, k, v, window, exact, mode, dilation, global_k, global_v, rel_bias, global_bias)
     if backend is None:
         backend = default_backend(q.device, q.dtype)
         _log_choice(q.device, q.dtype, backend)
@@ -150,7 +149,7 @@ def check_window_options(exact, mode, dilation=1):
         raise ValueError(f"dilation {dilation} needs the exact window (SW_EXACT 1); chunked windows take dilation 1.")
 
 
-def _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias):
+def _check_inputs(q, k, v, window, exact, mode, dilation, global_k, global_v, rel_bias, global_bias):
     if q.dim() != 5:
         raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
     for name, t in (("k", k), ("v", v)):
@@ -165,7 +164,7 @@ def _check_inputs(q, k, v, window, exact, mode, global_k, global_v, rel_bias, gl
         raise ValueError(f"q, k and v must be floating point, got {q.dtype}.")
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive integer, got {window!r}.")
-    check_window_options(exact, mode)
+    check_window_options(exact, mode, dilation)
     B, H, X, Y, D = q.shape
     if (global_k is None) != (global_v is None):
         raise ValueError("global_k and global_v go together: give both or neither.")

@@ -9,6 +9,8 @@ memory is the inputs, outputs and gradients plus one row's windows: it grows wit
 tokens x window. SW_EXACT 1 uses the same chunks (they hold every exact window) and masks by distance.
 """
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,12 @@ _BLOCK_BYTES = 8 * 2**20  # scores per block: cache-sized, as in the sliding-chu
 
 def _at(t, n):
     return None if t is None else t[n]
+
+
+@lru_cache(maxsize=16)
+def _geometry(rows, cols, window, exact, mode, device):
+    """The band geometry and window tables of one map size and window, built once."""
+    return _Geometry(rows, cols, window, exact, mode, device)
 
 
 class _Geometry:
@@ -187,5 +195,5 @@ def _flat(q, k, v, gk, gv, rel_bias, global_bias):
 
 
 def chunk_rows(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
-    geo = _Geometry(q.shape[2], q.shape[3], window, exact, mode, q.device)
+    geo = _geometry(q.shape[2], q.shape[3], window, exact, mode, q.device)
     return _ChunkRows.apply(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale)
