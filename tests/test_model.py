@@ -126,7 +126,7 @@ def test_full_attention_relative_bias_by_hand():
     nx, ny, heads, G = 3, 4, 2, 1
     attn = FullAttention(8, heads, G, nx, ny, rpe=True).eval()
     table = attn.local_relative_position_bias_table
-    bias = attn._bias()
+    bias = attn._bias(nx, ny)
     for qi in range(nx):
         for qj in range(ny):
             for ki in range(nx):
@@ -217,8 +217,11 @@ def test_pooling_follows_the_spec():
     model = MsViT(PRESETS["vil_tiny"].replace("g0", "g2"), img_size=64, num_classes=5).eval()
     feats = model.forward_features(torch.randn(1, 3, 64, 64))
     torch.testing.assert_close(model.forward_head(feats), model.head(feats[:, 0]))
-    model.avg_pool = True
+    torch.testing.assert_close(model.forward_head(feats, pre_logits=True), feats[:, 0])
+    model.reset_classifier(5, "avg")
     torch.testing.assert_close(model.forward_head(feats), model.head(feats.mean(1)))
+    assert MsViT(PRESETS["vil_tiny"].replace("g0", "g2"), img_size=64, avg_pool=True).global_pool == "avg"
+    assert MsViT(PRESETS["vil_tiny"], img_size=64).global_pool == "avg"  # the last stage has g0
 
 
 def test_ln_eps_is_honoured():
@@ -260,7 +263,7 @@ def test_bad_arch_strings(arch, message):
     [
         (("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"), "Unknown MODEL.VIT.MSVIT.ATTN_TYPE 'longformer_magic'; known: full, longformerhand"),
         (("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), "mode (MODE) 3 needs chunked windows (SW_EXACT 0 or -1)"),
-        (("INPUT.IMAGE_SIZE", "100"), "Image size 100 is not a multiple of the model's total stride 32"),
+        (("INPUT.IMAGE_SIZE", "16"), "Image size 16 is smaller than the model's total stride 32"),
         (("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.ARCH", "l1,g0,d48,h1_l2,g0_l3,g0"), "ONLY_GLOBAL needs global tokens"),
         (("MODEL.ARCH", "resnet50"), "MODEL.ARCH 'resnet50' is not a model of this project"),
         (("MODEL.VIT.MSVIT.ATTN_TYPE", "full", "MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), "mode (MODE) 3 needs chunked windows"),
@@ -273,10 +276,12 @@ def test_bad_model_configs(overrides, message):
     assert message in str(err.value)
 
 
-def test_wrong_image_size_at_forward():
+def test_wrong_images_at_forward():
     model = build_model(tiny_cfg())
-    with pytest.raises(ValueError, match=r"takes images of shape \(B, C, 64, 64\); got \(1, 3, 96, 96\)"):
-        model(torch.randn(1, 3, 96, 96))
+    with pytest.raises(ValueError, match=r"takes images of shape \(B, 3, H, W\); got \(1, 1, 96, 96\)"):
+        model(torch.randn(1, 1, 96, 96))
+    with pytest.raises(ValueError, match="Images of 31x96 are smaller than the model's total stride 32"):
+        model(torch.randn(1, 3, 31, 96))
 
 
 def test_reset_vil_mode_rejects_bad_modes():

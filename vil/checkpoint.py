@@ -71,10 +71,16 @@ def load_checkpoint(model, path, strict=True):
     wrong shape are all named in one ``ValueError``. With ``strict=False`` only matching tensors are loaded.
     """
     checkpoint = read_checkpoint(path)
-    state = model_state(checkpoint, path)
+    load_model_state(model, model_state(checkpoint, path), path, strict)
+    return checkpoint
+
+
+def load_model_state(model, state, path, strict=True, may_miss=()):
+    """Load a state dict into ``model`` as :func:`load_checkpoint` does; keys starting with one of ``may_miss``
+    may be absent from ``state`` (parameters the checkpoint cannot have, which keep their initial values)."""
     target = _unwrap(model)
     expected = target.state_dict()
-    missing = [k for k in expected if k not in state]
+    missing = [k for k in expected if k not in state and not k.startswith(tuple(may_miss))]
     unexpected = [k for k in state if k not in expected]
     mis_shaped = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
     if strict and (missing or unexpected or mis_shaped):
@@ -86,8 +92,7 @@ def load_checkpoint(model, path, strict=True):
         raise ValueError(f"Checkpoint {path} does not fit this model's architecture: " + "; ".join(problems) + ".")
     _check_shared(state, target, path)
     fitting = {k: v for k, v in state.items() if k in expected and v.shape == expected[k].shape}
-    target.load_state_dict(fitting, strict=strict)
-    return checkpoint
+    target.load_state_dict(fitting, strict=False)  # what is missing or does not fit was refused above if strict
 
 
 def _check_shared(state, model, path):

@@ -1,19 +1,28 @@
-"""ViL models: ``build_model(cfg)``, or a preset by name (``vil_small(num_classes=10)``)."""
+"""ViL models: ``build_model(cfg)``, a preset by name (``vil_small(num_classes=10)``), or through timm
+(``timm.create_model("vil_small")``: importing :mod:`vil` registers every preset with timm)."""
 
-from .arch import PRESETS, parse_arch
+from .arch import PRESETS, arch_string, parse_arch, stage_map_sizes
 from .msvit import (
     ATTN_TYPES,
     MsViT,
     build_model,
     vil_base_deep,
+    vil_base_deep_rpb,
     vil_base_wide,
+    vil_base_wide_rpb,
     vil_medium_deep,
+    vil_medium_deep_rpb,
     vil_medium_wide,
+    vil_medium_wide_rpb,
     vil_small,
+    vil_small_rpb,
     vil_tiny,
+    vil_tiny_rpb,
 )
 
 __all__ = [
-    "ATTN_TYPES", "MsViT", "PRESETS", "build_model", "parse_arch", "vil_base_deep", "vil_base_wide",
-    "vil_medium_deep", "vil_medium_wide", "vil_small", "vil_tiny",
+    "ATTN_TYPES", "MsViT", "PRESETS", "arch_string", "build_model", "parse_arch", "stage_map_sizes",
+    "vil_base_deep", "vil_base_deep_rpb", "vil_base_wide", "vil_base_wide_rpb", "vil_medium_deep",
+    "vil_medium_deep_rpb", "vil_medium_wide", "vil_medium_wide_rpb", "vil_small", "vil_small_rpb", "vil_tiny",
+    "vil_tiny_rpb",
 ]

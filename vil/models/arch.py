@@ -66,10 +66,29 @@ def parse_arch(arch):
     return specs
 
 
+def arch_string(specs):
+    """The arch string of a list of :class:`StageSpec` (the inverse of :func:`parse_arch`)."""
+    return "_".join(
+        f"l{s.index},h{s.heads},d{s.dim},n{s.depth},s{int(s.local)},g{s.num_global},p{s.patch},f{s.window},a{int(s.ape)}"
+        for s in specs
+    )
+
+
+def stage_map_sizes(specs, image_size):
+    """The (rows, columns) of every stage's feature map for an image of ``image_size`` (H, W): each patch
+    embedding pads its input at the bottom and right to a multiple of its patch size."""
+    rows, cols = image_size
+    sizes = []
+    for spec in specs:
+        rows, cols = -(-rows // spec.patch), -(-cols // spec.patch)
+        sizes.append((rows, cols))
+    return sizes
+
+
 def _arch(stages, windows=(7, 7, 7, 7), ape=True):
     """Arch string of a preset: ``stages`` as (layers, patch, heads, dim); stages 1-2 local, 3-4 full."""
-    return "_".join(
-        f"l{i},h{h},d{d},n{n},s{int(i <= 2)},g{int(i < 4)},p{p},f{f},a{int(ape)}"
+    return arch_string(
+        StageSpec(index=i, heads=h, dim=d, depth=n, local=i <= 2, num_global=int(i < 4), patch=p, window=f, ape=ape)
         for i, ((n, p, h, d), f) in enumerate(zip(stages, windows), start=1)
     )
 

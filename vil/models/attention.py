@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 
 from ..ops import check_backend, local_attention_2d
+from .tables import full_bias, resize_full_bias_table
 
 
 def _split_heads(x, heads):
@@ -48,26 +49,25 @@ class FullAttention(_Attention):
     """Multi-head self-attention over all tokens (stages with s0, or ATTN_TYPE full).
 
     With relative position bias (``rpe``), a ``(2nx-1)(2ny-1) x heads`` table indexed by the row and column
-    offsets of a local query and key, plus the global-token biases when there are global tokens.
+    offsets of a local query and key, plus the global-token biases when there are global tokens. ``nx x ny``
+    is the map the table is made for; on a map of another size the table is resized first
+    (:func:`vil.models.tables.resize_full_bias_table`).
     """
 
     def __init__(self, dim, heads, num_global, nx, ny, rpe=False, drop=0.0):
         super().__init__()
-        self.heads, self.num_global = heads, num_global
+        self.heads, self.num_global, self.nx, self.ny = heads, num_global, nx, ny
         self.qkv = nn.Linear(dim, dim * 3)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(drop)
         self.rpe = rpe
         if rpe:
             self._init_relative_bias((2 * nx - 1) * (2 * ny - 1), heads, num_global)
-            rows, cols = torch.meshgrid(torch.arange(nx), torch.arange(ny), indexing="ij")
-            rows, cols = rows.reshape(-1), cols.reshape(-1)
-            index = (rows[:, None] - rows[None, :] + nx - 1) * (2 * ny - 1) + (cols[:, None] - cols[None, :] + ny - 1)
-            self.register_buffer("relative_position_index", index, persistent=False)
 
-    def _bias(self):
-        """(heads, G + N, G + N), the relative position bias of every score."""
-        local = self.local_relative_position_bias_table[self.relative_position_index].permute(2, 0, 1)
+    def _bias(self, nx, ny):
+        """(heads, G + N, G + N), the relative position bias of every score on an nx x ny map."""
+        table = resize_full_bias_table(self.local_relative_position_bias_table, (self.nx, self.ny), (nx, ny))
+        local = full_bias(table, nx, ny)
         if not self.num_global:
             return local
         N = local.shape[-1]
@@ -78,7 +78,7 @@ class FullAttention(_Attention):
     def forward(self, x, nx, ny):
         B, N, C = x.shape
         q, k, v = _split_heads(self.qkv(x), 3 * self.heads).chunk(3, dim=1)
-        bias = self._bias().to(q.dtype)[None] if self.rpe else None
+        bias = self._bias(nx, ny).to(q.dtype)[None] if self.rpe else None
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.proj_drop(self.proj(_merge_heads(out)))
 

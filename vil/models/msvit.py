@@ -9,20 +9,29 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from timm.layers import DropPath, Mlp, trunc_normal_
+import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch.utils.checkpoint import checkpoint
 
-from .arch import PRESETS, parse_arch
 from ..ops import check_window_options
+from .arch import PRESETS, parse_arch, stage_map_sizes
 from .attention import FullAttention, LongformerAttention
+from .convert import checkpoint_filter_fn
+from .tables import resize_position_embedding
 
 
 class PatchEmbed(nn.Module):
-    """Conv patch embedding, optional LayerNorm, G global tokens prepended, absolute position embedding."""
+    """Conv patch embedding, optional LayerNorm, G global tokens prepended, absolute position embedding.
+
+    Inputs of any size: the image is padded at the bottom and right to a multiple of the patch size, and the
+    position embedding, made for an ``nx x ny`` map, is interpolated for maps of another size.
+    """
 
     def __init__(self, in_chans, dim, patch, nx, ny, num_global, ape, norm_embed, norm_layer, drop):
         super().__init__()
-        self.nx, self.ny, self.num_global, self.ape = nx, ny, num_global, ape
+        self.patch, self.num_global, self.ape = patch, num_global, ape
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch, stride=patch)
         self.norm_embed = norm_layer(dim) if norm_embed else None
         if num_global:
@@ -38,6 +47,9 @@ class PatchEmbed(nn.Module):
         self.pos_drop = nn.Dropout(drop)
 
     def forward(self, x):
+        pad_rows, pad_cols = -x.shape[-2] % self.patch, -x.shape[-1] % self.patch
+        if pad_rows or pad_cols:
+            x = F.pad(x, (0, pad_cols, 0, pad_rows))
         x = self.proj(x)
         B, C, nx, ny = x.shape
         x = x.flatten(2).transpose(1, 2)
@@ -46,9 +58,9 @@ class PatchEmbed(nn.Module):
         if self.num_global:
             x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)
         if self.ape:
-            grid = torch.cat(
-                [self.x_pos_embed[:, :, None].expand(-1, -1, ny, -1), self.y_pos_embed[:, None].expand(-1, nx, -1, -1)], dim=3
-            )
+            x_pos = resize_position_embedding(self.x_pos_embed, nx)
+            y_pos = resize_position_embedding(self.y_pos_embed, ny)
+            grid = torch.cat([x_pos[:, :, None].expand(-1, -1, ny, -1), y_pos[:, None].expand(-1, nx, -1, -1)], dim=3)
             x = x + torch.cat([self.cls_pos_embed, grid.flatten(1, 2)], dim=1)
         return self.pos_drop(x), (nx, ny)
 
@@ -96,36 +108,46 @@ class Stage(nn.Sequential):
 
 
 class MsViT(nn.Module):
-    """Multi-Scale Vision Longformer for images of ``img_size x img_size``.
+    """Multi-Scale Vision Longformer.
+
+    The model is built for images of ``img_size`` (an int or (H, W)), which sets the sizes of the position
+    tables, and takes images of any size of at least the total stride (see :class:`PatchEmbed` and
+    :class:`~vil.models.attention.FullAttention`); at ``img_size`` the tables are used as they are.
 
     Args:
         arch: the architecture string (see :mod:`vil.models.arch`).
+        global_pool: ``"token"`` (the first global token of the last stage), ``"avg"`` (mean over all tokens)
+            or ``""`` (no pooling); None: ``"token"`` when the last stage has global tokens and not ``avg_pool``.
         full_attention: full attention in every stage (ATTN_TYPE full); otherwise only in s0 stages.
         attn_backend: the :func:`vil.ops.local_attention_2d` backend of the local stages (None: the fastest).
         sw_exact, mode, share_w, only_global: the longformer options of ``MODEL.VIT.MSVIT``.
     """
 
-    def __init__(self, arch, img_size=224, in_chans=3, num_classes=1000, drop_rate=0.0, drop_path_rate=0.1,
-                 norm_embed=True, avg_pool=False, full_attention=False, attn_backend=None, share_w=True, only_global=False,
-                 sw_exact=0, mode=0, ln_eps=1e-6):
+    def __init__(self, arch, img_size=224, in_chans=3, num_classes=1000, global_pool=None, drop_rate=0.0,
+                 drop_path_rate=0.1, norm_embed=True, avg_pool=False, full_attention=False, attn_backend=None,
+                 share_w=True, only_global=False, sw_exact=0, mode=0, ln_eps=1e-6):
         super().__init__()
         self.stage_specs = parse_arch(arch)
-        self.img_size, self.num_classes, self.avg_pool = img_size, num_classes, avg_pool
-        stride = 1
+        self.img_size, self.in_chans, self.num_classes = to_2tuple(img_size), in_chans, num_classes
+        self.feature_info, stride = [], 1
         for spec in self.stage_specs:
             stride *= spec.patch
-        if img_size % stride:
+            self.feature_info.append(dict(num_chs=spec.dim, reduction=stride, module=f"layer{spec.index}"))
+        self.total_stride = stride
+        if min(self.img_size) < stride:
             raise ValueError(
-                f"Image size {img_size} is not a multiple of the model's total stride {stride} (the product of the "
-                f"stages' patch sizes); use a multiple of {stride}, e.g. {max(stride, img_size // stride * stride)}."
+                f"Image size {img_size} is smaller than the model's total stride {stride} (the product of the "
+                f"stages' patch sizes); build it for images of at least {stride}x{stride}."
             )
+        if global_pool is None:
+            global_pool = "token" if self.stage_specs[-1].num_global and not avg_pool else "avg"
+        self.global_pool = self._checked_pool(global_pool)
         norm_layer = partial(nn.LayerNorm, eps=ln_eps)
         rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs)).tolist()
 
-        in_dim, size, layer = in_chans, img_size, 0
-        for spec in self.stage_specs:
-            size //= spec.patch
-            blocks = [PatchEmbed(in_dim, spec.dim, spec.patch, size, size, spec.num_global, spec.ape, norm_embed, norm_layer, drop_rate)]
+        in_dim, layer = in_chans, 0
+        for spec, (nx, ny) in zip(self.stage_specs, stage_map_sizes(self.stage_specs, self.img_size)):
+            blocks = [PatchEmbed(in_dim, spec.dim, spec.patch, nx, ny, spec.num_global, spec.ape, norm_embed, norm_layer, drop_rate)]
             for _ in range(spec.depth):
                 if spec.local and not full_attention:
                     attn = LongformerAttention(
@@ -133,13 +155,13 @@ class MsViT(nn.Module):
                         share_w=share_w, only_global=only_global, backend=attn_backend, drop=drop_rate,
                     )
                 else:
-                    attn = FullAttention(spec.dim, spec.heads, spec.num_global, size, size, rpe=not spec.ape, drop=drop_rate)
+                    attn = FullAttention(spec.dim, spec.heads, spec.num_global, nx, ny, rpe=not spec.ape, drop=drop_rate)
                 blocks.append(AttnBlock(spec.dim, attn, norm_layer, rates[layer]))
                 blocks.append(MlpBlock(spec.dim, norm_layer, drop_rate, rates[layer]))
                 layer += 1
             self.add_module(f"layer{spec.index}", Stage(*blocks))
             in_dim = spec.dim
-        self.num_features = in_dim
+        self.num_features = self.head_hidden_size = in_dim
         self.norm = norm_layer(in_dim)
         self.head = nn.Linear(in_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
@@ -154,6 +176,13 @@ class MsViT(nn.Module):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
+    def _checked_pool(self, global_pool):
+        if global_pool not in ("token", "avg", ""):
+            raise ValueError(f"global_pool {global_pool!r} is not a pooling of this model; use 'token', 'avg' or ''.")
+        if global_pool == "token" and not self.stage_specs[-1].num_global:
+            raise ValueError("global_pool 'token' needs global tokens in the last stage, which has g0; use 'avg'.")
+        return global_pool
+
     @torch.jit.ignore
     def no_weight_decay(self):
         """Names of the parameters trained without weight decay (position embeddings, tokens, norms, biases tables)."""
@@ -161,10 +190,29 @@ class MsViT(nn.Module):
         return {name for name, _ in self.named_parameters() if any(k in name for k in keywords)}
 
     @torch.jit.ignore
+    def group_matcher(self, coarse=False):
+        """Parameter groups for layer-wise learning-rate decay: the first patch embedding, then each stage
+        (``coarse``) or each of its blocks, then the final norm."""
+        blocks = [(r"^layer(\d+)\.", None)] if coarse else [(r"^layer(\d+)\.(\d+)\.", None)]
+        return dict(stem=r"^layer1\.0\.", blocks=blocks + [(r"^norm\.", (99999,))])
+
+    @torch.jit.ignore
     def set_grad_checkpointing(self, enable=True):
         """Recompute each block's activations in backward instead of keeping them (less memory, more time)."""
         for spec in self.stage_specs:
             getattr(self, f"layer{spec.index}").grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self):
+        return self.head
+
+    def reset_classifier(self, num_classes, global_pool=None):
+        """A new, freshly initialised classifier for ``num_classes`` (0: none); optionally another pooling."""
+        if global_pool is not None:
+            self.global_pool = self._checked_pool(global_pool)
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.head.apply(self._init_weights)
 
     def reset_vil_mode(self, mode):
         """Set the neighbour mode of every longformer attention layer (e.g. 0 when random shifting ends)."""
@@ -174,21 +222,104 @@ class MsViT(nn.Module):
         for m in layers:
             m.mode = mode
 
+    def _check_images(self, x):
+        if x.dim() != 4 or x.shape[1] != self.in_chans:
+            raise ValueError(f"This model takes images of shape (B, {self.in_chans}, H, W); got {tuple(x.shape)}.")
+        if min(x.shape[-2:]) < self.total_stride:
+            raise ValueError(
+                f"Images of {x.shape[-2]}x{x.shape[-1]} are smaller than the model's total stride {self.total_stride} "
+                f"(the product of its stages' patch sizes); give images of at least {self.total_stride}x{self.total_stride}."
+            )
+
+    def _stages(self, x):
+        """Yields every stage's tokens (B, G + nx*ny, C) and map size (nx, ny). Between stages the global tokens
+        are dropped and the local ones, as an image, are the next stage's input."""
+        self._check_images(x)
+        for spec in self.stage_specs:
+            tokens, (nx, ny) = getattr(self, f"layer{spec.index}")(x)
+            yield tokens, (nx, ny)
+            x = tokens[:, spec.num_global :].transpose(1, 2).reshape(tokens.shape[0], -1, nx, ny)
+
+    def _take_indices(self, indices):
+        """Stage indices to return: None all, an int n the last n, a sequence those (negative from the end)."""
+        count = len(self.stage_specs)
+        if indices is None:
+            indices = count
+        if isinstance(indices, int):
+            if not 0 < indices <= count:
+                raise ValueError(f"Asked for the last {indices} stages of a model with {count}; ask for 1 to {count}.")
+            return list(range(count - indices, count))
+        bad = [i for i in indices if not -count <= i < count]
+        if bad or not indices:
+            raise ValueError(
+                f"Stage indices {list(indices)} are out of range for a model with {count} stages; use indices "
+                f"0..{count - 1} (or -{count}..-1)."
+            )
+        return sorted({i % count for i in indices})
+
+    def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
+                              intermediates_only=False, global_tokens="drop"):
+        """Images (B, C, H, W) -> the stage outputs as NCHW maps (at strides 4, 8, 16, 32 for the presets).
+
+        Args:
+            indices: the stages to return: None all, an int n the last n, a sequence those.
+            norm: apply the final norm to the last stage's map.
+            stop_early: with ``intermediates_only``, stop after the last stage asked for.
+            global_tokens: ``"drop"``, or ``"average"``: add the mean of the stage's global tokens to every position.
+
+        Returns:
+            The list of maps with ``intermediates_only``, otherwise ``(forward_features(x), maps)``.
+        """
+        if output_fmt != "NCHW":
+            raise ValueError(f"output_fmt {output_fmt!r} is not supported; this model returns 'NCHW' maps.")
+        if global_tokens not in ("drop", "average"):
+            raise ValueError(f"global_tokens {global_tokens!r} is not an option; use 'drop' or 'average'.")
+        take = self._take_indices(indices)
+        last = len(self.stage_specs) - 1
+        maps = []
+        for i, (tokens, (nx, ny)) in enumerate(self._stages(x)):
+            if i in take:
+                G = self.stage_specs[i].num_global
+                normed = self.norm(tokens) if norm and i == last else tokens
+                local = normed[:, G:]
+                if global_tokens == "average" and G:
+                    local = local + normed[:, :G].mean(dim=1, keepdim=True)
+                maps.append(local.transpose(1, 2).reshape(local.shape[0], -1, nx, ny))
+            if intermediates_only and stop_early and i == take[-1]:
+                break
+        if intermediates_only:
+            return maps
+        return self.norm(tokens), maps
+
+    def prune_intermediate_layers(self, indices=1, prune_norm=False, prune_head=True):
+        """Remove the stages after the last of ``indices`` (and with them the final norm, which belongs to the
+        last stage), the final norm if ``prune_norm``, the classifier and pooling if ``prune_head``; returns
+        the stage indices to ask :meth:`forward_intermediates` for."""
+        take = self._take_indices(indices)
+        keep = take[-1] + 1
+        for spec in self.stage_specs[keep:]:
+            delattr(self, f"layer{spec.index}")
+        if prune_norm or keep < len(self.stage_specs):
+            self.norm = nn.Identity()
+        self.stage_specs, self.feature_info = self.stage_specs[:keep], self.feature_info[:keep]
+        if prune_head:
+            self.global_pool = ""
+            self.reset_classifier(0)
+        return take
+
     def forward_features(self, x):
         """Images (B, C, H, W) -> the final normalised tokens (B, G + N, C) of the last stage."""
-        if x.dim() != 4 or x.shape[-2:] != (self.img_size, self.img_size):
-            raise ValueError(
-                f"This model takes images of shape (B, C, {self.img_size}, {self.img_size}); got {tuple(x.shape)}."
-            )
-        for i, spec in enumerate(self.stage_specs):
-            x, (nx, ny) = getattr(self, f"layer{spec.index}")(x)
-            if i + 1 < len(self.stage_specs):  # drop the global tokens; the local ones form the next stage's image
-                x = x[:, spec.num_global :].transpose(1, 2).reshape(x.shape[0], -1, nx, ny)
-        return self.norm(x)
+        for tokens, _ in self._stages(x):
+            pass
+        return self.norm(tokens)
 
-    def forward_head(self, x):
-        pooled = x[:, 0] if self.stage_specs[-1].num_global and not self.avg_pool else x.mean(dim=1)
-        return self.head(pooled)
+    def forward_head(self, x, pre_logits=False):
+        """Final tokens -> pooled features (``pre_logits``) or logits."""
+        if self.global_pool == "token":
+            x = x[:, 0]
+        elif self.global_pool == "avg":
+            x = x.mean(dim=1)
+        return x if pre_logits else self.head(x)
 
     def forward(self, x):
         return self.forward_head(self.forward_features(x))
@@ -208,8 +339,8 @@ ATTN_TYPES = {
 }
 
 
-def build_model(cfg):
-    """The model ``cfg`` (a config from :func:`vil.config.load_cfg`) describes."""
+def model_kwargs(cfg):
+    """The :class:`MsViT` arguments (``arch`` included) that ``cfg`` (from :func:`vil.config.load_cfg`) describes."""
     if cfg.MODEL.ARCH != "msvit":
         raise ValueError(f"MODEL.ARCH {cfg.MODEL.ARCH!r} is not a model of this project; it must be 'msvit'.")
     vit, msvit = cfg.MODEL.VIT, cfg.MODEL.VIT.MSVIT
@@ -217,33 +348,107 @@ def build_model(cfg):
         raise ValueError(f"Unknown MODEL.VIT.MSVIT.ATTN_TYPE {msvit.ATTN_TYPE!r}; known: {', '.join(ATTN_TYPES)}.")
     backend = ATTN_TYPES[msvit.ATTN_TYPE]
     check_window_options(msvit.SW_EXACT, msvit.MODE)  # also where no layer is a longformer one
-    return MsViT(
-        msvit.ARCH, img_size=cfg.INPUT.IMAGE_SIZE, num_classes=cfg.DATA.NUM_CLASSES, drop_rate=vit.DROP,
+    return dict(
+        arch=msvit.ARCH, img_size=cfg.INPUT.IMAGE_SIZE, num_classes=cfg.DATA.NUM_CLASSES, drop_rate=vit.DROP,
         drop_path_rate=vit.DROP_PATH, norm_embed=vit.NORM_EMBED, avg_pool=vit.AVG_POOL,
         full_attention=backend == "full", attn_backend=None if backend == "full" else backend,
         share_w=msvit.SHARE_W, only_global=msvit.ONLY_GLOBAL, sw_exact=msvit.SW_EXACT, mode=msvit.MODE, ln_eps=msvit.LN_EPS,
     )
 
 
-def vil_tiny(**kwargs):
-    return MsViT(PRESETS["vil_tiny"], **kwargs)
+def build_model(cfg):
+    """The model ``cfg`` (a config from :func:`vil.config.load_cfg`) describes."""
+    return MsViT(**model_kwargs(cfg))
 
 
-def vil_small(**kwargs):
-    return MsViT(PRESETS["vil_small"], **kwargs)
+# --- Registration with timm: timm.create_model("vil_small"), features_only, pretrained_cfg_overlay=dict(file=...) ---
 
 
-def vil_medium_deep(**kwargs):
-    return MsViT(PRESETS["vil_medium_deep"], **kwargs)
+def _cfg():
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.875,
+        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "layer1.0.proj", "classifier": "head", "license": "mit",
+    }
 
 
-def vil_medium_wide(**kwargs):
-    return MsViT(PRESETS["vil_medium_wide"], **kwargs)
+default_cfgs = generate_default_cfgs({name: _cfg() for name in PRESETS})
 
 
-def vil_base_deep(**kwargs):
-    return MsViT(PRESETS["vil_base_deep"], **kwargs)
+def _create_vil(variant, pretrained=False, **kwargs):
+    return build_model_with_cfg(
+        MsViT, variant, pretrained, arch=PRESETS[variant], pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(feature_cls="getter", out_indices=(0, 1, 2, 3)), **kwargs,
+    )
 
 
-def vil_base_wide(**kwargs):
-    return MsViT(PRESETS["vil_base_wide"], **kwargs)
+@register_model
+def vil_tiny(pretrained=False, **kwargs):
+    """ViL-Tiny, absolute position embedding."""
+    return _create_vil("vil_tiny", pretrained, **kwargs)
+
+
+@register_model
+def vil_tiny_rpb(pretrained=False, **kwargs):
+    """ViL-Tiny, relative position bias."""
+    return _create_vil("vil_tiny_rpb", pretrained, **kwargs)
+
+
+@register_model
+def vil_small(pretrained=False, **kwargs):
+    """ViL-Small, absolute position embedding."""
+    return _create_vil("vil_small", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_rpb(pretrained=False, **kwargs):
+    """ViL-Small, relative position bias."""
+    return _create_vil("vil_small_rpb", pretrained, **kwargs)
+
+
+@register_model
+def vil_medium_deep(pretrained=False, **kwargs):
+    """ViL-Medium-Deep, absolute position embedding."""
+    return _create_vil("vil_medium_deep", pretrained, **kwargs)
+
+
+@register_model
+def vil_medium_deep_rpb(pretrained=False, **kwargs):
+    """ViL-Medium-Deep, relative position bias."""
+    return _create_vil("vil_medium_deep_rpb", pretrained, **kwargs)
+
+
+@register_model
+def vil_medium_wide(pretrained=False, **kwargs):
+    """ViL-Medium-Wide, absolute position embedding."""
+    return _create_vil("vil_medium_wide", pretrained, **kwargs)
+
+
+@register_model
+def vil_medium_wide_rpb(pretrained=False, **kwargs):
+    """ViL-Medium-Wide, relative position bias."""
+    return _create_vil("vil_medium_wide_rpb", pretrained, **kwargs)
+
+
+@register_model
+def vil_base_deep(pretrained=False, **kwargs):
+    """ViL-Base-Deep, absolute position embedding."""
+    return _create_vil("vil_base_deep", pretrained, **kwargs)
+
+
+@register_model
+def vil_base_deep_rpb(pretrained=False, **kwargs):
+    """ViL-Base-Deep, relative position bias."""
+    return _create_vil("vil_base_deep_rpb", pretrained, **kwargs)
+
+
+@register_model
+def vil_base_wide(pretrained=False, **kwargs):
+    """ViL-Base-Wide, absolute position embedding."""
+    return _create_vil("vil_base_wide", pretrained, **kwargs)
+
+
+@register_model
+def vil_base_wide_rpb(pretrained=False, **kwargs):
+    """ViL-Base-Wide, relative position bias."""
+    return _create_vil("vil_base_wide_rpb", pretrained, **kwargs)

@@ -1,0 +1,205 @@
+"""The backbone at any input size, its multi-scale features, and torchvision's detectors on top of it."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
+from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+import vil.models.attention as attention
+import vil.models.msvit as msvit
+from vil.checkpoint import save_checkpoint
+from vil.config import load_cfg
+from vil.detection import ViLBackbone, build_fpn_backbone
+from vil.models import PRESETS, MsViT, stage_map_sizes
+from vil.models.convert import resize_tables
+from vil.models.tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
+
+
+def test_position_embedding_interpolation_by_hand():
+    table = torch.tensor([0.0, 2.0, 4.0]).view(1, 3, 1)
+    assert resize_position_embedding(table, 3) is table
+    # Linear, half-pixel centres: position p of 6 samples the old axis at (p + 0.5) / 2 - 0.5, clamped.
+    expected = torch.tensor([0.0, 0.5, 1.5, 2.5, 3.5, 4.0]).view(1, 6, 1)
+    torch.testing.assert_close(resize_position_embedding(table, 6), expected)
+
+
+def test_full_bias_table_resize_keeps_the_centre_and_local_conversion_keeps_offsets():
+    torch.manual_seed(0)
+    table = torch.randn(5 * 7, 2)  # a 3x4 map: row offsets -2..2, column offsets -3..3
+    assert resize_full_bias_table(table, (3, 4), (3, 4)) is table
+    grid = table.view(5, 7, 2)
+    constant = torch.full((5 * 7, 2), 0.25)
+    torch.testing.assert_close(resize_full_bias_table(constant, (3, 4), (6, 9)), torch.full((11 * 17, 2), 0.25))
+    larger = resize_full_bias_table(table, (3, 4), (5, 6)).view(9, 11, 2)
+    torch.testing.assert_close(larger[4, 5], grid[2, 3])  # offset (0, 0)
+    local = full_bias_to_local(table, (3, 4), window=1).view(3, 3, 2)  # offsets -1..1 both ways, all present
+    torch.testing.assert_close(local, grid[1:4, 2:5])
+    clamped = full_bias_to_local(table, (3, 4), window=2).view(7, 7, 2)  # offsets -3..3: rows beyond +-2 clamped
+    torch.testing.assert_close(clamped[0], grid[0])
+    torch.testing.assert_close(clamped[3], grid[1 + 1])
+
+
+@pytest.mark.parametrize("name", ["vil_tiny", "vil_tiny_rpb"])
+def test_odd_sizes_through_every_stage(name):
+    torch.manual_seed(0)
+    model = MsViT(PRESETS[name], img_size=64, num_classes=3).eval()
+    for size in [(33, 45), (97, 131), (64, 64), (47, 160)]:
+        x = torch.randn(1, 3, *size)
+        with torch.no_grad():
+            maps = model.forward_intermediates(x, intermediates_only=True)
+            logits = model(x)
+        assert [m.shape[-2:] for m in maps] == stage_map_sizes(model.stage_specs, size)
+        assert [m.shape[-2:] for m in maps] == [(-(-size[0] // r), -(-size[1] // r)) for r in (4, 8, 16, 32)]
+        assert torch.isfinite(logits).all()
+    # Padding: an image padded with zeros to the first patch size by hand gives the same outputs.
+    x = torch.randn(1, 3, 33, 45)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model(F.pad(x, (0, 3, 0, 3))))
+
+
+def test_training_size_uses_the_tables_as_they_are_and_other_sizes_equal_a_model_built_for_them(monkeypatch):
+    """At its own size the model never interpolates; at another size it equals a model built for that size
+    whose tables were resized once (both ways use the same interpolation)."""
+    torch.manual_seed(0)
+    for name in ("vil_tiny", "vil_tiny_rpb"):
+        model = MsViT(PRESETS[name], img_size=64, num_classes=3).eval()
+        bigger = MsViT(PRESETS[name], img_size=(96, 128), num_classes=3).eval()
+        bigger.load_state_dict(resize_tables(model.state_dict(), model.stage_specs, (64, 64), (96, 128)))
+        x = torch.randn(2, 3, 96, 128)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), bigger(x))
+    # At 64x64 every resize is asked for the size the table already has, so it returns the table itself.
+    sizes = []
+    resize_embedding, resize_table = msvit.resize_position_embedding, attention.resize_full_bias_table
+
+    def recording_embedding(table, length):
+        sizes.append((table.shape[1], length))
+        return resize_embedding(table, length)
+
+    def recording_table(table, old_map, new_map):
+        sizes.append((old_map, new_map))
+        return resize_table(table, old_map, new_map)
+
+    monkeypatch.setattr(msvit, "resize_position_embedding", recording_embedding)
+    monkeypatch.setattr(attention, "resize_full_bias_table", recording_table)
+    for name in ("vil_tiny", "vil_tiny_rpb"):
+        MsViT(PRESETS[name], img_size=64)(torch.randn(1, 3, 64, 64))
+    assert len(sizes) == 4 * 2 + 10 and all(old == new for old, new in sizes)  # 4 stages x 2 axes, 10 full layers
+
+
+def test_multi_scale_features_options():
+    torch.manual_seed(0)
+    arch = PRESETS["vil_tiny"].replace("g0", "g2")
+    plain = ViLBackbone(arch, img_size=64, level_norm=False).eval()
+    normed = ViLBackbone(arch, img_size=64, level_norm=True).eval()
+    averaged = ViLBackbone(arch, img_size=64, level_norm=False, global_tokens="average").eval()
+    normed.load_state_dict(plain.state_dict(), strict=False)
+    averaged.load_state_dict(plain.state_dict())
+    assert plain.out_channels_list == [48, 96, 192, 384]
+    tokens = {}
+    for spec in plain.stage_specs:
+        getattr(plain, f"layer{spec.index}").register_forward_hook(lambda m, i, out, k=spec.index: tokens.__setitem__(k, out[0]))
+    x = torch.randn(2, 3, 70, 90)
+    with torch.no_grad():
+        maps, with_norm, with_average = plain(x), normed(x), averaged(x)
+    assert list(maps) == ["0", "1", "2", "3"]
+    for (key, m), spec in zip(maps.items(), plain.stage_specs):
+        G = spec.num_global
+        local = tokens[spec.index][:, G:].transpose(1, 2).reshape(m.shape)
+        torch.testing.assert_close(m, local)
+        mean = tokens[spec.index][:, :G].mean(1)[:, :, None, None]
+        torch.testing.assert_close(with_average[key], m + mean)
+        ln = F.layer_norm(m.permute(0, 2, 3, 1), (m.shape[1],), eps=1e-6).permute(0, 3, 1, 2)
+        torch.testing.assert_close(with_norm[key], ln)
+    assert not hasattr(ViLBackbone(arch, img_size=64, out_indices=(0, 1)), "layer3")
+
+
+def test_frozen_stages_get_no_gradients_and_stay_in_eval_mode():
+    body = build_fpn_backbone("vil_tiny", trainable_stages=2, img_size=64).body
+    assert body.frozen_stages == 2
+    frozen = [n for n, p in body.named_parameters() if not p.requires_grad]
+    assert frozen and all(n.startswith(("layer1.", "layer2.")) for n in frozen)
+    assert all(p.requires_grad for n, p in body.named_parameters() if n.startswith(("layer3.", "layer4.")))
+    body.train()
+    assert not body.layer1.training and not body.layer2.training and body.layer3.training
+
+
+def _target(height, width, boxes, labels):
+    boxes = torch.tensor(boxes, dtype=torch.float32)
+    masks = torch.zeros(len(boxes), height, width, dtype=torch.uint8)
+    for mask, (x0, y0, x1, y1) in zip(masks, boxes.int().tolist()):
+        mask[y0:y1, x0:x1] = 1
+    return dict(boxes=boxes, labels=torch.tensor(labels), masks=masks)
+
+
+def test_mask_rcnn_trains_and_detects_on_odd_image_sizes():
+    torch.manual_seed(0)
+    backbone = build_fpn_backbone("vil_tiny", trainable_stages=3)
+    model = MaskRCNN(backbone, num_classes=3, min_size=320, max_size=480)
+    images = [torch.rand(3, 333, 457), torch.rand(3, 400, 300)]
+    targets = [_target(333, 457, [[10, 20, 200, 150], [220, 100, 440, 320]], [1, 2]), _target(400, 300, [[30, 40, 250, 380]], [2])]
+    model.train()
+    losses = model(images, targets)
+    assert set(losses) == {"loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"}
+    assert all(torch.isfinite(v) for v in losses.values())
+    sum(losses.values()).backward()
+    body = backbone.body
+    assert body.layer1[0].proj.weight.grad is None  # frozen
+    for name in ("layer2.0.proj.weight", "layer2.1.attn.query.weight", "layer3.1.attn.qkv.weight", "layer4.0.proj.weight"):
+        grad = body.get_parameter(name).grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+    model.eval()
+    with torch.no_grad():
+        detections = model(images)
+    assert len(detections) == 2
+    for det, image in zip(detections, images):
+        assert set(det) == {"boxes", "labels", "scores", "masks"}
+        assert det["masks"].shape[-2:] == image.shape[-2:]
+        assert (det["boxes"][:, 2] <= image.shape[-1]).all() and (det["boxes"][:, 3] <= image.shape[-2]).all()
+
+
+def test_faster_rcnn_and_retinanet_take_the_backbone():
+    torch.manual_seed(0)
+    images = [torch.rand(3, 161, 203)]
+    faster = FasterRCNN(build_fpn_backbone("vil_tiny_rpb", img_size=64), num_classes=4, min_size=160, max_size=256).eval()
+    retina_backbone = build_fpn_backbone("vil_tiny", out_indices=(1, 2, 3), extra_blocks=LastLevelP6P7(256, 256))
+    retina = RetinaNet(retina_backbone, num_classes=4, min_size=160, max_size=256).eval()
+    with torch.no_grad():
+        for model in (faster, retina):
+            (det,) = model(images)
+            assert {"boxes", "labels", "scores"} <= set(det) and det["boxes"].shape[1] == 4
+
+
+def test_fpn_backbone_from_a_config_and_a_classification_checkpoint(tmp_path):
+    overrides = ["INPUT.IMAGE_SIZE", "64", "MODEL.VIT.MSVIT.ATTN_TYPE", "longformerauto"]
+    cfg = load_cfg(Path(__file__).resolve().parents[1] / "configs" / "vil_tiny.yaml", overrides)
+    torch.manual_seed(0)
+    source = MsViT(cfg.MODEL.VIT.MSVIT.ARCH, img_size=64, num_classes=10).eval()
+    save_checkpoint(tmp_path / "cls.pth", source, config=cfg.dump())
+    backbone = build_fpn_backbone(cfg, checkpoint=tmp_path / "cls.pth", level_norm=False).eval()
+    assert backbone.body.layer1[1].attn.backend == "sliding_chunk_autograd"
+    x = torch.randn(1, 3, 96, 64)
+    with torch.no_grad():
+        for got, want in zip(backbone.body(x).values(), source.forward_intermediates(x, intermediates_only=True)):
+            torch.testing.assert_close(got, want)
+
+
+# --- Bad input: one plain sentence each. ---
+
+
+def test_bad_backbone_input(tmp_path):
+    backbone = build_fpn_backbone("vil_tiny", img_size=64)
+    with pytest.raises(ValueError, match="Images of 20x64 are smaller than the model's total stride 32 .* at least 32x32"):
+        backbone(torch.randn(1, 3, 20, 64))
+    with pytest.raises(ValueError, match=r"Stage indices \[0, 7\] are out of range for a model with 4 stages; use indices 0..3"):
+        build_fpn_backbone("vil_tiny", out_indices=(0, 7))
+    with pytest.raises(ValueError, match="trainable_stages 5 is out of range; use 0 to 4"):
+        build_fpn_backbone("vil_tiny", trainable_stages=5)
+    with pytest.raises(ValueError, match="'vil_huge' is neither a ViL preset"):
+        build_fpn_backbone("vil_huge")
+    save_checkpoint(tmp_path / "small.pth", MsViT(PRESETS["vil_small"], img_size=64))
+    with pytest.raises(ValueError, match=r"does not fit this model's architecture: .*mis-shaped \(checkpoint vs model\): layer1.0.cls_token \(1, 1, 96\) vs \(1, 1, 48\)"):
+        build_fpn_backbone("vil_tiny", img_size=64, checkpoint=tmp_path / "small.pth")

@@ -1,0 +1,151 @@
+"""tools/export_backbone.py: classification checkpoints into torchvision, detectron2 and mmdet backbones."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import original_release_checkpoint
+
+from vil.checkpoint import save_checkpoint
+from vil.config import load_cfg
+from vil.detection import ViLBackbone, build_fpn_backbone, export_state
+from vil.models import PRESETS, MsViT, arch_string, parse_arch
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "export_backbone.py"
+spec = importlib.util.spec_from_file_location("export_backbone", TOOL)
+export_backbone = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(export_backbone)
+
+
+def classification_model(arch, seed=0, size=64):
+    torch.manual_seed(seed)
+    return MsViT(arch, img_size=size, num_classes=10).eval()
+
+
+def own_checkpoint(path, model):
+    """This project's checkpoint, with the config that says the model's arch and image size."""
+    overrides = ["MODEL.VIT.MSVIT.ARCH", arch_string(model.stage_specs), "INPUT.IMAGE_SIZE", str(model.img_size[0])]
+    save_checkpoint(path, model, config=load_cfg(ROOT / "configs" / "vil_tiny.yaml", overrides).dump(), epoch=3)
+
+
+def stage_maps(model, x):
+    with torch.no_grad():
+        return model.forward_intermediates(x, intermediates_only=True)
+
+
+def assert_same_maps(backbone, source, x):
+    with torch.no_grad():
+        got = list(backbone(x).values())
+    for a, b in zip(got, stage_maps(source, x), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("fmt,container,prefix", [
+    ("torchvision", "model", "backbone.body."), ("detectron2", "model", "backbone.bottom_up."), ("mmdet", "state_dict", "backbone."),
+])
+def test_round_trip_reproduces_the_stage_outputs(tmp_path, fmt, container, prefix):
+    source = classification_model(PRESETS["vil_tiny_rpb"])
+    own_checkpoint(tmp_path / "cls.pth", source)
+    export_backbone.main([str(tmp_path / "cls.pth"), str(tmp_path / "out.pth"), "--format", fmt])
+    exported = torch.load(tmp_path / "out.pth", weights_only=True)
+    keys = exported[container]
+    assert all(k.startswith(prefix) for k in keys) and f"{prefix}layer1.0.proj.weight" in keys
+    assert not any(k.startswith((prefix + "head.", prefix + "norm.")) for k in keys)
+    info = exported["meta"]["vil"] if fmt == "mmdet" else exported["vil"]
+    assert info == {"arch": PRESETS["vil_tiny_rpb"], "image_size": [64, 64]}
+    # Loaded the way each framework would: strip its prefix, load strictly into the backbone.
+    backbone = ViLBackbone(info["arch"], img_size=64, level_norm=False).eval()
+    backbone.load_state_dict({k[len(prefix):]: v for k, v in keys.items()})
+    x = torch.randn(2, 3, 96, 80)
+    assert_same_maps(backbone, source, x)
+    # And through the backbone builder.
+    built = build_fpn_backbone("vil_tiny_rpb", img_size=64, level_norm=False, checkpoint=tmp_path / "out.pth").body.eval()
+    assert_same_maps(built, source, x)
+
+
+def test_original_release_checkpoint_with_arch_and_resized_tables(tmp_path):
+    """The original release's format (no config inside: --arch); tables resized for 96x128 give the model
+    the classification model computes on such images itself."""
+    for name in ("vil_tiny", "vil_tiny_rpb"):
+        source = classification_model(PRESETS[name])
+        torch.save(original_release_checkpoint(source.state_dict()), tmp_path / "orig.pth")
+        export_backbone.main([str(tmp_path / "orig.pth"), str(tmp_path / "out.pth"), "--format", "detectron2", "--arch", name,
+                              "--new-image-size", "96", "128"])
+        exported = torch.load(tmp_path / "out.pth", weights_only=True)
+        assert exported["vil"]["image_size"] == [96, 128]
+        backbone = ViLBackbone(PRESETS[name], img_size=(96, 128), level_norm=False).eval()
+        backbone.load_state_dict({k.removeprefix("backbone.bottom_up."): v for k, v in exported["model"].items()})
+        assert_same_maps(backbone, source, torch.randn(1, 3, 96, 128))
+
+
+@pytest.mark.parametrize("name", ["vil_tiny", "vil_tiny_rpb"])
+def test_full_attention_to_local_where_the_window_covers_the_map(tmp_path, name):
+    """At 64x64 the full-attention stages' maps (4x4, 2x2) fit in one 7x7 chunk, so the converted longformer
+    layers attend to exactly the keys full attention did, with the same biases: the same outputs."""
+    source = classification_model(PRESETS[name])
+    own_checkpoint(tmp_path / "cls.pth", source)
+    export_backbone.main([str(tmp_path / "cls.pth"), str(tmp_path / "out.pth"), "--format", "mmdet", "--full-attention-to-local"])
+    exported = torch.load(tmp_path / "out.pth", weights_only=True)
+    arch = exported["meta"]["vil"]["arch"]
+    assert all(spec.local for spec in parse_arch(arch))
+    state = {k.removeprefix("backbone."): v for k, v in exported["state_dict"].items()}
+    qkv = source.state_dict()["layer3.1.attn.qkv.weight"]
+    torch.testing.assert_close(state["layer3.1.attn.query.weight"], qkv[:192])
+    torch.testing.assert_close(state["layer3.1.attn.kv_global.weight"], qkv[192:])
+    backbone = ViLBackbone(arch, img_size=64, level_norm=False).eval()
+    backbone.load_state_dict(state)
+    assert_same_maps(backbone, source, torch.randn(2, 3, 64, 64))
+    # The backbone builder converts a classification checkpoint the same way.
+    built = build_fpn_backbone(name, img_size=64, level_norm=False, full_attention_to_local=True, checkpoint=tmp_path / "cls.pth")
+    for key, value in built.body.state_dict().items():
+        torch.testing.assert_close(value, state[key], msg=key)
+
+
+@pytest.mark.parametrize("init", ["copy", "average"])
+def test_number_of_global_tokens(tmp_path, init):
+    arch = PRESETS["vil_tiny_rpb"].replace("g1", "g2")
+    source = classification_model(arch)
+    own_checkpoint(tmp_path / "cls.pth", source)
+    export_backbone.main([str(tmp_path / "cls.pth"), str(tmp_path / "out.pth"), "--format", "torchvision", "--num-global", "3",
+                          "--global-init", init])
+    exported = torch.load(tmp_path / "out.pth", weights_only=True)
+    new_arch = exported["vil"]["arch"]
+    assert [s.num_global for s in parse_arch(new_arch)] == [3, 3, 3, 0]
+    state = {k.removeprefix("backbone.body."): v for k, v in exported["model"].items()}
+    old = source.state_dict()
+    tokens, g2g = old["layer2.0.cls_token"], old["layer3.1.attn.g2g_relative_position_bias"]
+    if init == "copy":
+        expected_tokens = tokens[:, [0, 1, 0]]
+        expected_g2g = g2g[:, [0, 1, 0]][:, :, [0, 1, 0]]
+    else:
+        expected_tokens = tokens.mean(1, keepdim=True).expand(-1, 3, -1)
+        expected_g2g = g2g.mean((1, 2), keepdim=True).expand(-1, 3, 3)
+    torch.testing.assert_close(state["layer2.0.cls_token"], expected_tokens)
+    torch.testing.assert_close(state["layer3.1.attn.g2g_relative_position_bias"], expected_g2g)
+    assert state["layer1.1.attn.g2l_relative_position_bias"].shape == (2, 1, 3)
+    ViLBackbone(new_arch, img_size=64).load_state_dict(state, strict=False)
+    build_fpn_backbone(new_arch, img_size=64, checkpoint=tmp_path / "out.pth")  # strict apart from the new level norms
+    # No global tokens at all.
+    export_backbone.main([str(tmp_path / "cls.pth"), str(tmp_path / "none.pth"), "--format", "torchvision", "--num-global", "0"])
+    none = torch.load(tmp_path / "none.pth", weights_only=True)
+    build_fpn_backbone(none["vil"]["arch"], img_size=64, checkpoint=tmp_path / "none.pth")
+
+
+# --- Bad input: one plain sentence each. ---
+
+
+def test_bad_export_requests(tmp_path, capsys):
+    done = subprocess.run([sys.executable, str(TOOL), "in.pth", "out.pth", "--format", "caffe"], capture_output=True, text=True)
+    assert done.returncode == 2 and "argument --format: invalid choice: 'caffe' (choose from" in done.stderr
+    source = classification_model(PRESETS["vil_tiny"])
+    torch.save(original_release_checkpoint(source.state_dict()), tmp_path / "orig.pth")
+    with pytest.raises(SystemExit) as exit_info:
+        export_backbone.main([str(tmp_path / "orig.pth"), str(tmp_path / "out.pth"), "--format", "mmdet"])
+    assert "does not say which architecture it holds; give --arch (a preset or arch string) or --config-file" in str(exit_info.value)
+    assert not (tmp_path / "out.pth").exists()
+    with pytest.raises(ValueError, match="Export format 'onnx' does not exist; use one of torchvision, detectron2, mmdet"):
+        export_state({}, "onnx", PRESETS["vil_tiny"], (224, 224))

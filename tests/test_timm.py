@@ -1,0 +1,141 @@
+"""The presets as timm models: timm's model conventions, features_only, local checkpoint files."""
+
+import pytest
+import timm
+import torch
+from test_checkpoint import original_release_checkpoint
+from timm.models import group_parameters
+
+import vil  # noqa: F401  (registers the presets)
+from vil.models import PRESETS, MsViT
+
+NAMES = sorted(PRESETS)
+
+
+def test_every_preset_is_registered_with_its_pretrained_cfg():
+    assert sorted(timm.list_models("vil_*")) == NAMES
+    for name in NAMES:
+        cfg = timm.models.get_pretrained_cfg(name).to_dict()
+        assert cfg["input_size"] == (3, 224, 224) and cfg["crop_pct"] == 0.875 and cfg["interpolation"] == "bicubic"
+        assert cfg["mean"] == (0.485, 0.456, 0.406) and cfg["std"] == (0.229, 0.224, 0.225)
+        assert cfg["first_conv"] == "layer1.0.proj" and cfg["classifier"] == "head"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_timm_model_conventions(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=7).eval()
+    assert isinstance(model, MsViT) and model.stage_specs == MsViT(PRESETS[name], num_classes=0).stage_specs
+    state = model.state_dict()
+    assert "layer1.0.proj.weight" in state and "head.weight" in state
+    x = torch.randn(2, 3, 64, 96)
+    with torch.no_grad():
+        logits = model(x)
+        tokens = model.forward_features(x)
+        assert logits.shape == (2, 7) and tokens.shape == (2, 2 * 3, model.num_features)  # a 2x3 map, no global token
+        pooled = model.forward_head(tokens, pre_logits=True)
+        torch.testing.assert_close(pooled, tokens.mean(1))
+        torch.testing.assert_close(model.get_classifier()(pooled), logits)
+
+        final, maps = model.forward_intermediates(x)
+        torch.testing.assert_close(final, tokens)
+        assert [m.shape[1:] for m in maps] == [(info["num_chs"], 64 // info["reduction"], 96 // info["reduction"]) for info in model.feature_info]
+        assert [info["reduction"] for info in model.feature_info] == [4, 8, 16, 32]
+        # The last map is the last stage's tokens before the final norm.
+        torch.testing.assert_close(model.norm(maps[-1].flatten(2).transpose(1, 2)), tokens)
+
+        model.reset_classifier(0)
+        assert model(x).shape == (2, model.num_features)
+        model.reset_classifier(0, "")
+        torch.testing.assert_close(model(x), tokens)
+        model.reset_classifier(3, "avg")
+        assert model(x).shape == (2, 3) and model.num_classes == 3
+
+    features = timm.create_model(name, features_only=True, out_indices=(0, 2)).eval()
+    with torch.no_grad():
+        maps = features(x)
+    assert features.feature_info.channels() == [model.feature_info[i]["num_chs"] for i in (0, 2)]
+    assert [m.shape for m in maps] == [(2, c, 64 // r, 96 // r) for c, r in zip(features.feature_info.channels(), (4, 16))]
+
+    groups = group_parameters(model, model.group_matcher())
+    assert sum(len(g) for g in groups.values()) == len(list(model.parameters()))
+    assert next(iter(groups.values())) == [n for n, _ in model.named_parameters() if n.startswith("layer1.0.")]
+    # The final norm joins the last block (timm's (99999,)); the head, matched by nothing, comes last.
+    assert list(groups.values())[-2][-2:] == ["norm.weight", "norm.bias"]
+    assert list(groups.values())[-1] == ["head.weight", "head.bias"]
+    assert "layer1.0.cls_token" in model.no_weight_decay() and "layer1.1.attn.query.weight" not in model.no_weight_decay()
+
+
+@pytest.mark.parametrize("name", ["vil_tiny", "vil_tiny_rpb"])
+def test_every_parameter_trains_and_grad_checkpointing_gives_the_same_gradients(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5, drop_path_rate=0.0)
+    x = torch.randn(2, 3, 64, 64)
+    model(x).square().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_grad_checkpointing()
+    model(x).square().sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[n], msg=n)
+
+
+@pytest.mark.parametrize("name", ["vil_tiny", "vil_small_rpb"])
+def test_features_only(name):
+    torch.manual_seed(0)
+    full = timm.create_model(name).eval()
+    features = timm.create_model(name, features_only=True, out_indices=(1, -1)).eval()
+    wanted = features.model.state_dict()
+    assert set(wanted) == {k for k in full.state_dict() if not k.startswith(("norm.", "head."))}
+    features.model.load_state_dict({k: v for k, v in full.state_dict().items() if k in wanted})
+    assert features.feature_info.channels() == [full.feature_info[1]["num_chs"], full.feature_info[3]["num_chs"]]
+    assert features.feature_info.reduction() == [8, 32]
+    x = torch.randn(1, 3, 75, 100)
+    with torch.no_grad():
+        maps = features(x)
+        expected = full.forward_intermediates(x, indices=[1, 3], intermediates_only=True)
+    assert [m.shape for m in maps] == [(1, full.feature_info[1]["num_chs"], 10, 13), (1, full.feature_info[3]["num_chs"], 3, 4)]
+    for got, want in zip(maps, expected):
+        torch.testing.assert_close(got, want)
+    # The pruned model keeps only what the features need.
+    assert not hasattr(timm.create_model(name, features_only=True, out_indices=(0, 1)).model, "layer3")
+
+
+def test_original_release_checkpoint_through_pretrained_cfg_overlay(tmp_path):
+    """``pretrained_cfg_overlay=dict(file=...)`` loads the original release's checkpoint format; at another
+    image size the position tables are resized as the model itself interpolates them."""
+    torch.manual_seed(0)
+    for name in ("vil_tiny", "vil_tiny_rpb"):
+        source = timm.create_model(name, img_size=64).eval()
+        path = tmp_path / f"{name}.pth"
+        torch.save(original_release_checkpoint(source.state_dict()), path)
+        overlay = dict(file=str(path))
+        x = torch.randn(2, 3, 64, 64)
+        loaded = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, img_size=64).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), source(x), rtol=0, atol=0)
+            larger = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, img_size=96).eval()
+            y = torch.randn(1, 3, 96, 96)
+            torch.testing.assert_close(larger(y), source(y))
+            head_less = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, img_size=64, num_classes=0).eval()
+            torch.testing.assert_close(head_less(x), source.forward_head(source.forward_features(x), pre_logits=True))
+
+
+# --- Bad input: one plain sentence each. ---
+
+
+def test_out_indices_out_of_range():
+    with pytest.raises(ValueError, match=r"Stage indices \[1, 4\] are out of range for a model with 4 stages; use indices 0..3"):
+        timm.create_model("vil_tiny", features_only=True, out_indices=(1, 4))
+    model = timm.create_model("vil_tiny")
+    with pytest.raises(ValueError, match="Asked for the last 5 stages of a model with 4; ask for 1 to 4"):
+        model.forward_intermediates(torch.randn(1, 3, 64, 64), indices=5)
+
+
+def test_bad_pooling():
+    model = timm.create_model("vil_tiny")
+    with pytest.raises(ValueError, match="global_pool 'token' needs global tokens in the last stage, which has g0; use 'avg'"):
+        model.reset_classifier(0, "token")
+    with pytest.raises(ValueError, match="global_pool 'max' is not a pooling of this model; use 'token', 'avg' or ''"):
+        model.reset_classifier(0, "max")

@@ -1,0 +1,184 @@
+"""State-dict conversions: a classification checkpoint into a backbone of another shape.
+
+Each function takes a state dict with the model's key layout (this project's, which is the original
+release's) and the stage specs of the model it belongs to, and returns the converted state dict (and the
+new specs where they change). Nothing here builds a model, so the export tool and the backbone builder share
+the same code.
+"""
+
+import math
+import re
+from dataclasses import replace
+
+import torch
+
+from ..checkpoint import model_state
+from .arch import parse_arch, stage_map_sizes
+from .tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
+
+GLOBAL_INITS = ("copy", "average")
+_STAGE_KEY = re.compile(r"^layer(\d+)\.")
+_FULL_TABLE = ".attn.local_relative_position_bias_table"
+
+
+def _stage_position(key, specs):
+    """The position in ``specs`` of the stage a key belongs to, or None for the final norm and the head."""
+    match = _STAGE_KEY.match(key)
+    if not match:
+        return None
+    index = int(match.group(1))
+    return next((i for i, spec in enumerate(specs) if spec.index == index), None)
+
+
+def _is_full_table(key, state):
+    """A relative-bias table of a full-attention block (one with a ``qkv`` projection)."""
+    return key.endswith(_FULL_TABLE) and key[: -len("local_relative_position_bias_table")] + "qkv.weight" in state
+
+
+def drop_classifier(state):
+    """The state without the final norm and the classifier, which a backbone does not have."""
+    return {k: v for k, v in state.items() if not k.startswith(("head.", "norm."))}
+
+
+def infer_image_size(state, specs):
+    """The square image size a state dict's position tables were made for (stage 1's absolute position
+    embedding, or a full-attention table), or None when it has neither."""
+    stride = 1
+    for i, spec in enumerate(specs):
+        stride *= spec.patch
+        prefix = f"layer{spec.index}."
+        rows = state.get(prefix + "0.x_pos_embed")
+        if rows is not None:
+            return rows.shape[1] * stride, state[prefix + "0.y_pos_embed"].shape[1] * stride
+        for key, value in state.items():
+            if key.startswith(prefix) and _is_full_table(key, state):
+                side = math.isqrt(value.shape[0])
+                if side * side == value.shape[0] and side % 2:
+                    return (side + 1) // 2 * stride, (side + 1) // 2 * stride
+    return None
+
+
+def resize_tables(state, specs, old_size, new_size):
+    """Position embeddings and full-attention bias tables made for images of ``old_size`` (H, W), remade for
+    ``new_size`` by the interpolation the model itself uses on inputs of another size."""
+    old_maps, new_maps = stage_map_sizes(specs, old_size), stage_map_sizes(specs, new_size)
+    resized = {}
+    for key, value in state.items():
+        i = _stage_position(key, specs)
+        if i is not None and key.endswith(".x_pos_embed"):
+            value = resize_position_embedding(value, new_maps[i][0])
+        elif i is not None and key.endswith(".y_pos_embed"):
+            value = resize_position_embedding(value, new_maps[i][1])
+        elif i is not None and _is_full_table(key, state):
+            value = resize_full_bias_table(value, old_maps[i], new_maps[i])
+        resized[key] = value
+    return resized
+
+
+def backbone_specs(specs, full_attention_to_local=False, num_global=None):
+    """The stage specs after the conversions below: every stage local, and/or ``num_global`` global tokens in
+    the stages that have some."""
+    if full_attention_to_local:
+        specs = [replace(spec, local=True) for spec in specs]
+    if num_global is not None:
+        specs = [replace(spec, num_global=num_global if spec.num_global else 0) for spec in specs]
+    return specs
+
+
+def full_to_local(state, specs, image_size):
+    """Full-attention blocks turned into longformer blocks, as the original detection code did: ``qkv`` split
+    into ``query`` and ``kv`` (and their ``_global`` twins where the stage has global tokens), and the
+    relative-bias table re-indexed by offset into a ``(4w-1)^2`` table. Returns ``(state, specs)`` with every
+    stage local (s1)."""
+    maps = stage_map_sizes(specs, image_size)
+    converted = {}
+    for key, value in state.items():
+        i = _stage_position(key, specs)
+        if i is None:
+            converted[key] = value
+            continue
+        spec = specs[i]
+        twins = spec.num_global > 0
+        if ".attn.qkv." in key:
+            block, kind = key.split(".qkv.")
+            dim = value.shape[0] // 3
+            for name in ("query", "query_global") if twins else ("query",):
+                converted[f"{block}.{name}.{kind}"] = value[:dim].clone()
+            for name in ("kv", "kv_global") if twins else ("kv",):
+                converted[f"{block}.{name}.{kind}"] = value[dim:].clone()
+        elif _is_full_table(key, state):
+            converted[key] = full_bias_to_local(value, maps[i], spec.window)
+        elif ".attn.proj." in key and key.split(".proj.")[0] + ".qkv.weight" in state and twins:
+            converted[key] = value
+            converted[key.replace(".proj.", ".proj_global.")] = value.clone()
+        else:
+            converted[key] = value
+    return converted, backbone_specs(specs, full_attention_to_local=True)
+
+
+def set_num_global(state, specs, num_global, init="copy"):
+    """Every stage that has global tokens gets ``num_global`` of them (0 removes them); stages without keep
+    none. The tokens, their position embeddings and their bias entries are the learned ones repeated in turn
+    (``copy``) or their mean (``average``). Returns ``(state, specs)``."""
+    if init not in GLOBAL_INITS:
+        raise ValueError(f"Global-token initialisation {init!r} does not exist; use one of {', '.join(GLOBAL_INITS)}.")
+    if num_global < 0:
+        raise ValueError(f"The number of global tokens must be 0 or more, not {num_global}.")
+
+    def pick(value, dim, old):
+        if init == "copy":
+            return value.index_select(dim, torch.arange(num_global) % old)
+        shape = list(value.shape)
+        shape[dim] = num_global
+        return value.mean(dim=dim, keepdim=True).expand(shape).clone()
+
+    converted = {}
+    for key, value in state.items():
+        i = _stage_position(key, specs)
+        old = specs[i].num_global if i is not None else 0
+        if not old:
+            converted[key] = value
+        elif key.endswith((".cls_token", ".cls_pos_embed")):
+            converted[key] = pick(value, 1, old)
+        elif key.endswith(".g2l_relative_position_bias"):
+            converted[key] = pick(value, 2, old)
+        elif key.endswith(".g2g_relative_position_bias"):
+            converted[key] = pick(pick(value, 1, old), 2, old)
+        else:
+            converted[key] = value
+    if num_global == 0:  # no tokens, no projections of theirs; the tokens' position embedding stays, empty
+        converted = {
+            k: v for k, v in converted.items()
+            if not (k.endswith((".cls_token", "_relative_position_bias")) or "_global." in k)
+        }
+    return converted, backbone_specs(specs, num_global=num_global)
+
+
+def checkpoint_filter_fn(state_dict, model):
+    """timm's checkpoint filter: the original release's checkpoints and this project's (the ``"net"`` entry,
+    wrapper prefixes and derived buffers removed), with position tables resized when the model was built for
+    another image size than the checkpoint's (taken as square, as both releases train)."""
+    state = model_state(state_dict)
+    expected = model.state_dict()
+    if all(k not in expected or expected[k].shape == v.shape for k, v in state.items()):
+        return state
+    specs = model.stage_specs
+    source = infer_image_size(state, specs)
+    return resize_tables(state, specs, source, model.img_size) if source else state
+
+
+def convert_classification_state(state, arch, image_size, *, full_attention_to_local=False, num_global=None,
+                                 global_init="copy", new_image_size=None):
+    """A classification model's state (arch string ``arch``, built for ``image_size``) as a backbone's: no
+    classifier or final norm; optionally full-attention stages as longformer ones, another number of global
+    tokens, position tables for ``new_image_size``. Returns ``(state, arch specs, image size)``."""
+    specs = parse_arch(arch)
+    state = drop_classifier(model_state(state))
+    if new_image_size is not None and tuple(new_image_size) != tuple(image_size):
+        state = resize_tables(state, specs, image_size, new_image_size)
+        image_size = tuple(new_image_size)
+    if full_attention_to_local:
+        state, specs = full_to_local(state, specs, image_size)
+    if num_global is not None:
+        state, specs = set_num_global(state, specs, num_global, global_init)
+    return state, specs, tuple(image_size)
