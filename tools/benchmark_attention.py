@@ -2,14 +2,14 @@
 ``torch.nn.functional.scaled_dot_product_attention`` over all tokens.
 
 Default problem: one attention layer of ViL-Small's first stage (batch 4, 3 heads x 32, w=7, one global
-token), fp32. Every point runs in a fresh process, so that one point's memory cannot hide another's:
-on the CPU its peak is the rise of the process's resident-set high-water mark (reset through
-``/proc/self/clear_refs`` just before the measured call) over the resident set before it, taken on the
-process's first call (later calls reuse pages the allocator kept); on CUDA, ``torch.cuda.max_memory_allocated``
-over the memory allocated before it, taken after one warm-up call (compilation and kernel tuning allocate
-scratch memory of their own). Both include the outputs and gradients; neither includes the inputs. The last
-column puts the inputs plus that peak over the inputs, outputs and their gradients (1.0: no memory beyond
-them). Time is the best of ``--repeats`` calls.
+token), fp32. Every point runs in a fresh process, so that one point cannot leave memory or caches to another.
+Peak memory is what torch's allocator holds for tensors at most during one forward+backward, over what it held
+before (``vil.profiling.PeakMemory``: on the CPU counted from the profiler's allocation events, on CUDA
+``torch.cuda.max_memory_allocated``), taken after one warm-up call (compilation and kernel tuning allocate
+scratch memory of their own). It includes the output, its gradient and the inputs' gradients, not the inputs.
+The working memory is that peak less the output, its gradient and the inputs' gradients, which every
+implementation holds; the last column puts the inputs plus the peak over the inputs, outputs and their
+gradients (1.0: no memory beyond them). Time is the best of ``--repeats`` calls.
 
     python tools/benchmark_attention.py                      # CPU, maps 28, 56, 84
     python tools/benchmark_attention.py --device cuda --dtype bfloat16 --batch 64 --rel-bias --sizes 28 56 112
@@ -38,6 +38,7 @@ from vil.profiling import PeakMemory
 
 SDPA = "sdpa (full attention)"
 REFERENCE_MAX_TOKENS = 56 * 56  # the naive masked reference needs tokens^2 memory: skipped above this
+SDPA_MAX_TOKENS = 112 * 112  # full attention's time grows with tokens^2: skipped above this on the CPU
 UNFOLD_MAX_BYTES = 6 * 2**30  # the unfold backends keep the unfolded keys and values: skipped above this
 CPU_BACKENDS = ["sliding_chunk", "sliding_chunk_autograd", "chunk_rows", "unfold", "unfold_nnf", "reference"]
 
@@ -94,10 +95,7 @@ def measure(args, backend, size):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    if device.type == "cuda":
-        run()  # compilation and tuning first: they allocate scratch memory of their own
-    # On the CPU, memory on the process's first call: later calls reuse pages the allocator kept, which the
-    # resident set would not show.
+    run()  # compilation, tuning and cached tables first: they allocate memory of their own
     with PeakMemory(device) as peak:
         run()
     times = []
@@ -107,13 +105,16 @@ def measure(args, backend, size):
         times.append(time.perf_counter() - start)
     input_bytes = sum(t.numel() for t in leaves) * leaves[0].element_size()
     io_bytes = 2 * input_bytes + 2 * out_numel * leaves[0].element_size()  # inputs, output, their gradients
-    return min(times), peak.mib, (input_bytes + peak.mib * 2**20) / io_bytes
+    working = peak.mib - (io_bytes - input_bytes) / 2**20
+    return min(times), peak.mib, (input_bytes + peak.mib * 2**20) / io_bytes, working
 
 
 def run_point(args, backend, size):
     """Measure one point in a fresh process; returns (seconds, MiB) or a string saying why not."""
     if backend == "reference" and size * size > REFERENCE_MAX_TOKENS:
         return "skipped (tokens^2 memory)"
+    if backend == SDPA and args.device == "cpu" and size * size > SDPA_MAX_TOKENS:
+        return "skipped (tokens^2 time)"
     window_keys = (2 * args.window + 1) ** 2 if args.exact == 1 else 9 * args.window**2
     unfolded = 4 * args.batch * args.heads * size * size * window_keys * args.head_dim * 4  # K, V and gradients
     if backend.startswith("unfold") and unfolded > UNFOLD_MAX_BYTES:
@@ -162,8 +163,8 @@ def main():
         f"{args.num_global} global, SW_EXACT {args.exact}, {'relative bias, ' if args.rel_bias else ''}{args.dtype} on {args.device}; "
         f"best of {args.repeats}; backend=None picks {default!r}",
         "",
-        "| map | backend | time (ms) | peak memory (MiB) | vs SDPA | memory / (inputs, outputs, gradients) |",
-        "|---|---|---|---|---|---|",
+        "| map | backend | time (ms) | peak memory (MiB) | working memory (MiB) | vs SDPA | memory / (inputs, outputs, gradients) |",
+        "|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     summary, study = [], {}
@@ -173,16 +174,20 @@ def main():
         best_local = None
         for name, result in results.items():
             if isinstance(result, str):
-                row = f"| {size}x{size} | {name} | {result} | | | |"
+                row = f"| {size}x{size} | {name} | {result} | | | | |"
             else:
                 speedup = f"{sdpa[0] / result[0]:.2f}x" if not isinstance(sdpa, str) else ""
-                row = f"| {size}x{size} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {speedup} | {result[2]:.2f} |"
+                row = f"| {size}x{size} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {result[3]:.1f} | {speedup} | {result[2]:.2f} |"
                 if name not in (SDPA, "reference") and (best_local is None or result[0] < best_local[1][0]):
                     best_local = (name, result)
             lines.append(row)
             print(row, flush=True)
         if best_local and not isinstance(sdpa, str):
             summary.append(f"{size}x{size}: fastest local backend {best_local[0]} is {sdpa[0] / best_local[1][0]:.2f}x faster than SDPA")
+        lean, chunked = results.get("chunk_rows"), results.get("sliding_chunk")
+        if all(isinstance(r, tuple) for r in (lean, chunked, sdpa)):
+            summary.append(f"{size}x{size}: chunk_rows' peak memory is {lean[1] / chunked[1]:.2f}x sliding_chunk's and "
+                           f"{lean[1] / sdpa[1]:.2f}x SDPA's; its working memory {lean[3] / chunked[3]:.2f}x and {lean[3] / sdpa[3]:.2f}x")
         fused = results.get("triton")
         if isinstance(fused, tuple):
             others = [f"{result[0] / fused[0]:.2f}x {name}" for name, result in results.items()
@@ -198,7 +203,7 @@ def main():
 
 
 def plot_study(study, prefix, title):
-    """``study[size][backend]`` = (seconds, MiB, ratio) or a reason -> PREFIX_time.png, PREFIX_memory.png."""
+    """``study[size][backend]`` = (seconds, MiB, ...) or a reason -> PREFIX_time.png, PREFIX_memory.png."""
     import matplotlib
     import matplotlib.ticker
 

@@ -1,17 +1,19 @@
 """Peak memory of a block of code, on a GPU or on the CPU."""
 
 import torch
-
-
-def _resident_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+from torch.profiler import ProfilerActivity, profile
 
 
 class PeakMemory:
-    """``with PeakMemory(device) as peak: ...``; then ``peak.mib`` is how far memory rose during the block:
-    ``torch.cuda.max_memory_allocated`` over the memory allocated before it on CUDA; on the CPU (Linux), the
-    process's resident-set high-water mark, reset at the start, over the resident set before it."""
+    """``with PeakMemory(device) as peak: ...``; then ``peak.mib`` is how far the memory that torch's allocator
+    holds for tensors rose during the block, over what it held at the start.
+
+    On CUDA that is ``torch.cuda.max_memory_allocated``. On the CPU, where torch keeps no such counter, the
+    profiler records every allocation and free of the block (``profile_memory=True``); their running sum in
+    time order is the memory held, and its maximum the peak. Unlike the process's resident set, this counts
+    neither the pages an earlier block left to the C allocator nor code and library pages touched for the
+    first time.
+    """
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -23,15 +25,20 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.before = torch.cuda.memory_allocated()
         else:
-            self.before = _resident_kib("VmRSS") * 1024
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # the high-water mark starts again from the current resident set
+            self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.profiler.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-        else:
-            peak = _resident_kib("VmHWM") * 1024
-        self.mib = (peak - self.before) / 2**20
+            self.mib = (torch.cuda.max_memory_allocated() - self.before) / 2**20
+            return
+        self.profiler.__exit__(*exc)
+        events = [e for e in self.profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+        held = peak = 0
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            if event.device_type() == torch.autograd.DeviceType.CPU:
+                held += event.nbytes()
+                peak = max(peak, held)
+        self.mib = peak / 2**20

@@ -17,11 +17,9 @@ import torch.nn.functional as F
 from ..chunks import unfolded_window_tables
 
 
-_BLOCK_BYTES = 8 * 2**20  # scores per block: cache-sized, as in the sliding-chunk backend
-
-
-def _at(t, n):
-    return None if t is None else t[n]
+# Scores per block. A block's working memory is a few times this (scores, probabilities, their gradients,
+# the unfolded windows), which is all the memory this backend needs beyond its inputs, outputs and gradients.
+_BLOCK_BYTES = 2**20
 
 
 @lru_cache(maxsize=16)
@@ -39,12 +37,13 @@ class _Geometry:
         self.real = [self.windows(self.gather(ones, r), r)[0, :, :, 0] > 0 for r in range(self.mx)]  # (my, 9S) per row
 
     def blocks(self, batch, heads):
-        """(chunk row, slice of batch x heads) to process together: whole batch entries, about 8 MB of scores."""
-        row_bytes = heads * self.my * self.w**2 * 9 * self.w**2 * 4
-        per_block = max(1, min(batch, _BLOCK_BYTES // row_bytes))
+        """(chunk row, batch entry, slice of heads) to process together: about ``_BLOCK_BYTES`` of scores."""
+        row_bytes = self.my * self.w**2 * 9 * self.w**2 * 4
+        per_block = max(1, min(heads, _BLOCK_BYTES // row_bytes))
         for r in range(self.mx):
-            for b0 in range(0, batch, per_block):
-                yield r, slice(b0 * heads, min(batch, b0 + per_block) * heads)
+            for b in range(batch):
+                for start in range(0, heads, per_block):
+                    yield r, b, slice(start, min(heads, start + per_block))
 
     def band_rows(self, r, device):
         """Map rows of chunk rows r-1..r+1 (wrapped around for SW_EXACT -1; clamped where outside the map) and
@@ -85,43 +84,48 @@ class _Geometry:
         out[:, r * w : r * w + height] = grid[:, :height, : self.cols]
 
 
-def _row_scores(geo, r, queries, keys, gk, rel_bias, global_bias, scale, H):
-    """Scores of chunk row r, (N, my, S, G + 9S), -inf where a key is not in the window."""
-    N = queries.shape[0]
-    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # keys: (N, my, 9S, D)
+def _row_scores(geo, r, queries, keys, gk, rel_bias, global_bias, scale):
+    """Scores of chunk row r, (n, my, S, G + 9S), -inf where a key is not in the window. ``rel_bias``
+    (n, S, 9S) and ``global_bias`` (n, G) are those of the block's entries."""
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # keys: (n, my, 9S, D)
     if rel_bias is not None:
-        scores += rel_bias[:, geo.bias_index].repeat(N // H, 1, 1)[:, None]
+        scores += rel_bias[:, None]
     valid = geo.allowed[r] & geo.real[r][:, None, :]
     scores = scores.masked_fill(~valid, float("-inf"))
     if gk is None:
         return scores
     g_scores = torch.matmul(queries, gk.transpose(-1, -2)[:, None]) * scale
     if global_bias is not None:
-        g_scores += global_bias.repeat(N // H, 1)[:, None, None, :]
+        g_scores += global_bias[:, None, None, :]
     return torch.cat([g_scores, scores], dim=-1)
 
 
 class _ChunkRows(torch.autograd.Function):
+    """Inputs stay as they are (any strides, any float dtype): each block reads its slice and computes in
+    float32 or wider, so no whole-size copy of q, k or v is made."""
+
     @staticmethod
     def forward(ctx, q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
         B, H, X, Y, D = q.shape
         G = 0 if gk is None else gk.shape[2]
-        qf, kc, vc, gkf, gvf, rel, glob = _flat(q, k, v, gk, gv, rel_bias, global_bias)
-        out = torch.empty_like(qf, dtype=q.dtype)
-        lse = torch.empty(B * H, X, Y, 1, dtype=qf.dtype, device=q.device)
-        for r, n in geo.blocks(B, H):
-            keys = geo.windows(geo.gather(kc[n], r), r)
-            scores = _row_scores(geo, r, geo.queries(qf[n], r), keys, _at(gkf, n), rel, glob, scale, H)
+        dtype = _compute_dtype(q)
+        kc, vc = k.permute(0, 1, 4, 2, 3), v.permute(0, 1, 4, 2, 3)  # (B, H, D, X, Y) views, for the unfold
+        out = q.new_empty(q.shape)
+        lse = torch.empty(B, H, X, Y, 1, dtype=dtype, device=q.device)
+        for r, b, h in geo.blocks(B, H):
+            keys = geo.windows(geo.gather(kc[b, h].to(dtype), r), r)
+            scores = _row_scores(geo, r, geo.queries(q[b, h].to(dtype), r), keys, _part(gk, b, h, dtype),
+                                 _bias_rows(rel_bias, h, geo, dtype), _part(global_bias, None, h, dtype), scale)
             row_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
             probs = torch.exp(scores - row_lse)
-            row_out = torch.matmul(probs[..., G:], geo.windows(geo.gather(vc[n], r), r))
+            row_out = torch.matmul(probs[..., G:], geo.windows(geo.gather(vc[b, h].to(dtype), r), r))
             if G:
-                row_out += torch.matmul(probs[..., :G], gvf[n, None])
-            geo.put_row(out[n], row_out, r)
-            geo.put_row(lse[n], row_lse, r)
+                row_out += torch.matmul(probs[..., :G], gv[b, h, None].to(dtype))
+            geo.put_row(out[b, h], row_out, r)
+            geo.put_row(lse[b, h], row_lse, r)
         ctx.save_for_backward(q, k, v, gk, gv, rel_bias, global_bias, out, lse)
         ctx.geo, ctx.scale = geo, scale
-        return out.view(B, H, X, Y, D)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -129,69 +133,75 @@ class _ChunkRows(torch.autograd.Function):
         geo, scale = ctx.geo, ctx.scale
         B, H, X, Y, D = q.shape
         G = 0 if gk is None else gk.shape[2]
-        N = B * H
-        qf, kc, vc, gkf, gvf, rel, glob = _flat(q, k, v, gk, gv, rel_bias, global_bias)
-        dout = grad_out.reshape(N, X, Y, D).to(qf.dtype)
-        delta = (dout * out.to(qf.dtype)).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qf)
-        dk, dv = torch.zeros_like(qf), torch.zeros_like(qf)
-        dkc, dvc = dk.permute(0, 3, 1, 2), dv.permute(0, 3, 1, 2)  # (N, D, X, Y) views, as kc and vc
-        dgk = None if gk is None else torch.zeros_like(gkf)
-        dgv = None if gv is None else torch.zeros_like(gvf)
-        d_rel = None if rel_bias is None else torch.zeros(N, *geo.bias_index.shape, dtype=qf.dtype, device=q.device)
-        d_glob = None if global_bias is None else torch.zeros(N, G, dtype=qf.dtype, device=q.device)
-        for r, n in geo.blocks(B, H):
-            queries, row_dout = geo.queries(qf[n], r), geo.queries(dout[n], r)
-            row_lse, row_delta = geo.queries(lse[n], r), geo.queries(delta[n], r)
+        dtype = _compute_dtype(q)
+        kc, vc = k.permute(0, 1, 4, 2, 3), v.permute(0, 1, 4, 2, 3)
+        dq = q.new_empty(q.shape)  # written once per chunk row
+        # dK and dV gather up to three band contributions per token: summed in the compute dtype.
+        dk, dv = (torch.zeros(q.shape, dtype=dtype, device=q.device) for _ in range(2))
+        dkc, dvc = dk.permute(0, 1, 4, 2, 3), dv.permute(0, 1, 4, 2, 3)
+        dgk = None if gk is None else torch.zeros(gk.shape, dtype=dtype, device=q.device)
+        dgv = None if gv is None else torch.zeros(gv.shape, dtype=dtype, device=q.device)
+        d_rel = None if rel_bias is None else torch.zeros(H, geo.bias_index.numel(), dtype=dtype, device=q.device)
+        d_glob = None if global_bias is None else torch.zeros(H, G, dtype=dtype, device=q.device)
+        for r, b, h in geo.blocks(B, H):
+            queries, row_dout = geo.queries(q[b, h].to(dtype), r), geo.queries(grad_out[b, h].to(dtype), r)
+            row_lse = geo.queries(lse[b, h], r)
+            row_delta = (row_dout * geo.queries(out[b, h].to(dtype), r)).sum(-1, keepdim=True)  # rowsum(dO * O)
             rows = geo.band_rows(r, q.device)[0]
             with torch.enable_grad():
                 # The band's masking, padding and unfold, recorded so that autograd folds window gradients back.
-                k_band, v_band = geo.gather(kc[n], r).requires_grad_(), geo.gather(vc[n], r).requires_grad_()
+                k_band = geo.gather(kc[b, h].to(dtype), r).requires_grad_()
+                v_band = geo.gather(vc[b, h].to(dtype), r).requires_grad_()
                 keys, values = geo.windows(k_band, r), geo.windows(v_band, r)
-            scores = _row_scores(geo, r, queries, keys.detach(), _at(gkf, n), rel, glob, scale, H)
+            gkb = _part(gk, b, h, dtype)
+            scores = _row_scores(geo, r, queries, keys.detach(), gkb, _bias_rows(rel_bias, h, geo, dtype),
+                                 _part(global_bias, None, h, dtype), scale)
             probs = torch.exp(scores - row_lse)
             d_probs = torch.matmul(row_dout, values.detach().transpose(-1, -2))
             if G:
-                d_probs = torch.cat([torch.matmul(row_dout, gvf[n].transpose(-1, -2)[:, None]), d_probs], dim=-1)
+                gvb = gv[b, h].to(dtype)
+                d_probs = torch.cat([torch.matmul(row_dout, gvb.transpose(-1, -2)[:, None]), d_probs], dim=-1)
             d_scores = probs * (d_probs - row_delta)
             local = d_scores[..., G:]
             row_dq = torch.matmul(local, keys.detach()) * scale
             d_keys = torch.matmul(local.transpose(-1, -2), queries) * scale
             d_values = torch.matmul(probs[..., G:].transpose(-1, -2), row_dout)
             dk_band, dv_band = torch.autograd.grad((keys, values), (k_band, v_band), (d_keys, d_values))
-            dkc[n].index_add_(2, rows, dk_band)
-            dvc[n].index_add_(2, rows, dv_band)
+            dkc[b, h].index_add_(2, rows, dk_band)
+            dvc[b, h].index_add_(2, rows, dv_band)
             if G:
                 d_global_scores = d_scores[..., :G]
-                row_dq += torch.matmul(d_global_scores, gkf[n, None]) * scale
-                dgk[n] += torch.einsum("nmsg,nmsd->ngd", d_global_scores, queries) * scale
-                dgv[n] += torch.einsum("nmsg,nmsd->ngd", probs[..., :G], row_dout)
+                row_dq += torch.matmul(d_global_scores, gkb[:, None]) * scale
+                dgk[b, h] += torch.einsum("nmsg,nmsd->ngd", d_global_scores, queries) * scale
+                dgv[b, h] += torch.einsum("nmsg,nmsd->ngd", probs[..., :G], row_dout)
                 if d_glob is not None:
-                    d_glob[n] += d_global_scores.sum((1, 2))
+                    d_glob[h] += d_global_scores.sum((1, 2))
             if d_rel is not None:
-                d_rel[n] += local.sum(1)
-            geo.put_row(dq[n], row_dq, r)
-        grads = [dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), None, None, None, None]
-        if G:
-            grads[3], grads[4] = dgk.view(gk.shape), dgv.view(gv.shape)
+                d_rel[h] += local.sum(1).flatten(1)
+            geo.put_row(dq[b, h], row_dq, r)
+        d_rel_table = None
         if d_rel is not None:
-            per_head = d_rel.view(B, H, -1).sum(0)  # (H, S * 9S)
-            grads[5] = torch.zeros_like(rel).index_add_(1, geo.bias_index.flatten(), per_head)
-        if d_glob is not None:
-            grads[6] = d_glob.view(B, H, G).sum(0)
-        dtypes = (q.dtype, k.dtype, v.dtype, *(None if t is None else t.dtype for t in (gk, gv, rel_bias, global_bias)))
-        return (*(None if g is None else g.to(dt) for g, dt in zip(grads, dtypes)), None, None)
+            d_rel_table = torch.zeros(rel_bias.shape, dtype=dtype, device=q.device).index_add_(1, geo.bias_index.flatten(), d_rel)
+        grads = (dq, dk, dv, dgk, dgv, d_rel_table, d_glob)
+        inputs = (q, k, v, gk, gv, rel_bias, global_bias)
+        return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)), None, None)
 
 
-def _flat(q, k, v, gk, gv, rel_bias, global_bias):
-    """Batch and heads merged, half precision widened to float32; k and v as (N, D, X, Y) for the unfold."""
-    B, H, X, Y, D = q.shape
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    qf = q.reshape(B * H, X, Y, D).to(dtype)
-    kc, vc = (t.reshape(B * H, X, Y, D).to(dtype).permute(0, 3, 1, 2) for t in (k, v))
-    gkf, gvf = (None if t is None else t.reshape(B * H, -1, D).to(dtype) for t in (gk, gv))
-    rel, glob = (None if t is None else t.to(dtype) for t in (rel_bias, global_bias))
-    return qf, kc, vc, gkf, gvf, rel, glob
+def _compute_dtype(q):
+    """Half precision is computed in float32: the recomputed probabilities need an exact log-sum-exp."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _part(t, b, h, dtype):
+    """``t[b, h]`` (or ``t[h]`` with ``b`` None) in the compute dtype; None for None."""
+    if t is None:
+        return None
+    return (t[h] if b is None else t[b, h]).to(dtype)
+
+
+def _bias_rows(rel_bias, h, geo, dtype):
+    """The relative bias of every (query, window key) of a chunk, for heads ``h``: (h, S, 9S)."""
+    return None if rel_bias is None else rel_bias[h][:, geo.bias_index].to(dtype)
 
 
 def chunk_rows(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
