@@ -34,7 +34,9 @@ class _Geometry:
         self.mx, self.my = -(-rows // window), -(-cols // window)
         self.allowed, self.bias_index = unfolded_window_tables(rows, cols, window, exact, mode, device)
         ones = torch.ones(1, 1, rows, cols, device=device)
-        self.real = [self.windows(self.gather(ones, r), r)[0, :, :, 0] > 0 for r in range(self.mx)]  # (my, 9S) per row
+        real = [self.windows(self.gather(ones, r), r)[0, :, :, 0] > 0 for r in range(self.mx)]  # (my, 9S) per row
+        # Per chunk row, (my, S or 1, 9S): where a query may not see a window key.
+        self.hidden = [~(self.allowed[r] & real[r][:, None, :]) for r in range(self.mx)]
 
     def blocks(self, batch, heads):
         """(chunk row, batch entry, slice of heads) to process together: about ``_BLOCK_BYTES`` of scores."""
@@ -59,7 +61,7 @@ class _Geometry:
         row r, after zeroing the rows outside the map and padding one chunk column on either side."""
         w = self.w
         inside = self.band_rows(r, gathered.device)[1]
-        band = gathered * inside.view(1, 1, -1, 1).to(gathered.dtype)
+        band = gathered if bool(inside.all()) else gathered * inside.view(1, 1, -1, 1).to(gathered.dtype)
         band = F.pad(band, (0, self.my * w - self.cols))
         band = F.pad(band, (w, w, 0, 0), mode="circular" if self.exact == -1 else "constant")
         unfolded = F.unfold(band, 3 * w, stride=w)  # (N, C * 9S, my)
@@ -87,11 +89,10 @@ class _Geometry:
 def _row_scores(geo, r, queries, keys, gk, rel_bias, global_bias, scale):
     """Scores of chunk row r, (n, my, S, G + 9S), -inf where a key is not in the window. ``rel_bias``
     (n, S, 9S) and ``global_bias`` (n, G) are those of the block's entries."""
-    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # keys: (n, my, 9S, D)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # keys: (n, my, 9S, D)
     if rel_bias is not None:
         scores += rel_bias[:, None]
-    valid = geo.allowed[r] & geo.real[r][:, None, :]
-    scores = scores.masked_fill(~valid, float("-inf"))
+    scores.masked_fill_(geo.hidden[r], float("-inf"))
     if gk is None:
         return scores
     g_scores = torch.matmul(queries, gk.transpose(-1, -2)[:, None]) * scale
