@@ -17,7 +17,7 @@ from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastL
 
 from .checkpoint import load_model_state, model_state, read_checkpoint
 from .models import PRESETS, MsViT, arch_string, parse_arch
-from .models.convert import GLOBAL_INITS, backbone_specs, convert_classification_state, infer_image_size
+from .models.convert import backbone_specs, convert_classification_state, infer_image_size
 from .models.msvit import model_kwargs
 
 # Export format -> (the key holding the state dict, the prefix of the backbone's keys in a whole detector).
@@ -189,6 +189,6 @@ def checkpoint_image_size(checkpoint, arch):
 
 
 __all__ = [
-    "EXPORT_FORMATS", "GLOBAL_INITS", "ViLBackbone", "ViLWithFPN", "backbone_state", "build_fpn_backbone",
+    "EXPORT_FORMATS", "ViLBackbone", "ViLWithFPN", "backbone_state", "build_fpn_backbone",
     "checkpoint_image_size", "export_state", "load_backbone_checkpoint",
 ]
