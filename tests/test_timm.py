@@ -133,6 +133,13 @@ def test_out_indices_out_of_range():
         model.forward_intermediates(torch.randn(1, 3, 64, 64), indices=5)
 
 
+def test_checkpoint_of_another_architecture(tmp_path):
+    torch.save({"net": timm.create_model("vil_small_rpb", img_size=64).state_dict()}, tmp_path / "small.pth")
+    with pytest.raises(ValueError, match=r"Checkpoint pretrained_cfg file does not fit this model's architecture: .*"
+                                         r"mis-shaped \(checkpoint vs model\): layer1.0.cls_token \(1, 1, 96\) vs \(1, 1, 48\)"):
+        timm.create_model("vil_tiny_rpb", pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "small.pth")))
+
+
 def test_bad_pooling():
     model = timm.create_model("vil_tiny")
     with pytest.raises(ValueError, match="global_pool 'token' needs global tokens in the last stage, which has g0; use 'avg'"):

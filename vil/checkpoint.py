@@ -79,20 +79,28 @@ def load_model_state(model, state, path, strict=True, may_miss=()):
     """Load a state dict into ``model`` as :func:`load_checkpoint` does; keys starting with one of ``may_miss``
     may be absent from ``state`` (parameters the checkpoint cannot have, which keep their initial values)."""
     target = _unwrap(model)
+    if strict:
+        check_fits(state, target, path, may_miss)
+    _check_shared(state, target, path)
     expected = target.state_dict()
+    fitting = {k: v for k, v in state.items() if k in expected and v.shape == expected[k].shape}
+    target.load_state_dict(fitting, strict=False)  # what is missing or does not fit was refused above if strict
+
+
+def check_fits(state, model, path, may_miss=()):
+    """Raise one ``ValueError`` naming the keys ``model`` lacks in ``state`` (except those starting with one of
+    ``may_miss``), the keys it does not have, and the tensors of another shape."""
+    expected = model.state_dict()
     missing = [k for k in expected if k not in state and not k.startswith(tuple(may_miss))]
     unexpected = [k for k in state if k not in expected]
     mis_shaped = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
-    if strict and (missing or unexpected or mis_shaped):
+    if missing or unexpected or mis_shaped:
         problems = [
             f"{len(items)} {what}: {_sample(items)}"
             for what, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped (checkpoint vs model)", mis_shaped))
             if items
         ]
         raise ValueError(f"Checkpoint {path} does not fit this model's architecture: " + "; ".join(problems) + ".")
-    _check_shared(state, target, path)
-    fitting = {k: v for k, v in state.items() if k in expected and v.shape == expected[k].shape}
-    target.load_state_dict(fitting, strict=False)  # what is missing or does not fit was refused above if strict
 
 
 def _check_shared(state, model, path):

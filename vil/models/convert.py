@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from ..checkpoint import model_state
+from ..checkpoint import check_fits, model_state
 from .arch import parse_arch, stage_map_sizes
 from .tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
 
@@ -157,14 +157,17 @@ def set_num_global(state, specs, num_global, init="copy"):
 def checkpoint_filter_fn(state_dict, model):
     """timm's checkpoint filter: the original release's checkpoints and this project's (the ``"net"`` entry,
     wrapper prefixes and derived buffers removed), with position tables resized when the model was built for
-    another image size than the checkpoint's (taken as square, as both releases train)."""
+    another image size than the checkpoint's (taken as square, as both releases train). A checkpoint of
+    another architecture is refused in one sentence; the classifier may differ (timm replaces it)."""
     state = model_state(state_dict)
     expected = model.state_dict()
-    if all(k not in expected or expected[k].shape == v.shape for k, v in state.items()):
-        return state
-    specs = model.stage_specs
-    source = infer_image_size(state, specs)
-    return resize_tables(state, specs, source, model.img_size) if source else state
+    if any(k in expected and expected[k].shape != v.shape for k, v in state.items()):
+        source = infer_image_size(state, model.stage_specs)
+        if source:
+            state = resize_tables(state, model.stage_specs, source, model.img_size)
+    body = {k: v for k, v in state.items() if not k.startswith("head.")}
+    check_fits(body, model, "pretrained_cfg file", may_miss=("head.",))
+    return state
 
 
 def convert_classification_state(state, arch, image_size, *, full_attention_to_local=False, num_global=None,
