@@ -14,11 +14,10 @@ import argparse
 import sys
 
 import torch
-import yaml
 
 from vil.checkpoint import atomic_write, read_checkpoint
 from vil.config import load_cfg
-from vil.detection import EXPORT_FORMATS, checkpoint_image_size, export_state
+from vil.detection import EXPORT_FORMATS, checkpoint_image_size, export_state, stored_config
 from vil.models import PRESETS, arch_string, parse_arch
 from vil.models.convert import GLOBAL_INITS, convert_classification_state
 
@@ -54,8 +53,8 @@ def source_model(args, checkpoint):
     if args.config_file:
         cfg = load_cfg(args.config_file)
         arch, size = cfg.MODEL.VIT.MSVIT.ARCH, (cfg.INPUT.IMAGE_SIZE,) * 2
-    elif isinstance(checkpoint.get("config"), str):
-        arch = yaml.safe_load(checkpoint["config"])["MODEL"]["VIT"]["MSVIT"]["ARCH"]
+    else:
+        arch = stored_config(checkpoint).get("MODEL", {}).get("VIT", {}).get("MSVIT", {}).get("ARCH")
     if args.arch:
         arch = PRESETS.get(args.arch, args.arch)
     if arch is None:

@@ -177,18 +177,22 @@ def load_backbone_checkpoint(body, path, source_arch, **conversion):
     load_model_state(body, state, path, may_miss=("level_norms.",))
 
 
+def stored_config(checkpoint):
+    """The config this project's trainer stores in its checkpoints, as a dict; empty for other checkpoints."""
+    config = checkpoint.get("config")
+    return (yaml.safe_load(config) or {}) if isinstance(config, str) else {}
+
+
 def checkpoint_image_size(checkpoint, arch):
     """The image size (H, W) a classification checkpoint was trained for: from its config (this project's
     checkpoints), else from its position tables (taken as square); None when neither tells."""
-    config = checkpoint.get("config")
-    if isinstance(config, str):
-        size = (yaml.safe_load(config) or {}).get("INPUT", {}).get("IMAGE_SIZE")
-        if size:
-            return (size, size) if isinstance(size, int) else tuple(size)
+    size = stored_config(checkpoint).get("INPUT", {}).get("IMAGE_SIZE")
+    if size:
+        return (size, size) if isinstance(size, int) else tuple(size)
     return infer_image_size(model_state(checkpoint), parse_arch(arch))
 
 
 __all__ = [
     "EXPORT_FORMATS", "ViLBackbone", "ViLWithFPN", "backbone_state", "build_fpn_backbone",
-    "checkpoint_image_size", "export_state", "load_backbone_checkpoint",
+    "checkpoint_image_size", "export_state", "load_backbone_checkpoint", "stored_config",
 ]

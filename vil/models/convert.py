@@ -177,7 +177,7 @@ def convert_classification_state(state, arch, image_size, *, full_attention_to_l
     tokens, position tables for ``new_image_size``. Returns ``(state, arch specs, image size)``."""
     specs = parse_arch(arch)
     state = drop_classifier(model_state(state))
-    if new_image_size is not None and tuple(new_image_size) != tuple(image_size):
+    if new_image_size is not None:  # tables of the size they already have are returned as they are
         state = resize_tables(state, specs, image_size, new_image_size)
         image_size = tuple(new_image_size)
     if full_attention_to_local:

@@ -115,8 +115,8 @@ class _ChunkRows(torch.autograd.Function):
         lse = torch.empty(B, H, X, Y, 1, dtype=dtype, device=q.device)
         for r, b, h in geo.blocks(B, H):
             keys = geo.windows(geo.gather(kc[b, h].to(dtype), r), r)
-            scores = _row_scores(geo, r, geo.queries(q[b, h].to(dtype), r), keys, _part(gk, b, h, dtype),
-                                 _bias_rows(rel_bias, h, geo, dtype), _part(global_bias, None, h, dtype), scale)
+            scores = _row_scores(geo, r, geo.queries(q[b, h].to(dtype), r), keys, _part(gk, (b, h), dtype),
+                                 _bias_rows(rel_bias, h, geo, dtype), _part(global_bias, h, dtype), scale)
             row_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
             probs = torch.exp(scores - row_lse)
             row_out = torch.matmul(probs[..., G:], geo.windows(geo.gather(vc[b, h].to(dtype), r), r))
@@ -154,9 +154,9 @@ class _ChunkRows(torch.autograd.Function):
                 k_band = geo.gather(kc[b, h].to(dtype), r).requires_grad_()
                 v_band = geo.gather(vc[b, h].to(dtype), r).requires_grad_()
                 keys, values = geo.windows(k_band, r), geo.windows(v_band, r)
-            gkb = _part(gk, b, h, dtype)
+            gkb = _part(gk, (b, h), dtype)
             scores = _row_scores(geo, r, queries, keys.detach(), gkb, _bias_rows(rel_bias, h, geo, dtype),
-                                 _part(global_bias, None, h, dtype), scale)
+                                 _part(global_bias, h, dtype), scale)
             probs = torch.exp(scores - row_lse)
             d_probs = torch.matmul(row_dout, values.detach().transpose(-1, -2))
             if G:
@@ -193,11 +193,9 @@ def _compute_dtype(q):
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def _part(t, b, h, dtype):
-    """``t[b, h]`` (or ``t[h]`` with ``b`` None) in the compute dtype; None for None."""
-    if t is None:
-        return None
-    return (t[h] if b is None else t[b, h]).to(dtype)
+def _part(t, index, dtype):
+    """``t[index]`` in the compute dtype; None for None."""
+    return None if t is None else t[index].to(dtype)
 
 
 def _bias_rows(rel_bias, h, geo, dtype):
