@@ -225,7 +225,8 @@ def test_chunk_rows_in_blocks_of_one_batch_entry(monkeypatch):
 
 
 def test_default_backend_is_a_fast_one():
-    assert default_backend(CPU, torch.float32) in FAST_BACKENDS
+    assert default_backend(CPU, torch.float32) == "fused_cpu"
+    assert default_backend(CPU, torch.bfloat16) == "fused_cpu"
     inputs = make_inputs(6, 6, 2, 1, rel=False, glob_bias=False)
     expected, _ = run("reference", inputs, 2, 0, 0)
     out, _ = run(None, inputs, 2, 0, 0)
@@ -287,6 +288,56 @@ def test_flex_refuses_to_train_on_the_cpu():
     with pytest.raises(ValueError, match=r"^The flex backend cannot train on the CPU: torch's FlexAttention has no CPU "
                                          r"backward; use backend 'sliding_chunk' there, or flex on a CUDA GPU\.$"):
         run("flex", inputs, 2, 0, 0)
+
+
+def test_default_falls_back_to_sliding_chunk_with_one_warning(monkeypatch, caplog):
+    from vil.ops import local_attention
+
+    def no_compiler():
+        raise ValueError("The fused_cpu backend could not build its C++ kernel (no compiler).")
+
+    monkeypatch.setattr(local_attention, "check_fused_cpu", no_compiler)
+    monkeypatch.setattr(local_attention, "_logged_choices", set())
+    with caplog.at_level("WARNING", logger=local_attention.__name__):
+        assert default_backend(CPU, torch.float32) == "sliding_chunk"
+        assert default_backend(CPU, torch.float64) == "sliding_chunk"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["The fused_cpu backend could not build its C++ kernel (no compiler). Using sliding_chunk on the "
+                        "CPU instead, about 2x slower."]
+    assert default_backend(torch.device("meta"), torch.float32) == "sliding_chunk"
+
+
+def test_fused_cpu_build_failure_is_one_sentence(monkeypatch):
+    from torch.utils import cpp_extension
+
+    from vil.ops.backends import fused_cpu
+
+    def broken_load(**kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions\n(more lines)")
+
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    with pytest.raises(ValueError, match=r"^The fused_cpu backend could not build its C\+\+ kernel \(Ninja is required to "
+                                         r"load C\+\+ extensions\); it needs a C\+\+ compiler and the ninja package, or "
+                                         r"choose another backend such as sliding_chunk\.$"):
+        fused_cpu._kernels.__wrapped__()
+
+
+def test_fused_cpu_refuses_other_devices():
+    q, k, v = (torch.empty(1, 1, 4, 4, 8, device="meta") for _ in range(3))
+    with pytest.raises(ValueError, match=r"^The fused_cpu backend runs on the CPU, but q is on meta; on a GPU use "
+                                         r"triton, flex or sliding_chunk\.$"):
+        local_attention_2d(q, k, v, 2, backend="fused_cpu")
+
+
+def test_fused_cpu_many_threads_and_uneven_chunks():
+    """More (batch, head) pairs than threads and a map that is no multiple of the window, in float32."""
+    inputs = make_inputs(17, 10, 3, 2, rel=True, glob_bias=True, B=5, H=3, D=8, dtype=torch.float32)
+    for exact in (0, 1):
+        expected, expected_grads = run("reference", inputs, 3, exact, 0)
+        out, grads = run("fused_cpu", inputs, 3, exact, 0)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 # --- Bad input: one plain sentence each. ---

@@ -144,7 +144,8 @@ def tiny_cfg(*overrides):
 
 
 @pytest.mark.parametrize(
-    "attn_type", ["longformerauto", "longformer_unfold", "longformer_unfold_nnf", "longformer_chunk_rows", "longformer_flex"]
+    "attn_type", ["longformerauto", "longformer_unfold", "longformer_unfold_nnf", "longformer_chunk_rows", "longformer_flex",
+                  "longformer_fused_cpu"]
 )
 def test_every_attn_type_gives_the_logits_of_longformerhand(attn_type):
     # longformer_triton: tests/test_triton_kernels.py

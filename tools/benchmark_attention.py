@@ -40,7 +40,7 @@ SDPA = "sdpa (full attention)"
 REFERENCE_MAX_TOKENS = 56 * 56  # the naive masked reference needs tokens^2 memory: skipped above this
 SDPA_MAX_TOKENS = 112 * 112  # full attention's time grows with tokens^2: skipped above this on the CPU
 UNFOLD_MAX_BYTES = 6 * 2**30  # the unfold backends keep the unfolded keys and values: skipped above this
-CPU_BACKENDS = ["sliding_chunk", "sliding_chunk_autograd", "chunk_rows", "unfold", "unfold_nnf", "reference"]
+CPU_BACKENDS = ["fused_cpu", "sliding_chunk", "sliding_chunk_autograd", "chunk_rows", "unfold", "unfold_nnf", "reference"]
 
 
 def parse_args(argv=None):
@@ -184,10 +184,12 @@ def main():
             print(row, flush=True)
         if best_local and not isinstance(sdpa, str):
             summary.append(f"{size}x{size}: fastest local backend {best_local[0]} is {sdpa[0] / best_local[1][0]:.2f}x faster than SDPA")
-        lean, chunked = results.get("chunk_rows"), results.get("sliding_chunk")
-        if all(isinstance(r, tuple) for r in (lean, chunked, sdpa)):
-            summary.append(f"{size}x{size}: chunk_rows' peak memory is {lean[1] / chunked[1]:.2f}x sliding_chunk's and "
-                           f"{lean[1] / sdpa[1]:.2f}x SDPA's; its working memory {lean[3] / chunked[3]:.2f}x and {lean[3] / sdpa[3]:.2f}x")
+        chunked = results.get("sliding_chunk")
+        for name in ("fused_cpu", "chunk_rows"):  # the two that save no scores for the backward
+            lean = results.get(name)
+            if all(isinstance(r, tuple) for r in (lean, chunked, sdpa)):
+                summary.append(f"{size}x{size}: {name}'s peak memory is {lean[1] / chunked[1]:.2f}x sliding_chunk's and "
+                               f"{lean[1] / sdpa[1]:.2f}x SDPA's; its working memory {lean[3] / chunked[3]:.2f}x and {lean[3] / sdpa[3]:.2f}x")
         fused = results.get("triton")
         if isinstance(fused, tuple):
             others = [f"{result[0] / fused[0]:.2f}x {name}" for name, result in results.items()

@@ -336,6 +336,7 @@ ATTN_TYPES = {
     "longformer_unfold": "unfold",
     "longformer_unfold_nnf": "unfold_nnf",
     "longformer_chunk_rows": "chunk_rows",
+    "longformer_fused_cpu": "fused_cpu",
 }
 
 

@@ -12,6 +12,7 @@ import torch
 
 from .backends.chunk_rows import chunk_rows
 from .backends.flex import flex
+from .backends.fused_cpu import check_fused_cpu, fused_cpu
 from .backends.fused_triton import check_fused_triton, fused_triton
 from .backends.reference import reference
 from .backends.sliding_chunk import sliding_chunk
@@ -22,6 +23,7 @@ _BACKENDS = {
     "sliding_chunk": sliding_chunk,
     "sliding_chunk_autograd": sliding_chunk_autograd,
     "triton": fused_triton,
+    "fused_cpu": fused_cpu,
     "flex": flex,
     "unfold": unfold,
     "unfold_nnf": unfold_nnf,
@@ -30,8 +32,9 @@ _BACKENDS = {
 }
 # Backends that take ``dilation``; the others run once per sub-lattice of equal residues (see _per_sub_lattice).
 _DILATION_BACKENDS = {"triton", "flex", "reference"}
-# The fastest backend measured on the CPU by tools/benchmark_attention.py (see BENCHMARKS.md).
-_DEFAULT = "sliding_chunk"
+# The fastest backends measured by tools/benchmark_attention.py (see BENCHMARKS.md): on the CPU the fused C++
+# kernel, or sliding chunks where it cannot be built; elsewhere sliding chunks.
+_CPU_DEFAULT, _FALLBACK = "fused_cpu", "sliding_chunk"
 _log = logging.getLogger(__name__)
 _logged_choices = set()
 
@@ -42,10 +45,21 @@ def available_backends():
 
 
 def default_backend(device, dtype):
-    """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: ``sliding_chunk``, the fastest
-    measured (see BENCHMARKS.md). The Triton kernels are chosen explicitly (``backend="triton"``, ATTN_TYPE
-    ``longformer_triton``) until GPU measurements make them the default there."""
-    return _DEFAULT
+    """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``, the fastest measured (see
+    BENCHMARKS.md): on the CPU ``fused_cpu`` (every dtype; half precision is computed in float32), or
+    ``sliding_chunk`` with a warning where its C++ kernel cannot be built; elsewhere ``sliding_chunk``. The
+    Triton kernels are chosen explicitly (``backend="triton"``, ATTN_TYPE ``longformer_triton``) until GPU
+    measurements make them the default there."""
+    if torch.device(device).type != "cpu":
+        return _FALLBACK
+    try:
+        check_fused_cpu()
+    except ValueError as error:
+        if "fallback" not in _logged_choices:
+            _logged_choices.add("fallback")
+            _log.warning("%s Using %s on the CPU instead, about 2x slower.", error, _FALLBACK)
+        return _FALLBACK
+    return _CPU_DEFAULT
 
 
 def _log_choice(device, dtype, backend):
@@ -133,6 +147,8 @@ def check_backend(backend, head_dim, window, exact=0, mode=0, dilation=1):
     check_window_options(exact, mode, dilation)
     if backend == "triton":
         check_fused_triton(head_dim, window)
+    if backend == "fused_cpu":
+        check_fused_cpu()
 
 
 def check_window_options(exact, mode, dilation=1):

@@ -1,0 +1,126 @@
+"""The fused CPU kernel of ``kernels/local_attention_cpu.cpp``: one query chunk at a time, its scores in cache.
+
+The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and the ``ninja``
+package; the build is cached by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The
+forward saves q, k, v, the output and the log-sum-exp; the backward recomputes the scores, so training memory
+grows with tokens x head_dim, as with ``chunk_rows``. Half precision is computed in float32.
+"""
+
+import logging
+import math
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..chunks import neighbour_slots
+
+LOG2E = math.log2(math.e)
+_log = logging.getLogger(__name__)
+# The x86-64 level the loops are compiled for, by the capability torch detects on this CPU.
+_X86_LEVELS = {"AVX2": "x86-64-v3", "AVX512": "x86-64-v4"}
+
+
+@lru_cache(maxsize=None)
+def _kernels():
+    """Builds (or finds torch's cached build of) the C++ kernels and returns their ``torch.ops`` namespace."""
+    import vil_kernels
+
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)  # its import warns about CUDA_HOME, which a CPU build does not use
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        cpp_logger.setLevel(level)
+
+    source = Path(vil_kernels.__file__).with_name("local_attention_cpu.cpp")
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]  # the last two let the loops vectorise
+    if platform.machine() in ("x86_64", "AMD64") and capability in _X86_LEVELS:
+        flags.append(f"-march={_X86_LEVELS[capability]}")  # vector width of the softmax loops; BLAS picks its own
+    _log.info("fused_cpu: loading the C++ kernel (compiled on first use, then cached by torch).")
+    try:
+        cpp_extension.load(
+            name=f"vil_local_attention_cpu_{capability.lower()}",
+            sources=[str(source)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except (OSError, RuntimeError, ImportError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"The fused_cpu backend could not build its C++ kernel ({first_line}); it needs a C++ compiler and "
+            "the ninja package, or choose another backend such as sliding_chunk."
+        ) from error
+    return torch.ops.vil_local_attention_cpu
+
+
+def check_fused_cpu():
+    """Raise ``ValueError`` with one sentence if the kernel cannot be built here."""
+    _kernels()
+
+
+@lru_cache(maxsize=64)
+def _slot_table(rows, cols, window, exact, mode):
+    """(C, n, 3) int64: for each chunk (row-major) and neighbour slot, the chunk read (-1: none) and the slot's
+    chunk offset (a, b)."""
+    mx, my = -(-rows // window), -(-cols // window)
+    offsets, neighbour, used = neighbour_slots(mx, my, exact, mode)
+    table = torch.empty(mx * my, len(offsets), 3, dtype=torch.long)
+    table[..., 0] = torch.where(used, neighbour, -1)
+    table[..., 1:] = torch.tensor(offsets)
+    return table
+
+
+def _none_as_empty(t, like):
+    return like.new_empty(0) if t is None else t.contiguous()
+
+
+class FusedCPUAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, scale):
+        B, H, X, Y, D = q.shape
+        slots = _slot_table(X, Y, window, exact, mode)
+        if global_k is None:
+            global_k = global_v = q.new_empty(B, H, 0, D)
+        biases = [_none_as_empty(None if t is None else t * LOG2E, q) for t in (rel_bias, global_bias)]
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+        _kernels().forward(q, k, v, global_k, global_v, *biases, slots, out, lse, window, exact, scale)
+        ctx.save_for_backward(q, k, v, global_k, global_v, *biases, out, lse)
+        ctx.options = (slots, window, exact, scale, rel_bias is not None, global_bias is not None)
+        ctx.had_global = global_k.shape[2] > 0
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, global_k, global_v, rel_bias, global_bias, out, lse = ctx.saved_tensors
+        slots, window, exact, scale, has_rel_bias, has_global_bias = ctx.options
+        grad_out = grad_out.contiguous()
+        row_term = (grad_out * out).sum(-1)
+        B, H = q.shape[:2]
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
+        # Per (batch, head) partial sums of the bias gradients, added up here.
+        grad_rel = q.new_zeros(B, *rel_bias.shape) if has_rel_bias else q.new_empty(0)
+        grad_glob = q.new_zeros(B, *global_bias.shape) if has_global_bias else q.new_empty(0)
+        _kernels().backward(
+            q, k, v, global_k, global_v, rel_bias, global_bias, slots, grad_out, lse, row_term,
+            grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, window, exact, scale,
+        )
+        grad_gk, grad_gv = (grad_gk, grad_gv) if ctx.had_global else (None, None)
+        grad_rel = grad_rel.sum(0) if has_rel_bias else None
+        grad_glob = grad_glob.sum(0) if has_global_bias else None
+        return grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, None, None, None, None
+
+
+def fused_cpu(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
+    if q.device.type != "cpu":
+        raise ValueError(f"The fused_cpu backend runs on the CPU, but q is on {q.device}; on a GPU use triton, flex or sliding_chunk.")
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    inputs = [None if t is None else t.to(compute).contiguous() for t in (q, k, v, global_k, global_v, rel_bias, global_bias)]
+    with torch.autocast("cpu", enabled=False):
+        out = FusedCPUAttention.apply(*inputs, window, exact, mode, scale)
+    return out.to(q.dtype)
