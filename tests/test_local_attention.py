@@ -307,19 +307,42 @@ def test_default_falls_back_to_sliding_chunk_with_one_warning(monkeypatch, caplo
     assert default_backend(torch.device("meta"), torch.float32) == "sliding_chunk"
 
 
-def test_fused_cpu_build_failure_is_one_sentence(monkeypatch):
-    from torch.utils import cpp_extension
-
+@pytest.fixture
+def forget_fused_cpu_build():
+    """Lets a test fail the C++ build; torch's cached build is loaded again afterwards."""
     from vil.ops.backends import fused_cpu
 
+    fused_cpu._build.cache_clear()
+    yield fused_cpu
+    fused_cpu._build.cache_clear()
+
+
+def test_fused_cpu_build_failure_is_one_sentence_and_not_retried(monkeypatch, forget_fused_cpu_build):
+    from torch.utils import cpp_extension
+
+    attempts = []
+
     def broken_load(**kwargs):
+        attempts.append(kwargs["name"])
         raise RuntimeError("Ninja is required to load C++ extensions\n(more lines)")
 
     monkeypatch.setattr(cpp_extension, "load", broken_load)
-    with pytest.raises(ValueError, match=r"^The fused_cpu backend could not build its C\+\+ kernel \(Ninja is required to "
-                                         r"load C\+\+ extensions\); it needs a C\+\+ compiler and the ninja package, or "
-                                         r"choose another backend such as sliding_chunk\.$"):
-        fused_cpu._kernels.__wrapped__()
+    message = (r"^The fused_cpu backend could not build its C\+\+ kernel \(Ninja is required to load C\+\+ "
+               r"extensions\); it needs a C\+\+ compiler and the ninja package, or choose another backend such as "
+               r"sliding_chunk\.$")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=message):
+            forget_fused_cpu_build.check_fused_cpu()
+    assert attempts[-1] == "vil_local_attention_cpu"  # the build for any CPU was tried after the vectorised one
+    assert len(attempts) == len(set(attempts))  # and nothing was built twice
+
+
+def test_fused_cpu_gradients_are_not_differentiated_again():
+    inputs = make_inputs(4, 4, 2, 0, rel=False, glob_bias=False)
+    out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="fused_cpu")
+    grad_q, = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)  # dL/dout needs a graph
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_q.sum().backward()
 
 
 def test_fused_cpu_refuses_other_devices():

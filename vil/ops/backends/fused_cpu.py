@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..chunks import neighbour_slots
 
@@ -22,40 +23,55 @@ _log = logging.getLogger(__name__)
 _X86_LEVELS = {"AVX2": "x86-64-v3", "AVX512": "x86-64-v4"}
 
 
-@lru_cache(maxsize=None)
 def _kernels():
-    """Builds (or finds torch's cached build of) the C++ kernels and returns their ``torch.ops`` namespace."""
-    import vil_kernels
+    """The ``torch.ops`` namespace of the C++ kernels; ``ValueError`` with one sentence where they cannot be built."""
+    built = _build()
+    if isinstance(built, str):
+        raise ValueError(built)
+    return built
 
-    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
-    level = cpp_logger.level
-    cpp_logger.setLevel(logging.ERROR)  # its import warns about CUDA_HOME, which a CPU build does not use
+
+@lru_cache(maxsize=None)
+def _build():
+    """Builds the C++ kernels (or loads torch's cached build) once per process. Returns their ``torch.ops``
+    namespace, or the sentence that says why they cannot be built: a failed build is not tried again."""
     try:
-        from torch.utils import cpp_extension
-    finally:
-        cpp_logger.setLevel(level)
+        import vil_kernels
+
+        cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+        level = cpp_logger.level
+        cpp_logger.setLevel(logging.ERROR)  # its import warns about CUDA_HOME, which a CPU build does not use
+        try:
+            from torch.utils import cpp_extension
+        finally:
+            cpp_logger.setLevel(level)
+    except ImportError as error:
+        return _build_failure(error)
 
     source = Path(vil_kernels.__file__).with_name("local_attention_cpu.cpp")
-    capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]  # the last two let the loops vectorise
-    if platform.machine() in ("x86_64", "AMD64") and capability in _X86_LEVELS:
-        flags.append(f"-march={_X86_LEVELS[capability]}")  # vector width of the softmax loops; BLAS picks its own
+    builds = [("vil_local_attention_cpu", flags)]
+    x86_level = _X86_LEVELS.get(torch.backends.cpu.get_cpu_capability())
+    if platform.machine() in ("x86_64", "AMD64") and x86_level:
+        # The vector width of the softmax loops (BLAS picks its own); older compilers lack the level's name.
+        builds.insert(0, (f"vil_local_attention_cpu_{x86_level.replace('-', '_')}", flags + [f"-march={x86_level}"]))
     _log.info("fused_cpu: loading the C++ kernel (compiled on first use, then cached by torch).")
-    try:
-        cpp_extension.load(
-            name=f"vil_local_attention_cpu_{capability.lower()}",
-            sources=[str(source)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except (OSError, RuntimeError, ImportError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(
-            f"The fused_cpu backend could not build its C++ kernel ({first_line}); it needs a C++ compiler and "
-            "the ninja package, or choose another backend such as sliding_chunk."
-        ) from error
-    return torch.ops.vil_local_attention_cpu
+    for name, build_flags in builds:
+        try:
+            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=build_flags, extra_ldflags=["-fopenmp"],
+                               is_python_module=False)
+            return torch.ops.vil_local_attention_cpu
+        except (OSError, RuntimeError, ImportError) as error:
+            failure = error
+            if name != builds[-1][0]:
+                _log.warning("fused_cpu: the build for %s failed; building for any CPU of this kind instead.", x86_level)
+    return _build_failure(failure)
+
+
+def _build_failure(error):
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"The fused_cpu backend could not build its C++ kernel ({first_line}); it needs a C++ compiler and the "
+            "ninja package, or choose another backend such as sliding_chunk.")
 
 
 def check_fused_cpu():
@@ -95,6 +111,7 @@ class FusedCPUAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernel's gradients are not differentiable again
     def backward(ctx, grad_out):
         q, k, v, global_k, global_v, rel_bias, global_bias, out, lse = ctx.saved_tensors
         slots, window, exact, scale, has_rel_bias, has_global_bias = ctx.options
