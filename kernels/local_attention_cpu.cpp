@@ -382,12 +382,15 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
 TORCH_LIBRARY(vil_local_attention_cpu, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, Tensor global_bias, "
-      "Tensor slots, Tensor(a!) out, Tensor(b!) lse, int window, int exact, float scale) -> ()",
-      &forward);
+      "Tensor slots, Tensor(a!) out, Tensor(b!) lse, int window, int exact, float scale) -> ()");
   m.def(
       "backward(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, "
       "Tensor global_bias, Tensor slots, Tensor grad_out, Tensor lse, Tensor row_term, Tensor(a!) grad_q, "
       "Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor(d!) grad_global_k, Tensor(e!) grad_global_v, "
-      "Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int window, int exact, float scale) -> ()",
-      &backward);
+      "Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int window, int exact, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vil_local_attention_cpu, CPU, m) {
+  m.impl("forward", &forward);
+  m.impl("backward", &backward);
 }

@@ -345,6 +345,23 @@ def test_fused_cpu_gradients_are_not_differentiated_again():
         grad_q.sum().backward()
 
 
+def test_fused_cpu_products_are_counted_by_the_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vil.ops.backends.fused_cpu import check_fused_cpu
+
+    check_fused_cpu()  # the formulas are registered when the kernel loads, before the counter starts
+    q, k, v = (torch.randn(1, 1, 6, 5, 8, requires_grad=True) for _ in range(3))
+    global_k = global_v = torch.randn(1, 1, 1, 8)
+    with FlopCounterMode(display=False) as counter:
+        out = local_attention_2d(q, k, v, 3, global_k=global_k, global_v=global_v, backend="fused_cpu")
+    # 2x2 chunks of 3x3, 3x2, 3x3, 3x2 real tokens; each sees all 30 tokens and the global key: 31 keys.
+    assert counter.get_total_flops() == 2 * 2 * 30 * 31 * 8
+    with FlopCounterMode(display=False) as counter:
+        out.sum().backward()
+    assert counter.get_total_flops() == 5 * 2 * 30 * 31 * 8
+
+
 def test_fused_cpu_refuses_other_devices():
     q, k, v = (torch.empty(1, 1, 4, 4, 8, device="meta") for _ in range(3))
     with pytest.raises(ValueError, match=r"^The fused_cpu backend runs on the CPU, but q is on meta; on a GPU use "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils.flop_counter import register_flop_formula
 
 from ..chunks import neighbour_slots
 
@@ -60,12 +61,44 @@ def _build():
         try:
             cpp_extension.load(name=name, sources=[str(source)], extra_cflags=build_flags, extra_ldflags=["-fopenmp"],
                                is_python_module=False)
+            _count_flops(torch.ops.vil_local_attention_cpu)
             return torch.ops.vil_local_attention_cpu
         except (OSError, RuntimeError, ImportError) as error:
             failure = error
             if name != builds[-1][0]:
                 _log.warning("fused_cpu: the build for %s failed; building for any CPU of this kind instead.", x86_level)
     return _build_failure(failure)
+
+
+@lru_cache(maxsize=None)  # torch refuses a second registration
+def _count_flops(ops):
+    """Tells ``torch.utils.flop_counter`` (FlopCounterMode) what the kernels compute."""
+    register_flop_formula(ops.forward, get_raw=True)(_forward_flops)
+    register_flop_formula(ops.backward, get_raw=True)(_backward_flops)
+
+
+def _scored_pairs(q, global_k, slots, window):
+    """The (query, key) scores the kernel computes: every real query of a chunk against the real keys of the
+    chunks its slots read (SW_EXACT 1 masks some of them afterwards) and the global keys."""
+    B, H, X, Y = q.shape[:4]
+    mx, my = -(-X // window), -(-Y // window)
+    rows = (X - window * torch.arange(mx)).clamp(max=window)
+    cols = (Y - window * torch.arange(my)).clamp(max=window)
+    tokens = (rows[:, None] * cols[None, :]).flatten()  # per chunk, row-major
+    neighbour = slots[..., 0]
+    keys = torch.where(neighbour >= 0, tokens[neighbour.clamp(min=0)], 0).sum(1) + global_k.shape[2]
+    return B * H * int((tokens * keys).sum())
+
+
+def _forward_flops(q, k, v, global_k, global_v, rel_bias, global_bias, slots, out, lse, window, *args, **kwargs):
+    """For ``torch.utils.flop_counter``: two products (scores, output) over the scored pairs."""
+    return 2 * 2 * _scored_pairs(q, global_k, slots, window) * q.shape[-1]
+
+
+def _backward_flops(q, k, v, global_k, global_v, rel_bias, global_bias, slots, *args, **kwargs):
+    """Five products: the recomputed scores, dP, dQ, dK and dV."""
+    window = args[-3]
+    return 5 * 2 * _scored_pairs(q, global_k, slots, window) * q.shape[-1]
 
 
 def _build_failure(error):
