@@ -210,10 +210,6 @@ struct Workspace {
   }
 };
 
-struct Pointers {
-  const void *q, *k, *v, *gk, *gv, *rel_bias, *global_bias;
-};
-
 template <typename T>
 const T* head_of(const at::Tensor& t, int64_t bh, int64_t per_head) {
   return t.numel() == 0 ? nullptr : t.data_ptr<T>() + bh * per_head;
@@ -319,20 +315,20 @@ void backward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
           std::copy(block + r * c.q_cols * g.D, block + (r + 1) * c.q_cols * g.D,
                     grad_q_map + ((c.q_r0 + r) * g.Y + c.q_c0) * g.D);
         }
-        // dK = scale * dS^T q (the buffer holds q * scale * log2(e)), dV = P^T dO; then into the maps.
-        for (int pass = 0; pass < 2; ++pass) {
-          if (pass == 0) {
-            matmul<T>(true, false, ld, g.D, S, T(1 / kLog2e), dp, ld, ws.queries.data(), g.D, T(0), block, g.D);
-          } else {
-            matmul<T>(true, false, ld, g.D, S, T(1), probs, ld, grad_out_chunk.data(), g.D, T(0), block, g.D);
-          }
-          T* grad_map = (pass == 0 ? grad_k : grad_v).data_ptr<T>() + bh * map;
+        // Gradients of the chunk's keys (or values), (L + G) x D in `block`, into the maps and the global ones.
+        auto add_window = [&](at::Tensor& grad_map, at::Tensor& grad_global) {
           for (int s = 0; s < c.slots; ++s) {
-            add_block(grad_map, block + c.start[s] * g.D, g, c.k_r0[s], c.k_c0[s], c.k_rows[s], c.k_cols[s]);
+            add_block(grad_map.data_ptr<T>() + bh * map, block + c.start[s] * g.D, g, c.k_r0[s], c.k_c0[s],
+                      c.k_rows[s], c.k_cols[s]);
           }
-          T* grad_global = (pass == 0 ? grad_gk : grad_gv).data_ptr<T>() + bh * g.G * g.D;
-          for (int64_t i = 0; i < g.G * g.D; ++i) grad_global[i] += block[c.keys * g.D + i];
-        }
+          T* global = grad_global.data_ptr<T>() + bh * g.G * g.D;
+          for (int64_t i = 0; i < g.G * g.D; ++i) global[i] += block[c.keys * g.D + i];
+        };
+        // dK = scale * dS^T q (the buffer holds q * scale * log2(e)), dV = P^T dO.
+        matmul<T>(true, false, ld, g.D, S, T(1 / kLog2e), dp, ld, ws.queries.data(), g.D, T(0), block, g.D);
+        add_window(grad_k, grad_gk);
+        matmul<T>(true, false, ld, g.D, S, T(1), probs, ld, grad_out_chunk.data(), g.D, T(0), block, g.D);
+        add_window(grad_v, grad_gv);
       }
     }
   });
