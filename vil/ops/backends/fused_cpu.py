@@ -96,7 +96,8 @@ def _forward_flops(q, k, v, global_k, global_v, rel_bias, global_bias, slots, ou
 
 
 def _backward_flops(q, k, v, global_k, global_v, rel_bias, global_bias, slots, *args, **kwargs):
-    """Five products: the recomputed scores, dP, dQ, dK and dV."""
+    """Five products: the recomputed scores, dP, dQ, dK and dV. The op's last three arguments are window, exact
+    and scale."""
     window = args[-3]
     return 5 * 2 * _scored_pairs(q, global_k, slots, window) * q.shape[-1]
 
@@ -139,15 +140,15 @@ class FusedCPUAttention(torch.autograd.Function):
         out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
         _kernels().forward(q, k, v, global_k, global_v, *biases, slots, out, lse, window, exact, scale)
         ctx.save_for_backward(q, k, v, global_k, global_v, *biases, out, lse)
-        ctx.options = (slots, window, exact, scale, rel_bias is not None, global_bias is not None)
-        ctx.had_global = global_k.shape[2] > 0
+        ctx.options = (slots, window, exact, scale)
         return out
 
     @staticmethod
     @once_differentiable  # the kernel's gradients are not differentiable again
     def backward(ctx, grad_out):
         q, k, v, global_k, global_v, rel_bias, global_bias, out, lse = ctx.saved_tensors
-        slots, window, exact, scale, has_rel_bias, has_global_bias = ctx.options
+        slots, window, exact, scale = ctx.options
+        has_rel_bias, has_global_bias, has_global = rel_bias.numel() > 0, global_bias.numel() > 0, global_k.shape[2] > 0
         grad_out = grad_out.contiguous()
         row_term = (grad_out * out).sum(-1)
         B, H = q.shape[:2]
@@ -160,7 +161,7 @@ class FusedCPUAttention(torch.autograd.Function):
             q, k, v, global_k, global_v, rel_bias, global_bias, slots, grad_out, lse, row_term,
             grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, window, exact, scale,
         )
-        grad_gk, grad_gv = (grad_gk, grad_gv) if ctx.had_global else (None, None)
+        grad_gk, grad_gv = (grad_gk, grad_gv) if has_global else (None, None)
         grad_rel = grad_rel.sum(0) if has_rel_bias else None
         grad_glob = grad_glob.sum(0) if has_global_bias else None
         return grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, None, None, None, None
