@@ -24,14 +24,11 @@ bias tables' gradients, which the host adds up in a fixed order, so results are 
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
-
-from vil.ops.chunks import neighbour_slots
 
 HEAD_DIMS = (16, 32, 48, 64, 96, 128)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -348,8 +345,10 @@ def _bwd_dq_kernel(
 
 
 @dataclass(frozen=True, eq=False)
-class _Geometry:
-    """The lattice, chunks and neighbour tables of one (map size, window, SW_EXACT, mode, dilation)."""
+class Geometry:
+    """The lattice, chunks and neighbour tables of one (map size, window, SW_EXACT, mode, dilation), built by the
+    caller: with SW_EXACT 1 chunks have ``chunk_pad(W)`` tokens a side (their 3x3 neighbours cover every exact
+    window of radius W), otherwise W; chunks tile the lattice of each of the ``dilation^2`` sub-lattices."""
 
     window: int  # W: chunk size (SW_EXACT 0, -1) or window radius (SW_EXACT 1)
     chunk: int  # C: tokens per chunk side
@@ -371,33 +370,9 @@ class _Geometry:
         return self.dilation**2 * self.num_chunks * (self.chunk_pad // rows_per_tile)
 
 
-@lru_cache(maxsize=64)
-def _geometry(rows, cols, window, exact, mode, dilation, device):
-    chunk_pad = max(4, triton.next_power_of_2(window))
-    # Exact windows of radius W lie within the 3x3 chunks around a query's chunk for any chunk side >= W, so
-    # those chunks fill their tiles; ViL's chunked windows are defined by chunks of W.
-    chunk = chunk_pad if exact == 1 else window
-    lattice_rows, lattice_cols = -(-rows // dilation), -(-cols // dilation)
-    mx, my = -(-lattice_rows // chunk), -(-lattice_cols // chunk)
-    offsets, neighbour, used = neighbour_slots(mx, my, exact, mode)
-    table = torch.where(used, neighbour, -1)
-    # For slot s the map from query chunk to key chunk is one-to-one, so it can be inverted slot by slot.
-    table_t = torch.full_like(table, -1)
-    for s in range(table.shape[1]):
-        reads = table[:, s] >= 0
-        table_t[table[reads, s], s] = torch.arange(table.shape[0])[reads]
-    return _Geometry(
-        window=window,
-        chunk=chunk,
-        chunk_pad=chunk_pad,
-        dilation=dilation,
-        exact=exact,
-        chunk_cols=my,
-        num_chunks=mx * my,
-        neighbours=table.to(device, torch.int32).contiguous(),
-        neighbours_t=table_t.to(device, torch.int32).contiguous(),
-        offsets=torch.tensor(offsets, dtype=torch.int32, device=device).contiguous(),
-    )
+def chunk_pad(window):
+    """P, the power of two >= the chunk side that tiles are laid out in."""
+    return max(4, triton.next_power_of_2(window))
 
 
 def _tile_shapes(chunk_pad):
@@ -448,7 +423,9 @@ def _strides4(t):
     return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
 
 
-def _forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
+def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
+    """Output and base-2 log-sum-exp; q, k, v (B, H, X, Y, D) with unit stride along D, checked by
+    :func:`check_supported`; ``gk``/``gv`` and the bias tables may be None."""
     B, H, X, Y, D = q.shape
     G = 0 if gk is None else gk.shape[2]
     o = new_output(q.shape, dtype=q.dtype, device=q.device)
@@ -473,7 +450,8 @@ def _forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
     return o, lse
 
 
-def _backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
+def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
+    """The gradients of :func:`forward`, as a dict (dq, dk, dv, dgk, dgv, drb, dgb; None for absent inputs)."""
     B, H, X, Y, D = q.shape
     G = 0 if gk is None else gk.shape[2]
     BLOCK_D, BLOCK_G = triton.next_power_of_2(D), max(16, triton.next_power_of_2(G))
@@ -543,23 +521,6 @@ def _backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
     return grads
 
 
-class _LocalAttention2d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale):
-        o, lse = _forward(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale)
-        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, o, lse)
-        ctx.geo, ctx.scale = geo, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, gk, gv, rel_bias, global_bias, o, lse = ctx.saved_tensors
-        if do.stride(-1) != 1:
-            do = do.contiguous()
-        g = _backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, ctx.geo, ctx.scale)
-        return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"], None, None
-
-
 def check_supported(head_dim, window, dtype=None, device=None, batch_heads=1):
     """Raise ``ValueError`` with one sentence if the kernels cannot take these inputs (``dtype`` and ``device``
     are checked where given)."""
@@ -578,17 +539,3 @@ def check_supported(head_dim, window, dtype=None, device=None, batch_heads=1):
         raise ValueError("The triton backend needs a GPU of compute capability 8.0 or newer for bfloat16; use float16.")
     if batch_heads > 65535:
         raise ValueError(f"The triton backend takes at most 65535 batch x heads, got {batch_heads}.")
-
-
-def local_attention_2d_triton(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale,
-                              dilation=1):
-    """ViL local attention with the fused kernels; arguments as :func:`vil.ops.local_attention_2d` (validated)."""
-    check_supported(q.shape[-1], window, q.dtype, q.device, q.shape[0] * q.shape[1])
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if global_k is not None:
-        global_k, global_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (global_k, global_v))
-    rel_bias = None if rel_bias is None else rel_bias.contiguous()
-    global_bias = None if global_bias is None else global_bias.contiguous()
-    B, H, X, Y, D = q.shape
-    geo = _geometry(X, Y, window, exact, mode, dilation, q.device)
-    return _LocalAttention2d.apply(q, k, v, global_k, global_v, rel_bias, global_bias, geo, float(scale))

@@ -1,20 +1,29 @@
-// Fused 2D local attention (ViL's conv-like windows) on the CPU.
+// Fused local attention on the CPU: ViL's 2D windows and Longformer's 1D sliding window.
 //
-// One query chunk (w x w queries) of one (batch, head) at a time: its keys, the blocks of the chunks its
+// 2D: one query chunk (w x w queries) of one (batch, head) at a time: its keys, the blocks of the chunks its
 // queries see (the "slots"), and the G global keys are copied into small buffers, and the whole softmax of
 // the chunk runs on an S x (L + G) score matrix that stays in the core's cache. The matrix products are BLAS
 // calls on those buffers (sgemm_/dgemm_, which torch's CPU library exports); the masking, the bias tables
 // and the softmax are loops over one score row at a time.
 //
-// Forward: saves the output and the base-2 log-sum-exp of every query; chunks run in parallel.
-// Backward: recomputes the probabilities from the log-sum-exp; the chunks of one (batch, head) run in
-// order on one thread, so that the key, value and bias gradients they share are added without races.
+// 1D: the positions r, r+d, r+2d, ... of a head with dilation d (one residue class r) form a sequence of their
+// own, on which the window is the undilated one. One block of consecutive queries of such a sequence at a
+// time: the keys their windows cover are one span of that sequence (at most block + 2w keys, block + w
+// causal), copied with the G global keys into the same buffers as in 2D; the band, the causal and padding
+// masks and the bias table are applied row by row.
+//
+// Forward: saves the output and the base-2 log-sum-exp of every query; chunks (blocks) run in parallel.
+// Backward: recomputes the probabilities from the log-sum-exp; the chunks of one (batch, head), or the blocks
+// of one residue class of one (batch, head), run in order on one thread, so that the key, value and bias
+// gradients they share are added without races.
 //
 // Scores are in base 2 (queries times scale * log2(e), biases times log2(e) by the caller), so that the
-// softmax needs exp2 only. Tensors are contiguous: q, k, v, out (B, H, X, Y, D); lse (B, H, X, Y);
+// softmax needs exp2 only. Tensors are contiguous. 2D: q, k, v, out (B, H, X, Y, D); lse (B, H, X, Y);
 // global_k, global_v (B, H, G, D); rel_bias (H, (4w-1)^2) or empty; global_bias (H, G) or empty; slots
 // (C, n, 3) int64: for each chunk (row-major) and neighbour slot, the chunk it reads (-1: none) and the
 // slot's chunk offset (a, b), which the relative bias uses as if neighbour chunks were adjacent.
+// 1D: q, k, v, out (B, H, L, D); lse (B, H, L); rel_bias (H, 2w+1) or empty; key_padding_mask (B, L) bool or
+// empty; one dilation per head.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -74,6 +83,52 @@ inline float exp2_nonpositive(float t) {
 }
 
 inline double exp2_nonpositive(double t) { return std::exp2(t); }
+
+// Replaces one row of base-2 scores by 2^(score - its maximum), and gives the maximum and the sum. A row that sees
+// no key (all -inf) becomes zeros, with sum 0.
+template <typename T>
+void exponentiate_row(T* row, int n, T& max, T& sum) {
+  T m = row[0], s = 0;
+#pragma omp simd reduction(max : m)
+  for (int j = 0; j < n; ++j) m = m > row[j] ? m : row[j];  // std::max does not vectorise
+  if (m == -std::numeric_limits<T>::infinity()) m = 0;
+#pragma omp simd reduction(+ : s)
+  for (int j = 0; j < n; ++j) {
+    row[j] = exp2_nonpositive(row[j] - m);
+    s += row[j];
+  }
+  max = m;
+  sum = s;
+}
+
+// One query's output (its unnormalised output o over the row sum) and base-2 log-sum-exp. A query that sees no
+// key outputs zeros, and its log-sum-exp is +inf, so that the backward's probabilities 2^(s - lse) are zeros.
+template <typename T>
+void store_output(T* out, T* lse, const T* o, int64_t D, T max, T sum) {
+  const T inverse = sum > 0 ? T(1) / sum : T(0);
+  for (int64_t d = 0; d < D; ++d) out[d] = o[d] * inverse;
+  *lse = sum > 0 ? max + std::log2(sum) : std::numeric_limits<T>::infinity();
+}
+
+// Copies `rows` runs of n elements, src_stride apart, to dst, dst_stride apart, times factor.
+template <typename T>
+void copy_rows(T* dst, int64_t dst_stride, const T* src, int64_t src_stride, int64_t rows, int64_t n, T factor) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* in = src + r * src_stride;
+    T* out = dst + r * dst_stride;
+    for (int64_t i = 0; i < n; ++i) out[i] = in[i] * factor;
+  }
+}
+
+// Adds `rows` runs of n elements, src_stride apart, into dst, dst_stride apart.
+template <typename T>
+void add_rows(T* dst, int64_t dst_stride, const T* src, int64_t src_stride, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* in = src + r * src_stride;
+    T* out = dst + r * dst_stride;
+    for (int64_t i = 0; i < n; ++i) out[i] += in[i];
+  }
+}
 
 struct Geometry {
   int64_t B, H, X, Y, D, G;
@@ -135,56 +190,99 @@ void for_each_visible_run(const Geometry& g, const Chunk& c, int qi, int qj, F&&
   }
 }
 
-// Copies rows x cols tokens at (r0, c0) of one (X, Y, D) map into dst, times factor.
+// The first token of the block at (r0, c0) of one (X, Y, D) map; its rows are Y * D apart.
 template <typename T>
-void copy_block(T* dst, const T* map, const Geometry& g, int r0, int c0, int rows, int cols, T factor) {
-  const int64_t n = static_cast<int64_t>(cols) * g.D;
-  for (int r = 0; r < rows; ++r) {
-    const T* src = map + ((r0 + r) * g.Y + c0) * g.D;
-    T* out = dst + r * n;
-    for (int64_t i = 0; i < n; ++i) out[i] = src[i] * factor;
-  }
+T* block_at(T* map, const Geometry& g, int r0, int c0) {
+  return map + (r0 * g.Y + c0) * g.D;
 }
 
-// Adds rows x cols tokens of src into the block at (r0, c0) of one (X, Y, D) map.
-template <typename T>
-void add_block(T* map, const T* src, const Geometry& g, int r0, int c0, int rows, int cols) {
-  const int64_t n = static_cast<int64_t>(cols) * g.D;
-  for (int r = 0; r < rows; ++r) {
-    T* dst = map + ((r0 + r) * g.Y + c0) * g.D;
-    const T* in = src + r * n;
-    for (int64_t i = 0; i < n; ++i) dst[i] += in[i];
+struct Geometry1d {
+  int64_t B, H, L, D, G;
+  int w, block;
+  bool causal;
+  std::vector<int64_t> dilations;  // one per head
+  int64_t residues;                // the most residue classes of a head, min(d, L): partial sums per (batch, head)
+  // The most keys a block's windows cover.
+  int64_t span() const { return std::min<int64_t>(block + (causal ? 1 : 2) * w, L); }
+};
+
+// A block of queries t0 <= t < t0 + queries of residue class r of head h (positions r + d*t), and the span of
+// keys k0 <= t < k0 + keys that their windows cover.
+struct Block {
+  int64_t h, d, r, t0, k0;
+  int queries, keys;
+};
+
+// The blocks of one batch entry, by head, residue class and position; runs[i] is where the i-th (head, residue
+// class) begins, and runs.back() the end.
+std::vector<Block> make_blocks(const Geometry1d& g, std::vector<int64_t>& runs) {
+  std::vector<Block> blocks;
+  for (int64_t h = 0; h < g.H; ++h) {
+    const int64_t d = g.dilations[h];
+    for (int64_t r = 0; r < std::min(d, g.L); ++r) {
+      runs.push_back(static_cast<int64_t>(blocks.size()));
+      const int64_t n = (g.L - r + d - 1) / d;
+      for (int64_t t0 = 0; t0 < n; t0 += g.block) {
+        const int64_t queries = std::min<int64_t>(g.block, n - t0), k0 = std::max<int64_t>(0, t0 - g.w);
+        const int64_t k1 = std::min(n, t0 + queries + (g.causal ? 0 : g.w));
+        blocks.push_back({h, d, r, t0, k0, static_cast<int>(queries), static_cast<int>(k1 - k0)});
+      }
+    }
   }
+  runs.push_back(static_cast<int64_t>(blocks.size()));
+  return blocks;
 }
 
-// The buffers of one chunk: queries, keys and values of its window (local keys, then the global ones), scores.
+// The window of query i of a block, before the padding mask: columns lo <= j < hi of its span, and the bias row
+// of key lo; the bias row grows by one per key.
+struct Band {
+  int lo, hi, bias_row;
+};
+
+Band band_of(const Geometry1d& g, const Block& blk, int i) {
+  const int64_t t = blk.t0 + i;
+  const int lo = static_cast<int>(std::max<int64_t>(0, t - g.w - blk.k0));
+  const int hi = static_cast<int>(std::min<int64_t>(blk.keys, t + (g.causal ? 0 : g.w) + 1 - blk.k0));
+  return {lo, hi, static_cast<int>(blk.k0 + lo - t + g.w)};
+}
+
+// The buffers of one query chunk (2D) or block (1D): queries, keys and values of its window (local keys, then
+// the global ones), scores.
 template <typename T>
 struct Workspace {
   std::vector<T> queries, keys, values, scores, extra, row_max, total;
-  int ld = 0;  // score row length, L + G
+  std::vector<T> key_mask;  // 1D: 0, or -inf at a padded key of the span
+  int ld = 0;  // score row length, local keys + G
 
-  Workspace(const Geometry& g) {
-    const int64_t S = g.w * g.w, L = kMaxSlots * S + g.G;
-    queries.resize(S * g.D);
-    keys.resize(L * g.D);
-    values.resize(L * g.D);
-    scores.resize(S * L);
-    extra.resize(std::max(S * L, L * g.D));
-    row_max.resize(S);
-    total.resize(S);
-  }
+  Workspace(int64_t S, int64_t L, int64_t D)
+      : queries(S * D), keys(L * D), values(L * D), scores(S * L), extra(std::max(S * L, L * D)), row_max(S),
+        total(S), key_mask(L) {}
+  explicit Workspace(const Geometry& g) : Workspace(g.w * g.w, kMaxSlots * g.w * g.w + g.G, g.D) {}
+  explicit Workspace(const Geometry1d& g) : Workspace(g.block, g.span() + g.G, g.D) {}
 
   // Fills queries (times query_scale), keys and values of chunk c of the maps of one (batch, head).
   void load(const Geometry& g, const Chunk& c, const T* q, const T* k, const T* v, const T* gk, const T* gv,
             T query_scale) {
-    copy_block(queries.data(), q, g, c.q_r0, c.q_c0, c.q_rows, c.q_cols, query_scale);
+    copy_rows(queries.data(), c.q_cols * g.D, block_at(q, g, c.q_r0, c.q_c0), g.Y * g.D, c.q_rows, c.q_cols * g.D,
+              query_scale);
     for (int s = 0; s < c.slots; ++s) {
-      copy_block(keys.data() + c.start[s] * g.D, k, g, c.k_r0[s], c.k_c0[s], c.k_rows[s], c.k_cols[s], T(1));
-      copy_block(values.data() + c.start[s] * g.D, v, g, c.k_r0[s], c.k_c0[s], c.k_rows[s], c.k_cols[s], T(1));
+      const int64_t n = c.k_cols[s] * g.D;
+      copy_rows(keys.data() + c.start[s] * g.D, n, block_at(k, g, c.k_r0[s], c.k_c0[s]), g.Y * g.D, c.k_rows[s], n,
+                T(1));
+      copy_rows(values.data() + c.start[s] * g.D, n, block_at(v, g, c.k_r0[s], c.k_c0[s]), g.Y * g.D, c.k_rows[s],
+                n, T(1));
     }
-    std::copy(gk, gk + g.G * g.D, keys.begin() + c.keys * g.D);
-    std::copy(gv, gv + g.G * g.D, values.begin() + c.keys * g.D);
-    ld = c.keys + g.G;
+    load_global(c.keys, gk, gv, g.G, g.D);
+  }
+
+  // Fills queries (times query_scale), keys and values of a block of the sequences of one (batch, head).
+  void load(const Geometry1d& g, const Block& blk, const T* q, const T* k, const T* v, const T* gk, const T* gv,
+            T query_scale) {
+    const int64_t stride = blk.d * g.D;
+    copy_rows(queries.data(), g.D, q + (blk.r + blk.d * blk.t0) * g.D, stride, blk.queries, g.D, query_scale);
+    copy_rows(keys.data(), g.D, k + (blk.r + blk.d * blk.k0) * g.D, stride, blk.keys, g.D, T(1));
+    copy_rows(values.data(), g.D, v + (blk.r + blk.d * blk.k0) * g.D, stride, blk.keys, g.D, T(1));
+    load_global(blk.keys, gk, gv, g.G, g.D);
   }
 
   // scores = queries keys^T, with the biases added and -inf where a query does not see a key.
@@ -203,15 +301,95 @@ struct Workspace {
         next = first + length;
       });
       std::fill(row + next, row + c.keys, masked);
-      if (global_bias != nullptr) {
-        for (int j = 0; j < g.G; ++j) row[c.keys + j] += global_bias[j];
+      add_global_bias(row, c.keys, global_bias, g.G);
+    }
+  }
+
+  // scores = queries keys^T, with the biases added and -inf outside each query's band, after the query when
+  // causal, and at padded keys (key_padding: the batch entry's mask, or null).
+  void score(const Geometry1d& g, const Block& blk, const T* rel_bias, const T* global_bias, const bool* key_padding) {
+    matmul<T>(false, true, blk.queries, ld, g.D, T(1), queries.data(), g.D, keys.data(), g.D, T(0), scores.data(),
+              ld);
+    const T masked = -std::numeric_limits<T>::infinity();
+    if (key_padding != nullptr) {
+      for (int j = 0; j < blk.keys; ++j) key_mask[j] = key_padding[blk.r + blk.d * (blk.k0 + j)] ? masked : T(0);
+    }
+    for (int i = 0; i < blk.queries; ++i) {
+      T* row = scores.data() + static_cast<int64_t>(i) * ld;
+      const Band band = band_of(g, blk, i);
+      std::fill(row, row + band.lo, masked);
+      std::fill(row + band.hi, row + blk.keys, masked);
+      if (rel_bias != nullptr) {
+        const T* bias = rel_bias + band.bias_row - band.lo;
+        for (int j = band.lo; j < band.hi; ++j) row[j] += bias[j];
+      }
+      if (key_padding != nullptr) {
+        for (int j = band.lo; j < band.hi; ++j) row[j] += key_mask[j];
+      }
+      add_global_bias(row, blk.keys, global_bias, g.G);
+    }
+  }
+
+  // The softmax numerators of the S score rows (their maxima and sums in row_max and total) times the values:
+  // the unnormalised outputs, S x D in `extra`.
+  const T* attend(int S, int64_t D) {
+    for (int i = 0; i < S; ++i) exponentiate_row(scores.data() + static_cast<int64_t>(i) * ld, ld, row_max[i], total[i]);
+    matmul<T>(false, false, S, D, ld, T(1), scores.data(), ld, values.data(), D, T(0), extra.data(), D);
+    return extra.data();
+  }
+
+  // The backward of the softmax of the S score rows: the probabilities 2^(s - lse) in place of the scores, and
+  // the score gradients dS = P * (dP - delta), dP = dO V^T, in grad_scores; delta = rowsum(dO * O).
+  void differentiate(int S, int64_t D, const T* grad_out, const T* lse, const T* delta, T* grad_scores) {
+    matmul<T>(false, true, S, ld, D, T(1), grad_out, D, values.data(), D, T(0), grad_scores, ld);
+    for (int i = 0; i < S; ++i) {
+      T* p = scores.data() + static_cast<int64_t>(i) * ld;
+      T* ds = grad_scores + static_cast<int64_t>(i) * ld;
+      const T row_lse = lse[i], row_delta = delta[i];
+#pragma omp simd
+      for (int j = 0; j < ld; ++j) {
+        p[j] = exp2_nonpositive(p[j] - row_lse);
+        ds[j] = p[j] * (ds[j] - row_delta);
       }
     }
+  }
+
+  // After differentiate: the gradients of the S queries (scale dS K, S x D), of the window's keys (scale dS^T q,
+  // as the buffer holds q * scale * log2(e); ld x D) or of its values (P^T dO, ld x D), in `extra`.
+  const T* grad_queries(int S, int64_t D, const T* grad_scores, double scale) {
+    matmul<T>(false, false, S, D, ld, T(scale), grad_scores, ld, keys.data(), D, T(0), extra.data(), D);
+    return extra.data();
+  }
+  const T* grad_keys(int S, int64_t D, const T* grad_scores) {
+    matmul<T>(true, false, ld, D, S, T(1 / kLog2e), grad_scores, ld, queries.data(), D, T(0), extra.data(), D);
+    return extra.data();
+  }
+  const T* grad_values(int S, int64_t D, const T* grad_out) {
+    matmul<T>(true, false, ld, D, S, T(1), scores.data(), ld, grad_out, D, T(0), extra.data(), D);
+    return extra.data();
+  }
+
+ private:
+  // The G global keys and values after the window's `local` ones.
+  void load_global(int local, const T* gk, const T* gv, int64_t G, int64_t D) {
+    std::copy(gk, gk + G * D, keys.begin() + local * D);
+    std::copy(gv, gv + G * D, values.begin() + local * D);
+    ld = local + static_cast<int>(G);
+  }
+
+  static void add_global_bias(T* row, int local, const T* global_bias, int64_t G) {
+    if (global_bias == nullptr) return;
+    for (int64_t j = 0; j < G; ++j) row[local + j] += global_bias[j];
   }
 };
 
 template <typename T>
 const T* head_of(const at::Tensor& t, int64_t bh, int64_t per_head) {
+  return t.numel() == 0 ? nullptr : t.data_ptr<T>() + bh * per_head;
+}
+
+template <typename T>
+T* grad_of(at::Tensor& t, int64_t bh, int64_t per_head) {
   return t.numel() == 0 ? nullptr : t.data_ptr<T>() + bh * per_head;
 }
 
@@ -229,31 +407,12 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k, c
       ws.load(g, c, head_of<T>(q, bh, map), head_of<T>(k, bh, map), head_of<T>(v, bh, map),
               head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
       ws.score(g, c, head_of<T>(rel_bias, h, table), head_of<T>(global_bias, h, g.G));
-      const int S = c.queries();
-      T* row_max = ws.row_max.data();
-      T* total = ws.total.data();
-      for (int i = 0; i < S; ++i) {
-        T* row = ws.scores.data() + static_cast<int64_t>(i) * ws.ld;
-        T m = row[0], sum = 0;
-#pragma omp simd reduction(max : m)
-        for (int j = 0; j < ws.ld; ++j) m = m > row[j] ? m : row[j];  // std::max does not vectorise
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < ws.ld; ++j) {
-          row[j] = exp2_nonpositive(row[j] - m);
-          sum += row[j];
-        }
-        row_max[i] = m;
-        total[i] = sum;
-      }
-      T* o = ws.extra.data();
-      matmul<T>(false, false, S, g.D, ws.ld, T(1), ws.scores.data(), ws.ld, ws.values.data(), g.D, T(0), o, g.D);
+      const T* o = ws.attend(c.queries(), g.D);
       T* out_map = out.data_ptr<T>() + bh * map;
       T* lse_map = lse.data_ptr<T>() + bh * g.X * g.Y;
-      for (int i = 0; i < S; ++i) {
+      for (int i = 0; i < c.queries(); ++i) {
         const int64_t token = (c.q_r0 + i / c.q_cols) * g.Y + c.q_c0 + i % c.q_cols;
-        const T inverse = T(1) / total[i];
-        for (int d = 0; d < g.D; ++d) out_map[token * g.D + d] = o[i * g.D + d] * inverse;
-        lse_map[token] = row_max[i] + std::log2(total[i]);
+        store_output(out_map + token * g.D, lse_map + token, o + i * g.D, g.D, ws.row_max[i], ws.total[i]);
       }
     }
   });
@@ -266,69 +425,149 @@ void backward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
                    const at::Tensor& lse, const at::Tensor& row_term, at::Tensor& grad_q, at::Tensor& grad_k,
                    at::Tensor& grad_v, at::Tensor& grad_gk, at::Tensor& grad_gv, at::Tensor& grad_rel_bias,
                    at::Tensor& grad_global_bias, double scale) {
-  const int64_t map = g.X * g.Y * g.D, C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1);
+  const int64_t map = g.X * g.Y * g.D, C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1), S_max = g.w * g.w;
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
     Workspace<T> ws(g);
-    std::vector<T> grad_out_chunk(g.w * g.w * g.D), grad_scores(ws.scores.size());
+    std::vector<T> grad_out_chunk(S_max * g.D), grad_scores(ws.scores.size()), lse_rows(S_max), delta_rows(S_max);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t h = bh % g.H;
       const T* rel = head_of<T>(rel_bias, h, table);
-      T* grad_rel = grad_rel_bias.numel() == 0 ? nullptr : grad_rel_bias.data_ptr<T>() + bh * table;
-      T* grad_glob = grad_global_bias.numel() == 0 ? nullptr : grad_global_bias.data_ptr<T>() + bh * g.G;
+      T* grad_rel = grad_of<T>(grad_rel_bias, bh, table);
+      T* grad_glob = grad_of<T>(grad_global_bias, bh, g.G);
       const T* lse_map = lse.data_ptr<T>() + bh * g.X * g.Y;
       const T* row_term_map = row_term.data_ptr<T>() + bh * g.X * g.Y;
       for (int64_t chunk = 0; chunk < C; ++chunk) {
         const Chunk c = make_chunk(g, slot_table, chunk);
-        const int S = c.queries(), ld = c.keys + g.G;
+        const int S = c.queries();
         ws.load(g, c, head_of<T>(q, bh, map), head_of<T>(k, bh, map), head_of<T>(v, bh, map),
                 head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
         ws.score(g, c, rel, head_of<T>(global_bias, h, g.G));
-        copy_block(grad_out_chunk.data(), head_of<T>(grad_out, bh, map), g, c.q_r0, c.q_c0, c.q_rows, c.q_cols,
-                   T(1));
-        T* probs = ws.scores.data();
-        T* dp = grad_scores.data();
-        matmul<T>(false, true, S, ld, g.D, T(1), grad_out_chunk.data(), g.D, ws.values.data(), g.D, T(0), dp, ld);
+        copy_rows(grad_out_chunk.data(), c.q_cols * g.D, block_at(head_of<T>(grad_out, bh, map), g, c.q_r0, c.q_c0),
+                  g.Y * g.D, c.q_rows, c.q_cols * g.D, T(1));
         for (int i = 0; i < S; ++i) {
           const int64_t token = (c.q_r0 + i / c.q_cols) * g.Y + c.q_c0 + i % c.q_cols;
-          const T row_lse = lse_map[token], delta = row_term_map[token];
-          T* p = probs + static_cast<int64_t>(i) * ld;
-          T* ds = dp + static_cast<int64_t>(i) * ld;
-#pragma omp simd
-          for (int j = 0; j < ld; ++j) {
-            p[j] = exp2_nonpositive(p[j] - row_lse);
-            ds[j] = p[j] * (ds[j] - delta);  // the softmax backward: dS = P * (dP - rowsum(dO * O))
-          }
+          lse_rows[i] = lse_map[token];
+          delta_rows[i] = row_term_map[token];
+        }
+        T* ds = grad_scores.data();
+        ws.differentiate(S, g.D, grad_out_chunk.data(), lse_rows.data(), delta_rows.data(), ds);
+        for (int i = 0; i < S; ++i) {
+          const T* row = ds + static_cast<int64_t>(i) * ws.ld;
           if (grad_rel != nullptr) {
             for_each_visible_run(g, c, i / c.q_cols, i % c.q_cols, [&](int first, int length, int bias_row) {
-              for (int j = 0; j < length; ++j) grad_rel[bias_row - j] += ds[first + j];
+              for (int j = 0; j < length; ++j) grad_rel[bias_row - j] += row[first + j];
             });
           }
           if (grad_glob != nullptr) {
-            for (int j = 0; j < g.G; ++j) grad_glob[j] += ds[c.keys + j];
+            for (int j = 0; j < g.G; ++j) grad_glob[j] += row[c.keys + j];
           }
         }
-        // dQ = scale * dS K, written in place: every query belongs to one chunk.
-        T* block = ws.extra.data();
-        matmul<T>(false, false, S, g.D, ld, T(scale), dp, ld, ws.keys.data(), g.D, T(0), block, g.D);
-        T* grad_q_map = grad_q.data_ptr<T>() + bh * map;
-        for (int r = 0; r < c.q_rows; ++r) {
-          std::copy(block + r * c.q_cols * g.D, block + (r + 1) * c.q_cols * g.D,
-                    grad_q_map + ((c.q_r0 + r) * g.Y + c.q_c0) * g.D);
-        }
-        // Gradients of the chunk's keys (or values), (L + G) x D in `block`, into the maps and the global ones.
-        auto add_window = [&](at::Tensor& grad_map, at::Tensor& grad_global) {
+        // Written in place: every query belongs to one chunk.
+        copy_rows(block_at(grad_q.data_ptr<T>() + bh * map, g, c.q_r0, c.q_c0), g.Y * g.D,
+                  ws.grad_queries(S, g.D, ds, scale), c.q_cols * g.D, c.q_rows, c.q_cols * g.D, T(1));
+        // Gradients of the chunk's keys (or values), (L + G) x D, into the maps and the global ones.
+        auto add_window = [&](const T* block, at::Tensor& grad_map, at::Tensor& grad_global) {
           for (int s = 0; s < c.slots; ++s) {
-            add_block(grad_map.data_ptr<T>() + bh * map, block + c.start[s] * g.D, g, c.k_r0[s], c.k_c0[s],
-                      c.k_rows[s], c.k_cols[s]);
+            const int64_t n = c.k_cols[s] * g.D;
+            add_rows(block_at(grad_map.data_ptr<T>() + bh * map, g, c.k_r0[s], c.k_c0[s]), g.Y * g.D,
+                     block + c.start[s] * g.D, n, c.k_rows[s], n);
           }
-          T* global = grad_global.data_ptr<T>() + bh * g.G * g.D;
-          for (int64_t i = 0; i < g.G * g.D; ++i) global[i] += block[c.keys * g.D + i];
+          add_rows(grad_global.data_ptr<T>() + bh * g.G * g.D, 0, block + c.keys * g.D, 0, 1, g.G * g.D);
         };
-        // dK = scale * dS^T q (the buffer holds q * scale * log2(e)), dV = P^T dO.
-        matmul<T>(true, false, ld, g.D, S, T(1 / kLog2e), dp, ld, ws.queries.data(), g.D, T(0), block, g.D);
-        add_window(grad_k, grad_gk);
-        matmul<T>(true, false, ld, g.D, S, T(1), probs, ld, grad_out_chunk.data(), g.D, T(0), block, g.D);
-        add_window(grad_v, grad_gv);
+        add_window(ws.grad_keys(S, g.D, ds), grad_k, grad_gk);
+        add_window(ws.grad_values(S, g.D, grad_out_chunk.data()), grad_v, grad_gv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void forward_1d_impl(const Geometry1d& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
+                     const at::Tensor& global_bias, const at::Tensor& key_padding_mask, at::Tensor& out,
+                     at::Tensor& lse, double scale) {
+  std::vector<int64_t> runs;
+  const std::vector<Block> blocks = make_blocks(g, runs);
+  const int64_t n = static_cast<int64_t>(blocks.size()), seq = g.L * g.D, bias_rows = 2 * g.w + 1;
+  at::parallel_for(0, g.B * n, 1, [&](int64_t begin, int64_t end) {
+    Workspace<T> ws(g);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / n;
+      const Block& blk = blocks[item % n];
+      const int64_t bh = b * g.H + blk.h;
+      ws.load(g, blk, head_of<T>(q, bh, seq), head_of<T>(k, bh, seq), head_of<T>(v, bh, seq),
+              head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
+      ws.score(g, blk, head_of<T>(rel_bias, blk.h, bias_rows), head_of<T>(global_bias, blk.h, g.G),
+               head_of<bool>(key_padding_mask, b, g.L));
+      const T* o = ws.attend(blk.queries, g.D);
+      T* out_seq = out.data_ptr<T>() + bh * seq;
+      T* lse_seq = lse.data_ptr<T>() + bh * g.L;
+      for (int i = 0; i < blk.queries; ++i) {
+        const int64_t position = blk.r + blk.d * (blk.t0 + i);
+        store_output(out_seq + position * g.D, lse_seq + position, o + i * g.D, g.D, ws.row_max[i], ws.total[i]);
+      }
+    }
+  });
+}
+
+// The global key, value and bias gradients are partial sums per (batch, head, residue class), added up by the
+// caller, so that the residue classes of one head can run on different threads.
+template <typename T>
+void backward_1d_impl(const Geometry1d& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
+                      const at::Tensor& global_bias, const at::Tensor& key_padding_mask, const at::Tensor& grad_out,
+                      const at::Tensor& lse, const at::Tensor& row_term, at::Tensor& grad_q, at::Tensor& grad_k,
+                      at::Tensor& grad_v, at::Tensor& grad_gk, at::Tensor& grad_gv, at::Tensor& grad_rel_bias,
+                      at::Tensor& grad_global_bias, double scale) {
+  std::vector<int64_t> runs;
+  const std::vector<Block> blocks = make_blocks(g, runs);
+  const int64_t classes = static_cast<int64_t>(runs.size()) - 1, seq = g.L * g.D, bias_rows = 2 * g.w + 1;
+  at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
+    Workspace<T> ws(g);
+    std::vector<T> grad_out_block(g.block * g.D), grad_scores(ws.scores.size()), lse_rows(g.block),
+        delta_rows(g.block);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / classes, run = item % classes;
+      const Block& first = blocks[runs[run]];
+      const int64_t bh = b * g.H + first.h, partial = bh * g.residues + first.r, stride = first.d * g.D;
+      const T* rel = head_of<T>(rel_bias, first.h, bias_rows);
+      const T* glob = head_of<T>(global_bias, first.h, g.G);
+      const bool* key_padding = head_of<bool>(key_padding_mask, b, g.L);
+      T* grad_rel = grad_of<T>(grad_rel_bias, partial, bias_rows);
+      T* grad_glob = grad_of<T>(grad_global_bias, partial, g.G);
+      for (int64_t index = runs[run]; index < runs[run + 1]; ++index) {
+        const Block& blk = blocks[index];
+        const int S = blk.queries;
+        const int64_t q0 = blk.r + blk.d * blk.t0, k0 = blk.r + blk.d * blk.k0;  // positions of the first query, key
+        ws.load(g, blk, head_of<T>(q, bh, seq), head_of<T>(k, bh, seq), head_of<T>(v, bh, seq),
+                head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
+        ws.score(g, blk, rel, glob, key_padding);
+        copy_rows(grad_out_block.data(), g.D, head_of<T>(grad_out, bh, seq) + q0 * g.D, stride, S, g.D, T(1));
+        copy_rows(lse_rows.data(), 1, head_of<T>(lse, bh, g.L) + q0, blk.d, S, 1, T(1));
+        copy_rows(delta_rows.data(), 1, head_of<T>(row_term, bh, g.L) + q0, blk.d, S, 1, T(1));
+        T* ds = grad_scores.data();
+        ws.differentiate(S, g.D, grad_out_block.data(), lse_rows.data(), delta_rows.data(), ds);
+        for (int i = 0; i < S; ++i) {
+          const T* row = ds + static_cast<int64_t>(i) * ws.ld;
+          if (grad_rel != nullptr) {
+            const Band band = band_of(g, blk, i);
+            T* bias = grad_rel + band.bias_row - band.lo;
+            for (int j = band.lo; j < band.hi; ++j) bias[j] += row[j];
+          }
+          if (grad_glob != nullptr) {
+            for (int j = 0; j < g.G; ++j) grad_glob[j] += row[blk.keys + j];
+          }
+        }
+        // Written in place: every query belongs to one block.
+        copy_rows(grad_q.data_ptr<T>() + bh * seq + q0 * g.D, stride, ws.grad_queries(S, g.D, ds, scale), g.D, S,
+                  g.D, T(1));
+        // Gradients of the span's keys (or values), (keys + G) x D, into the sequence and the global partial sums.
+        auto add_window = [&](const T* block, at::Tensor& grad_seq, at::Tensor& grad_global) {
+          add_rows(grad_seq.data_ptr<T>() + bh * seq + k0 * g.D, stride, block, g.D, blk.keys, g.D);
+          add_rows(grad_global.data_ptr<T>() + partial * g.G * g.D, 0, block + blk.keys * g.D, 0, 1, g.G * g.D);
+        };
+        add_window(ws.grad_keys(S, g.D, ds), grad_k, grad_gk);
+        add_window(ws.grad_values(S, g.D, grad_out_block.data()), grad_v, grad_gv);
       }
     }
   });
@@ -343,6 +582,20 @@ Geometry make_geometry(const at::Tensor& q, const at::Tensor& gk, const at::Tens
   g.w = static_cast<int>(window), g.exact = static_cast<int>(exact);
   g.chunk_cols = static_cast<int>((g.Y + g.w - 1) / g.w);
   g.num_slots = static_cast<int>(slots.size(1));
+  return g;
+}
+
+Geometry1d make_geometry_1d(const at::Tensor& q, const at::Tensor& gk, const at::Tensor& key_padding_mask,
+                            at::IntArrayRef dilations, int64_t window, bool causal, int64_t block) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && static_cast<int64_t>(dilations.size()) == q.size(1) &&
+                  block >= 1 && (key_padding_mask.numel() == 0 || key_padding_mask.scalar_type() == at::kBool),
+              "local_attention_cpu: inputs not laid out by the launcher");
+  Geometry1d g;
+  g.B = q.size(0), g.H = q.size(1), g.L = q.size(2), g.D = q.size(3), g.G = gk.size(2);
+  g.w = static_cast<int>(window), g.block = static_cast<int>(block), g.causal = causal;
+  g.dilations.assign(dilations.begin(), dilations.end());
+  g.residues = 0;
+  for (const int64_t d : g.dilations) g.residues = std::max(g.residues, std::min(d, g.L));
   return g;
 }
 
@@ -373,6 +626,34 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   }
 }
 
+void forward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gk,
+                const at::Tensor& gv, const at::Tensor& rel_bias, const at::Tensor& global_bias,
+                const at::Tensor& key_padding_mask, at::Tensor out, at::Tensor lse, at::IntArrayRef dilations,
+                int64_t window, bool causal, int64_t block, double scale) {
+  const Geometry1d g = make_geometry_1d(q, gk, key_padding_mask, dilations, window, causal, block);
+  if (q.scalar_type() == at::kFloat) {
+    forward_1d_impl<float>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, out, lse, scale);
+  } else {
+    forward_1d_impl<double>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, out, lse, scale);
+  }
+}
+
+void backward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gk,
+                 const at::Tensor& gv, const at::Tensor& rel_bias, const at::Tensor& global_bias,
+                 const at::Tensor& key_padding_mask, const at::Tensor& grad_out, const at::Tensor& lse,
+                 const at::Tensor& row_term, at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v,
+                 at::Tensor grad_gk, at::Tensor grad_gv, at::Tensor grad_rel_bias, at::Tensor grad_global_bias,
+                 at::IntArrayRef dilations, int64_t window, bool causal, int64_t block, double scale) {
+  const Geometry1d g = make_geometry_1d(q, gk, key_padding_mask, dilations, window, causal, block);
+  if (q.scalar_type() == at::kFloat) {
+    backward_1d_impl<float>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, grad_out, lse, row_term,
+                            grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
+  } else {
+    backward_1d_impl<double>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, grad_out, lse, row_term,
+                             grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vil_local_attention_cpu, m) {
@@ -384,9 +665,21 @@ TORCH_LIBRARY(vil_local_attention_cpu, m) {
       "Tensor global_bias, Tensor slots, Tensor grad_out, Tensor lse, Tensor row_term, Tensor(a!) grad_q, "
       "Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor(d!) grad_global_k, Tensor(e!) grad_global_v, "
       "Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int window, int exact, float scale) -> ()");
+  m.def(
+      "forward_1d(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, "
+      "Tensor global_bias, Tensor key_padding_mask, Tensor(a!) out, Tensor(b!) lse, int[] dilations, int window, "
+      "bool causal, int block, float scale) -> ()");
+  m.def(
+      "backward_1d(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, "
+      "Tensor global_bias, Tensor key_padding_mask, Tensor grad_out, Tensor lse, Tensor row_term, "
+      "Tensor(a!) grad_q, Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor(d!) grad_global_k, "
+      "Tensor(e!) grad_global_v, Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int[] dilations, "
+      "int window, bool causal, int block, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vil_local_attention_cpu, CPU, m) {
   m.impl("forward", &forward);
   m.impl("backward", &backward);
+  m.impl("forward_1d", &forward_1d);
+  m.impl("backward_1d", &backward_1d);
 }

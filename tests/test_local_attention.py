@@ -285,18 +285,22 @@ def test_flex_gradients_match_reference_on_cuda(exact, mode):
 
 def test_flex_refuses_to_train_on_the_cpu():
     inputs = make_inputs(6, 6, 2, 1, rel=True, glob_bias=True, dtype=torch.float32, D=16)
-    with pytest.raises(ValueError, match=r"^The flex backend cannot train on the CPU: torch's FlexAttention has no CPU "
-                                         r"backward; use backend 'sliding_chunk' there, or flex on a CUDA GPU\.$"):
+    with pytest.raises(ValueError, match=r"^The flex backend cannot train on the CPU \(it has no backward there\); "
+                                         r"backends that can: sliding_chunk, [a-z_, ]*fused_cpu, [a-z_, ]*reference\.$") as err:
         run("flex", inputs, 2, 0, 0)
+    assert "flex" not in str(err.value).split(";")[1]
 
 
 def test_default_falls_back_to_sliding_chunk_with_one_warning(monkeypatch, caplog):
+    import dataclasses
+
     from vil.ops import local_attention
 
     def no_compiler():
         raise ValueError("The fused_cpu backend could not build its C++ kernel (no compiler).")
 
-    monkeypatch.setattr(local_attention, "check_fused_cpu", no_compiler)
+    fused_cpu = dataclasses.replace(local_attention._BACKENDS["fused_cpu"], available=no_compiler)
+    monkeypatch.setitem(local_attention._BACKENDS, "fused_cpu", fused_cpu)
     monkeypatch.setattr(local_attention, "_logged_choices", set())
     with caplog.at_level("WARNING", logger=local_attention.__name__):
         assert default_backend(CPU, torch.float32) == "sliding_chunk"
@@ -364,8 +368,9 @@ def test_fused_cpu_products_are_counted_by_the_flop_counter():
 
 def test_fused_cpu_refuses_other_devices():
     q, k, v = (torch.empty(1, 1, 4, 4, 8, device="meta") for _ in range(3))
-    with pytest.raises(ValueError, match=r"^The fused_cpu backend runs on the CPU, but q is on meta; on a GPU use "
-                                         r"triton, flex or sliding_chunk\.$"):
+    with pytest.raises(ValueError, match=r"^The fused_cpu backend runs on cpu tensors, but q is on meta; backends that "
+                                         r"run there: sliding_chunk, sliding_chunk_autograd, unfold, unfold_nnf, "
+                                         r"chunk_rows, reference\.$"):
         local_attention_2d(q, k, v, 2, backend="fused_cpu")
 
 

@@ -20,6 +20,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's kernels canno
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from vil.ops.backends.fused_triton import kernel_geometry  # noqa: E402
 from vil_kernels import local_attention as kernels  # noqa: E402
 
 POINTERS = {"LSE": "fp32", "DELTA": "fp32", "NEIGHBOURS": "i32", "NEIGHBOURS_T": "i32", "OFFSETS": "i32",
@@ -54,7 +55,7 @@ def variants(args):
 
 def compile_variant(arch, dtype, head_dim, window, exact):
     """Compile the four kernels for every candidate tile shape; yields (kernel, shape, shared bytes)."""
-    geo = kernels._geometry(14, 14, window, exact, 0, 1, "cpu")
+    geo = kernel_geometry(14, 14, window, exact, 0, 1, "cpu")
     precision = "tf32x3" if dtype == "float32" else "tf32"
     base = dict(W=window, C=geo.chunk, P=geo.chunk_pad, DIL=1, EXACT=exact, N_OFF=geo.num_slots, HEAD_DIM=head_dim,
                 BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_G=16, BT=max(16, triton.next_power_of_2(4 * window - 1)),

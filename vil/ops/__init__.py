@@ -1,11 +1,14 @@
-"""Local 2D attention, usable on its own: ``from vil.ops import local_attention_2d``."""
+"""Local attention, usable on its own: ``from vil.ops import local_attention_2d, local_attention_1d``."""
 
 from .local_attention import (
     available_backends,
     check_backend,
     check_window_options,
     default_backend,
+    local_attention_1d,
     local_attention_2d,
 )
+from .neighborhood import Neighborhood1d, Neighborhood2d
 
-__all__ = ["available_backends", "check_backend", "check_window_options", "default_backend", "local_attention_2d"]
+__all__ = ["Neighborhood1d", "Neighborhood2d", "available_backends", "check_backend", "check_window_options",
+           "default_backend", "local_attention_1d", "local_attention_2d"]

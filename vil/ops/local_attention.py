@@ -1,89 +1,114 @@
-"""``local_attention_2d``: ViL's conv-like local attention over a 2D map, with one switch for how it is computed.
+"""The op layer: ``local_attention_2d`` (ViL's windows on a map) and ``local_attention_1d`` (Longformer's band over
+a sequence), with one switch for how they are computed.
 
-Every backend computes the same function (see :func:`local_attention_2d` and the README); they differ in
-speed and memory only. A backend is a plain function
-``fn(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale)`` that receives
-validated arguments; backends that compute dilated windows themselves also take ``dilation``.
+Every backend computes the same function; they differ in speed, memory and what they support, which each
+declares (:class:`vil.ops.backends.Backend`). This module validates the inputs once, builds the neighbourhood
+(``vil/ops/neighborhood.py``), picks or checks the backend from its declaration, and splits a request the
+backend cannot take whole (dilation by sub-lattice, per-head dilations by head) into ones it can.
 """
 
 import logging
 
 import torch
 
-from .backends.chunk_rows import chunk_rows
-from .backends.flex import flex
-from .backends.fused_cpu import check_fused_cpu, fused_cpu
-from .backends.fused_triton import check_fused_triton, fused_triton
-from .backends.reference import reference
-from .backends.sliding_chunk import sliding_chunk
-from .backends.sliding_chunk_autograd import sliding_chunk_autograd
-from .backends.unfold import unfold, unfold_nnf
+from .backends import chunk_rows, chunks_1d, flex, fused_cpu, fused_triton, loop_1d, reference, sliding_chunk
+from .backends import sliding_chunk_autograd, unfold
+from .neighborhood import Neighborhood1d, Neighborhood2d
 
 _BACKENDS = {
-    "sliding_chunk": sliding_chunk,
-    "sliding_chunk_autograd": sliding_chunk_autograd,
-    "triton": fused_triton,
-    "fused_cpu": fused_cpu,
-    "flex": flex,
-    "unfold": unfold,
-    "unfold_nnf": unfold_nnf,
-    "chunk_rows": chunk_rows,
-    "reference": reference,
+    b.name: b
+    for b in (
+        sliding_chunk.BACKEND, sliding_chunk_autograd.BACKEND, fused_triton.BACKEND, fused_cpu.BACKEND, flex.BACKEND,
+        unfold.UNFOLD, unfold.UNFOLD_NNF, chunk_rows.BACKEND, loop_1d.BACKEND, chunks_1d.BACKEND, reference.BACKEND,
+    )
 }
-# Backends that take ``dilation``; the others run once per sub-lattice of equal residues (see _per_sub_lattice).
-_DILATION_BACKENDS = {"triton", "flex", "reference"}
-# The fastest backends measured by tools/benchmark_attention.py (see BENCHMARKS.md): on the CPU the fused C++
-# kernel, or sliding chunks where it cannot be built; elsewhere sliding chunks.
-_CPU_DEFAULT, _FALLBACK = "fused_cpu", "sliding_chunk"
+# The fastest backends measured by tools/benchmark_attention.py (see BENCHMARKS.md), in order, per device type;
+# ``backend=None`` takes the first whose declaration fits the request and that can run here.
+_FASTEST = {"cpu": ("fused_cpu", "sliding_chunk")}
+_FASTEST_ELSEWHERE = ("sliding_chunk",)
 _log = logging.getLogger(__name__)
 _logged_choices = set()
 
 
-def available_backends():
-    """Names accepted by ``local_attention_2d(..., backend=name)``."""
-    return list(_BACKENDS)
+def available_backends(dims=2):
+    """Names accepted by ``local_attention_2d`` (``dims=2``) or ``local_attention_1d`` (``dims=1``)."""
+    return [name for name, b in _BACKENDS.items() if b.computes(dims)]
 
 
-def default_backend(device, dtype):
-    """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``, the fastest measured (see
-    BENCHMARKS.md): on the CPU ``fused_cpu`` (every dtype; half precision is computed in float32), or
-    ``sliding_chunk`` with a warning where its C++ kernel cannot be built; elsewhere ``sliding_chunk``. The
-    Triton kernels are chosen explicitly (``backend="triton"``, ATTN_TYPE ``longformer_triton``) until GPU
+def default_backend(device, dtype, dims=2):
+    """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: the fastest measured that
+    computes ``dims``-D windows there (see BENCHMARKS.md). On the CPU that is ``fused_cpu`` (every dtype; half
+    precision is computed in float32), or ``sliding_chunk`` with one warning where its C++ kernel cannot be
+    built; elsewhere ``sliding_chunk``. The Triton kernels are chosen explicitly (``backend="triton"``) until GPU
     measurements make them the default there."""
-    if torch.device(device).type != "cpu":
-        return _FALLBACK
-    try:
-        check_fused_cpu()
-    except ValueError as error:
-        if "fallback" not in _logged_choices:
-            _logged_choices.add("fallback")
-            _log.warning("%s Using %s on the CPU instead, about 2x slower.", error, _FALLBACK)
-        return _FALLBACK
-    return _CPU_DEFAULT
+    device_type = torch.device(device).type
+    for name in _FASTEST.get(device_type, _FASTEST_ELSEWHERE):
+        b = _BACKENDS[name]
+        if not b.computes(dims) or not _runs_on(b.devices, device_type) or dtype not in b.dtypes:
+            continue
+        try:
+            if b.available is not None:
+                b.available()
+        except ValueError as error:
+            if ("unavailable", name) not in _logged_choices:
+                _logged_choices.add(("unavailable", name))
+                fallback = _FASTEST[device_type][-1]
+                _log.warning("%s Using %s on the CPU instead, about 2x slower.", error, fallback)
+            continue
+        return name
+    return _FASTEST_ELSEWHERE[0]
 
 
-def _log_choice(device, dtype, backend):
-    if (device.type, dtype, backend) not in _logged_choices:
-        _logged_choices.add((device.type, dtype, backend))
-        _log.info("local_attention_2d: backend %r for %s on %s (backend=None).", backend, dtype, device.type)
+def _choose(backend, dims, hood, q, trains):
+    """The backend declaration for this request; one sentence naming the backends that can run it otherwise."""
+    if backend is None:
+        backend = default_backend(q.device, q.dtype, dims)
+        if (q.device.type, q.dtype, backend, dims) not in _logged_choices:
+            _logged_choices.add((q.device.type, q.dtype, backend, dims))
+            _log.info("local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type)
+    able = available_backends(dims)
+    if backend not in _BACKENDS:
+        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(able)}.")
+    b = _BACKENDS[backend]
+    if not b.computes(dims):
+        raise ValueError(f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {', '.join(able)}.")
+    if hood.dilated and b.dilation(dims) is None:
+        others = [n for n in able if _BACKENDS[n].dilation(dims) is not None]
+        raise ValueError(f"The {backend} backend computes undilated windows only; backends with dilation: {', '.join(others)}.")
+    device = q.device.type
+    if not _runs_on(b.devices, device):
+        others = [n for n in able if _runs_on(_BACKENDS[n].devices, device)]
+        raise ValueError(f"The {backend} backend runs on {_listed(b.devices)} tensors, but q is on {q.device}; "
+                         f"backends that run there: {', '.join(others)}.")
+    if trains and not _runs_on(b.trains_on, device):
+        others = [n for n in able if _runs_on(_BACKENDS[n].devices, device) and _runs_on(_BACKENDS[n].trains_on, device)]
+        raise ValueError(f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
+                         f"backends that can: {', '.join(others)}.")
+    if q.dtype not in b.dtypes:
+        raise ValueError(f"The {backend} backend takes {_listed([str(t).split('.')[-1] for t in b.dtypes])} inputs, "
+                         f"got {q.dtype}.")
+    if b.available is not None:
+        b.available()
+    if b.check is not None:
+        b.check(hood, q.shape[-1])
+    return b
 
 
-def local_attention_2d(
-    q,
-    k,
-    v,
-    window,
-    *,
-    exact=0,
-    mode=0,
-    global_k=None,
-    global_v=None,
-    rel_bias=None,
-    global_bias=None,
-    scale=None,
-    dilation=1,
-    backend=None,
-):
+def _runs_on(devices, device_type):
+    return devices is None or device_type in devices
+
+
+def _listed(names):
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, global_v=None, rel_bias=None,
+                       global_bias=None, scale=None, dilation=1, backend=None):
     """Local attention of every position of a 2D map to its window, plus G global keys in the same softmax.
 
     Args:
@@ -104,84 +129,148 @@ def local_attention_2d(
             neighborhood attention; the bias row uses ``(a, b)`` as the offsets.
         backend: one of :func:`available_backends`; None: :func:`default_backend`.
     """
-    _check_inputs(q, k, v, window, exact, mode, dilation, global_k, global_v, rel_bias, global_bias)
-    if backend is None:
-        backend = default_backend(q.device, q.dtype)
-        _log_choice(q.device, q.dtype, backend)
-    if backend not in _BACKENDS:
-        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(_BACKENDS)}.")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    hood = Neighborhood2d(window, exact, mode, dilation)
+    if q.dim() != 5:
+        raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
+    _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, "(4w-1)**2")
+    b = _choose(backend, 2, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
+    inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
+    if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
+        b = reference.BACKEND
+    if hood.dilated and b.dilation(2) == "split":
+        return _per_sub_lattice(b.attention_2d, q, k, v, hood, inputs)
+    return b.attention_2d(q, k, v, hood, **inputs)
+
+
+def local_attention_1d(q, k, v, window, *, dilation=1, causal=False, key_padding_mask=None, global_k=None,
+                       global_v=None, rel_bias=None, global_bias=None, scale=None, backend=None):
+    """Longformer's sliding-window attention over a sequence, plus G global keys in the same softmax.
+
+    Query ``i`` attends to the global keys and to the window keys ``i + d*a``, ``-w <= a <= w`` (``a <= 0`` when
+    ``causal``), that lie in ``[0, L)`` and are not masked by ``key_padding_mask``. A query that sees no key (its
+    whole window masked, no global keys) outputs zeros and gets zero gradients.
+
+    Args:
+        q, k, v: ``(B, heads, L, head_dim)``; the result has the same shape.
+        window: ``w >= 1``, keys on each side of the query (one-sided).
+        dilation: an int, or one int per head (Longformer's per-head dilation).
+        causal: only keys at or before the query (``a <= 0``).
+        key_padding_mask: ``(B, L)`` bool, True where a position is never a window key.
+        global_k, global_v: ``(B, heads, G, head_dim)``: keys every query also attends to.
+        rel_bias: ``(heads, 2w+1)``: row ``a + w`` is added for the key at offset ``a`` (in steps of the
+            dilation, so the table means the same under any dilation).
+        global_bias: ``(heads, G)``: bias added to the scores of the global keys.
+        scale: factor of the scores; ``head_dim ** -0.5`` when None.
+        backend: one of ``available_backends(dims=1)``; None: ``default_backend(device, dtype, dims=1)``.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape (B, heads, L, head_dim), got {tuple(q.shape)}.")
+    B, H, L, _ = q.shape
+    if isinstance(dilation, torch.Tensor):
+        dilation = dilation.tolist()
+    if isinstance(dilation, (list, tuple)):
+        if len(dilation) != H:
+            raise ValueError(f"dilation must be one int or one int per head ({H}), got {len(dilation)} values.")
+        dilation = tuple(dilation)
+    hood = Neighborhood1d(window, dilation, causal)
+    if L == 0:
+        raise ValueError("q has length 0; local_attention_1d needs a sequence of at least one position.")
+    _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, "2w+1")
+    if key_padding_mask is not None:
+        if tuple(key_padding_mask.shape) != (B, L) or key_padding_mask.dtype != torch.bool:
+            raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = ({B}, {L}), got "
+                             f"{key_padding_mask.dtype} of shape {tuple(key_padding_mask.shape)}.")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}; both must match.")
+    b = _choose(backend, 1, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
+    inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
+    if q.numel() == 0:
+        b = reference.BACKEND
+    return _run_1d(b, q, k, v, hood, dict(inputs, key_padding_mask=key_padding_mask))
+
+
+def _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale):
+    """The keyword inputs of a backend: no empty global keys, bias tables in q's dtype, a numeric scale."""
     if global_k is not None and global_k.shape[2] == 0:
         global_k = global_v = global_bias = None
     # Bias tables are parameters, often float32 next to half-precision activations (autocast).
-    rel_bias = None if rel_bias is None else rel_bias.to(q.dtype)
-    global_bias = None if global_bias is None else global_bias.to(q.dtype)
-    if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
-        backend = "reference"
-    fn = _BACKENDS[backend]
-    args = (window, exact, mode, global_k, global_v, rel_bias, global_bias, scale)
-    if dilation == 1:
-        return fn(q, k, v, *args)
-    if backend in _DILATION_BACKENDS:
-        return fn(q, k, v, *args, dilation=dilation)
-    return _per_sub_lattice(fn, q, k, v, dilation, args)
+    return dict(
+        global_k=global_k, global_v=global_v,
+        rel_bias=None if rel_bias is None else rel_bias.to(q.dtype),
+        global_bias=None if global_bias is None else global_bias.to(q.dtype),
+        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+    )
 
 
-def _per_sub_lattice(fn, q, k, v, dilation, args):
+def _per_sub_lattice(fn, q, k, v, hood, inputs):
     """Dilated exact windows for a backend without them: the positions whose row and column have the same
-    residues modulo ``dilation`` form a map of their own, on which the window is the undilated one."""
-    out = torch.empty_like(q)
-    for r in range(dilation):
-        for c in range(dilation):
-            part = (slice(None), slice(None), slice(r, None, dilation), slice(c, None, dilation))
-            out[part] = fn(q[part].contiguous(), k[part].contiguous(), v[part].contiguous(), *args)
+    residues modulo the dilation form a map of their own, on which the window is the undilated one."""
+    d, out = hood.dilation, torch.empty_like(q)
+    for r in range(d):
+        for c in range(d):
+            part = (slice(None), slice(None), slice(r, None, d), slice(c, None, d))
+            out[part] = fn(q[part].contiguous(), k[part].contiguous(), v[part].contiguous(), hood.with_dilation(1), **inputs)
     return out
 
 
+def _run_1d(b, q, k, v, hood, inputs):
+    """Runs a 1D backend, split by head where it cannot take different dilations per head, and by residue class
+    where it has no dilated windows of its own (the positions ``r, r+d, r+2d, ...`` are a sequence of their own
+    on which the window is the undilated one)."""
+    if hood.per_head and not b.per_head_dilation:
+        out = torch.empty_like(q)
+        dilations = hood.dilation
+        for d in sorted(set(dilations)):
+            heads = torch.tensor([h for h, x in enumerate(dilations) if x == d], device=q.device)
+            part = {name: _select_heads(name, t, heads) for name, t in inputs.items()}
+            out[:, heads] = _run_1d(b, q[:, heads], k[:, heads], v[:, heads], hood.with_dilation(d), part)
+        return out
+    if hood.dilated and b.dilation(1) == "split":
+        d, out = hood.dilation, torch.empty_like(q)
+        mask = inputs["key_padding_mask"]
+        for r in range(min(d, q.shape[2])):
+            part = dict(inputs, key_padding_mask=None if mask is None else mask[:, r::d])
+            out[:, :, r::d] = b.attention_1d(q[:, :, r::d], k[:, :, r::d], v[:, :, r::d], hood.with_dilation(1), **part)
+        return out
+    return b.attention_1d(q, k, v, hood, **inputs)
+
+
+def _select_heads(name, t, heads):
+    if t is None or name in ("scale", "key_padding_mask"):
+        return t
+    return t[heads] if name in ("rel_bias", "global_bias") else t[:, heads]
+
+
 def check_backend(backend, head_dim, window, exact=0, mode=0, dilation=1):
-    """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these options (device and dtype
+    """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these 2D options (device and dtype
     are checked when it runs)."""
-    if backend is not None and backend not in _BACKENDS:
-        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(_BACKENDS)}.")
-    check_window_options(exact, mode, dilation)
-    if backend == "triton":
-        check_fused_triton(head_dim, window)
-    if backend == "fused_cpu":
-        check_fused_cpu()
+    hood = Neighborhood2d(window, exact, mode, dilation)
+    if backend is None:
+        return
+    if backend not in _BACKENDS or not _BACKENDS[backend].computes(2):
+        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(available_backends(2))}.")
+    b = _BACKENDS[backend]
+    if b.available is not None:
+        b.available()
+    if b.check is not None:
+        b.check(hood, head_dim)
 
 
 def check_window_options(exact, mode, dilation=1):
     """Raise ``ValueError`` unless ``exact`` (SW_EXACT), ``mode`` (MODE) and ``dilation`` are valid together."""
-    if exact not in (1, 0, -1):
-        raise ValueError(f"exact (SW_EXACT) must be 1, 0 or -1, got {exact!r}.")
-    if mode not in range(-1, 9):
-        raise ValueError(f"mode (MODE) must be 0, -1 or one of 1..8, got {mode!r}.")
-    if exact == 1 and mode != 0:
-        raise ValueError(f"mode (MODE) {mode} needs chunked windows (SW_EXACT 0 or -1); the exact window (SW_EXACT 1) takes mode 0 only.")
-    if not isinstance(dilation, int) or dilation < 1:
-        raise ValueError(f"dilation must be a positive integer, got {dilation!r}.")
-    if dilation > 1 and exact != 1:
-        raise ValueError(f"dilation {dilation} needs the exact window (SW_EXACT 1); chunked windows take dilation 1.")
+    Neighborhood2d(1, exact, mode, dilation)
 
 
-def _check_inputs(q, k, v, window, exact, mode, dilation, global_k, global_v, rel_bias, global_bias):
-    if q.dim() != 5:
-        raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
+def _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, rows_name):
     for name, t in (("k", k), ("v", v)):
         if t.shape != q.shape:
             raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}.")
     for name, t in (("k", k), ("v", v), ("global_k", global_k), ("global_v", global_v)):
         if t is not None and (t.dtype != q.dtype or t.device != q.device):
-            raise ValueError(
-                f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; all must match."
-            )
+            raise ValueError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; all must match.")
     if not q.is_floating_point():
         raise ValueError(f"q, k and v must be floating point, got {q.dtype}.")
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive integer, got {window!r}.")
-    check_window_options(exact, mode, dilation)
-    B, H, X, Y, D = q.shape
+    B, H, D = q.shape[0], q.shape[1], q.shape[-1]
     if (global_k is None) != (global_v is None):
         raise ValueError("global_k and global_v go together: give both or neither.")
     G = 0
@@ -192,10 +281,11 @@ def _check_inputs(q, k, v, window, exact, mode, dilation, global_k, global_v, re
                 raise ValueError(f"{name} must have shape (B, heads, G, head_dim) = ({B}, {H}, G, {D}), got {tuple(t.shape)}.")
     if global_bias is not None and global_k is None:
         raise ValueError("global_bias needs global_k and global_v.")
-    for name, t, shape in (("rel_bias", rel_bias, (H, (4 * window - 1) ** 2)), ("global_bias", global_bias, (H, G))):
+    for name, t, shape, shape_name in (("rel_bias", rel_bias, (H, hood.bias_rows), rows_name),
+                                       ("global_bias", global_bias, (H, G), "G")):
         if t is None:
             continue
         if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape (heads, {'(4w-1)**2' if name == 'rel_bias' else 'G'}) = {shape}, got {tuple(t.shape)}.")
+            raise ValueError(f"{name} must have shape (heads, {shape_name}) = {shape}, got {tuple(t.shape)}.")
         if t.device != q.device or not t.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor on {q.device}, got {t.dtype} on {t.device}.")

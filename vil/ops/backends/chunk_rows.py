@@ -14,7 +14,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..chunks import unfolded_window_tables
+from . import Backend
+from ..geometry import unfolded_window_tables
 
 
 # Scores per block. A block's working memory is a few times this (scores, probabilities, their gradients,
@@ -203,6 +204,9 @@ def _bias_rows(rel_bias, h, geo, dtype):
     return None if rel_bias is None else rel_bias[h][:, geo.bias_index].to(dtype)
 
 
-def chunk_rows(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
-    geo = _geometry(q.shape[2], q.shape[3], window, exact, mode, q.device)
+def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+    geo = _geometry(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, q.device)
     return _ChunkRows.apply(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale)
+
+
+BACKEND = Backend("chunk_rows", attention_2d=attention_2d, dilation_2d="split")

@@ -1,4 +1,5 @@
-"""The fused CPU kernel of ``kernels/local_attention_cpu.cpp``: one query chunk at a time, its scores in cache.
+"""The fused CPU kernels of ``kernels/local_attention_cpu.cpp``: one query chunk (2D) or block (1D) at a time, its
+scores in cache.
 
 The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and the ``ninja``
 package; the build is cached by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The
@@ -16,7 +17,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils.flop_counter import register_flop_formula
 
-from ..chunks import neighbour_slots
+from . import Backend
+from ..geometry import neighbour_table
 
 LOG2E = math.log2(math.e)
 _log = logging.getLogger(__name__)
@@ -75,6 +77,8 @@ def _count_flops(ops):
     """Tells ``torch.utils.flop_counter`` (FlopCounterMode) what the kernels compute."""
     register_flop_formula(ops.forward, get_raw=True)(_forward_flops)
     register_flop_formula(ops.backward, get_raw=True)(_backward_flops)
+    register_flop_formula(ops.forward_1d, get_raw=True)(_forward_1d_flops)
+    register_flop_formula(ops.backward_1d, get_raw=True)(_backward_1d_flops)
 
 
 def _scored_pairs(q, global_k, slots, window):
@@ -102,6 +106,33 @@ def _backward_flops(q, k, v, global_k, global_v, rel_bias, global_bias, slots, *
     return 5 * 2 * _scored_pairs(q, global_k, slots, window) * q.shape[-1]
 
 
+def _scored_pairs_1d(q, global_k, dilations, window, causal, block):
+    """The (query, key) scores the 1D kernel computes: every query of a block against the span of keys its
+    block's windows cover (the band and the masks apply afterwards) and the global keys."""
+    B, _, L = q.shape[:3]
+    pairs = 0
+    for d in dilations:
+        for r in range(min(d, L)):
+            n = -(-(L - r) // d)  # the length of residue class r
+            t0 = torch.arange(0, n, block)
+            queries = (n - t0).clamp(max=block)
+            keys = (t0 + queries + (0 if causal else window)).clamp(max=n) - (t0 - window).clamp(min=0)
+            pairs += int((queries * (keys + global_k.shape[2])).sum())
+    return B * pairs
+
+
+def _forward_1d_flops(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, dilations,
+                      window, causal, block, *args, **kwargs):
+    """For ``torch.utils.flop_counter``: two products (scores, output) over the scored pairs."""
+    return 2 * 2 * _scored_pairs_1d(q, global_k, dilations, window, causal, block) * q.shape[-1]
+
+
+def _backward_1d_flops(q, k, v, global_k, *args, **kwargs):
+    """Five products, as in 2D. The op's last five arguments are dilations, window, causal, block and scale."""
+    dilations, window, causal, block = args[-5:-1]
+    return 5 * 2 * _scored_pairs_1d(q, global_k, dilations, window, causal, block) * q.shape[-1]
+
+
 def _build_failure(error):
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return (f"The fused_cpu backend could not build its C++ kernel ({first_line}); it needs a C++ compiler and the "
@@ -117,12 +148,8 @@ def check_fused_cpu():
 def _slot_table(rows, cols, window, exact, mode):
     """(C, n, 3) int64: for each chunk (row-major) and neighbour slot, the chunk read (-1: none) and the slot's
     chunk offset (a, b)."""
-    mx, my = -(-rows // window), -(-cols // window)
-    offsets, neighbour, used = neighbour_slots(mx, my, exact, mode)
-    table = torch.empty(mx * my, len(offsets), 3, dtype=torch.long)
-    table[..., 0] = torch.where(used, neighbour, -1)
-    table[..., 1:] = torch.tensor(offsets)
-    return table
+    table, _, offsets = neighbour_table(-(-rows // window), -(-cols // window), exact, mode)
+    return torch.cat([table[..., None], offsets.expand(table.shape[0], -1, -1)], dim=-1)
 
 
 def _none_as_empty(t, like):
@@ -167,11 +194,75 @@ class FusedCPUAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, None, None, None, None
 
 
-def fused_cpu(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
-    if q.device.type != "cpu":
-        raise ValueError(f"The fused_cpu backend runs on the CPU, but q is on {q.device}; on a GPU use triton, flex or sliding_chunk.")
+def _block_1d(window):
+    """Queries per block of the 1D kernel. Larger blocks make larger products, but score more keys outside the
+    band: a block of n queries scores n + 2w keys per query, of which 2w + 1 are in its window."""
+    return min(64, max(16, window))
+
+
+class FusedCPUAttention1d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal,
+                scale):
+        B, H, L, D = q.shape
+        block = _block_1d(window)
+        if global_k is None:
+            global_k = global_v = q.new_empty(B, H, 0, D)
+        biases = [_none_as_empty(None if t is None else t * LOG2E, q) for t in (rel_bias, global_bias)]
+        mask = q.new_empty(0, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.contiguous()
+        out, lse = torch.empty_like(q), q.new_empty(B, H, L)
+        _kernels().forward_1d(q, k, v, global_k, global_v, *biases, mask, out, lse, dilations, window, causal, block,
+                              scale)
+        ctx.save_for_backward(q, k, v, global_k, global_v, *biases, mask, out, lse)
+        ctx.options = (dilations, window, causal, block, scale)
+        return out
+
+    @staticmethod
+    @once_differentiable  # the kernel's gradients are not differentiable again
+    def backward(ctx, grad_out):
+        q, k, v, global_k, global_v, rel_bias, global_bias, mask, out, lse = ctx.saved_tensors
+        dilations, window, causal, block, scale = ctx.options
+        has_rel_bias, has_global_bias, has_global = rel_bias.numel() > 0, global_bias.numel() > 0, global_k.shape[2] > 0
+        grad_out = grad_out.contiguous()
+        row_term = (grad_out * out).sum(-1)
+        B, H, L = q.shape[:3]
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # Per (batch, head, residue class) partial sums of the global key, value and bias gradients, added up here.
+        residues = max(min(d, L) for d in dilations)
+        grad_gk, grad_gv = (q.new_zeros(B, H, residues, *global_k.shape[2:]) for _ in range(2))
+        grad_rel = q.new_zeros(B, H, residues, rel_bias.shape[1]) if has_rel_bias else q.new_empty(0)
+        grad_glob = q.new_zeros(B, H, residues, global_bias.shape[1]) if has_global_bias else q.new_empty(0)
+        _kernels().backward_1d(
+            q, k, v, global_k, global_v, rel_bias, global_bias, mask, grad_out, lse, row_term,
+            grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, dilations, window, causal, block, scale,
+        )
+        grad_gk, grad_gv = (grad_gk.sum(2), grad_gv.sum(2)) if has_global else (None, None)
+        grad_rel = grad_rel.sum((0, 2)) if has_rel_bias else None
+        grad_glob = grad_glob.sum((0, 2)) if has_global_bias else None
+        return grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, None, None, None, None, None
+
+
+def _compute_inputs(q, *tensors):
+    """Half precision is computed in float32; the kernels take contiguous tensors."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    inputs = [None if t is None else t.to(compute).contiguous() for t in (q, k, v, global_k, global_v, rel_bias, global_bias)]
+    return [None if t is None else t.to(compute).contiguous() for t in (q, *tensors)]
+
+
+def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+    window, exact, mode = hood.window, hood.exact, hood.mode
+    inputs = _compute_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
     with torch.autocast("cpu", enabled=False):
         out = FusedCPUAttention.apply(*inputs, window, exact, mode, scale)
     return out.to(q.dtype)
+
+
+def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
+    inputs = _compute_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
+    with torch.autocast("cpu", enabled=False):
+        out = FusedCPUAttention1d.apply(*inputs, key_padding_mask, hood.window, hood.dilations(q.shape[1]),
+                                        hood.causal, scale)
+    return out.to(q.dtype)
+
+
+BACKEND = Backend("fused_cpu", attention_2d=attention_2d, attention_1d=attention_1d, dilation_2d="split",
+                  per_head_dilation=True, devices=("cpu",), trains_on=("cpu",), available=check_fused_cpu)

@@ -1,8 +1,18 @@
 """The fused Triton kernels of ``kernels/`` (package ``vil_kernels``): flash-style, O(tokens x head_dim) memory.
 
-Triton is imported on first use, so that ``import vil`` stays light and ``TRITON_INTERPRET`` (read when the
-kernels are defined) can still be set before that.
+This file builds the kernels' neighbour tables from the window geometry and holds their autograd Function;
+the kernels and their launchers know nothing of this package. Triton is imported on first use, so that
+``import vil`` stays light and ``TRITON_INTERPRET`` (read when the kernels are defined) can still be set before
+that.
 """
+
+import os
+from functools import lru_cache
+
+import torch
+
+from . import Backend
+from ..geometry import neighbour_table
 
 
 def _kernels():
@@ -13,12 +23,58 @@ def _kernels():
     return local_attention
 
 
-def fused_triton(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale, dilation=1):
-    return _kernels().local_attention_2d_triton(
-        q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale, dilation=dilation
+@lru_cache(maxsize=64)
+def kernel_geometry(rows, cols, window, exact, mode, dilation, device):
+    """The kernels' :class:`Geometry` of one map size and neighbourhood. With SW_EXACT 1 the chunks are the
+    kernels' tile side (their 3x3 neighbours hold every exact window of radius ``window``), otherwise ViL's
+    chunks of ``window``; dilated windows tile each sub-lattice."""
+    kernels = _kernels()
+    chunk_pad = kernels.chunk_pad(window)
+    chunk = chunk_pad if exact == 1 else window
+    lattice_rows, lattice_cols = -(-rows // dilation), -(-cols // dilation)
+    mx, my = -(-lattice_rows // chunk), -(-lattice_cols // chunk)
+    table, table_t, offsets = neighbour_table(mx, my, exact, mode)
+    return kernels.Geometry(
+        window=window, chunk=chunk, chunk_pad=chunk_pad, dilation=dilation, exact=exact, chunk_cols=my,
+        num_chunks=mx * my,
+        neighbours=table.to(device, torch.int32).contiguous(),
+        neighbours_t=table_t.to(device, torch.int32).contiguous(),
+        offsets=offsets.to(device, torch.int32).contiguous(),
     )
 
 
-def check_fused_triton(head_dim, window):
+class FusedTritonAttention2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale):
+        o, lse = _kernels().forward(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale)
+        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, o, lse)
+        ctx.geo, ctx.scale = geo, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, gk, gv, rel_bias, global_bias, o, lse = ctx.saved_tensors
+        if do.stride(-1) != 1:
+            do = do.contiguous()
+        g = _kernels().backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, ctx.geo, ctx.scale)
+        return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"], None, None
+
+
+def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+    _kernels().check_supported(q.shape[-1], hood.window, q.dtype, q.device, q.shape[0] * q.shape[1])
+    q, k, v, global_k, global_v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, global_k, global_v))
+    rel_bias = None if rel_bias is None else rel_bias.contiguous()
+    global_bias = None if global_bias is None else global_bias.contiguous()
+    geo = kernel_geometry(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, hood.dilation, q.device)
+    return FusedTritonAttention2d.apply(q, k, v, global_k, global_v, rel_bias, global_bias, geo, float(scale))
+
+
+def _check(hood, head_dim):
     """Raise ``ValueError`` with one sentence if the kernels cannot take this head_dim or window."""
-    _kernels().check_supported(head_dim, window)
+    _kernels().check_supported(head_dim, hood.window)
+
+
+# CUDA GPUs; the CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+BACKEND = Backend("triton", attention_2d=attention_2d,
+                  devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
+                  dtypes=(torch.float32, torch.float16, torch.bfloat16), check=_check)

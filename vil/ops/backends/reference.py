@@ -1,13 +1,15 @@
-"""The naive oracle: full attention over all tokens with the window as a boolean mask.
+"""The naive oracle: full attention over all tokens with the window as a boolean mask, in 2D and 1D.
 
-It is written from the definition of the window (token positions and chunk indices), independently of
-the chunk machinery the fast backends share, so that tests can hold those backends against it.
-Memory grows with tokens squared: use it on small maps only.
+It is written from the definition of the window (token positions and chunk indices, sequence offsets), on
+purpose apart from the geometry module the fast backends share, so that tests can hold those backends
+against it. Memory grows with tokens squared: use it on small problems only.
 """
 
 from functools import lru_cache
 
 import torch
+
+from . import Backend
 
 
 @lru_cache(maxsize=4)  # tokens^2 entries each
@@ -52,19 +54,54 @@ def window_pairs(rows, cols, window, exact, mode, device, dilation=1):
     return allowed.to(device), bias_index.to(device)
 
 
-def reference(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale, dilation=1):
-    B, H, X, Y, D = q.shape
-    allowed, bias_index = window_pairs(X, Y, window, exact, mode, q.device, dilation)
-    qf, kf, vf = (t.reshape(B, H, X * Y, D) for t in (q, k, v))
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if rel_bias is not None:
-        scores = scores + rel_bias[:, bias_index]
+def band_pairs(length, window, dilations, causal, device):
+    """For every head and (query i, key j) pair of a sequence: may the query see the key (``j = i + d*a`` with
+    ``|a| <= w``, ``a <= 0`` when causal), and the row ``a + w`` of the ``2w+1`` bias table. ``(H, L, L)`` each."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    d = torch.tensor(dilations, device=device)[:, None, None]
+    a = (j - i).div(d, rounding_mode="floor")
+    allowed = ((j - i) % d == 0) & (a.abs() <= window)
+    if causal:
+        allowed = allowed & (a <= 0)
+    return allowed, (a + window).clamp(0, 2 * window)
+
+
+def _attend(q, k, v, allowed, bias, global_k, global_v, global_bias, scale):
+    """Softmax attention of q ``(B, H, N, D)`` over the keys ``allowed`` ``(.., N, N)`` and the global keys;
+    a query that sees no key outputs zeros (and gets zero gradients)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
     scores = scores.masked_fill(~allowed, float("-inf"))
+    sees_any = allowed.any(-1, keepdim=True)
     if global_k is not None:
-        global_scores = torch.matmul(qf, global_k.transpose(-1, -2)) * scale
+        global_scores = torch.matmul(q, global_k.transpose(-1, -2)) * scale
         if global_bias is not None:
             global_scores = global_scores + global_bias[:, None, :]
         scores = torch.cat([global_scores, scores], dim=-1)
-        vf = torch.cat([global_v, vf], dim=2)
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf)
-    return out.reshape(B, H, X, Y, D)
+        v = torch.cat([global_v, v], dim=2)
+        sees_any = torch.ones_like(sees_any)
+    probs = torch.softmax(scores.masked_fill(~sees_any, 0.0), dim=-1) * sees_any
+    return torch.matmul(probs, v)
+
+
+def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+    B, H, X, Y, D = q.shape
+    allowed, bias_index = window_pairs(X, Y, hood.window, hood.exact, hood.mode, q.device, hood.dilation)
+    bias = None if rel_bias is None else rel_bias[:, bias_index]
+    flat = [t.reshape(B, H, X * Y, D) for t in (q, k, v)]
+    return _attend(*flat, allowed, bias, global_k, global_v, global_bias, scale).reshape(B, H, X, Y, D)
+
+
+def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
+    B, H, L, D = q.shape
+    allowed, bias_row = band_pairs(L, hood.window, hood.dilations(H), hood.causal, q.device)
+    allowed = allowed[None]
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    bias = None if rel_bias is None else rel_bias.gather(1, bias_row.flatten(1)).view(H, L, L)
+    return _attend(q, k, v, allowed, bias, global_k, global_v, global_bias, scale)
+
+
+BACKEND = Backend("reference", attention_2d=attention_2d, attention_1d=attention_1d, per_head_dilation=True)

@@ -21,7 +21,9 @@ import math
 
 import torch
 
-from ..chunks import add_rel_bias_grad_, chunk_plan, from_chunks, gather_windows, global_scores, scatter_windows_, to_chunks, window_bias, window_scores
+from . import Backend
+from ..geometry import band_block_tables, chunk_plan
+from .chunked import add_rel_bias_grad_, from_chunks, gather_windows, global_scores, scatter_windows_, to_chunks, window_bias, window_scores
 
 # Scores per block: small enough for the CPU's caches and allocator, large enough to fill a GPU.
 BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 1 << 30}
@@ -137,8 +139,8 @@ class SlidingChunkAttention(torch.autograd.Function):
         return from_chunks(grad_queries, plan), grad_k, grad_v, grad_global_k, grad_global_v, grad_rel_bias, grad_global_bias, None, None
 
 
-def sliding_chunk(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
-    plan = chunk_plan(q.shape[2], q.shape[3], window, exact, mode, q.device)
+def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+    plan = chunk_plan(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, q.device)
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     compute = torch.promote_types(q.dtype, torch.float32)
     if compute != q.dtype:
@@ -146,3 +148,170 @@ def sliding_chunk(q, k, v, window, exact, mode, global_k, global_v, rel_bias, gl
         inputs = tuple(None if t is None else t.to(compute) for t in inputs)
     with torch.autocast(q.device.type, enabled=False):  # the dtypes are chosen here, not by autocast
         return SlidingChunkAttention.apply(*inputs, plan, scale).to(q.dtype)
+
+
+# --- 1D: Longformer's band over a sequence ---------------------------------------------------------------------
+#
+# The sequence is cut into blocks of w queries; the band of a block lies in the 3w keys of the blocks before, at
+# and after it (``band_block_tables``). The keys and values are padded by one block in front and enough blocks
+# behind, so that block m's window is padded blocks m..m+2; a position is a key where ``key_ok`` (inside the
+# sequence and not masked by the key padding mask).
+
+
+def _band_blocks(x, window, blocks):
+    """(B, H, L, D) -> (B, H, blocks + 2, w, D): zero padded by one block in front and to ``blocks + 2`` behind."""
+    L = x.shape[2]
+    return torch.nn.functional.pad(x, (0, 0, window, (blocks + 1) * window - L)).unflatten(2, (blocks + 2, window))
+
+
+def _band_windows(blocks, start, stop):
+    """The 3w keys (or values) of query blocks start..stop-1: (B, H, n, 3w, D)."""
+    return torch.cat([blocks[:, :, start + j : stop + j] for j in range(3)], dim=-2)
+
+
+def _scatter_band_windows_(grad_blocks, grad, start, stop):
+    """The adjoint of :func:`_band_windows`: adds ``grad (B, H, n, 3w, D)`` into ``grad_blocks``."""
+    for j, part in enumerate(grad.chunk(3, dim=-2)):
+        grad_blocks[:, :, start + j : stop + j] += part
+
+
+def _band_block_ranges(q, window, blocks):
+    """Ranges of query blocks whose scores stay near ``BLOCK_BYTES``."""
+    B, H = q.shape[:2]
+    budget = BLOCK_BYTES.get(q.device.type, BLOCK_BYTES["cuda"])
+    step = max(1, budget // (B * H * window * 3 * window * 4))
+    for start in range(0, blocks, step):
+        yield start, min(blocks, start + step)
+
+
+class SlidingChunkAttention1d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, causal, scale):
+        B, H, L, D = q.shape
+        w, blocks = window, -(-L // window)
+        queries = _band_blocks(q * (scale * LOG2E), w, blocks)
+        keys, values = _band_blocks(k, w, blocks), _band_blocks(v, w, blocks)
+        hidden = _band_hidden(key_padding_mask, B, L, w, blocks, causal, q.device)
+        bias = _band_bias(rel_bias, w, causal)
+        global_bias2 = _base2(global_bias)
+        out = q.new_empty(B, H, blocks, w, D)
+        lse = q.new_empty(B, H, blocks, w)  # base 2; +inf where a query sees no key
+        for start, stop in _band_block_ranges(q, w, blocks):
+            block_queries = queries[:, :, start + 1 : stop + 1]
+            scores = _band_scores(block_queries, _band_windows(keys, start, stop), bias, hidden, start, stop)
+            row_max = scores.amax(-1, keepdim=True)
+            if global_k is not None:
+                scores_g = _band_global_scores(block_queries, global_k, global_bias2)
+                row_max = torch.maximum(row_max, scores_g.amax(-1, keepdim=True))
+            row_max.masked_fill_(row_max == float("-inf"), 0.0)
+            weights = scores.sub_(row_max).exp2_()
+            total = weights.sum(-1, keepdim=True)
+            block_out = torch.matmul(weights, _band_windows(values, start, stop))
+            if global_k is not None:
+                weights_g = scores_g.sub_(row_max).exp2_()
+                total += weights_g.sum(-1, keepdim=True)
+                block_out += torch.matmul(weights_g, global_v[:, :, None])
+            out[:, :, start:stop] = block_out / total.clamp(min=torch.finfo(total.dtype).tiny)
+            lse[:, :, start:stop] = torch.where(total > 0, row_max + total.log2(), float("inf")).squeeze(-1)
+        out = out.flatten(2, 3)[:, :, :L]
+        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse)
+        ctx.options = window, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse = ctx.saved_tensors
+        w, causal, scale = ctx.options
+        B, H, L, D = q.shape
+        blocks = -(-L // w)
+        queries = _band_blocks(q * scale, w, blocks)  # natural-scale queries; base 2 below where scores are made
+        keys, values = _band_blocks(k, w, blocks), _band_blocks(v, w, blocks)
+        grad_outb = _band_blocks(grad_out, w, blocks)
+        row_term = _band_blocks((grad_out * out).sum(-1, keepdim=True), w, blocks)[..., 0]  # rowsum(dO * O)
+        hidden = _band_hidden(key_padding_mask, B, L, w, blocks, causal, q.device)
+        bias = _band_bias(rel_bias, w, causal)
+        global_bias2 = _base2(global_bias)
+        grad_q = q.new_empty(B, H, blocks, w, D)
+        grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
+        grad_bias = None if rel_bias is None else q.new_zeros(H, w, 3 * w)
+        grad_gk = grad_gv = grad_gb = None
+        if global_k is not None:
+            grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
+            grad_gb = None if global_bias is None else torch.zeros_like(global_bias)
+        for start, stop in _band_block_ranges(q, w, blocks):
+            block_queries = queries[:, :, start + 1 : stop + 1]
+            block_keys, block_values = _band_windows(keys, start, stop), _band_windows(values, start, stop)
+            block_grad_out = grad_outb[:, :, start + 1 : stop + 1]
+            block_lse, block_row_term = lse[:, :, start:stop, :, None], row_term[:, :, start + 1 : stop + 1, :, None]
+            probs = _band_scores(block_queries * LOG2E, block_keys, bias, hidden, start, stop).sub_(block_lse).exp2_()
+            _scatter_band_windows_(grad_values, torch.matmul(probs.transpose(-1, -2), block_grad_out), start, stop)
+            grad_scores = torch.matmul(block_grad_out, block_values.transpose(-1, -2)).sub_(block_row_term).mul_(probs)
+            del probs
+            block_grad_q = torch.matmul(grad_scores, block_keys)
+            _scatter_band_windows_(grad_keys, torch.matmul(grad_scores.transpose(-1, -2), block_queries), start, stop)
+            if grad_bias is not None:
+                grad_bias += grad_scores.sum((0, 2))
+            if global_k is not None:
+                probs_g = _band_global_scores(block_queries * LOG2E, global_k, global_bias2).sub_(block_lse).exp2_()
+                grad_gv += torch.matmul(probs_g.transpose(-1, -2), block_grad_out).sum(2)
+                grad_scores_g = torch.matmul(block_grad_out, global_v[:, :, None].transpose(-1, -2))
+                grad_scores_g.sub_(block_row_term).mul_(probs_g)
+                block_grad_q += torch.matmul(grad_scores_g, global_k[:, :, None])
+                grad_gk += torch.matmul(grad_scores_g.transpose(-1, -2), block_queries).sum(2)
+                if grad_gb is not None:
+                    grad_gb += grad_scores_g.sum((0, 2, 3))
+            grad_q[:, :, start:stop] = block_grad_q * scale
+        grad_rel_bias = None
+        if grad_bias is not None:
+            row = band_block_tables(w, causal, q.device)[1]
+            grad_rel_bias = torch.zeros_like(rel_bias).index_add_(1, row.flatten(), grad_bias.flatten(1))
+        unpad = lambda x: x.flatten(2, 3)[:, :, w : w + L]  # noqa: E731
+        return (grad_q.flatten(2, 3)[:, :, :L], unpad(grad_keys), unpad(grad_values), grad_gk, grad_gv, grad_rel_bias,
+                grad_gb, None, None, None, None)
+
+
+def _band_hidden(key_padding_mask, B, L, window, blocks, causal, device):
+    """``(B or 1, 1, blocks, w, 3w)`` bool: where a query of a block does not see a key of its window (outside
+    the band or the sequence, or masked)."""
+    allowed = band_block_tables(window, causal, device)[0]
+    key_ok = torch.zeros(1 if key_padding_mask is None else B, (blocks + 2) * window, dtype=torch.bool, device=device)
+    key_ok[:, window : window + L] = True if key_padding_mask is None else ~key_padding_mask
+    windows = key_ok.unfold(1, 3 * window, window)  # (B or 1, blocks, 3w)
+    return ~(allowed & windows[:, None, :, None, :])
+
+
+def _band_bias(rel_bias, window, causal):
+    """``(H, w, 3w)``: the relative bias of every (query, window key) of a block, base 2; None without a table."""
+    if rel_bias is None:
+        return None
+    return _base2(rel_bias)[:, band_block_tables(window, causal, rel_bias.device)[1]]
+
+
+def _band_scores(queries, keys, bias, hidden, start, stop):
+    """Base-2 scores of query blocks start..stop-1 against their windows, -inf where hidden: (B, H, n, w, 3w)."""
+    scores = torch.matmul(queries, keys.transpose(-1, -2))
+    if bias is not None:
+        scores += bias[:, None]
+    return scores.masked_fill_(hidden[:, :, start:stop], float("-inf"))
+
+
+def _band_global_scores(queries, global_k, global_bias):
+    """Base-2 scores of query blocks ``(B, H, n, w, D)`` against the global keys: (B, H, n, w, G)."""
+    scores = torch.matmul(queries, global_k[:, :, None].transpose(-1, -2))
+    if global_bias is not None:
+        scores += global_bias[:, None, None, :]
+    return scores
+
+
+def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
+    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    if compute != q.dtype:  # half precision in float32, as in 2D
+        inputs = tuple(None if t is None else t.to(compute) for t in inputs)
+    with torch.autocast(q.device.type, enabled=False):
+        out = SlidingChunkAttention1d.apply(*inputs, key_padding_mask, hood.window, hood.causal, scale)
+    return out.to(q.dtype)
+
+
+BACKEND = Backend("sliding_chunk", attention_2d=attention_2d, attention_1d=attention_1d, dilation_2d="split",
+                  dilation_1d="split")

@@ -2,11 +2,13 @@
 
 import torch
 
-from ..chunks import chunk_plan, from_chunks, gather_windows, global_scores, to_chunks, window_bias, window_scores
+from . import Backend
+from ..geometry import chunk_plan
+from .chunked import from_chunks, gather_windows, global_scores, to_chunks, window_bias, window_scores
 
 
-def sliding_chunk_autograd(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
-    plan = chunk_plan(q.shape[2], q.shape[3], window, exact, mode, q.device)
+def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+    plan = chunk_plan(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, q.device)
     queries = to_chunks(q, plan) * scale
     keys, values = to_chunks(k, plan), to_chunks(v, plan)
     outputs = []
@@ -20,3 +22,6 @@ def sliding_chunk_autograd(q, k, v, window, exact, mode, global_k, global_v, rel
         probs = torch.softmax(scores, dim=-2)  # over the keys, dim -2
         outputs.append(torch.matmul(probs.transpose(-1, -2), group_values))
     return from_chunks(torch.cat(outputs, dim=1), plan)
+
+
+BACKEND = Backend("sliding_chunk_autograd", attention_2d=attention_2d, dilation_2d="split")

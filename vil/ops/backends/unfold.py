@@ -12,7 +12,8 @@ backends take tokens x window x head_dim memory, the baseline the fused and chun
 import torch
 import torch.nn.functional as F
 
-from ..chunks import unfolded_window_tables
+from . import Backend
+from ..geometry import exact_window_bias_index, unfolded_window_tables
 
 
 def _pad_map(x, window, exact):
@@ -46,13 +47,12 @@ def _window_tables(rows, cols, window, exact, mode, device):
     w = window
     if exact != 1:
         return unfolded_window_tables(rows, cols, window, exact, mode, device)
-    a = torch.arange(-w, w + 1)
-    di, dj = -a[:, None].expand(-1, 2 * w + 1), -a[None, :].expand(2 * w + 1, -1)  # query - key
-    return None, ((di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)).reshape(1, -1).to(device)
+    return None, exact_window_bias_index(w).to(device)
 
 
-def _unfolded_attention(unfold, q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
+def _unfolded_attention(unfold, q, k, v, hood, global_k, global_v, rel_bias, global_bias, scale):
     B, H, X, Y, D = q.shape
+    window, exact, mode = hood.window, hood.exact, hood.mode
     w = window
     size, step = (2 * w + 1, 1) if exact == 1 else (3 * w, w)
 
@@ -94,11 +94,12 @@ def _unfolded_attention(unfold, q, k, v, window, exact, mode, global_k, global_v
     return out[:, :, :X, :Y]
 
 
-def unfold(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
-    return _unfolded_attention(_tensor_unfold, q, k, v, window, exact, mode, global_k, global_v, rel_bias,
-                               global_bias, scale)
+def _backend(name, unfold):
+    def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+        return _unfolded_attention(unfold, q, k, v, hood, global_k, global_v, rel_bias, global_bias, scale)
+
+    return Backend(name, attention_2d=attention_2d, dilation_2d="split")
 
 
-def unfold_nnf(q, k, v, window, exact, mode, global_k, global_v, rel_bias, global_bias, scale):
-    return _unfolded_attention(_functional_unfold, q, k, v, window, exact, mode, global_k, global_v, rel_bias,
-                               global_bias, scale)
+UNFOLD = _backend("unfold", _tensor_unfold)
+UNFOLD_NNF = _backend("unfold_nnf", _functional_unfold)

@@ -1,30 +1,23 @@
-"""Chunk geometry of ViL's local attention, and the pieces the sliding-chunk backends are built from.
+"""The window geometry of local attention: every index formula the backends share (which keys a query sees,
+through which neighbour slot, and which row of the relative-position bias table applies), in 2D and 1D.
 
-The feature map is padded at the bottom and right to multiples of the chunk size ``w`` and cut into
-``C = mx * my`` chunks of ``S = w * w`` queries. Every query of a chunk looks at the same key chunks
-("slots": the 9 neighbour chunks, or 1 or 2 in the random-shift modes), so one chunk's local scores are
-an ``L x S`` matrix, ``L = slots * S``, and many chunks together are one batched matrix product. Chunks
-whose neighbours lie outside the map (at the border, with zero padding) use fewer slots: a
-:class:`ChunkPlan` orders the chunks into groups (:class:`ChunkGroup`) of equal slot count (inside, edges,
-corners), so that no product is spent on keys that do not exist.
+The ``reference`` backend alone does not use this module: it is written from the definition, as the oracle.
 
-Scores are kept key-major, ``(..., L, S)``: on the CPU the products ``K Q^T`` and ``V dO^T`` that produce
-them run about 1.5x faster than ``Q K^T`` and ``dO V^T``, so softmax statistics are reductions over dim
--2. Chunked tensors are ``(B, C, heads, S, D)``, so that a block of consecutive chunks is one contiguous
-slice and the matrix products read it in place. Gathers move whole ``S x D`` chunks: a token-granular
-gather is several times slower.
+2D (ViL). The map is padded at the bottom and right to multiples of the chunk size ``w`` and cut into
+``C = mx * my`` chunks of ``S = w * w`` tokens. Every query of a chunk looks at the same key chunks ("slots":
+the 9 neighbour chunks, or 1 or 2 in the random-shift modes). The relative position of a query and a key is
+taken as if neighbour chunks were adjacent (:func:`rel_bias_row`). Chunks whose neighbours lie outside the map
+(zero padding) read fewer slots; under wrap-around (SW_EXACT -1) a chunk reached through two offsets is read
+once, through the offset that wraps around the fewest axes.
 
-What differs between chunks (the border, padding, wrap-around) is a boolean mask per chunk; the relative
-position of a query and a key depends on the slot's offset and the positions inside the chunks. The G
-global keys are not chunked: they are one small extra product per chunk (:func:`global_scores`), which
-the backends combine with the local scores in the same softmax.
+1D (Longformer). Query ``i`` sees keys ``i + d*a``, ``-w <= a <= w`` (``a <= 0`` causal), inside the sequence;
+the bias row is ``a + w`` (:func:`band_offset`).
 """
 
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 
 # The 3x3 neighbour chunks (row offset, column offset), row-major.
 NEIGHBOURS = tuple((a, b) for a in (-1, 0, 1) for b in (-1, 0, 1))
@@ -166,116 +159,12 @@ def chunk_plan(rows, cols, window, exact, mode, device):
                 stop=start + c,
                 slots=position[neighbour[chunks].gather(1, used)].to(device),
                 allowed=allowed.contiguous().to(device),
-                bias_index=((di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)).to(device),
+                bias_index=rel_bias_row(di, dj, w).to(device),
                 masked_runs=runs,
             )
         )
         start += c
     return ChunkPlan(window=w, rows=rows, cols=cols, chunk_rows=mx, chunk_cols=my, order=order.to(device), groups=tuple(groups))
-
-
-def to_chunks(x, plan, extra_column=None):
-    """(B, H, X, Y, D) -> (B, C, H, S, D) in the plan's chunk order, zero-padded at the bottom and right.
-    With ``extra_column``, a column of that value is appended in the same copy: (B, C, H, S, D + 1)."""
-    B, H, X, Y, D = x.shape
-    w, mx, my = plan.window, plan.chunk_rows, plan.chunk_cols
-    if mx * w != X or my * w != Y:
-        x = F.pad(x, (0, 0, 0, my * w - Y, 0, mx * w - X))
-    grid = x.view(B, H, mx, w, my, w, D).permute(0, 2, 4, 1, 3, 5, 6)
-    chunks = x.new_empty(B, mx, my, H, w, w, D + (extra_column is not None))
-    chunks[..., :D] = grid
-    if extra_column is not None:
-        chunks[..., D] = extra_column
-    return chunks.view(B, mx * my, H, w * w, -1).index_select(1, plan.order)
-
-
-def from_chunks(x, plan):
-    """The inverse of :func:`to_chunks`: (B, C, H, S, D) -> (B, H, X, Y, D)."""
-    B, C, H, S, D = x.shape
-    w, mx, my = plan.window, plan.chunk_rows, plan.chunk_cols
-    natural = x.new_empty(x.shape).index_copy_(1, plan.order, x)
-    grid = natural.view(B, mx, my, H, w, w, D).permute(0, 3, 1, 4, 2, 5, 6).reshape(B, H, mx * w, my * w, D)
-    return grid[:, :, : plan.rows, : plan.cols]
-
-
-def _window_index(group, shape, batches, chunks):
-    """Row of ``x.view(B * C * H, S * D)`` that each (batch in ``batches``, chunk of the group in ``chunks``,
-    head, slot) reads, flattened; ``shape`` is ``x.shape``. One index over the flattened batch makes every gather a
-    dim-0 ``index_select``, which is about 1.4x faster than one along an inner dimension."""
-    B, C, H = shape[:3]
-    return _cached_window_index(group, B, C, H, batches.indices(B), chunks.indices(C))
-
-
-@lru_cache(maxsize=256)
-def _cached_window_index(group, B, C, H, batches, chunks):
-    slots = group.slots[slice(*chunks)]
-    batch = torch.arange(B, device=slots.device)[slice(*batches)]
-    head = torch.arange(H, device=slots.device)
-    return ((batch[:, None, None, None] * C + slots[None, :, None, :]) * H + head[None, None, :, None]).reshape(-1)
-
-
-def gather_windows(x, group, batches=slice(None), chunks=slice(None)):
-    """The keys (or values) the queries of each chunk of a group see, for the batches and chunks given:
-    ``x (B, C, H, S, D)`` from :func:`to_chunks` -> ``(b, c, H, L, D)``."""
-    B, C, H, S, D = x.shape
-    index = _window_index(group, x.shape, batches, chunks)
-    return x.view(-1, S * D).index_select(0, index).view(-1, group.slots[chunks].shape[0], H, group.window_len, D)
-
-
-def scatter_windows_(grad_x, grad, group, batches=slice(None), chunks=slice(None)):
-    """The adjoint of :func:`gather_windows`: adds ``grad (b, c, H, L, D)`` into ``grad_x (B, C, H, S, D)``."""
-    S, D = grad_x.shape[3:]
-    index = _window_index(group, grad_x.shape, batches, chunks)
-    grad_x.view(-1, S * D).index_add_(0, index, grad.reshape(-1, S * D))
-
-
-@lru_cache(maxsize=64)
-def _window_mask(group, dtype):
-    return torch.zeros(group.allowed.shape, dtype=dtype, device=group.allowed.device).masked_fill_(
-        ~group.allowed, float("-inf")
-    )
-
-
-def window_bias(group, rel_bias, dtype):
-    """``(c, H, L, S)``, added to the local scores of a group: the relative position bias, and -inf where a
-    query does not see a key; None without ``rel_bias`` (:func:`window_scores` then adds the mask alone)."""
-    if rel_bias is None:
-        return None
-    return _window_mask(group, dtype)[:, None] + rel_bias[:, group.bias_index].transpose(0, 1).to(dtype)
-
-
-def add_rel_bias_grad_(grad_rel_bias, grad_scores, group, chunks):
-    """Adds to ``grad_rel_bias (H, (4w-1)^2)`` the part that the local score gradients ``(b, c, H, L, S)`` of
-    the ``chunks`` of a group give."""
-    per_pair = grad_scores.sum(0).transpose(0, 1).reshape(grad_scores.shape[2], -1)
-    grad_rel_bias.index_add_(1, group.bias_index[chunks].reshape(-1), per_pair.to(grad_rel_bias.dtype))
-
-
-def global_scores(queries, global_k, global_bias):
-    """Scores of the global keys, ``(B, c, H, G, S)``, from scaled ``queries (B, c, H, S, D)`` and
-    ``global_k (B, H, G, D)``."""
-    scores = torch.matmul(global_k[:, None], queries.transpose(-1, -2))
-    if global_bias is not None:
-        scores = scores + global_bias[:, :, None]
-    return scores
-
-
-def window_scores(queries, keys, group, bias, chunks=slice(None)):
-    """Local scores ``(b, c, H, L, S)`` of the ``chunks`` of a group, from scaled ``queries (b, c, H, S, D)``,
-    gathered ``keys (b, c, H, L, D)`` and ``bias`` from :func:`window_bias`. Without a bias only the chunks
-    that have masked pairs are touched: in the interior of the map there are none, and a full pass over
-    the scores costs about a third of the product that makes them."""
-    scores = torch.matmul(keys, queries.transpose(-1, -2))
-    if bias is not None:
-        scores += bias[chunks]
-        return scores
-    mask = _window_mask(group, scores.dtype)
-    first, last, _ = chunks.indices(group.num_chunks)
-    for start, stop in group.masked_runs:
-        lo, hi = max(start, first), min(stop, last)
-        if lo < hi:
-            scores[:, lo - first : hi - first] += mask[lo:hi, None]
-    return scores
 
 
 @lru_cache(maxsize=16)
@@ -298,5 +187,85 @@ def unfolded_window_tables(rows, cols, window, exact, mode, device):
     allowed = slot_used[:, slot].view(mx, my, 1, 9 * w * w)
     if exact == 1:
         allowed = allowed & ((di.abs() <= w) & (dj.abs() <= w))
-    bias_index = (di + 2 * w - 1) * (4 * w - 1) + (dj + 2 * w - 1)
+    bias_index = rel_bias_row(di, dj, w)
     return allowed.to(device), bias_index.to(device)
+
+
+def rel_bias_row(di, dj, window):
+    """Row of the ``(4w-1)^2`` 2D bias table for query-minus-key offsets ``(di, dj)`` (ints or tensors)."""
+    return (di + 2 * window - 1) * (4 * window - 1) + (dj + 2 * window - 1)
+
+
+def neighbour_table(mx, my, exact, mode):
+    """The slot tables the fused kernels read, for an ``mx x my`` chunk grid: ``(table, table_t, offsets)``.
+    ``table (C, n)``: the chunk (row-major) each chunk reads through each slot, -1 for none; ``table_t (C, n)``:
+    the chunk that reads each chunk through each slot, -1 for none; ``offsets (n, 2)``: each slot's (a, b)."""
+    offsets, neighbour, used = neighbour_slots(mx, my, exact, mode)
+    table = torch.where(used, neighbour, -1)
+    # For slot s the map from reading chunk to read chunk is one-to-one, so it can be inverted slot by slot.
+    table_t = torch.full_like(table, -1)
+    for s in range(table.shape[1]):
+        reads = table[:, s] >= 0
+        table_t[table[reads, s], s] = torch.arange(table.shape[0])[reads]
+    return table, table_t, torch.tensor(offsets)
+
+
+def pair_in_window_2d(q_idx, kv_idx, cols, window, exact, mode, dilation, num_global, chunk_rows, chunk_cols):
+    """For query ``q_idx`` and key ``kv_idx`` (index tensors, row-major over a map of ``cols`` columns, keys after
+    ``num_global`` global keys): may the query see the key, and the row of the relative bias table. Pair by pair,
+    for code that sees one pair at a time (FlexAttention's mask and score modifiers)."""
+    w, d = window, dilation
+    local = kv_idx - num_global
+    qi, qj = q_idx // cols, q_idx % cols
+    ki, kj = local // cols, local % cols
+    if exact == 1:
+        di, dj = qi - ki, qj - kj
+        allowed = (di.abs() <= w * d) & (dj.abs() <= w * d) & (di % d == 0) & (dj % d == 0)
+        di, dj = di // d, dj // d
+    else:
+        ci, cj = qi // w, qj // w
+        # The offset through which the key's chunk is reached; the one wrapping around the fewest axes.
+        best = torch.full_like(qi, 3)
+        a_sel, b_sel = torch.zeros_like(qi), torch.zeros_like(qi)
+        for a, b in neighbour_offsets(exact, mode):
+            na, nb = ci + a, cj + b
+            wraps = ((na < 0) | (na >= chunk_rows)).int() + ((nb < 0) | (nb >= chunk_cols)).int()
+            if exact == -1:
+                hit = (ki // w == na % chunk_rows) & (kj // w == nb % chunk_cols)
+            else:
+                hit = (ki // w == na) & (kj // w == nb) & (wraps == 0)
+            take = hit & (wraps < best)
+            best = torch.where(take, wraps, best)
+            a_sel = torch.where(take, a, a_sel)
+            b_sel = torch.where(take, b, b_sel)
+        allowed = best < 3
+        di = qi - ((ci + a_sel) * w + ki % w)
+        dj = qj - ((cj + b_sel) * w + kj % w)
+    return allowed & (local >= 0), rel_bias_row(di, dj, w).clamp(0, (4 * w - 1) ** 2 - 1)
+
+
+def exact_window_bias_index(window):
+    """``(1, (2w+1)^2)``: the bias row of each key of an exact window unfolded row-major around its query."""
+    a = torch.arange(-window, window + 1)
+    return rel_bias_row(-a[:, None], -a[None, :], window).reshape(1, -1)
+
+
+def pair_in_band(q_idx, kv_idx, window, dilation, causal):
+    """For query ``q_idx`` and key ``kv_idx`` of a sequence (index tensors; ``dilation`` an int or a tensor that
+    broadcasts with them): is the key in the query's band, and the row ``a + w`` of the ``2w+1`` bias table,
+    where ``kv_idx = q_idx + dilation * a``."""
+    step = kv_idx - q_idx
+    a = torch.div(step, dilation, rounding_mode="floor")
+    allowed = (step - a * dilation == 0) & (a >= -window) & (a <= (0 if causal else window))
+    return allowed, (a + window).clamp(0, 2 * window)
+
+
+@lru_cache(maxsize=16)
+def band_block_tables(window, causal, device):
+    """The band seen from a block of ``w`` consecutive queries and the ``3w`` keys of the blocks before, at and
+    after it (key column ``c`` is ``c - w`` positions after the block's start): ``allowed (w, 3w)`` bool and
+    ``bias_row (w, 3w)`` long, the row ``a + w`` of the bias table (``a = c - w - r`` for query row ``r``)."""
+    r = torch.arange(window)[:, None]
+    c = torch.arange(3 * window)[None, :]
+    allowed, row = pair_in_band(r + window, c, window, 1, causal)
+    return allowed.to(device), row.to(device)

@@ -1,0 +1,122 @@
+"""The fused CPU kernel's 1D (Longformer) windows: blocks, spans, masks and partial sums against the reference."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from vil.ops import local_attention_1d
+
+
+def make_inputs(L, w, G=0, rel=False, glob_bias=False, B=2, H=3, D=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+    inputs = dict(q=randn(B, H, L, D), k=randn(B, H, L, D), v=randn(B, H, L, D))
+    if G:
+        inputs.update(global_k=randn(B, H, G, D), global_v=randn(B, H, G, D))
+    if rel:
+        inputs["rel_bias"] = randn(H, 2 * w + 1)
+    if glob_bias:
+        inputs["global_bias"] = randn(H, G)
+    return inputs
+
+
+def random_mask(B, L, seed=1):
+    return torch.rand(B, L, generator=torch.Generator().manual_seed(seed)) < 0.3
+
+
+def run(backend, inputs, w, **options):
+    """The output and the gradients of every input under one random upstream gradient."""
+    out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], w, backend=backend,
+                             **{name: t for name, t in inputs.items() if name not in ("q", "k", "v")}, **options)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    return out, torch.autograd.grad(out, list(inputs.values()), upstream)
+
+
+def assert_matches_reference(inputs, w, rtol=1e-7, atol=1e-9, **options):
+    expected, expected_grads = run("reference", inputs, w, **options)
+    out, grads = run("fused_cpu", inputs, w, **options)
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
+    for name, got, want in zip(inputs, grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+    return out, grads
+
+
+@pytest.mark.parametrize(
+    "L,w,dilation,causal,G,biases,masked",
+    [
+        (9, 1, 1, False, 0, False, False),
+        (12, 2, 2, True, 1, True, True),
+        (23, 5, (1, 2, 3), False, 2, True, True),
+        (23, 5, (1, 2, 3), True, 0, True, True),
+        (3, 5, 1, False, 1, True, False),  # L < w: the window is clipped on both sides
+        (5, 5, 2, True, 2, False, True),  # L == w
+        (70, 2, (1, 2, 3), False, 0, True, False),  # several blocks per residue class
+        (130, 40, 2, True, 1, True, True),
+    ],
+)
+def test_matches_reference(L, w, dilation, causal, G, biases, masked):
+    inputs = make_inputs(L, w, G, rel=biases, glob_bias=biases and G > 0)
+    mask = random_mask(2, L) if masked else None
+    assert_matches_reference(inputs, w, dilation=dilation, causal=causal, key_padding_mask=mask)
+
+
+def test_query_that_sees_no_key_outputs_zeros_and_gets_zero_gradients():
+    inputs = make_inputs(11, 2, rel=True)
+    mask = random_mask(2, 11)
+    mask[0] = True  # batch entry 0: every key padded, no global keys
+    out, grads = assert_matches_reference(inputs, 2, dilation=(1, 2, 3), key_padding_mask=mask)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    for grad in grads[:3]:
+        assert torch.equal(grad[0], torch.zeros_like(grad[0]))
+    assert not any(grad.isnan().any() for grad in grads)
+
+
+def test_float32_with_more_batch_heads_than_threads():
+    inputs = make_inputs(37, 3, G=2, rel=True, glob_bias=True, B=5, H=3, dtype=torch.float32)
+    assert_matches_reference(inputs, 3, rtol=1e-4, atol=1e-4, dilation=(1, 2, 3), key_padding_mask=random_mask(5, 37))
+
+
+def test_bfloat16_is_computed_in_float32():
+    inputs = make_inputs(29, 4, G=1, rel=True, glob_bias=True, dtype=torch.bfloat16)
+    out, _ = run("fused_cpu", inputs, 4, dilation=2)
+    assert out.dtype == torch.bfloat16
+    wide = {name: t.detach().float() for name, t in inputs.items()}
+    expected = local_attention_1d(wide.pop("q"), wide.pop("k"), wide.pop("v"), 4, dilation=2, backend="reference", **wide)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_gradcheck():
+    inputs = make_inputs(7, 2, G=1, rel=True, glob_bias=True, B=1, H=2, D=4)
+    mask = torch.tensor([[False, False, True, False, False, False, True]])
+
+    def fn(*tensors):
+        named = dict(zip(inputs, tensors))
+        return local_attention_1d(named.pop("q"), named.pop("k"), named.pop("v"), 2, dilation=(1, 2),
+                                  key_padding_mask=mask, backend="fused_cpu", **named)
+
+    assert torch.autograd.gradcheck(fn, tuple(inputs.values()))
+
+
+def test_products_are_counted_by_the_flop_counter():
+    from vil.ops.backends.fused_cpu import check_fused_cpu
+
+    check_fused_cpu()  # the formulas are registered when the kernel loads, before the counter starts
+    inputs = make_inputs(40, 2, G=1, B=1, H=1, dtype=torch.float32)
+    with FlopCounterMode(display=False) as counter:
+        out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], 2, global_k=inputs["global_k"],
+                                 global_v=inputs["global_v"], backend="fused_cpu")
+    # Blocks of 16 queries (w = 2) at 0, 16, 32 score the key spans 0..17, 14..33 and 30..39, and the global key.
+    pairs = 16 * (18 + 1) + 16 * (20 + 1) + 8 * (10 + 1)
+    assert counter.get_total_flops() == 2 * 2 * pairs * 8
+    with FlopCounterMode(display=False) as counter:
+        out.sum().backward()
+    assert counter.get_total_flops() == 5 * 2 * pairs * 8
+
+
+def test_refuses_other_devices():
+    q, k, v = (torch.empty(1, 2, 8, 4, device="meta") for _ in range(3))
+    with pytest.raises(ValueError, match="^The fused_cpu backend runs on cpu tensors, but q is on meta"):
+        local_attention_1d(q, k, v, 2, backend="fused_cpu")

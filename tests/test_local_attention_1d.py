@@ -1,0 +1,218 @@
+"""local_attention_1d: the reference against hand-computed bands, every backend against the reference."""
+
+import pytest
+import torch
+
+from vil.ops import available_backends, default_backend, local_attention_1d
+from vil.ops.backends.reference import band_pairs
+
+CPU = torch.device("cpu")
+# Backends with a backward on the CPU; flex runs forward only there (its own test below).
+TRAINING = [b for b in available_backends(1) if b not in ("reference", "flex")]
+
+
+# --- The oracle itself, against bands worked out by hand. ---
+
+def visible(length, window, dilation, causal, query):
+    allowed, _ = band_pairs(length, window, (dilation,), causal, CPU)
+    return set(allowed[0, query].nonzero().flatten().tolist())
+
+
+def test_reference_band_by_hand():
+    assert visible(10, 2, 1, False, 4) == {2, 3, 4, 5, 6}
+    assert visible(10, 2, 1, False, 0) == {0, 1, 2}  # cut at the start
+    assert visible(10, 2, 1, True, 4) == {2, 3, 4}
+    assert visible(10, 1, 3, False, 4) == {1, 4, 7}  # dilation: steps of 3
+    assert visible(10, 2, 3, True, 8) == {2, 5, 8}
+    assert visible(3, 5, 1, False, 1) == {0, 1, 2}  # the window is longer than the sequence
+
+
+def test_reference_bias_row_counts_window_steps():
+    # Key 7 of query 4 at dilation 3 is one step ahead: row a + w = 1 + 2, whatever the distance in tokens.
+    _, row = band_pairs(10, 2, (3,), False, CPU)
+    assert row[0, 4, 7] == 3 and row[0, 4, 1] == 1 and row[0, 4, 4] == 2
+
+
+def test_reference_matches_softmax_by_hand():
+    torch.manual_seed(0)
+    L, w, D = 7, 2, 3
+    q, k, v = (torch.randn(1, 1, L, D, dtype=torch.float64) for _ in range(3))
+    gk, gv = torch.randn(1, 1, 1, D, dtype=torch.float64), torch.randn(1, 1, 1, D, dtype=torch.float64)
+    rel, gb = torch.randn(1, 2 * w + 1, dtype=torch.float64), torch.randn(1, 1, dtype=torch.float64)
+    padding = torch.zeros(1, L, dtype=torch.bool)
+    padding[0, 5] = True
+    out = local_attention_1d(q, k, v, w, key_padding_mask=padding, global_k=gk, global_v=gv, rel_bias=rel,
+                             global_bias=gb, backend="reference")
+    i, scale = 4, D**-0.5
+    scores = [float(q[0, 0, i] @ gk[0, 0, 0]) * scale + float(gb[0, 0])]
+    values = [gv[0, 0, 0]]
+    for j in (2, 3, 4, 6):  # 5 is padding
+        scores.append(float(q[0, 0, i] @ k[0, 0, j]) * scale + float(rel[0, j - i + w]))
+        values.append(v[0, 0, j])
+    weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+    torch.testing.assert_close(out[0, 0, i], sum(wt * val for wt, val in zip(weights, values)))
+
+
+# --- Every backend against the reference. ---
+
+# (L, w, dilation, causal, G, rel_bias, global_bias, key padding): w 1..9 and 64; L below, at and above w;
+# dilations 1..3 and per head; "random" masks about a third of the keys, "row" a whole sequence (its queries see
+# no key when G is 0).
+CASES = [
+    (1, 1, 1, False, 0, True, False, None),
+    (5, 7, 1, False, 1, True, True, "random"),
+    (4, 4, 1, True, 2, True, True, None),
+    (13, 3, 1, False, 1, True, True, "random"),
+    (13, 3, 1, True, 0, True, False, "row"),
+    (17, 2, 2, False, 1, False, True, "random"),
+    (19, 5, 3, True, 2, True, True, "random"),
+    (16, 6, (1, 2), False, 0, True, False, None),
+    (23, 8, (3, 1), True, 1, True, True, "random"),
+    (29, 9, 1, False, 0, False, False, None),
+    (150, 64, 1, False, 1, True, True, "random"),
+    (137, 64, 1, True, 0, True, False, None),
+    (11, 1, 2, False, 0, True, False, "row"),
+]
+
+
+def make_inputs(L, w, G, rel, glob_bias, mask, B=2, H=2, D=4, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_()
+
+    inputs = dict(q=rand(B, H, L, D), k=rand(B, H, L, D), v=rand(B, H, L, D))
+    inputs["global_k"] = rand(B, H, G, D) if G else None
+    inputs["global_v"] = rand(B, H, G, D) if G else None
+    inputs["rel_bias"] = rand(H, 2 * w + 1) if rel else None
+    inputs["global_bias"] = rand(H, G) if glob_bias and G else None
+    padding = None
+    if mask == "random":
+        padding = torch.rand(B, L, generator=gen) < 0.3
+    elif mask == "row":
+        padding = torch.zeros(B, L, dtype=torch.bool)
+        padding[-1] = True
+    return inputs, padding
+
+
+def run(backend, inputs, padding, w, dilation=1, causal=False, grads=True):
+    out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], w, dilation=dilation, causal=causal,
+                             key_padding_mask=padding, global_k=inputs["global_k"], global_v=inputs["global_v"],
+                             rel_bias=inputs["rel_bias"], global_bias=inputs["global_bias"], backend=backend)
+    if not grads:
+        return out, ()
+    leaves = [t for t in inputs.values() if t is not None]
+    upstream = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    return out, torch.autograd.grad(out, leaves, upstream)
+
+
+@pytest.mark.parametrize("backend", TRAINING)
+@pytest.mark.parametrize("L,w,dilation,causal,G,rel,glob,mask", CASES)
+def test_backend_matches_reference(backend, L, w, dilation, causal, G, rel, glob, mask):
+    if backend == "chunks" and dilation != 1:
+        dilation = 1  # chunks computes undilated bands only (its refusal: test_bad_arguments_are_one_sentence)
+    inputs, padding = make_inputs(L, w, G, rel, glob, mask)
+    expected, expected_grads = run("reference", inputs, padding, w, dilation, causal)
+    out, grads = run(backend, inputs, padding, w, dilation, causal)
+    names = ["output"] + [n for n, t in inputs.items() if t is not None]
+    for name, got, want in zip(names, (out, *grads), (expected, *expected_grads)):
+        torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
+    if mask == "row" and not G:
+        assert not out[-1].any() and not grads[0][-1].any()  # no key: zeros and zero gradients
+
+
+@pytest.mark.parametrize("L,w,dilation,causal,G,rel,glob,mask", CASES)
+def test_flex_forward_matches_reference(L, w, dilation, causal, G, rel, glob, mask):
+    inputs, padding = make_inputs(L, w, G, rel, glob, mask, D=16, dtype=torch.float32)
+    with torch.no_grad():
+        expected, _ = run("reference", inputs, padding, w, dilation, causal, grads=False)
+        out, _ = run("flex", inputs, padding, w, dilation, causal, grads=False)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's FlexAttention has no backward on the CPU")
+@pytest.mark.parametrize("L,w,dilation,causal,G,rel,glob,mask", CASES[1:6])
+def test_flex_gradients_match_reference_on_cuda(L, w, dilation, causal, G, rel, glob, mask):
+    inputs, padding = make_inputs(L, w, G, rel, glob, mask, D=16, dtype=torch.float32)
+    cuda = {n: None if t is None else t.detach().cuda().requires_grad_() for n, t in inputs.items()}
+    expected, expected_grads = run("reference", inputs, padding, w, dilation, causal)
+    out, grads = run("flex", cuda, None if padding is None else padding.cuda(), w, dilation, causal)
+    for got, want in zip((out, *grads), (expected, *expected_grads)):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", [b for b in TRAINING if b != "fused_cpu"])  # fused_cpu: test_fused_cpu_1d.py
+def test_gradcheck(backend):
+    inputs, padding = make_inputs(9, 2, 1, True, True, "random", B=1, H=2, D=3)
+    dilation = 1 if backend == "chunks" else (1, 2)
+    names = [n for n, t in inputs.items() if t is not None]
+
+    def fn(*tensors):
+        return run(backend, dict(zip(names, tensors)), padding, 2, dilation, False, grads=False)[0]
+
+    assert torch.autograd.gradcheck(fn, tuple(inputs[n] for n in names))
+
+
+@pytest.mark.parametrize("backend", ["sliding_chunk", "loop"])
+def test_half_precision_inputs(backend):
+    inputs, padding = make_inputs(40, 5, 1, True, True, "random", D=16, dtype=torch.float32)
+    expected, _ = run("reference", inputs, padding, 5, 2, True)
+    low = {n: None if t is None else t.detach().bfloat16().requires_grad_() for n, t in inputs.items()}
+    out, grads = run(backend, low, padding, 5, 2, True)
+    assert out.dtype == torch.bfloat16 and grads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=3e-2, atol=3e-2)
+
+
+def test_empty_batch():
+    q = torch.randn(0, 2, 10, 4)
+    assert local_attention_1d(q, q, q, 3, backend="sliding_chunk").shape == (0, 2, 10, 4)
+
+
+def test_default_backend():
+    assert default_backend(CPU, torch.float32, dims=1) == "fused_cpu"
+    q = torch.randn(1, 2, 30, 4, dtype=torch.float64)
+    torch.testing.assert_close(local_attention_1d(q, q, q, 4, dilation=(1, 2)),
+                               local_attention_1d(q, q, q, 4, dilation=(1, 2), backend="reference"))
+
+
+# --- Bad input: one plain sentence each. ---
+
+def _qkv(shape=(2, 2, 10, 4)):
+    return [torch.randn(*shape) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(window=0), "window must be a positive integer (keys on each side of the query), got 0."),
+        (dict(shape=(2, 10, 4)), "q must have shape (B, heads, L, head_dim), got (2, 10, 4)."),
+        (dict(shape=(2, 2, 0, 4)), "q has length 0; local_attention_1d needs a sequence of at least one position."),
+        (dict(k_shape=(2, 2, 9, 4)), "k must have the shape of q (2, 2, 10, 4), got (2, 2, 9, 4)."),
+        (dict(dilation=2, backend="chunks"), "The chunks backend computes undilated windows only; backends with "
+                                             "dilation: sliding_chunk, fused_cpu, flex, loop, reference."),
+        (dict(dilation=0), "dilation must be a positive integer or one positive integer per head, got 0."),
+        (dict(dilation=[1, 2, 3]), "dilation must be one int or one int per head (2), got 3 values."),
+        (dict(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
+         "key_padding_mask must be a bool tensor of shape (B, L) = (2, 10), got torch.bool of shape (2, 9)."),
+        (dict(key_padding_mask=torch.zeros(2, 10)),
+         "key_padding_mask must be a bool tensor of shape (B, L) = (2, 10), got torch.float32 of shape (2, 10)."),
+        (dict(rel_bias=torch.randn(2, 49)), "rel_bias must have shape (heads, 2w+1) = (2, 7), got (2, 49)."),
+        (dict(causal=1), "causal must be True or False, got 1."),
+        (dict(backend="unfold"), "The unfold backend does not compute 1D windows; 1D backends: "),
+        (dict(backend="nope"), "Unknown local attention backend 'nope'; available: "),
+        (dict(backend="flex", grad=True), "The flex backend cannot train on the CPU (it has no backward there); "
+                                          "backends that can: "),
+    ],
+)
+def test_bad_arguments_are_one_sentence(change, message):
+    shape = change.pop("shape", (2, 2, 10, 4))
+    q, k, v = _qkv(shape)
+    if "k_shape" in change:
+        k = torch.randn(*change.pop("k_shape"))
+    if change.pop("grad", False):
+        q.requires_grad_()
+    window = change.pop("window", 3)
+    with pytest.raises(ValueError) as err:
+        local_attention_1d(q, k, v, window, **change)
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,112 @@
+"""What a local attention call computes: the neighbourhood of every query, validated once where the public
+function is called and handed to the backends as one frozen value.
+
+A 2D neighbourhood is ViL's window on a map (:class:`Neighborhood2d`); a 1D neighbourhood is Longformer's band
+over a sequence (:class:`Neighborhood1d`). Both say nothing about how a backend computes them.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar, Tuple, Union
+
+
+@dataclass(frozen=True)
+class Neighborhood2d:
+    """ViL's window on an ``X x Y`` map.
+
+    ``window``: chunk size ``w`` (SW_EXACT 0 / -1) or radius (SW_EXACT 1). ``exact``: 0 = the 3x3 chunks around
+    the query's chunk, zero padded; -1 = the same, wrapping around; 1 = the exact ``(2w+1)^2`` window.
+    ``mode``: 0 all 9 chunks, -1 the own chunk, 1..8 the own chunk and one neighbour (chunked windows only).
+    ``dilation``: exact window only, keys at ``(qi + d*a, qj + d*b)``.
+    """
+
+    window: int
+    exact: int = 0
+    mode: int = 0
+    dilation: int = 1
+    dims: ClassVar[int] = 2
+
+    def __post_init__(self):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be a positive integer, got {self.window!r}.")
+        if self.exact not in (1, 0, -1):
+            raise ValueError(f"exact (SW_EXACT) must be 1, 0 or -1, got {self.exact!r}.")
+        if self.mode not in range(-1, 9):
+            raise ValueError(f"mode (MODE) must be 0, -1 or one of 1..8, got {self.mode!r}.")
+        if self.exact == 1 and self.mode != 0:
+            raise ValueError(f"mode (MODE) {self.mode} needs chunked windows (SW_EXACT 0 or -1); the exact window "
+                             "(SW_EXACT 1) takes mode 0 only.")
+        if isinstance(self.dilation, bool) or not isinstance(self.dilation, int) or self.dilation < 1:
+            raise ValueError(f"dilation must be a positive integer, got {self.dilation!r}.")
+        if self.dilation > 1 and self.exact != 1:
+            raise ValueError(f"dilation {self.dilation} needs the exact window (SW_EXACT 1); chunked windows take "
+                             "dilation 1.")
+
+    @property
+    def chunked(self):
+        """ViL's chunked windows (SW_EXACT 0 or -1), as opposed to the exact window."""
+        return self.exact != 1
+
+    @property
+    def cyclic(self):
+        """Chunked windows that wrap around the map (SW_EXACT -1)."""
+        return self.exact == -1
+
+    @property
+    def dilated(self):
+        return self.dilation > 1
+
+    def with_dilation(self, dilation):
+        return Neighborhood2d(self.window, self.exact, self.mode, dilation)
+
+    @property
+    def bias_rows(self):
+        """Rows of the relative position bias table: ``(4w-1)^2``."""
+        return (4 * self.window - 1) ** 2
+
+
+@dataclass(frozen=True)
+class Neighborhood1d:
+    """Longformer's band over a sequence: query ``i`` sees keys ``i + d*a`` for ``-w <= a <= w`` (``a <= 0`` when
+    ``causal``) that lie in the sequence. ``dilation`` is one int, or a tuple of one int per head."""
+
+    window: int
+    dilation: Union[int, Tuple[int, ...]] = 1
+    causal: bool = False
+    dims: ClassVar[int] = 1
+
+    def __post_init__(self):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be a positive integer (keys on each side of the query), got {self.window!r}.")
+        values = self.dilation if isinstance(self.dilation, tuple) else (self.dilation,)
+        if not values or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in values):
+            raise ValueError(f"dilation must be a positive integer or one positive integer per head, got {self.dilation!r}.")
+        if isinstance(self.dilation, tuple) and len(set(self.dilation)) == 1:
+            object.__setattr__(self, "dilation", self.dilation[0])  # one value for every head
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be True or False, got {self.causal!r}.")
+
+    @property
+    def per_head(self):
+        """Whether the heads have different dilations."""
+        return isinstance(self.dilation, tuple)
+
+    @property
+    def dilated(self):
+        return max(self.dilations(1) if not self.per_head else self.dilation) > 1
+
+    def dilations(self, heads):
+        """One dilation per head."""
+        return self.dilation if self.per_head else (self.dilation,) * heads
+
+    def with_dilation(self, dilation):
+        return Neighborhood1d(self.window, dilation, self.causal)
+
+    @property
+    def offsets(self):
+        """The window offsets ``a`` (in steps of the dilation) a query may see: ``-w..w``, or ``-w..0`` causal."""
+        return range(-self.window, 1 if self.causal else self.window + 1)
+
+    @property
+    def bias_rows(self):
+        """Rows of the relative position bias table: ``2w + 1``, row ``a + w`` for offset ``a``."""
+        return 2 * self.window + 1
