@@ -33,3 +33,50 @@ def test_plot_study_draws_time_and_memory(tmp_path, monkeypatch):
     assert drawn[0][0] == ((28, 56), (30.0, 400.0))
     assert drawn[3][0] == ((28, 56), (90.0, 190.0))
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
+    """A tiny ``--dim 1`` run end to end. The workers run in this process (a fresh one costs seconds of imports),
+    but for one, which checks that the options travel to a real worker; the default backend is not built here."""
+    import contextlib
+    import io
+    import subprocess
+
+    tool = load_tool()
+    real_run = subprocess.run
+    workers = []
+
+    def in_process(argv, **kwargs):
+        if "--worker" not in argv:
+            return real_run(argv, **kwargs)
+        workers.append(argv)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            tool.main(argv[2:])
+        return subprocess.CompletedProcess(argv, 0, printed.getvalue(), "")
+
+    monkeypatch.setattr(tool.subprocess, "run", in_process)
+    monkeypatch.setattr(tool, "default_backend", lambda device, dtype, dims: f"picked for {dims}D")
+    argv = ["--dim", "1", "--sizes", "64", "128", "--heads", "2", "--head-dim", "8", "--window", "8", "--repeats", "1",
+            "--causal", "--backends", "sliding_chunk", "loop", "chunks"]
+    tool.main(argv + ["--markdown", str(tmp_path / "study.md"), "--plot", str(tmp_path / "study")])
+    table = (tmp_path / "study.md").read_text().splitlines()
+    assert "2 heads x 8, sequences, w=8 on each side, dilation 1, causal, 0 global" in table[1]
+    assert table[1].endswith("backend=None picks 'picked for 1D'") and table[3].startswith("| length | backend | time (ms) |")
+    rows = [line.split(" | ") for line in table if line.startswith("| 64 ") or line.startswith("| 128 ")]
+    assert [(r[0], r[1]) for r in rows] == [(f"| {n}", b) for n in (64, 128) for b in (tool.SDPA, "sliding_chunk", "loop", "chunks")]
+    assert all(float(r[2]) > 0 and float(r[3]) >= 0 and r[5].endswith("x") for r in rows), rows
+    assert len(workers) == 8 and all("--causal" in w and w[w.index("--dilation") + 1] == "1" and "--exact" not in w for w in workers)
+    for what in ("time", "memory"):
+        assert (tmp_path / f"study_{what}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "64: fastest local backend" in capsys.readouterr().out
+
+    # The skipping rules answer without a worker; one point in a real fresh process.
+    args = tool.parse_args(argv[:-4] + ["--dilation", "2"])
+    assert tool.run_point(args, "chunks", 64).startswith("skipped")
+    assert tool.run_point(args, tool.SDPA, 32768).startswith("skipped")
+    assert tool.run_point(args, "loop", 32768).startswith("skipped")
+    assert tool.run_point(args, "reference", 8192).startswith("skipped")
+    monkeypatch.setattr(tool.subprocess, "run", real_run)
+    seconds, peak, ratio, working = tool.run_point(args, "loop", 64)
+    assert seconds > 0 and peak > 0 and ratio >= 1 and working > 0

@@ -1,5 +1,5 @@
-"""Forward+backward time and peak memory of one local attention layer, per backend and map size, next to
-``torch.nn.functional.scaled_dot_product_attention`` over all tokens.
+"""Forward+backward time and peak memory of one local attention layer, per backend and map size (or sequence
+length, ``--dim 1``), next to ``torch.nn.functional.scaled_dot_product_attention`` over all tokens.
 
 Default problem: one attention layer of ViL-Small's first stage (batch 4, 3 heads x 32, w=7, one global
 token), fp32. Every point runs in a fresh process, so that one point cannot leave memory or caches to another.
@@ -19,6 +19,17 @@ that trains there. ``--plot PREFIX`` also draws time and peak memory against the
 per backend, as the original paper's implementation study): ``PREFIX_time.png`` and ``PREFIX_memory.png``.
 
     python tools/benchmark_attention.py --sizes 14 28 42 56 84 --exact 0 --plot docs/study_exact0
+
+``--dim 1`` measures ``local_attention_1d`` over sequences instead, with Longformer's settings: batch 1, 12 heads
+x 64, a window of 256 keys on each side, no global keys (``--num-global``), ``--dilation`` and ``--causal``
+(full attention then gets ``is_causal=True``); the sizes are sequence lengths, 1024 to 32768 by default. The
+default backends are ``fused_cpu``, ``sliding_chunk``, ``chunks`` and ``loop`` on the CPU; ``triton`` (where it
+computes 1D windows), ``flex``, ``sliding_chunk`` and ``chunks`` on CUDA. On the CPU, full attention and ``loop``
+are skipped above 16384 and 2048 tokens and ``reference`` above 4096; ``chunks`` is skipped with a dilation. The plots put
+time and peak memory against the sequence length, as Figure 1 of the Longformer paper.
+
+    python tools/benchmark_attention.py --dim 1 --markdown docs/study_1d.md --plot docs/study_1d
+    python tools/benchmark_attention.py --dim 1 --causal --markdown docs/study_1d_causal.md --plot docs/study_1d_causal
 """
 
 import argparse
@@ -33,38 +44,67 @@ import torch
 import torch.nn.functional as F
 
 from vil.checkpoint import atomic_write
-from vil.ops import available_backends, default_backend, local_attention_2d
+from vil.ops import available_backends, default_backend, local_attention_1d, local_attention_2d
 from vil.profiling import PeakMemory
 
 SDPA = "sdpa (full attention)"
-REFERENCE_MAX_TOKENS = 56 * 56  # the naive masked reference needs tokens^2 memory: skipped above this
-SDPA_MAX_TOKENS = 112 * 112  # full attention's time grows with tokens^2: skipped above this on the CPU
+# Per --dim (1: sequences, 2: maps), the tokens above which a point is skipped:
+REFERENCE_MAX_TOKENS = {2: 56 * 56, 1: 4096}  # the naive masked reference needs tokens^2 memory
+SDPA_MAX_TOKENS = {2: 112 * 112, 1: 16384}  # on the CPU, full attention's time grows with tokens^2
+LOOP_MAX_TOKENS = 2048  # on the CPU, the 1D loop takes one pass over the sequence per window offset (11 s at 2048)
 UNFOLD_MAX_BYTES = 6 * 2**30  # the unfold backends keep the unfolded keys and values: skipped above this
-CPU_BACKENDS = ["fused_cpu", "sliding_chunk", "sliding_chunk_autograd", "chunk_rows", "unfold", "unfold_nnf", "reference"]
+DEFAULT_BACKENDS = {  # (dim, device); those not in available_backends(dim) are left out
+    (2, "cpu"): ["fused_cpu", "sliding_chunk", "sliding_chunk_autograd", "chunk_rows", "unfold", "unfold_nnf", "reference"],
+    (2, "cuda"): ["triton", "flex", "sliding_chunk"],
+    (1, "cpu"): ["fused_cpu", "sliding_chunk", "chunks", "loop"],
+    (1, "cuda"): ["triton", "flex", "sliding_chunk", "chunks"],
+}
+DEFAULTS = {  # per dim, for the options left out; 2: ViL-Small's first stage, 1: Longformer's settings
+    2: dict(sizes=[28, 56, 84], batch=4, heads=3, head_dim=32, window=7, num_global=1, exact=0),
+    1: dict(sizes=[1024, 2048, 4096, 8192, 16384, 32768], batch=1, heads=12, head_dim=64, window=256, num_global=0,
+            dilation=1),
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=2, choices=[1, 2], help="2: maps (local_attention_2d), 1: sequences")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--sizes", type=int, nargs="+", default=[28, 56, 84], help="feature-map sides")
+    p.add_argument("--sizes", type=int, nargs="+", help="feature-map sides (default 28 56 84) or, with --dim 1, "
+                   "sequence lengths (default 1024 to 32768)")
     p.add_argument("--backends", nargs="+", help="local attention backends (default: those for the device)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--window", type=int, default=7)
-    p.add_argument("--num-global", type=int, default=1)
-    p.add_argument("--exact", type=int, default=0, choices=[1, 0, -1], help="SW_EXACT")
+    p.add_argument("--batch", type=int, help="default 4; 1 with --dim 1")
+    p.add_argument("--heads", type=int, help="default 3; 12 with --dim 1")
+    p.add_argument("--head-dim", type=int, help="default 32; 64 with --dim 1")
+    p.add_argument("--window", type=int, help="default 7; with --dim 1 keys on each side, default 256")
+    p.add_argument("--num-global", type=int, help="global keys: default 1; 0 with --dim 1")
+    p.add_argument("--exact", type=int, choices=[1, 0, -1], help="SW_EXACT (default 0); --dim 2 only")
+    p.add_argument("--dilation", type=int, help="window dilation (default 1); --dim 1 only")
+    p.add_argument("--causal", action="store_true", help="keys at or before the query only; --dim 1 only")
     p.add_argument("--rel-bias", action="store_true", help="add a relative position bias table")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png and PREFIX_memory.png")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one point, print JSON
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.dim == 2 and (args.dilation is not None or args.causal):
+        p.error("--dilation and --causal are options of the 1D study (--dim 1)")
+    if args.dim == 1 and args.exact is not None:
+        p.error("--exact is an option of the 2D study (--dim 2)")
+    for name, value in DEFAULTS[args.dim].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def point_name(size, dim):
+    """How a map side (dim 2) or a sequence length (dim 1) is written in the table and on the plots' axis."""
+    return f"{size}x{size}" if dim == 2 else str(size)
 
 
 def measure(args, backend, size):
-    """Time (s) and peak memory (MiB) of one forward+backward at map ``size``, in this process."""
+    """Time (s) and peak memory (MiB) of one forward+backward at map side or sequence length ``size``, here."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     B, H, D, G = args.batch, args.heads, args.head_dim, args.num_global
 
@@ -72,20 +112,27 @@ def measure(args, backend, size):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
     if backend == SDPA:
-        leaves = [rand(B, H, size * size + G, D) for _ in range(3)]
+        tokens = size**args.dim + G
+        leaves = [rand(B, H, tokens, D) for _ in range(3)]
         out_numel = leaves[0].numel()
 
         def step():
-            F.scaled_dot_product_attention(*leaves).backward(torch.ones(B, H, size * size + G, D, device=device, dtype=dtype))
+            out = F.scaled_dot_product_attention(*leaves, is_causal=args.causal)
+            out.backward(torch.ones(B, H, tokens, D, device=device, dtype=dtype))
     else:
-        q, k, v = (rand(B, H, size, size, D) for _ in range(3))
+        q, k, v = (rand(B, H, *(size,) * args.dim, D) for _ in range(3))
         gk, gv = (rand(B, H, G, D), rand(B, H, G, D)) if G else (None, None)
-        rel = rand(H, (4 * args.window - 1) ** 2) if args.rel_bias else None
+        if args.dim == 2:
+            op, geometry, bias_rows = local_attention_2d, dict(exact=args.exact), (4 * args.window - 1) ** 2
+        else:
+            op, geometry = local_attention_1d, dict(dilation=args.dilation, causal=args.causal)
+            bias_rows = 2 * args.window + 1
+        rel = rand(H, bias_rows) if args.rel_bias else None
         leaves = [t for t in (q, k, v, gk, gv, rel) if t is not None]
         out_numel = q.numel()
 
         def step():
-            out = local_attention_2d(q, k, v, args.window, exact=args.exact, global_k=gk, global_v=gv, rel_bias=rel, backend=backend)
+            out = op(q, k, v, args.window, **geometry, global_k=gk, global_v=gv, rel_bias=rel, backend=backend)
             out.backward(torch.ones_like(out))
 
     def run():
@@ -111,19 +158,27 @@ def measure(args, backend, size):
 
 def run_point(args, backend, size):
     """Measure one point in a fresh process; returns (seconds, MiB) or a string saying why not."""
-    if backend == "reference" and size * size > REFERENCE_MAX_TOKENS:
+    tokens = size**args.dim
+    if backend == "reference" and tokens > REFERENCE_MAX_TOKENS[args.dim]:
         return "skipped (tokens^2 memory)"
-    if backend == SDPA and args.device == "cpu" and size * size > SDPA_MAX_TOKENS:
+    if backend == SDPA and args.device == "cpu" and tokens > SDPA_MAX_TOKENS[args.dim]:
         return "skipped (tokens^2 time)"
-    window_keys = (2 * args.window + 1) ** 2 if args.exact == 1 else 9 * args.window**2
-    unfolded = 4 * args.batch * args.heads * size * size * window_keys * args.head_dim * 4  # K, V and gradients
-    if backend.startswith("unfold") and unfolded > UNFOLD_MAX_BYTES:
-        return "skipped (tokens x window x head_dim memory)"
-    options = {"--device": args.device, "--dtype": args.dtype, "--batch": args.batch, "--heads": args.heads,
-               "--head-dim": args.head_dim, "--window": args.window, "--num-global": args.num_global,
-               "--exact": args.exact, "--repeats": args.repeats}
+    if backend == "loop" and args.device == "cpu" and tokens > LOOP_MAX_TOKENS:
+        return "skipped (one pass per window offset: time)"
+    if backend == "chunks" and args.dilation > 1:
+        return "skipped (computes undilated windows only)"
+    if backend.startswith("unfold"):
+        window_keys = (2 * args.window + 1) ** 2 if args.exact == 1 else 9 * args.window**2
+        unfolded = 4 * args.batch * args.heads * tokens * window_keys * args.head_dim * 4  # K, V and gradients
+        if unfolded > UNFOLD_MAX_BYTES:
+            return "skipped (tokens x window x head_dim memory)"
+    options = {"--dim": args.dim, "--device": args.device, "--dtype": args.dtype, "--batch": args.batch,
+               "--heads": args.heads, "--head-dim": args.head_dim, "--window": args.window,
+               "--num-global": args.num_global, "--repeats": args.repeats}
+    options.update({"--exact": args.exact} if args.dim == 2 else {"--dilation": args.dilation})
+    flags = [flag for flag, on in (("--rel-bias", args.rel_bias), ("--causal", args.causal)) if on]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([backend, size])]
-    argv += [str(x) for item in options.items() for x in item] + (["--rel-bias"] if args.rel_bias else [])
+    argv += [str(x) for item in options.items() for x in item] + flags
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
@@ -143,27 +198,34 @@ def machine():
     return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     if args.worker:
         backend, size = json.loads(args.worker)
         print(json.dumps(measure(args, backend, size)))
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda was asked for, but torch sees no CUDA device here.")
+    able = available_backends(args.dim)
     if args.backends is None:
-        args.backends = ["triton", "flex", "sliding_chunk"] if args.device == "cuda" else CPU_BACKENDS
+        args.backends = [name for name in DEFAULT_BACKENDS[args.dim, args.device] if name in able]
     for backend in args.backends:
-        if backend not in available_backends():
-            sys.exit(f"Unknown backend {backend!r}; available: {', '.join(available_backends())}.")
-    default = default_backend(torch.device(args.device), getattr(torch, args.dtype))
+        if backend not in able:
+            sys.exit(f"Unknown {args.dim}D backend {backend!r}; available: {', '.join(able)}.")
+    default = default_backend(torch.device(args.device), getattr(torch, args.dtype), dims=args.dim)
+    if args.dim == 2:
+        geometry = f"w={args.window}, {args.num_global} global, SW_EXACT {args.exact}, "
+    else:
+        geometry = (f"sequences, w={args.window} on each side, dilation {args.dilation}, "
+                    f"{'causal, ' if args.causal else ''}{args.num_global} global, ")
     lines = [
         f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}",
-        f"One layer, forward+backward: batch {args.batch}, {args.heads} heads x {args.head_dim}, w={args.window}, "
-        f"{args.num_global} global, SW_EXACT {args.exact}, {'relative bias, ' if args.rel_bias else ''}{args.dtype} on {args.device}; "
+        f"One layer, forward+backward: batch {args.batch}, {args.heads} heads x {args.head_dim}, {geometry}"
+        f"{'relative bias, ' if args.rel_bias else ''}{args.dtype} on {args.device}; "
         f"best of {args.repeats}; backend=None picks {default!r}",
         "",
-        "| map | backend | time (ms) | peak memory (MiB) | working memory (MiB) | vs SDPA | memory / (inputs, outputs, gradients) |",
+        f"| {'map' if args.dim == 2 else 'length'} | backend | time (ms) | peak memory (MiB) | working memory (MiB) | "
+        "vs SDPA | memory / (inputs, outputs, gradients) |",
         "|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
@@ -171,41 +233,43 @@ def main():
     for size in args.sizes:
         results = study[size] = {name: run_point(args, name, size) for name in [SDPA] + args.backends}
         sdpa = results[SDPA]
+        point = point_name(size, args.dim)
         best_local = None
         for name, result in results.items():
             if isinstance(result, str):
-                row = f"| {size}x{size} | {name} | {result} | | | | |"
+                row = f"| {point} | {name} | {result} | | | | |"
             else:
                 speedup = f"{sdpa[0] / result[0]:.2f}x" if not isinstance(sdpa, str) else ""
-                row = f"| {size}x{size} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {result[3]:.1f} | {speedup} | {result[2]:.2f} |"
+                row = f"| {point} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {result[3]:.1f} | {speedup} | {result[2]:.2f} |"
                 if name not in (SDPA, "reference") and (best_local is None or result[0] < best_local[1][0]):
                     best_local = (name, result)
             lines.append(row)
             print(row, flush=True)
         if best_local and not isinstance(sdpa, str):
-            summary.append(f"{size}x{size}: fastest local backend {best_local[0]} is {sdpa[0] / best_local[1][0]:.2f}x faster than SDPA")
+            summary.append(f"{point}: fastest local backend {best_local[0]} is {sdpa[0] / best_local[1][0]:.2f}x faster than SDPA")
         chunked = results.get("sliding_chunk")
         for name in ("fused_cpu", "chunk_rows"):  # the two that save no scores for the backward
             lean = results.get(name)
             if all(isinstance(r, tuple) for r in (lean, chunked, sdpa)):
-                summary.append(f"{size}x{size}: {name}'s peak memory is {lean[1] / chunked[1]:.2f}x sliding_chunk's and "
+                summary.append(f"{point}: {name}'s peak memory is {lean[1] / chunked[1]:.2f}x sliding_chunk's and "
                                f"{lean[1] / sdpa[1]:.2f}x SDPA's; its working memory {lean[3] / chunked[3]:.2f}x and {lean[3] / sdpa[3]:.2f}x")
         fused = results.get("triton")
         if isinstance(fused, tuple):
             others = [f"{result[0] / fused[0]:.2f}x {name}" for name, result in results.items()
                       if name != "triton" and isinstance(result, tuple)]
-            summary.append(f"{size}x{size}: triton's speed-up over {', '.join(others)}; its memory is {fused[2]:.2f}x "
+            summary.append(f"{point}: triton's speed-up over {', '.join(others)}; its memory is {fused[2]:.2f}x "
                            f"the inputs, outputs and gradients")
     lines += [""] + summary
     print("\n" + "\n".join(summary))
     if args.markdown:
         atomic_write(args.markdown, lambda f: f.write(("\n".join(lines) + "\n").encode()))
     if args.plot:
-        plot_study(study, args.plot, lines[1])
+        plot_study(study, args.plot, lines[1], args.dim)
 
 
-def plot_study(study, prefix, title):
-    """``study[size][backend]`` = (seconds, MiB, ...) or a reason -> PREFIX_time.png, PREFIX_memory.png."""
+def plot_study(study, prefix, title, dim=2):
+    """``study[size][backend]`` = (seconds, MiB, ...) or a reason -> PREFIX_time.png, PREFIX_memory.png, against
+    the map side (``dim`` 2) or the sequence length (``dim`` 1)."""
     import matplotlib
     import matplotlib.ticker
 
@@ -223,8 +287,8 @@ def plot_study(study, prefix, title):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_xticks(sorted(study), [f"{s}x{s}" for s in sorted(study)])
-        ax.set_xlabel("feature map")
+        ax.set_xticks(sorted(study), [point_name(s, dim) for s in sorted(study)])
+        ax.set_xlabel("feature map" if dim == 2 else "sequence length")
         ax.set_ylabel(unit)
         ax.set_title(title, fontsize=7, wrap=True)
         ax.legend(fontsize=8)
