@@ -59,8 +59,9 @@ def default_backend(device, dtype, dims=2):
     return _FASTEST_ELSEWHERE[0]
 
 
-def _choose(backend, dims, hood, q, trains):
+def _choose(backend, hood, q, trains):
     """The backend declaration for this request; one sentence naming the backends that can run it otherwise."""
+    dims = hood.dims
     if backend is None:
         backend = default_backend(q.device, q.dtype, dims)
         if (q.device.type, q.dtype, backend, dims) not in _logged_choices:
@@ -133,7 +134,7 @@ def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, globa
     if q.dim() != 5:
         raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
     _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, "(4w-1)**2")
-    b = _choose(backend, 2, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
+    b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
     inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
     if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
         b = reference.BACKEND
@@ -182,7 +183,7 @@ def local_attention_1d(q, k, v, window, *, dilation=1, causal=False, key_padding
                              f"{key_padding_mask.dtype} of shape {tuple(key_padding_mask.shape)}.")
         if key_padding_mask.device != q.device:
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}; both must match.")
-    b = _choose(backend, 1, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
+    b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
     inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
     if q.numel() == 0:
         b = reference.BACKEND

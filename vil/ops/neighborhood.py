@@ -92,7 +92,7 @@ class Neighborhood1d:
 
     @property
     def dilated(self):
-        return max(self.dilations(1) if not self.per_head else self.dilation) > 1
+        return max(self.dilation if self.per_head else (self.dilation,)) > 1
 
     def dilations(self, heads):
         """One dilation per head."""

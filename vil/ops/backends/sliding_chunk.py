@@ -265,9 +265,9 @@ class SlidingChunkAttention1d(torch.autograd.Function):
         if grad_bias is not None:
             row = band_block_tables(w, causal, q.device)[1]
             grad_rel_bias = torch.zeros_like(rel_bias).index_add_(1, row.flatten(), grad_bias.flatten(1))
-        unpad = lambda x: x.flatten(2, 3)[:, :, w : w + L]  # noqa: E731
-        return (grad_q.flatten(2, 3)[:, :, :L], unpad(grad_keys), unpad(grad_values), grad_gk, grad_gv, grad_rel_bias,
-                grad_gb, None, None, None, None)
+        grad_k, grad_v = (x.flatten(2, 3)[:, :, w : w + L] for x in (grad_keys, grad_values))  # less the padding
+        return (grad_q.flatten(2, 3)[:, :, :L], grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_gb, None, None,
+                None, None)
 
 
 def _band_hidden(key_padding_mask, B, L, window, blocks, causal, device):
