@@ -36,8 +36,9 @@ def test_plot_study_draws_time_and_memory(tmp_path, monkeypatch):
 
 
 def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
-    """A tiny ``--dim 1`` run end to end. The workers run in this process (a fresh one costs seconds of imports),
-    but for one, which checks that the options travel to a real worker; the default backend is not built here."""
+    """A tiny ``--dim 1`` run end to end. The workers (one per size) run in this process (a fresh one costs seconds
+    of imports), but for one, which checks that the options travel to a real worker; the default backend is not
+    built here."""
     import contextlib
     import io
     import subprocess
@@ -66,17 +67,20 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     rows = [line.split(" | ") for line in table if line.startswith("| 64 ") or line.startswith("| 128 ")]
     assert [(r[0], r[1]) for r in rows] == [(f"| {n}", b) for n in (64, 128) for b in (tool.SDPA, "sliding_chunk", "loop", "chunks")]
     assert all(float(r[2]) > 0 and float(r[3]) >= 0 and r[5].endswith("x") for r in rows), rows
-    assert len(workers) == 8 and all("--causal" in w and w[w.index("--dilation") + 1] == "1" and "--exact" not in w for w in workers)
+    assert len(workers) == 2 and all("--causal" in w and w[w.index("--dilation") + 1] == "1" and "--exact" not in w for w in workers)
     for what in ("time", "memory"):
         assert (tmp_path / f"study_{what}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "64: fastest local backend" in capsys.readouterr().out
 
-    # The skipping rules answer without a worker; one point in a real fresh process.
+    # The skipping rules answer without a worker; one size in a real fresh process, where a backend's failure is
+    # its own row.
     args = tool.parse_args(argv[:-4] + ["--dilation", "2"])
-    assert tool.run_point(args, "chunks", 64).startswith("skipped")
-    assert tool.run_point(args, tool.SDPA, 32768).startswith("skipped")
-    assert tool.run_point(args, "loop", 32768).startswith("skipped")
-    assert tool.run_point(args, "reference", 8192).startswith("skipped")
+    assert tool.run_size(args, ["chunks"], 64)["chunks"].startswith("skipped")
+    assert tool.run_size(args, [tool.SDPA], 32768)[tool.SDPA].startswith("skipped")
+    assert tool.run_size(args, ["loop"], 32768)["loop"].startswith("skipped")
+    assert tool.run_size(args, ["reference"], 8192)["reference"].startswith("skipped")
     monkeypatch.setattr(tool.subprocess, "run", real_run)
-    seconds, peak, ratio, working = tool.run_point(args, "loop", 64)
+    results = tool.run_size(args, ["loop", "unfold"], 64)
+    seconds, peak, ratio, working = results["loop"]
     assert seconds > 0 and peak > 0 and ratio >= 1 and working > 0
+    assert results["unfold"].startswith("failed: The unfold backend does not compute 1D windows; 1D backends:")

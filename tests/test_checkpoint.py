@@ -61,6 +61,12 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["ckpt.pth"]  # and no temporary file is left behind
 
 
+def test_saved_files_get_the_mode_a_plain_open_gives(tmp_path):
+    save_checkpoint(tmp_path / "ckpt.pth", model(0))
+    (tmp_path / "plain").write_bytes(b"")
+    assert os.stat(tmp_path / "ckpt.pth").st_mode == os.stat(tmp_path / "plain").st_mode
+
+
 def test_checkpoint_of_another_architecture_is_one_sentence(tmp_path):
     save_checkpoint(tmp_path / "small.pth", MsViT(PRESETS["vil_small"], img_size=64, num_classes=7))
     with pytest.raises(ValueError) as err:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from vil.ops import available_backends, default_backend, local_attention_1d
+from vil.ops.backends import sliding_chunk
 from vil.ops.backends.reference import band_pairs
 
 CPU = torch.device("cpu")
@@ -153,12 +154,25 @@ def test_gradcheck(backend):
     assert torch.autograd.gradcheck(fn, tuple(inputs[n] for n in names))
 
 
-@pytest.mark.parametrize("backend", ["sliding_chunk", "loop"])
-def test_half_precision_inputs(backend):
+@pytest.mark.parametrize("backend", ["sliding_chunk", "chunks"])
+@pytest.mark.parametrize("L,w,dilation,causal,G,rel,glob,mask", [CASES[3], CASES[4], CASES[9], CASES[10], CASES[11]])
+def test_blocked_backends_in_groups_of_one_block(monkeypatch, backend, L, w, dilation, causal, G, rel, glob, mask):
+    # Long sequences run in groups of blocks (chunks) whose scores fit a budget; a budget of one byte makes every
+    # block a group of its own, so the softmax of a query is merged across groups.
+    monkeypatch.setitem(sliding_chunk.BLOCK_BYTES, "cpu", 1)
+    inputs, padding = make_inputs(L, w, G, rel, glob, mask)
+    expected, expected_grads = run("reference", inputs, padding, w, dilation, causal)
+    out, grads = run(backend, inputs, padding, w, dilation, causal)
+    for got, want in zip((out, *grads), (expected, *expected_grads)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend,dilation", [("sliding_chunk", 2), ("loop", 2), ("chunks", 1)])
+def test_half_precision_inputs(backend, dilation):
     inputs, padding = make_inputs(40, 5, 1, True, True, "random", D=16, dtype=torch.float32)
-    expected, _ = run("reference", inputs, padding, 5, 2, True)
+    expected, _ = run("reference", inputs, padding, 5, dilation, True)
     low = {n: None if t is None else t.detach().bfloat16().requires_grad_() for n, t in inputs.items()}
-    out, grads = run(backend, low, padding, 5, 2, True)
+    out, grads = run(backend, low, padding, 5, dilation, True)
     assert out.dtype == torch.bfloat16 and grads[0].dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=3e-2, atol=3e-2)
 

@@ -2,14 +2,16 @@
 length, ``--dim 1``), next to ``torch.nn.functional.scaled_dot_product_attention`` over all tokens.
 
 Default problem: one attention layer of ViL-Small's first stage (batch 4, 3 heads x 32, w=7, one global
-token), fp32. Every point runs in a fresh process, so that one point cannot leave memory or caches to another.
-Peak memory is what torch's allocator holds for tensors at most during one forward+backward, over what it held
-before (``vil.profiling.PeakMemory``: on the CPU counted from the profiler's allocation events, on CUDA
-``torch.cuda.max_memory_allocated``), taken after one warm-up call (compilation and kernel tuning allocate
-scratch memory of their own). It includes the output, its gradient and the inputs' gradients, not the inputs.
-The working memory is that peak less the output, its gradient and the inputs' gradients, which every
+token), fp32. Every size runs in a fresh process, so that one size cannot leave memory or caches to another.
+There each backend is called once to warm up (compilation, kernel tuning and cached tables allocate scratch
+memory of their own) and once to take its peak memory; then ``--repeats`` rounds call the backends in turn, so
+that a swing in the machine's speed reaches all of them alike, and the time is each one's best. Peak memory is
+what torch's allocator holds for tensors at most during one forward+backward, over what it held before
+(``vil.profiling.PeakMemory``: on the CPU counted from the profiler's allocation events, on CUDA
+``torch.cuda.max_memory_allocated``). It includes the output, its gradient and the inputs' gradients, not the
+inputs. The working memory is that peak less the output, its gradient and the inputs' gradients, which every
 implementation holds; the last column puts the inputs plus the peak over the inputs, outputs and their
-gradients (1.0: no memory beyond them). Time is the best of ``--repeats`` calls.
+gradients (1.0: no memory beyond them).
 
     python tools/benchmark_attention.py                      # CPU, maps 28, 56, 84
     python tools/benchmark_attention.py --device cuda --dtype bfloat16 --batch 64 --rel-bias --sizes 28 56 112
@@ -30,6 +32,12 @@ time and peak memory against the sequence length, as Figure 1 of the Longformer 
 
     python tools/benchmark_attention.py --dim 1 --markdown docs/study_1d.md --plot docs/study_1d
     python tools/benchmark_attention.py --dim 1 --causal --markdown docs/study_1d_causal.md --plot docs/study_1d_causal
+
+On the CPU, glibc's allocator hands large blocks back to the system when enough memory at the top of its heap is
+free, and the next allocation of that size faults its pages in again. Whether a backend's scratch blocks hit that
+depends on their sizes and on what the process allocated before, so the blocked backends' times swing by up to
+1.5x from one process to another. ``--steady-malloc`` runs the workers with glibc keeping what it frees (as jemalloc
+and tcmalloc do): the times then compare the implementations rather than the page faults of the allocator.
 """
 
 import argparse
@@ -53,6 +61,8 @@ REFERENCE_MAX_TOKENS = {2: 56 * 56, 1: 4096}  # the naive masked reference needs
 SDPA_MAX_TOKENS = {2: 112 * 112, 1: 16384}  # on the CPU, full attention's time grows with tokens^2
 LOOP_MAX_TOKENS = 2048  # on the CPU, the 1D loop takes one pass over the sequence per window offset (11 s at 2048)
 UNFOLD_MAX_BYTES = 6 * 2**30  # the unfold backends keep the unfolded keys and values: skipped above this
+# --steady-malloc: blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap, which is never trimmed.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 DEFAULT_BACKENDS = {  # (dim, device); those not in available_backends(dim) are left out
     (2, "cpu"): ["fused_cpu", "sliding_chunk", "sliding_chunk_autograd", "chunk_rows", "unfold", "unfold_nnf", "reference"],
     (2, "cuda"): ["triton", "flex", "sliding_chunk"],
@@ -84,9 +94,11 @@ def parse_args(argv=None):
     p.add_argument("--causal", action="store_true", help="keys at or before the query only; --dim 1 only")
     p.add_argument("--rel-bias", action="store_true", help="add a relative position bias table")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--steady-malloc", action="store_true",
+                   help="glibc keeps the memory it frees (below 32 MiB a block) for reuse, as jemalloc and tcmalloc do")
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png and PREFIX_memory.png")
-    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one point, print JSON
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure the backends at one size, print JSON
     args = p.parse_args(argv)
     if args.dim == 2 and (args.dilation is not None or args.causal):
         p.error("--dilation and --causal are options of the 1D study (--dim 1)")
@@ -103,8 +115,9 @@ def point_name(size, dim):
     return f"{size}x{size}" if dim == 2 else str(size)
 
 
-def measure(args, backend, size):
-    """Time (s) and peak memory (MiB) of one forward+backward at map side or sequence length ``size``, here."""
+def prepare(args, backend, size):
+    """One forward+backward at map side or sequence length ``size``, as a function, and the sizes of what every
+    implementation holds: ``(run, input_bytes, io_bytes)``."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     B, H, D, G = args.batch, args.heads, args.head_dim, args.num_global
 
@@ -142,22 +155,41 @@ def measure(args, backend, size):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    run()  # compilation, tuning and cached tables first: they allocate memory of their own
-    with PeakMemory(device) as peak:
-        run()
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
     input_bytes = sum(t.numel() for t in leaves) * leaves[0].element_size()
     io_bytes = 2 * input_bytes + 2 * out_numel * leaves[0].element_size()  # inputs, output, their gradients
-    working = peak.mib - (io_bytes - input_bytes) / 2**20
-    return min(times), peak.mib, (input_bytes + peak.mib * 2**20) / io_bytes, working
+    return run, input_bytes, io_bytes
 
 
-def run_point(args, backend, size):
-    """Measure one point in a fresh process; returns (seconds, MiB) or a string saying why not."""
+def measure(args, backends, size):
+    """``{backend: (seconds, peak MiB, memory / (inputs, outputs, gradients), working MiB)}`` at ``size``, here, or
+    a string saying why a backend failed. Each backend is warmed up (compilation, tuning and cached tables allocate
+    memory of their own) and its peak memory taken; then ``--repeats`` rounds call the backends in turn, so that a
+    swing in the machine's speed reaches every backend alike, and the time is each one's best."""
+    ready, results = {}, {}
+    for backend in backends:
+        try:
+            run, input_bytes, io_bytes = prepare(args, backend, size)
+            run()
+            with PeakMemory(args.device) as peak:
+                run()
+        except Exception as error:  # one backend's failure is its row of the table, not the end of the study
+            results[backend] = f"failed: {str(error).splitlines()[0][:80]}"
+            continue
+        working = peak.mib - (io_bytes - input_bytes) / 2**20
+        ready[backend] = run
+        results[backend] = [[], peak.mib, (input_bytes + peak.mib * 2**20) / io_bytes, working]
+    for _ in range(args.repeats):
+        for backend, run in ready.items():
+            start = time.perf_counter()
+            run()
+            results[backend][0].append(time.perf_counter() - start)
+    for backend in ready:
+        results[backend][0] = min(results[backend][0])
+    return results
+
+
+def skip_reason(args, backend, size):
+    """Why a point is not measured, or None."""
     tokens = size**args.dim
     if backend == "reference" and tokens > REFERENCE_MAX_TOKENS[args.dim]:
         return "skipped (tokens^2 memory)"
@@ -172,18 +204,29 @@ def run_point(args, backend, size):
         unfolded = 4 * args.batch * args.heads * tokens * window_keys * args.head_dim * 4  # K, V and gradients
         if unfolded > UNFOLD_MAX_BYTES:
             return "skipped (tokens x window x head_dim memory)"
+    return None
+
+
+def run_size(args, backends, size):
+    """Measure ``backends`` at one size in a fresh process: ``{backend: (seconds, MiB, ...) or why not}``."""
+    results = {name: skip_reason(args, name, size) for name in backends}
+    measured = [name for name, reason in results.items() if reason is None]
+    if not measured:
+        return results
     options = {"--dim": args.dim, "--device": args.device, "--dtype": args.dtype, "--batch": args.batch,
                "--heads": args.heads, "--head-dim": args.head_dim, "--window": args.window,
                "--num-global": args.num_global, "--repeats": args.repeats}
     options.update({"--exact": args.exact} if args.dim == 2 else {"--dilation": args.dilation})
     flags = [flag for flag, on in (("--rel-bias", args.rel_bias), ("--causal", args.causal)) if on]
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([backend, size])]
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([measured, size])]
     argv += [str(x) for item in options.items() for x in item] + flags
-    done = subprocess.run(argv, capture_output=True, text=True)
+    env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
-        return f"failed: {last[:80]}"
-    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+        return dict(results, **{name: f"failed: {last[:80]}" for name in measured})
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    return dict(results, **{name: a if isinstance(a, str) else tuple(a) for name, a in answers.items()})
 
 
 def machine():
@@ -201,8 +244,8 @@ def machine():
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
-        backend, size = json.loads(args.worker)
-        print(json.dumps(measure(args, backend, size)))
+        backends, size = json.loads(args.worker)
+        print(json.dumps(measure(args, backends, size)))
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda was asked for, but torch sees no CUDA device here.")
@@ -222,7 +265,7 @@ def main(argv=None):
         f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}",
         f"One layer, forward+backward: batch {args.batch}, {args.heads} heads x {args.head_dim}, {geometry}"
         f"{'relative bias, ' if args.rel_bias else ''}{args.dtype} on {args.device}; "
-        f"best of {args.repeats}; backend=None picks {default!r}",
+        f"best of {args.repeats}{'; --steady-malloc' if args.steady_malloc else ''}; backend=None picks {default!r}",
         "",
         f"| {'map' if args.dim == 2 else 'length'} | backend | time (ms) | peak memory (MiB) | working memory (MiB) | "
         "vs SDPA | memory / (inputs, outputs, gradients) |",
@@ -231,7 +274,7 @@ def main(argv=None):
     print("\n".join(lines), flush=True)
     summary, study = [], {}
     for size in args.sizes:
-        results = study[size] = {name: run_point(args, name, size) for name in [SDPA] + args.backends}
+        results = study[size] = run_size(args, [SDPA] + args.backends, size)
         sdpa = results[SDPA]
         point = point_name(size, args.dim)
         best_local = None

@@ -21,6 +21,9 @@ def atomic_write(path, write):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # the mode open() would give; mkstemp makes files private to the owner
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

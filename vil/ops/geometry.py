@@ -269,3 +269,17 @@ def band_block_tables(window, causal, device):
     c = torch.arange(3 * window)[None, :]
     allowed, row = pair_in_band(r + window, c, window, 1, causal)
     return allowed.to(device), row.to(device)
+
+
+@lru_cache(maxsize=16)
+def band_chunk_tables(window, causal, device):
+    """The band seen from one of Longformer's chunks: ``2w`` consecutive positions, scored against themselves
+    (row ``r`` and column ``c`` are positions of the chunk, the key at offset ``a = c - r``). Each query lies in
+    two chunks, once in the first half (it takes its keys at offsets ``0..w`` there) and once in the second half
+    (offsets ``-w..-1``), so that every key is counted once: ``allowed (2w, 2w)`` bool and ``bias_row (2w, 2w)``
+    long, the row ``a + w`` of the bias table."""
+    r = torch.arange(2 * window)[:, None]
+    c = torch.arange(2 * window)[None, :]
+    allowed, row = pair_in_band(r, c, window, 1, causal)
+    allowed = allowed & ((c >= r) == (r < window))
+    return allowed.to(device), row.to(device)

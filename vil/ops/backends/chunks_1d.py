@@ -1,74 +1,178 @@
-"""Longformer-chunks: the sequence cut into overlapping chunks of 2w positions (overlap w), one batched matrix
-product per chunk, and the band read off the chunks' score matrices.
+"""Longformer-chunks: the sequence cut into overlapping chunks of 2w positions (overlap w), one matrix product per
+chunk, the scores outside the band masked, and a hand-written backward that saves only the inputs, the output
+and one log-sum-exp per query.
 
-Chunk ``c`` holds positions ``(c-1)w .. (c+1)w - 1`` (one zero block in front), so query ``i`` in block
-``m = i // w`` finds its keys at offsets ``0..w`` in the first half of chunk ``m + 1`` (row ``i - mw``) and at
-offsets ``-w..-1`` in the second half of chunk ``m``. The ``2w x 2w`` product of a chunk
-computes about twice the scores the band needs, which is what this layout trades for one dense product: about
-twice the memory of the band, as the Longformer paper says. The probabilities are put back into chunk layout
-for the product with the values. Undilated windows only (as the paper's chunks); backward is autograd's.
+Chunk ``c`` holds the positions ``(c-1)w .. (c+1)w - 1`` (padded blocks ``c`` and ``c + 1``, see
+``chunked.band_blocks``), and its ``2w x 2w`` product scores every pair inside it. Query block ``m`` is the first
+half of chunk ``m + 1``, where it takes its keys at offsets ``0..w``, and the second half of chunk ``m``, where it
+takes those at ``-w..-1`` (``geometry.band_chunk_tables``). A chunk scores ``4w`` keys per query where the band
+has ``2w + 1``: the chunk layout pays twice the scores of the band for one dense product, as the Longformer paper
+says of its chunks (and a third more than sliding_chunk's ``3w``). The first and last chunks hold queries in one
+half only; they score that half alone.
+
+The softmax of a query spans its two chunk rows and the global keys. The forward keeps a running maximum, sum of
+exponentials and unnormalised output per query and merges each chunk row into it, so the chunks run in groups
+whose scores stay near ``BLOCK_BYTES``, as in sliding_chunk. With the log-sum-exp known, the backward's chunks are
+independent. Scores are in base 2 (see sliding_chunk). The backward appends a column to its operands (``-lse`` to the
+queries and ones to the keys, ``-rowsum(dO * O)`` to the output gradient and ones to the values), so that its two
+score products give ``scores - lse`` and ``dP - rowsum(P * dP)`` without a pass of their own over the scores.
+Undilated windows only, as the paper's chunks.
 """
 
 import torch
-import torch.nn.functional as F
 
 from . import Backend
-from ..geometry import pair_in_band
-from .loop_1d import softmax_with_globals
+from ..geometry import band_chunk_tables
+from .chunked import apply_in_float32, band_blocks, band_masks, band_scores, band_windows, scatter_band_windows_
+from .sliding_chunk import BLOCK_BYTES, LOG2E
+
+SPAN = 2  # padded blocks per chunk
 
 
-def _diagonals(half, count):
-    """``half (..., w, 2w)`` -> ``(..., w, count)``: entry ``(r, a)`` is ``half[r, r + a]``. Row r of the flattened
-    matrix read with row length 2w + 1 starts r places further right: the skew is a pad and a view."""
-    w = half.shape[-2]
-    flat = F.pad(half.flatten(-2), (0, w))
-    return flat.unflatten(-1, (w, 2 * w + 1))[..., :count]
+def _chunk_groups(q, window, blocks):
+    """``(start, stop, halves)``: groups of chunks start..stop-1 and the halves of them that hold queries. The
+    middle chunks run in groups whose scores stay near ``BLOCK_BYTES``, with both halves; chunk 0 holds queries in
+    its second half only and chunk ``blocks`` in its first half only (the other halves are padding), so they run
+    alone, with the half that counts."""
+    B, H = q.shape[:2]
+    budget = BLOCK_BYTES.get(q.device.type, BLOCK_BYTES["cuda"])
+    step = max(1, budget // (B * H * (SPAN * window) ** 2 * q.element_size()))
+    yield 0, 1, range(1, 2)
+    for start in range(1, blocks, step):
+        yield start, min(blocks, start + step), range(0, 2)
+    yield blocks, blocks + 1, range(0, 1)
 
 
-def _undiagonals(diagonals):
-    """The adjoint of :func:`_diagonals`: ``(..., w, count)`` -> ``(..., w, 2w)`` with zeros off the diagonals."""
-    w, count = diagonals.shape[-2:]
-    flat = F.pad(diagonals, (0, 2 * w + 1 - count)).flatten(-2)
-    return flat[..., : 2 * w * w].unflatten(-1, (w, 2 * w))
+def _chunk_masks(rel_bias, key_padding_mask, B, L, window, blocks, causal, device):
+    """The chunk's band table with the base-2 bias, and the hidden keys (``chunked.band_masks``)."""
+    allowed, bias_row = band_chunk_tables(window, causal, device)
+    rel_bias2 = None if rel_bias is None else rel_bias * LOG2E
+    return band_masks(allowed, bias_row, rel_bias2, key_padding_mask, B, L, window, blocks)
 
 
-def _chunks(x, window, blocks):
-    """(B, H, L, D) -> (B, H, blocks + 1, 2w, D): chunk c holds positions (c-1)w .. (c+1)w - 1, zero padded."""
-    x = F.pad(x, (0, 0, window, (blocks + 1) * window - x.shape[2]))
-    return x.unfold(2, 2 * window, window).transpose(-1, -2)
+def _global_part(queries, global_k, global_bias):
+    """Base-2 scores of every query against the global keys: (B, H, L, G)."""
+    scores = torch.matmul(queries, global_k.transpose(-1, -2))
+    if global_bias is not None:
+        scores += global_bias[:, None, :]
+    return scores
+
+
+def _safe(row_max):
+    """The maximum to subtract: 0 for rows that see no key, whose exponentials are then all 0."""
+    return row_max.masked_fill(row_max == float("-inf"), 0.0)
+
+
+def _merge_(state, rows, part_max, part_sum, part_out):
+    """Adds one part of the softmax of the query rows ``rows`` (a slice of padded blocks) to the running
+    ``state = (maximum, sum, output)``, in place: the part's sum and output are taken against its own maximum (0
+    where that is -inf), and both sides are rescaled to the larger maximum."""
+    run_max, run_sum, run_out = (x[:, :, rows] for x in state)
+    new_max = torch.maximum(run_max, part_max)
+    top = _safe(new_max)
+    old, new = (run_max - top).exp2_(), (part_max - top).exp2_()  # 0 for a side that sees no key yet
+    run_sum.mul_(old).add_(part_sum * new)
+    run_out.mul_(old[..., None]).add_(part_out * new[..., None])
+    run_max.copy_(new_max)
+
+
+class ChunksAttention1d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, causal, scale):
+        B, H, L, D = q.shape
+        w, blocks = window, -(-L // window)
+        masks = _chunk_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
+        # Padded copies; the queries scaled in place (large inputs: every new tensor costs page faults).
+        queries_b, keys_b, values_b = (band_blocks(x, w, blocks) for x in (q, k, v))
+        queries = queries_b.mul_(scale * LOG2E).flatten(2, 3)[:, :, w : w + L]
+        # The running softmax of every query row (padded blocks): maximum, sum of exponentials, unnormalised output.
+        state = [q.new_full((B, H, blocks + 2, w), float("-inf")), q.new_zeros(B, H, blocks + 2, w),
+                 q.new_zeros(B, H, blocks + 2, w, D)]
+        if global_k is not None:
+            scores_g = _global_part(queries, global_k, None if global_bias is None else global_bias * LOG2E)
+            max_g = scores_g.amax(-1)
+            weights_g = scores_g.sub_(_safe(max_g)[..., None]).exp2_()
+            for x, part in zip(state, (max_g, weights_g.sum(-1), torch.matmul(weights_g, global_v))):
+                x.flatten(2, 3)[:, :, w : w + L] = part
+        for start, stop, halves in _chunk_groups(q, w, blocks):
+            rows = slice(halves.start * w, halves.stop * w)
+            chunk_queries = band_windows(queries_b, start + halves.start, stop + halves.start, len(halves))
+            scores = band_scores(chunk_queries, band_windows(keys_b, start, stop, SPAN), masks, start, stop, rows)
+            chunk_max = scores.amax(-1)
+            weights = scores.sub_(_safe(chunk_max)[..., None]).exp2_()
+            chunk_sum = weights.sum(-1)
+            chunk_out = torch.matmul(weights, band_windows(values_b, start, stop, SPAN))
+            # Half j of chunk c is padded block c + j.
+            for i, j in enumerate(halves):
+                half = slice(i * w, (i + 1) * w)
+                _merge_(state, slice(start + j, stop + j), chunk_max[..., half], chunk_sum[..., half],
+                        chunk_out[..., half, :])
+        row_max, total, out = (x[:, :, 1 : blocks + 1].flatten(2, 3)[:, :, :L] for x in state)
+        out = out.div_(total.clamp(min=torch.finfo(total.dtype).tiny)[..., None])
+        lse = torch.where(total > 0, _safe(row_max) + total.log2(), float("inf"))  # base 2; +inf: sees no key
+        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse)
+        ctx.options = window, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse = ctx.saved_tensors
+        w, causal, scale = ctx.options
+        B, H, L, D = q.shape
+        blocks = -(-L // w)
+        masks = _chunk_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
+        row_term = (grad_out * out).sum(-1)  # rowsum(dO * O) = rowsum(P * dP)
+        # Padded copies with one more column (the module docstring), scaled in place: natural-scale queries and
+        # base-2 keys, whose query gradient is then LOG2E too large (undone at the end).
+        queries_b, keys_b, values_b, grad_out_b = (band_blocks(x, w, blocks, extra_column=True)
+                                                   for x in (q, k, v, grad_out))
+        queries_b[..., :D].mul_(scale)
+        keys_b[..., :D].mul_(LOG2E)
+        keys_b[..., D] = values_b[..., D] = 1.0
+        # -lse, and -inf for queries past the end of the sequence (their output gradient is 0): zero probabilities.
+        queries_b.flatten(2, 3)[:, :, w : w + L, D] = -lse
+        queries_b.flatten(2, 3)[:, :, w + L :, D] = float("-inf")
+        grad_out_b.flatten(2, 3)[:, :, w : w + L, D] = -row_term
+        grad_queries_b, grad_keys_b, grad_values_b = (q.new_zeros(queries_b.shape[:-1] + (D,)) for _ in range(3))
+        grad_bias = None if rel_bias is None else q.new_zeros(H, SPAN * w, SPAN * w)
+        for start, stop, halves in _chunk_groups(q, w, blocks):
+            rows = slice(halves.start * w, halves.stop * w)
+            query_blocks = (start + halves.start, stop + halves.start, len(halves))
+            chunk_keys, chunk_values = (band_windows(x, start, stop, SPAN) for x in (keys_b, values_b))
+            chunk_queries, chunk_grad_out = (band_windows(x, *query_blocks) for x in (queries_b, grad_out_b))
+            probs = band_scores(chunk_queries, chunk_keys, masks, start, stop, rows).exp2_()
+            grad_values = torch.matmul(probs.transpose(-1, -2), chunk_grad_out[..., :D])
+            scatter_band_windows_(grad_values_b, grad_values, start, stop)
+            grad_scores = torch.matmul(chunk_grad_out, chunk_values.transpose(-1, -2)).mul_(probs)
+            del probs
+            scatter_band_windows_(grad_queries_b, torch.matmul(grad_scores, chunk_keys[..., :D]), *query_blocks[:2])
+            grad_keys = torch.matmul(grad_scores.transpose(-1, -2), chunk_queries[..., :D])
+            scatter_band_windows_(grad_keys_b, grad_keys, start, stop)
+            if grad_bias is not None:
+                grad_bias[:, rows] += grad_scores.sum((0, 2))
+        grad_q, grad_k, grad_v = (x.flatten(2, 3)[:, :, w : w + L] for x in (grad_queries_b, grad_keys_b, grad_values_b))
+        grad_q.mul_(scale / LOG2E)
+
+        grad_gk = grad_gv = grad_gb = None
+        if global_k is not None:
+            queries = queries_b[..., :D].flatten(2, 3)[:, :, w : w + L]
+            scores_g = _global_part(queries * LOG2E, global_k, None if global_bias is None else global_bias * LOG2E)
+            probs_g = scores_g.sub_(lse[..., None]).exp2_()
+            grad_gv = torch.matmul(probs_g.transpose(-1, -2), grad_out)
+            grad_scores_g = torch.matmul(grad_out, global_v.transpose(-1, -2)).sub_(row_term[..., None]).mul_(probs_g)
+            grad_q.add_(torch.matmul(grad_scores_g, global_k), alpha=scale)
+            grad_gk = torch.matmul(grad_scores_g.transpose(-1, -2), queries)
+            grad_gb = None if global_bias is None else grad_scores_g.sum((0, 2))
+        grad_rel_bias = None
+        if grad_bias is not None:
+            bias_row = band_chunk_tables(w, causal, q.device)[1]
+            grad_rel_bias = torch.zeros_like(rel_bias).index_add_(1, bias_row.flatten(), grad_bias.flatten(1))
+        return grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_gb, None, None, None, None
 
 
 def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
-    B, H, L, D = q.shape
-    w = hood.window
-    blocks = -(-L // w)
-    chunk_scores = torch.matmul(_chunks(q * scale, w, blocks), _chunks(k, w, blocks).transpose(-1, -2))
-    upper = _diagonals(chunk_scores[:, :, 1:, :w], w + 1)  # offsets 0..w
-    lower = _diagonals(chunk_scores[:, :, :-1, w:], w)  # offsets -w..-1, as columns r..r+w-1 of the second half
-    band = torch.cat([lower, upper], dim=-1).flatten(2, 3)  # (B, H, blocks * w, 2w + 1): offsets -w..w
-
-    positions = torch.arange(blocks * w, device=q.device)[:, None]
-    keys = positions + torch.arange(-w, w + 1, device=q.device)[None, :]
-    allowed, row = pair_in_band(positions, keys, w, 1, hood.causal)
-    visible = allowed & (keys >= 0) & (keys < L)
-    if key_padding_mask is not None:
-        visible = visible & ~F.pad(key_padding_mask, (w, keys.shape[0] + w - L))[:, keys + w][:, None]
-    if rel_bias is not None:
-        band = band + rel_bias[:, None, :]
-    queries = F.pad(q, (0, 0, 0, blocks * w - L)) * scale
-    probs = softmax_with_globals(band.masked_fill(~visible, float("-inf")), queries, global_k, global_bias)
-    G = 0 if global_k is None else global_k.shape[2]
-
-    # Back into chunk layout: block m's offsets 0..w into the first half of chunk m + 1, -w..-1 into the second
-    # half of chunk m.
-    band_probs = probs[..., G:].unflatten(2, (blocks, w))
-    first, second = _undiagonals(band_probs[..., w:]), _undiagonals(band_probs[..., :w])
-    chunk_probs = torch.cat([F.pad(first, (0, 0, 0, 0, 1, 0)), F.pad(second, (0, 0, 0, 0, 0, 1))], dim=-2)
-    chunk_out = torch.matmul(chunk_probs, _chunks(v, w, blocks))  # (B, H, blocks + 1, 2w, D)
-    out = (chunk_out[:, :, 1:, :w] + chunk_out[:, :, :-1, w:]).flatten(2, 3)
-    if G:
-        out = out + torch.matmul(probs[..., :G], global_v)
-    return out[:, :, :L]
+    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
+    return apply_in_float32(ChunksAttention1d, q, inputs, key_padding_mask, hood.window, hood.causal, scale)
 
 
 BACKEND = Backend("chunks", attention_1d=attention_1d, dilation_1d=None)

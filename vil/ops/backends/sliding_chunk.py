@@ -23,7 +23,9 @@ import torch
 
 from . import Backend
 from ..geometry import band_block_tables, chunk_plan
-from .chunked import add_rel_bias_grad_, from_chunks, gather_windows, global_scores, scatter_windows_, to_chunks, window_bias, window_scores
+from .chunked import add_rel_bias_grad_, apply_in_float32, band_blocks, band_masks, band_scores, band_windows, from_chunks, gather_windows
+from .chunked import global_scores
+from .chunked import scatter_band_windows_, scatter_windows_, to_chunks, window_bias, window_scores
 
 # Scores per block: small enough for the CPU's caches and allocator, large enough to fill a GPU.
 BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 1 << 30}
@@ -142,12 +144,7 @@ class SlidingChunkAttention(torch.autograd.Function):
 def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
     plan = chunk_plan(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, q.device)
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    compute = torch.promote_types(q.dtype, torch.float32)
-    if compute != q.dtype:
-        # Half precision is computed in float32: the recomputed probabilities need an exact log-sum-exp.
-        inputs = tuple(None if t is None else t.to(compute) for t in inputs)
-    with torch.autocast(q.device.type, enabled=False):  # the dtypes are chosen here, not by autocast
-        return SlidingChunkAttention.apply(*inputs, plan, scale).to(q.dtype)
+    return apply_in_float32(SlidingChunkAttention, q, inputs, plan, scale)
 
 
 # --- 1D: Longformer's band over a sequence ---------------------------------------------------------------------
@@ -156,23 +153,6 @@ def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, sc
 # and after it (``band_block_tables``). The keys and values are padded by one block in front and enough blocks
 # behind, so that block m's window is padded blocks m..m+2; a position is a key where ``key_ok`` (inside the
 # sequence and not masked by the key padding mask).
-
-
-def _band_blocks(x, window, blocks):
-    """(B, H, L, D) -> (B, H, blocks + 2, w, D): zero padded by one block in front and to ``blocks + 2`` behind."""
-    L = x.shape[2]
-    return torch.nn.functional.pad(x, (0, 0, window, (blocks + 1) * window - L)).unflatten(2, (blocks + 2, window))
-
-
-def _band_windows(blocks, start, stop):
-    """The 3w keys (or values) of query blocks start..stop-1: (B, H, n, 3w, D)."""
-    return torch.cat([blocks[:, :, start + j : stop + j] for j in range(3)], dim=-2)
-
-
-def _scatter_band_windows_(grad_blocks, grad, start, stop):
-    """The adjoint of :func:`_band_windows`: adds ``grad (B, H, n, 3w, D)`` into ``grad_blocks``."""
-    for j, part in enumerate(grad.chunk(3, dim=-2)):
-        grad_blocks[:, :, start + j : stop + j] += part
 
 
 def _band_block_ranges(q, window, blocks):
@@ -189,16 +169,15 @@ class SlidingChunkAttention1d(torch.autograd.Function):
     def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, causal, scale):
         B, H, L, D = q.shape
         w, blocks = window, -(-L // window)
-        queries = _band_blocks(q * (scale * LOG2E), w, blocks)
-        keys, values = _band_blocks(k, w, blocks), _band_blocks(v, w, blocks)
-        hidden = _band_hidden(key_padding_mask, B, L, w, blocks, causal, q.device)
-        bias = _band_bias(rel_bias, w, causal)
+        queries = band_blocks(q * (scale * LOG2E), w, blocks)
+        keys, values = band_blocks(k, w, blocks), band_blocks(v, w, blocks)
+        masks = _band_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
         global_bias2 = _base2(global_bias)
         out = q.new_empty(B, H, blocks, w, D)
         lse = q.new_empty(B, H, blocks, w)  # base 2; +inf where a query sees no key
         for start, stop in _band_block_ranges(q, w, blocks):
             block_queries = queries[:, :, start + 1 : stop + 1]
-            scores = _band_scores(block_queries, _band_windows(keys, start, stop), bias, hidden, start, stop)
+            scores = band_scores(block_queries, band_windows(keys, start, stop, 3), masks, start, stop)
             row_max = scores.amax(-1, keepdim=True)
             if global_k is not None:
                 scores_g = _band_global_scores(block_queries, global_k, global_bias2)
@@ -206,7 +185,7 @@ class SlidingChunkAttention1d(torch.autograd.Function):
             row_max.masked_fill_(row_max == float("-inf"), 0.0)
             weights = scores.sub_(row_max).exp2_()
             total = weights.sum(-1, keepdim=True)
-            block_out = torch.matmul(weights, _band_windows(values, start, stop))
+            block_out = torch.matmul(weights, band_windows(values, start, stop, 3))
             if global_k is not None:
                 weights_g = scores_g.sub_(row_max).exp2_()
                 total += weights_g.sum(-1, keepdim=True)
@@ -224,12 +203,11 @@ class SlidingChunkAttention1d(torch.autograd.Function):
         w, causal, scale = ctx.options
         B, H, L, D = q.shape
         blocks = -(-L // w)
-        queries = _band_blocks(q * scale, w, blocks)  # natural-scale queries; base 2 below where scores are made
-        keys, values = _band_blocks(k, w, blocks), _band_blocks(v, w, blocks)
-        grad_outb = _band_blocks(grad_out, w, blocks)
-        row_term = _band_blocks((grad_out * out).sum(-1, keepdim=True), w, blocks)[..., 0]  # rowsum(dO * O)
-        hidden = _band_hidden(key_padding_mask, B, L, w, blocks, causal, q.device)
-        bias = _band_bias(rel_bias, w, causal)
+        queries = band_blocks(q * scale, w, blocks)  # natural-scale queries; base 2 below where scores are made
+        keys, values = band_blocks(k, w, blocks), band_blocks(v, w, blocks)
+        grad_outb = band_blocks(grad_out, w, blocks)
+        row_term = band_blocks((grad_out * out).sum(-1, keepdim=True), w, blocks)[..., 0]  # rowsum(dO * O)
+        masks = _band_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
         global_bias2 = _base2(global_bias)
         grad_q = q.new_empty(B, H, blocks, w, D)
         grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
@@ -240,15 +218,15 @@ class SlidingChunkAttention1d(torch.autograd.Function):
             grad_gb = None if global_bias is None else torch.zeros_like(global_bias)
         for start, stop in _band_block_ranges(q, w, blocks):
             block_queries = queries[:, :, start + 1 : stop + 1]
-            block_keys, block_values = _band_windows(keys, start, stop), _band_windows(values, start, stop)
+            block_keys, block_values = band_windows(keys, start, stop, 3), band_windows(values, start, stop, 3)
             block_grad_out = grad_outb[:, :, start + 1 : stop + 1]
             block_lse, block_row_term = lse[:, :, start:stop, :, None], row_term[:, :, start + 1 : stop + 1, :, None]
-            probs = _band_scores(block_queries * LOG2E, block_keys, bias, hidden, start, stop).sub_(block_lse).exp2_()
-            _scatter_band_windows_(grad_values, torch.matmul(probs.transpose(-1, -2), block_grad_out), start, stop)
+            probs = band_scores(block_queries * LOG2E, block_keys, masks, start, stop).sub_(block_lse).exp2_()
+            scatter_band_windows_(grad_values, torch.matmul(probs.transpose(-1, -2), block_grad_out), start, stop)
             grad_scores = torch.matmul(block_grad_out, block_values.transpose(-1, -2)).sub_(block_row_term).mul_(probs)
             del probs
             block_grad_q = torch.matmul(grad_scores, block_keys)
-            _scatter_band_windows_(grad_keys, torch.matmul(grad_scores.transpose(-1, -2), block_queries), start, stop)
+            scatter_band_windows_(grad_keys, torch.matmul(grad_scores.transpose(-1, -2), block_queries), start, stop)
             if grad_bias is not None:
                 grad_bias += grad_scores.sum((0, 2))
             if global_k is not None:
@@ -270,29 +248,9 @@ class SlidingChunkAttention1d(torch.autograd.Function):
                 None, None)
 
 
-def _band_hidden(key_padding_mask, B, L, window, blocks, causal, device):
-    """``(B or 1, 1, blocks, w, 3w)`` bool: where a query of a block does not see a key of its window (outside
-    the band or the sequence, or masked)."""
-    allowed = band_block_tables(window, causal, device)[0]
-    key_ok = torch.zeros(1 if key_padding_mask is None else B, (blocks + 2) * window, dtype=torch.bool, device=device)
-    key_ok[:, window : window + L] = True if key_padding_mask is None else ~key_padding_mask
-    windows = key_ok.unfold(1, 3 * window, window)  # (B or 1, blocks, 3w)
-    return ~(allowed & windows[:, None, :, None, :])
-
-
-def _band_bias(rel_bias, window, causal):
-    """``(H, w, 3w)``: the relative bias of every (query, window key) of a block, base 2; None without a table."""
-    if rel_bias is None:
-        return None
-    return _base2(rel_bias)[:, band_block_tables(window, causal, rel_bias.device)[1]]
-
-
-def _band_scores(queries, keys, bias, hidden, start, stop):
-    """Base-2 scores of query blocks start..stop-1 against their windows, -inf where hidden: (B, H, n, w, 3w)."""
-    scores = torch.matmul(queries, keys.transpose(-1, -2))
-    if bias is not None:
-        scores += bias[:, None]
-    return scores.masked_fill_(hidden[:, :, start:stop], float("-inf"))
+def _band_masks(rel_bias, key_padding_mask, B, L, window, blocks, causal, device):
+    allowed, bias_row = band_block_tables(window, causal, device)
+    return band_masks(allowed, bias_row, _base2(rel_bias), key_padding_mask, B, L, window, blocks)
 
 
 def _band_global_scores(queries, global_k, global_bias):
@@ -305,12 +263,7 @@ def _band_global_scores(queries, global_k, global_bias):
 
 def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    compute = torch.promote_types(q.dtype, torch.float32)
-    if compute != q.dtype:  # half precision in float32, as in 2D
-        inputs = tuple(None if t is None else t.to(compute) for t in inputs)
-    with torch.autocast(q.device.type, enabled=False):
-        out = SlidingChunkAttention1d.apply(*inputs, key_padding_mask, hood.window, hood.causal, scale)
-    return out.to(q.dtype)
+    return apply_in_float32(SlidingChunkAttention1d, q, inputs, key_padding_mask, hood.window, hood.causal, scale)
 
 
 BACKEND = Backend("sliding_chunk", attention_2d=attention_2d, attention_1d=attention_1d, dilation_2d="split",
