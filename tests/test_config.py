@@ -1,8 +1,12 @@
-"""The yacs config: the original release's keys and files, and clear errors."""
+"""The yacs config: the original release's keys and files, and clear errors; every key is read."""
+
+import ast
+from pathlib import Path
 
 import pytest
+from yacs.config import CfgNode
 
-from vil.config import get_cfg, load_cfg
+from vil.config import COMPATIBILITY_KEYS, compatibility_warnings, get_cfg, load_cfg
 
 ORIGINAL_STYLE_YAML = """
 INPUT:
@@ -65,3 +69,55 @@ def test_unknown_keys_name_the_key(tmp_path):
         load_cfg(overrides=["OPTIM.LR"])
     with pytest.raises(ValueError, match="Type mismatch"):
         load_cfg(overrides=["INPUT.IMAGE_SIZE", "big"])
+
+
+def test_compatibility_only_keys_warn_when_set():
+    assert compatibility_warnings(get_cfg()) == []
+    cfg = load_cfg(overrides=["MODEL.PRETRAINED", "True", "OPTIM.LR", "0.5"])
+    assert compatibility_warnings(cfg) == [
+        "MODEL.PRETRAINED True is ignored: this key only lets the original release's YAML files load "
+        "(there: torchvision's ResNet weights (ViL weights come from MODEL.MODEL_PATH))."
+    ]
+
+
+def _config_keys(node, prefix=""):
+    for name, value in node.items():
+        if isinstance(value, CfgNode):
+            yield from _config_keys(value, f"{prefix}{name}.")
+        else:
+            yield prefix + name
+
+
+def _read_names(paths):
+    """What the code reads from a config: every chain of upper-case attributes (``cfg.OPTIM.ADAM.EPS`` gives
+    ``OPTIM.ADAM.EPS``, ``adam.EPS`` gives ``EPS``) and every upper-case string given to ``.get``."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.isupper():
+                chain, inner = [node.attr], node.value
+                while isinstance(inner, ast.Attribute) and inner.attr.isupper():
+                    chain.insert(0, inner.attr)
+                    inner = inner.value
+                names.add(".".join(chain))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+                names.update(a.value for a in node.args[:1] if isinstance(a, ast.Constant) and str(a.value).isupper())
+    return names
+
+
+def test_every_config_key_is_read_or_declared_for_compatibility():
+    root = Path(__file__).resolve().parents[1]
+    sources = [p for p in [*(root / "vil").rglob("*.py"), *(root / "tools").glob("*.py")] if p.name != "config.py"]
+    read = _read_names(sources)
+    keys = list(_config_keys(get_cfg()))
+
+    def is_read(key):
+        # A name read counts for the key it ends, when it ends no other key (a bare EPS must be unambiguous).
+        return any((key == name or key.endswith("." + name)) and sum(k == name or k.endswith("." + name) for k in keys) == 1
+                   for name in read)
+
+    unread = [k for k in keys if not is_read(k) and k not in COMPATIBILITY_KEYS]
+    assert unread == [], f"config keys nothing reads (use them, or declare them in COMPATIBILITY_KEYS): {unread}"
+    read_anyway = [k for k in COMPATIBILITY_KEYS if is_read(k)]
+    assert read_anyway == [], f"keys declared compatibility-only that the code reads: {read_anyway}"
+    assert set(COMPATIBILITY_KEYS) <= set(keys)

@@ -9,7 +9,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import DataLoader
 
 from vil.config import load_cfg
-from vil.data import DigitsDataset, build_dataset, build_loss, build_mixup, collate_skipping
+from vil.data import DigitsDataset, build_dataset, build_loss, build_mixup, build_transform, collate_skipping
 
 
 def make_folder(root, classes=("cat", "dog"), per_class=3, size=40, corrupt=True):
@@ -85,3 +85,35 @@ def test_mixup_and_loss_follow_the_config(tmp_path):
     plain = cfg_for(tmp_path, "LOSS.LABEL_SMOOTHING", "0.1")
     assert build_mixup(plain) is None and isinstance(build_loss(plain, None), LabelSmoothingCrossEntropy)
     assert isinstance(build_loss(cfg_for(tmp_path), None), torch.nn.CrossEntropyLoss)
+
+
+def test_a_subset_of_classes_is_labelled_in_the_order_given(tmp_path):
+    root = make_folder(tmp_path, classes=("ant", "bee", "cat"), corrupt=False)
+    cfg = cfg_for(root, "DATA.CLASSES", "['cat', 'ant']")
+    dataset = build_dataset(cfg, train=True)
+    assert dataset.classes == ["cat", "ant"]
+    assert sorted((path.split("/")[-2], label) for path, label in dataset.samples) == [("ant", 1)] * 3 + [("cat", 0)] * 3
+    with pytest.raises(ValueError, match=r"DATA.CLASSES names \['cow'\], which are not classes of .*; its classes are \['ant', 'bee', 'cat'\]"):
+        build_dataset(cfg_for(root, "DATA.CLASSES", "['cow', 'ant']"), train=True)
+    digits = DigitsDataset(train=False, classes=["3", "0"])
+    everything = DigitsDataset(train=False)
+    kept = [i for i, t in zip(everything.indices, everything.targets) if t in (0, 3)]
+    assert digits.indices == kept  # the same held-out images as in the ten-class split
+    assert [{3: 0, 0: 1}[t] for i, t in zip(everything.indices, everything.targets) if t in (0, 3)] == digits.targets
+
+
+def test_training_transforms_follow_the_original_choices(tmp_path):
+    root = make_folder(tmp_path, corrupt=False)
+    finetune = build_transform(cfg_for(root, "FINETUNE.FINETUNE", "True", "INPUT.CROP_PCT", "0.8"), train=True)
+    names = [type(t).__name__ for t in finetune.transforms]
+    assert names == ["Resize", "RandomCrop", "RandomHorizontalFlip", "ToTensor", "Normalize"]
+    assert finetune.transforms[0].size == 40 and finetune.transforms[1].size == (32, 32)  # 32 / 0.8
+    image = Image.new("RGB", (50, 40))
+    assert finetune(image).shape == (3, 32, 32)
+    with_train_aug = build_transform(cfg_for(root, "FINETUNE.FINETUNE", "True", "FINETUNE.USE_TRAIN_AUG", "True"), train=True)
+    assert type(with_train_aug.transforms[0]).__name__ == "RandomResizedCropAndInterpolation"
+    plain = build_transform(cfg_for(root, "AUG.COLOR_JITTER", "[0.4, 0.4, 0.4, 0.1, 0.8]", "AUG.GRAY_SCALE", "0.2",
+                                    "AUG.GAUSSIAN_BLUR", "0.1"), train=True)
+    text = repr(plain)
+    assert "ColorJitter" in text and "p=0.8" in text and "RandomGrayscale(p=0.2)" in text and "GaussianBlur" in text
+    assert "ColorJitter" not in repr(build_transform(cfg_for(root), train=True))  # the default probability is 0

@@ -22,8 +22,10 @@ spec.loader.exec_module(export_backbone)
 
 
 def classification_model(arch, seed=0, size=64):
+    """A classification model that pads its inputs as the detection backbone does, so that the two compute
+    the same maps also on sizes that are not multiples of the stride."""
     torch.manual_seed(seed)
-    return MsViT(arch, img_size=size, num_classes=10).eval()
+    return MsViT(arch, img_size=size, num_classes=10, dynamic_img_pad=True).eval()
 
 
 def own_checkpoint(path, model):

@@ -334,3 +334,18 @@ def test_grad_checkpointing_gives_the_same_gradients():
     model(x).square().sum().backward()
     for a, b in zip(plain, (p.grad for p in model.parameters())):
         torch.testing.assert_close(a, b)
+
+
+def test_patch_embedding_drops_the_remainder_as_the_original_or_pads():
+    torch.manual_seed(0)
+    arch = "l1,h1,d16,n1,s1,g1,p4,f2,a1_l2,h2,d32,n1,s0,g1,p2,f2,a1_l3,h2,d32,n1,s0,g0,p2,f2,a1"
+    model = MsViT(arch, img_size=34, num_classes=3).eval()  # 34 // 4 = 8 rows, as the original's tables
+    assert model.layer1[0].x_pos_embed.shape == (1, 8, 8) and model.layer2[0].x_pos_embed.shape == (1, 4, 16)
+    x = torch.randn(2, 3, 34, 35)
+    # The convolution never sees the rows and columns that do not fill a patch: they change nothing.
+    torch.testing.assert_close(model(x), model(x[:, :, :32, :32]), rtol=0, atol=0)
+    padded = MsViT(arch, img_size=34, num_classes=3, dynamic_img_pad=True).eval()
+    assert padded.layer1[0].x_pos_embed.shape == (1, 9, 8)  # ceil(34 / 4)
+    torch.testing.assert_close(padded(x[:, :, :34, :34]), padded(torch.nn.functional.pad(x[:, :, :34, :34], (0, 2, 0, 2))))
+    assert build_model(load_cfg(overrides=["MODEL.VIT.MSVIT.ARCH", arch, "INPUT.IMAGE_SIZE", "34",
+                                           "MODEL.VIT.DYNAMIC_IMG_PAD", "True"])).dynamic_img_pad

@@ -7,26 +7,78 @@ import torch
 
 from vil.config import load_cfg
 from vil.models import PRESETS, MsViT
-from vil.optim import build_optimizer, build_scheduler
+from vil.optim import OPTIMIZERS, build_optimizer, build_scheduler, drop_learning_rate
 
 
 def cfg_with(*overrides):
     return load_cfg(overrides=["OPTIM.LR", "0.001", "OPTIM.WD", "0.05", "OPTIM.EPOCHS", "10", *overrides])
 
 
-def test_no_weight_decay_for_1d_parameters_and_the_models_names():
+def test_weight_decay_groups_follow_the_original_names_wd_and_wd0():
     model = MsViT(PRESETS["vil_tiny_rpb"], img_size=64, num_classes=5)
-    optimizer = build_optimizer(cfg_with(), model)
+    optimizer = build_optimizer(cfg_with("OPTIM.WD0", "0.001"), model)
     decay, no_decay = optimizer.param_groups
-    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.001
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
-    assert "layer1.1.attn.query.weight" in decayed and "head.weight" in decayed
-    assert all(p.ndim > 1 for p in decay["params"])
-    assert not any("relative_position" in n or "cls_token" in n for n in decayed)
+    keywords = ("pos_embed", "cls_token", "norm.weight", "norm.bias", "norm_embed", "head.bias", "relative_position")
+    for name in names.values():  # the spec's rule, biases of linear layers decayed as in the original release
+        assert (name in decayed) == (not any(k in name for k in keywords)), name
+    assert "layer1.1.attn.query.bias" in decayed and "head.weight" in decayed
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-    assert isinstance(optimizer, torch.optim.AdamW)
-    assert isinstance(build_optimizer(cfg_with("OPTIM.OPT", "sgd"), model), torch.optim.SGD)
+
+
+def qhm_by_hand(p, grads, lr, beta, nu, wd):
+    """Quasi-hyperbolic momentum as its paper writes it, with L2 weight decay added to the gradient."""
+    h = torch.zeros_like(p)
+    for g in grads:
+        g = g + wd * p
+        h = beta * h + (1 - beta) * g
+        p = p - lr * ((1 - nu) * g + nu * h)
+    return p
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_takes_steps(name):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    start = model.weight.detach().clone()
+    cfg = cfg_with("OPTIM.OPT", name, "OPTIM.LR", "0.1", "OPTIM.NU", "0.7", "OPTIM.MOM", "0.9")
+    optimizer = build_optimizer(cfg, model)
+    grads = [torch.randn(3, 4) for _ in range(3)]
+    for g in grads:
+        model.weight.grad, model.bias.grad = g.clone(), torch.zeros(3)
+        optimizer.step()
+    assert not torch.allclose(model.weight, start)
+    if name == "qhm":
+        torch.testing.assert_close(model.weight.detach(), qhm_by_hand(start, grads, 0.1, 0.9, 0.7, 0.05))
+
+
+def test_layer_decay_gives_each_block_its_rate():
+    model = MsViT(PRESETS["vil_tiny"], img_size=64, num_classes=5)
+    cfg = cfg_with("OPTIM.LAYER_DECAY", "0.5", "OPTIM.WD0", "0.002")
+    optimizer = build_optimizer(cfg, model)
+    # The model's blocks in order: the first patch embedding, then every block of every stage (patch
+    # embeddings of later stages included; the final norm goes with the last block), then the classifier.
+    order = [f"layer{s}.{b}." for s, depth in ((1, 1), (2, 1), (3, 9), (4, 1)) for b in range(2 * depth + 1)] + ["head."]
+    last = len(order) - 1
+    order[-2:-1] = [("layer4.2.", "norm.")]  # one entry: the last block and the final norm
+    names = {id(p): n for n, p in model.named_parameters()}
+    scheduler = build_scheduler(cfg_with("SOLVER.WARMUP_EPOCHS", "0.0"), optimizer, 2)
+    scheduler.step_update(0)
+    seen = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            position = next(i for i, prefix in enumerate(order) if name.startswith(prefix))
+            assert group["lr_scale"] == pytest.approx(0.5 ** (last - position)), name
+            assert group["lr"] == pytest.approx(1e-3 * 0.5 ** (last - position)), name
+            undecayed = any(k in name for k in ("pos_embed", "cls_token", "norm", "head.bias", "relative_position"))
+            assert group["weight_decay"] == (0.002 if undecayed else 0.05), name
+            seen += 1
+    assert seen == len(names)
+    with pytest.raises(ValueError, match=r"OPTIM.LAYER_DECAY 1.5 is not a decay rate; use a value in \(0, 1\]"):
+        build_optimizer(cfg_with("OPTIM.LAYER_DECAY", "1.5"), model)
 
 
 def lrs(cfg, steps_per_epoch):
@@ -49,6 +101,36 @@ def test_warmup_then_cosine_per_step():
     assert values[50] == pytest.approx(1e-5)
 
 
+def test_linear_policy_and_epoch_based_schedule():
+    linear = lrs(cfg_with("SOLVER.LR_POLICY", "linear", "SOLVER.WARMUP_EPOCHS", "0.0", "SOLVER.MIN_LR", "1e-5"), 4)
+    assert linear[0] == pytest.approx(1e-3) and linear[20] == pytest.approx(1e-5 + (1e-3 - 1e-5) / 2) and linear[40] == pytest.approx(1e-5)
+    cfg = cfg_with("SOLVER.LR_POLICY", "cosine", "SOLVER.EPOCH_BASED_SCHEDULE", "True", "SOLVER.WARMUP_EPOCHS", "2.0",
+                   "SOLVER.WARMUP_FACTOR", "0.1", "SOLVER.MIN_LR", "0.0")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.OPTIM.LR)
+    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch=5)
+    for epoch in range(10):
+        scheduler.step(epoch)
+        rates = set()
+        for step in range(5):  # step_update does nothing: the rate holds for the whole epoch
+            scheduler.step_update(epoch * 5 + step)
+            rates.add(optimizer.param_groups[0]["lr"])
+        expected = 1e-4 + epoch * (1e-3 - 1e-4) / 2 if epoch < 2 else 0.5 * 1e-3 * (1 + math.cos(math.pi * (epoch - 2) / 8))
+        assert len(rates) == 1 and rates.pop() == pytest.approx(expected), epoch
+
+
+def test_val_drop_divides_the_schedule_for_the_rest_of_the_run():
+    cfg = cfg_with("SOLVER.LR_POLICY", "cosine", "SOLVER.WARMUP_EPOCHS", "0.0", "SOLVER.MIN_LR", "0.0", "OPTIM.OPT", "sgd")
+    optimizer = build_optimizer(cfg, torch.nn.Linear(2, 2))
+    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch=4)
+    drop_learning_rate(optimizer, 10.0)
+    scheduler.step_update(20)
+    for group in optimizer.param_groups:
+        assert group["lr"] == pytest.approx(0.1 * 0.5 * 1e-3 * (1 + math.cos(math.pi * 20 / 40)))
+    restored = build_optimizer(cfg, torch.nn.Linear(2, 2))
+    restored.load_state_dict(optimizer.state_dict())  # the drop survives a resume
+    assert all(g["lr_scale"] == pytest.approx(0.1) for g in restored.param_groups)
+
+
 def test_step_and_constant_policies():
     step = lrs(cfg_with("SOLVER.LR_POLICY", "step", "SOLVER.WARMUP_EPOCHS", "0.0", "OPTIM.DROP_FREQ", "4", "OPTIM.DROP_FACTOR", "10.0"), 2)
     assert step[0] == pytest.approx(1e-3) and step[7] == pytest.approx(1e-3)
@@ -59,7 +141,9 @@ def test_step_and_constant_policies():
 
 def test_unknown_optimizer_and_policy_are_one_sentence():
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="OPTIM.OPT 'lamb' is not supported; use 'adamw' or 'sgd'."):
-        build_optimizer(cfg_with("OPTIM.OPT", "lamb"), model)
+    with pytest.raises(ValueError, match="OPTIM.OPT 'rmsprop' is not supported; use one of adamw, sgd, qhm, adam, lamb."):
+        build_optimizer(cfg_with("OPTIM.OPT", "rmsprop"), model)
     with pytest.raises(ValueError, match="SOLVER.LR_POLICY 'poly' is not supported"):
         build_scheduler(cfg_with("SOLVER.LR_POLICY", "poly"), build_optimizer(cfg_with(), model), 3)
+    with pytest.raises(ValueError, match="SOLVER.WARMUP_METHOD 'constant' is not supported; use 'linear'."):
+        build_scheduler(cfg_with("SOLVER.WARMUP_METHOD", "constant"), build_optimizer(cfg_with(), model), 3)

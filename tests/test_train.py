@@ -118,7 +118,8 @@ def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
     out = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     overrides = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data), "DATA.NUM_CLASSES", "2",
-                 "DATALOADER.BSZ", "2", "DATALOADER.WORKERS", "0", "OPTIM.EPOCHS", "1", "OUTPUT_DIR", str(out)]
+                 "DATALOADER.BSZ", "4", "DATALOADER.WORKERS", "0", "OPTIM.EPOCHS", "1", "OUTPUT_DIR", str(out),
+                 "AUG.REPEATED_AUG", "True"]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
          str(ROOT / "tools" / "train.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"), *overrides],
@@ -127,6 +128,7 @@ def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     text = (out / "log.txt").read_text()
     assert "2 process(es)" in text and "All 2 processes hold identical weights." in text
+    assert "DISTRIBUTED_BACKEND nccl serves CUDA devices; these CPU processes use gloo." in text
 
 
 @pytest.mark.parametrize(

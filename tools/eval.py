@@ -1,8 +1,9 @@
 """Evaluate a checkpoint: ``python tools/eval.py --config-file F MODEL.MODEL_PATH ckpt [KEY VALUE ...]``.
 
 Top-1/top-5 on the evaluation data of the config (the val folder, or the held-out digits), for this
-project's checkpoints and the original release's. The last line reads ``top-1 NN.NN top-5 NN.NN``; the
-numbers also go to ``OUTPUT_DIR/eval.json``. Works under ``torchrun`` too.
+project's checkpoints and the original release's (``MODEL.LOAD_EMA True``: the checkpoint's EMA weights). The
+last line reads ``top-1 NN.NN top-5 NN.NN``; the numbers also go to ``OUTPUT_DIR/eval.json``, with every
+class's with ``OUTPUT_PERCLASS_ACC True``. Works under ``torchrun`` too.
 """
 
 import sys

@@ -2,17 +2,24 @@
 
 Config overrides follow the file, as in the original release. With ``torchrun --nproc_per_node N`` it trains
 with DistributedDataParallel. Running the same command again resumes from ``OUTPUT_DIR/checkpoint_last.pth``.
+``MODEL.MODEL_PATH`` gives the weights a new run starts from (fine-tuning); with ``EVALUATE True`` the tool
+evaluates that checkpoint instead, as ``tools/eval.py`` does, and exits.
 """
 
 import sys
 
 from vil.config import config_from_command_line
-from vil.engine import train
+from vil.engine import evaluate_checkpoint, train
 
 
 def main():
     try:
-        train(config_from_command_line(__doc__.split("\n\n")[0]))
+        cfg = config_from_command_line(__doc__.split("\n\n")[0])
+        if cfg.EVALUATE:
+            top1, top5 = evaluate_checkpoint(cfg)
+            print(f"top-1 {top1:.2f} top-5 {top5:.2f}")
+        else:
+            train(cfg)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:
         sys.exit(f"error: {e}")
 

@@ -55,6 +55,18 @@ def read_checkpoint(path):
     return checkpoint
 
 
+# Where checkpoints keep the EMA weights: this project's trainer, and timm's.
+_EMA_KEYS = ("ema", "state_dict_ema", "model_ema")
+
+
+def ema_state(checkpoint, path="checkpoint"):
+    """The EMA weights of a checkpoint dict, as :func:`model_state` returns model weights."""
+    ema = next((checkpoint[k] for k in _EMA_KEYS if isinstance(checkpoint.get(k), dict)), None)
+    if ema is None:
+        raise ValueError(f"{path} holds no EMA weights (it was trained without MODEL.EMA); set MODEL.LOAD_EMA False to use its model weights.")
+    return model_state(ema, path)
+
+
 def model_state(checkpoint, path="checkpoint"):
     """The model state dict inside a checkpoint dict: its ``"net"`` entry, or the dict itself; without ``module.``
     prefixes and without the derived buffers of the original release."""

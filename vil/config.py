@@ -1,5 +1,11 @@
 """The yacs configuration: every key of the original ViL release (so its YAML files and command-line
-overrides work unchanged), with the defaults of the original release, plus a few keys of our own."""
+overrides work unchanged), with the defaults of the original release, plus a few keys of our own.
+
+Every key is read by the code, except those in :data:`COMPATIBILITY_KEYS`, which exist only so that the
+original's YAML files load; setting one of those to another value than its default logs one warning line.
+"""
+
+import logging
 
 from yacs.config import CfgNode as CN
 
@@ -14,12 +20,13 @@ _C.INPUT.INTERPOLATION = 2  # PIL codes: 2 bilinear, 3 bicubic
 
 _C.AMP = CN()
 _C.AMP.ENABLED = False
-_C.AMP.MEMORY_FORMAT = "nchw"
+_C.AMP.MEMORY_FORMAT = "nchw"  # or "nhwc": the model and its inputs in channels-last layout
 _C.AMP.DTYPE = "bfloat16"  # on CUDA: bfloat16, or float16 with a gradient scaler
 
 _C.AUG = CN()
 _C.AUG.SCALE = (0.08, 1.0)
 _C.AUG.RATIO = (3.0 / 4.0, 4.0 / 3.0)
+# Without AUG.TIMM_AUG.USE_TRANSFORM: brightness, contrast, saturation, hue, and the probability to apply them.
 _C.AUG.COLOR_JITTER = [0.4, 0.4, 0.4, 0.1, 0.0]
 _C.AUG.GRAY_SCALE = 0.0
 _C.AUG.GAUSSIAN_BLUR = 0.0
@@ -33,7 +40,7 @@ _C.AUG.MIXCUT_MINMAX = []
 _C.AUG.MIXUP_SWITCH_PROB = 0.5
 _C.AUG.MIXUP_MODE = "batch"
 _C.AUG.MIXCUT_AND_MIXUP = False
-_C.AUG.REPEATED_AUG = False
+_C.AUG.REPEATED_AUG = False  # distributed training: timm's repeated-augmentation sampler (3 repeats)
 _C.AUG.TIMM_AUG = CN(new_allowed=True)  # timm's transform options (RE_PROB, AUTO_AUGMENT, ...)
 _C.AUG.TIMM_AUG.USE_TRANSFORM = False
 
@@ -43,7 +50,8 @@ _C.DATA.TEST = ("imagenet",)
 _C.DATA.NUM_CLASSES = 1000
 _C.DATA.TARGETMAP = ""
 _C.DATA.PATH = "./datasets"
-_C.DATA.DATA_DIR = "./data"
+_C.DATA.DATA_DIR = "./data"  # MODEL.MODEL_PATH is looked up here when it is not a file by itself
+_C.DATA.CLASSES = []  # a subset of the classes (folder names; "0".."9" for digits), labelled in this order
 
 _C.LOSS = CN()
 _C.LOSS.LABEL_SMOOTHING = 0.0
@@ -59,17 +67,17 @@ _C.DATALOADER.RE = "no"
 _C.DATALOADER.WORKERS = 0
 
 _C.OPTIM = CN()
-_C.OPTIM.OPT = "adamw"
+_C.OPTIM.OPT = "adamw"  # adamw, sgd, qhm, adam, lamb
 _C.OPTIM.LR = 1.0
 _C.OPTIM.MOM = 0.9
-_C.OPTIM.NU = 1.0
+_C.OPTIM.NU = 1.0  # qhm's nu
 _C.OPTIM.WD = 5e-4
-_C.OPTIM.WD0 = 0.0
+_C.OPTIM.WD0 = 0.0  # the weight decay of the parameters model.no_weight_decay() names
 _C.OPTIM.EPOCHS = 150
 _C.OPTIM.WARMUP = 0
 _C.OPTIM.DROP_FREQ = 50
 _C.OPTIM.DROP_FACTOR = 10.0
-_C.OPTIM.VAL = 0
+_C.OPTIM.VAL = 0  # sgd/qhm: divide the learning rate by DROP_FACTOR after an epoch without a new best top-1
 _C.OPTIM.TEST_FREQ = 1000
 _C.OPTIM.ADAM = CN()
 _C.OPTIM.ADAM.BETA1 = 0.9
@@ -77,6 +85,7 @@ _C.OPTIM.ADAM.BETA2 = 0.999
 _C.OPTIM.ADAM.EPS = 1e-8
 _C.OPTIM.CLIP_GRAD = 0.0  # max gradient norm; 0: no clipping
 _C.OPTIM.ACCUM_STEPS = 1  # batches per optimizer step
+_C.OPTIM.LAYER_DECAY = 0.0  # layer-wise learning-rate decay (e.g. 0.75): block k of n gets LR * decay^(n - k); 0: off
 
 _C.SOLVER = CN()
 _C.SOLVER.LR_POLICY = ""
@@ -91,7 +100,8 @@ _C.SOLVER.USE_LARC = False
 _C.MODEL = CN()
 _C.MODEL.ARCH = "msvit"
 _C.MODEL.NONLINEARITY = "celu"
-_C.MODEL.MODEL_PATH = ""
+_C.MODEL.MODEL_PATH = ""  # training: the weights to start from (fine-tuning); EVALUATE and tools/eval.py: the checkpoint
+_C.MODEL.LOAD_EMA = False  # take MODEL.MODEL_PATH's EMA weights instead of its model weights
 _C.MODEL.PRETRAINED = False
 _C.MODEL.FREEZE_CONV_BODY_AT = -1
 _C.MODEL.EMA = False  # keep an exponential moving average of the weights
@@ -103,6 +113,8 @@ _C.MODEL.VIT.DROP = 0.0
 _C.MODEL.VIT.DROP_PATH = 0.1
 _C.MODEL.VIT.NORM_EMBED = True
 _C.MODEL.VIT.AVG_POOL = False
+# Patch embeddings pad images to a multiple of the patch size; False (the original release's) drops the remainder.
+_C.MODEL.VIT.DYNAMIC_IMG_PAD = False
 
 _C.MODEL.VIT.MSVIT = CN()
 # Stages separated by "_", fields "<letter><int>" separated by ","; see vil/models/arch.py. Default: ViL-Small.
@@ -111,7 +123,7 @@ _C.MODEL.VIT.MSVIT.ARCH = (
 )
 _C.MODEL.VIT.MSVIT.SHARE_W = True
 _C.MODEL.VIT.MSVIT.ATTN_TYPE = "longformerhand"
-_C.MODEL.VIT.MSVIT.SHARE_KV = True  # used by the original's linformer attention only; kept for its YAML files
+_C.MODEL.VIT.MSVIT.SHARE_KV = True
 _C.MODEL.VIT.MSVIT.ONLY_GLOBAL = False
 _C.MODEL.VIT.MSVIT.SW_EXACT = 0
 _C.MODEL.VIT.MSVIT.LN_EPS = 1e-6
@@ -120,20 +132,66 @@ _C.MODEL.VIT.MSVIT.VIL_MODE_SWITCH = 0.75
 
 _C.FINETUNE = CN()
 _C.FINETUNE.FINETUNE = False
-_C.FINETUNE.USE_TRAIN_AUG = False
+_C.FINETUNE.USE_TRAIN_AUG = False  # with FINETUNE: False trains on resize, random crop and flip only
 
 _C.OUTPUT_DIR = "./output"
 _C.BACKUP_LOG_DIR = ""
-_C.LOG_FREQ = 10
-_C.EVALUATE = False
-_C.OUTPUT_PERCLASS_ACC = False
-_C.ONLY_SAVE_LAST = 0
-_C.DISTRIBUTED_BACKEND = "nccl"
+_C.LOG_FREQ = 10  # a line in log.txt and TensorBoard points every LOG_FREQ optimizer steps
+_C.EVALUATE = False  # tools/train.py evaluates MODEL.MODEL_PATH and exits
+_C.OUTPUT_PERCLASS_ACC = False  # evaluation also reports the top-1 and top-5 of every class
+_C.ONLY_SAVE_LAST = 0  # no checkpoint_epoch<N>.pth files, only checkpoint_last.pth and model_best.pth
+_C.DISTRIBUTED_BACKEND = "nccl"  # torch.distributed backend on CUDA; CPU processes use gloo
 _C.GATHER_ON_CPU = False
 _C.SEED = 0
 _C.CHECKPOINT = CN()
 _C.CHECKPOINT.EVERY_STEPS = 0  # also write checkpoint_last.pth every N optimizer steps; 0: once per epoch
 _C.CHECKPOINT.KEEP = 3  # epoch checkpoints kept besides checkpoint_last.pth and model_best.pth
+
+
+# Keys that exist only so that the original release's YAML files load: what each did there.
+COMPATIBILITY_KEYS = {
+    "AUG.DROPBLOCK_LAYERS": "DropBlock in the original's ResNets",
+    "AUG.DROPBLOCK_KEEP_PROB": "DropBlock in the original's ResNets",
+    "AUG.DROPBLOCK_BLOCK_SIZE": "DropBlock in the original's ResNets",
+    "AUG.MIXCUT_AND_MIXUP": "unused by the original's training",
+    "DATA.TARGETMAP": "a label map for the original's TSV datasets",
+    "DATALOADER.RE": "unused by the original's training",
+    "LOSS.FOCAL.NORMALIZE": "a focal loss the original's training refused",
+    "LOSS.FOCAL.ALPHA": "a focal loss the original's training refused",
+    "LOSS.FOCAL.GAMMA": "a focal loss the original's training refused",
+    "OPTIM.WARMUP": "unused by the original's schedules (SOLVER.WARMUP_EPOCHS sets the warmup)",
+    "OPTIM.TEST_FREQ": "unused by the original's training",
+    "SOLVER.USE_LARC": "the LARC wrapper of the original's ResNet experiments",
+    "MODEL.NONLINEARITY": "the original's ResNets",
+    "MODEL.PRETRAINED": "torchvision's ResNet weights (ViL weights come from MODEL.MODEL_PATH)",
+    "MODEL.FREEZE_CONV_BODY_AT": "the original's ResNets",
+    "MODEL.VIT.MSVIT.SHARE_KV": "the original's linformer attention",
+    "BACKUP_LOG_DIR": "a copy of the logs on the original's cluster",
+    "GATHER_ON_CPU": "where the original gathered per-image results",
+}
+
+
+def compatibility_warnings(cfg):
+    """One sentence for every compatibility-only key that ``cfg`` sets to another value than its default."""
+    defaults = get_cfg()
+    sentences = []
+    for key, role in COMPATIBILITY_KEYS.items():
+        value, default = config_value(cfg, key), config_value(defaults, key)
+        if value != default:
+            sentences.append(f"{key} {value!r} is ignored: this key only lets the original release's YAML files load (there: {role}).")
+    return sentences
+
+
+def warn_compatibility_keys(cfg, log=logging.getLogger("vil")):
+    for sentence in compatibility_warnings(cfg):
+        log.warning(sentence)
+
+
+def config_value(cfg, key):
+    """The value of a dotted key (``"OPTIM.LR"``)."""
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
 
 
 def get_cfg():

@@ -2,6 +2,7 @@
 
 ``DATA.TRAIN`` / ``DATA.TEST`` name the data: ``('imagenet',)`` (or any other name) reads ImageNet-style
 folders under ``DATA.PATH``; ``('digits',)`` is the 1,797 handwritten digits that scikit-learn ships.
+``DATA.CLASSES`` keeps a subset of the classes, labelled in the order it lists them.
 """
 
 import os
@@ -13,6 +14,7 @@ from PIL import Image
 from timm.data import Mixup, create_transform
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import Dataset, default_collate
+from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
@@ -23,7 +25,18 @@ _INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 
 class SkippingImageFolder(ImageFolder):
     """An ImageFolder whose unreadable or corrupt images are skipped: each is named in a warning and comes out
-    as None, which :func:`collate_skipping` drops and counts."""
+    as None, which :func:`collate_skipping` drops and counts. ``classes``: the class folders to keep, labelled
+    in that order (None: all, sorted)."""
+
+    def __init__(self, root, transform=None, classes=None):
+        self.chosen = list(classes) if classes else None
+        super().__init__(root, transform)
+
+    def find_classes(self, directory):
+        found, _ = super().find_classes(directory)
+        if self.chosen is None:
+            return found, {name: i for i, name in enumerate(found)}
+        return self.chosen, {name: i for i, name in enumerate(_checked_subset(self.chosen, found, directory))}
 
     def __getitem__(self, index):
         path, target = self.samples[index]
@@ -37,25 +50,28 @@ class SkippingImageFolder(ImageFolder):
 
 class DigitsDataset(Dataset):
     """scikit-learn's 1,797 8x8 handwritten digits as RGB images, with a fixed stratified split: 20% of each
-    class held out for evaluation (359 images), the rest for training (1,438)."""
+    class held out for evaluation (359 images), the rest for training (1,438). ``classes``: the digits to keep
+    (names ``"0"`` to ``"9"``), labelled in that order (None: all ten)."""
 
-    num_classes = 10
-
-    def __init__(self, train, transform=None, held_out=0.2):
+    def __init__(self, train, transform=None, held_out=0.2, classes=None):
         from sklearn.datasets import load_digits
 
+        names = [str(d) for d in range(10)]
+        self.classes = list(classes) if classes else names
+        label_of = {int(name): i for i, name in enumerate(_checked_subset(self.classes, names, "the digits"))}
         digits = load_digits()
         rng = np.random.default_rng(0)
         chosen = []
-        for label in range(10):
-            members = rng.permutation(np.flatnonzero(digits.target == label))
+        for digit in range(10):  # the same split whichever classes are kept
+            members = rng.permutation(np.flatnonzero(digits.target == digit))
             cut = int(round(len(members) * held_out))
-            chosen.extend(members[cut:] if train else members[:cut])
+            if digit in label_of:
+                chosen.extend(members[cut:] if train else members[:cut])
         chosen = np.sort(np.array(chosen))
         self.indices = chosen.tolist()  # into scikit-learn's array
         pixels = (digits.images[chosen] * (255.0 / 16.0)).astype(np.uint8)
         self.images = [Image.fromarray(p).convert("RGB") for p in pixels]
-        self.targets = digits.target[chosen].tolist()
+        self.targets = [label_of[d] for d in digits.target[chosen].tolist()]
         self.transform = transform
 
     def __len__(self):
@@ -64,6 +80,16 @@ class DigitsDataset(Dataset):
     def __getitem__(self, index):
         image = self.images[index]
         return (self.transform(image) if self.transform else image), self.targets[index]
+
+
+def _checked_subset(chosen, found, where):
+    """``chosen`` (DATA.CLASSES) when every name in it is one of ``found`` and none repeats; else one sentence."""
+    unknown = [name for name in chosen if name not in found]
+    if unknown:
+        raise ValueError(f"DATA.CLASSES names {unknown}, which are not classes of {where}; its classes are {sorted(found)}.")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"DATA.CLASSES {list(chosen)} names a class twice; name each class once.")
+    return chosen
 
 
 def collate_skipping(batch, refill=False):
@@ -85,33 +111,48 @@ def collate_skipping(batch, refill=False):
 
 
 def build_transform(cfg, train):
-    """timm's training transform (random resized crop, flips, RandAugment, random erasing from
-    ``AUG.TIMM_AUG`` when ``USE_TRANSFORM``, else crop and flip only), or resize + center crop by
-    ``INPUT.CROP_PCT`` for evaluation."""
+    """The transform of the training or the evaluation images, as the original release chose it:
+
+    - evaluation: resize to ``INPUT.IMAGE_SIZE / INPUT.CROP_PCT``, center crop;
+    - training with ``AUG.TIMM_AUG.USE_TRANSFORM``: timm's (random resized crop, flips, RandAugment, color
+      jitter, random erasing from ``AUG.TIMM_AUG``);
+    - fine-tuning (``FINETUNE.FINETUNE``) without ``FINETUNE.USE_TRAIN_AUG``: the evaluation resize, then a
+      random crop and the horizontal flip;
+    - otherwise: random resized crop (``AUG.SCALE``, ``AUG.RATIO``), horizontal flip, and with the
+      probabilities ``AUG.COLOR_JITTER[4]``, ``AUG.GRAY_SCALE``, ``AUG.GAUSSIAN_BLUR`` color jitter
+      (``AUG.COLOR_JITTER[:4]``), grayscale and Gaussian blur.
+
+    The horizontal flip has probability ``AUG.TIMM_AUG.HFLIP`` (0.5 unless set)."""
     if cfg.INPUT.INTERPOLATION not in _INTERPOLATIONS:
         raise ValueError(f"INPUT.INTERPOLATION {cfg.INPUT.INTERPOLATION} is not a PIL code this project knows; use 0, 2 or 3.")
-    common = dict(
-        input_size=cfg.INPUT.IMAGE_SIZE,
-        interpolation=_INTERPOLATIONS[cfg.INPUT.INTERPOLATION],
-        mean=tuple(cfg.INPUT.MEAN),
-        std=tuple(cfg.INPUT.STD),
-    )
+    size, interpolation = cfg.INPUT.IMAGE_SIZE, _INTERPOLATIONS[cfg.INPUT.INTERPOLATION]
+    common = dict(input_size=size, interpolation=interpolation, mean=tuple(cfg.INPUT.MEAN), std=tuple(cfg.INPUT.STD))
+    timm_aug, aug = cfg.AUG.TIMM_AUG, cfg.AUG
+    hflip = timm_aug.get("HFLIP", 0.5)
     if not train:
         return create_transform(is_training=False, crop_pct=cfg.INPUT.CROP_PCT, **common)
-    timm_aug = cfg.AUG.TIMM_AUG
-    full = timm_aug.USE_TRANSFORM
+    if timm_aug.USE_TRANSFORM:
+        return create_transform(
+            is_training=True, scale=tuple(aug.SCALE), ratio=tuple(aug.RATIO), hflip=hflip, vflip=timm_aug.get("VFLIP", 0.0),
+            color_jitter=timm_aug.get("COLOR_JITTER", 0.4), auto_augment=timm_aug.get("AUTO_AUGMENT", None),
+            re_prob=timm_aug.get("RE_PROB", 0.0), re_mode=timm_aug.get("RE_MODE", "pixel"), re_count=timm_aug.get("RE_COUNT", 1),
+            **common,
+        )
+    if cfg.FINETUNE.FINETUNE and not cfg.FINETUNE.USE_TRAIN_AUG:
+        return transforms.Compose([
+            transforms.Resize(int(size / cfg.INPUT.CROP_PCT), interpolation=transforms.InterpolationMode(interpolation)),
+            transforms.RandomCrop(size),
+            transforms.RandomHorizontalFlip(hflip),
+            transforms.ToTensor(),
+            transforms.Normalize(cfg.INPUT.MEAN, cfg.INPUT.STD),
+        ])
+    if len(aug.COLOR_JITTER) != 5:
+        raise ValueError(f"AUG.COLOR_JITTER {list(aug.COLOR_JITTER)} must hold 5 numbers: brightness, contrast, saturation, hue, probability.")
+    jitter_prob = aug.COLOR_JITTER[4]
     return create_transform(
-        is_training=True,
-        scale=tuple(cfg.AUG.SCALE),
-        ratio=tuple(cfg.AUG.RATIO),
-        hflip=timm_aug.get("HFLIP", 0.5),
-        vflip=timm_aug.get("VFLIP", 0.0),
-        color_jitter=timm_aug.get("COLOR_JITTER", 0.4) if full else None,
-        auto_augment=timm_aug.get("AUTO_AUGMENT", None) if full else None,
-        re_prob=timm_aug.get("RE_PROB", 0.0) if full else 0.0,
-        re_mode=timm_aug.get("RE_MODE", "pixel"),
-        re_count=timm_aug.get("RE_COUNT", 1),
-        **common,
+        is_training=True, scale=tuple(aug.SCALE), ratio=tuple(aug.RATIO), hflip=hflip, vflip=0.0,
+        color_jitter=tuple(aug.COLOR_JITTER[:4]) if jitter_prob > 0 else None, color_jitter_prob=jitter_prob,
+        grayscale_prob=aug.GRAY_SCALE, gaussian_blur_prob=aug.GAUSSIAN_BLUR, **common,
     )
 
 
@@ -119,9 +160,9 @@ def build_dataset(cfg, train):
     """The training (``DATA.TRAIN``) or evaluation (``DATA.TEST``) dataset with its transform."""
     name = (cfg.DATA.TRAIN if train else cfg.DATA.TEST)[0]
     transform = build_transform(cfg, train)
+    chosen = list(cfg.DATA.CLASSES) or None
     if name == "digits":
-        dataset = DigitsDataset(train, transform)
-        classes = DigitsDataset.num_classes
+        dataset = DigitsDataset(train, transform, classes=chosen)
     else:
         root = os.path.join(cfg.DATA.PATH, "train" if train else "val")
         has_images = os.path.isdir(root) and any(
@@ -129,8 +170,8 @@ def build_dataset(cfg, train):
         )
         if not has_images:
             raise ValueError(f"No images found in {root}: the data must be ImageNet-style folders, {EXPECTED_LAYOUT}.")
-        dataset = SkippingImageFolder(root, transform)
-        classes = len(dataset.classes)
+        dataset = SkippingImageFolder(root, transform, classes=chosen)
+    classes = len(dataset.classes)
     if classes != cfg.DATA.NUM_CLASSES:
         raise ValueError(f"The {'training' if train else 'evaluation'} data has {classes} classes but DATA.NUM_CLASSES is {cfg.DATA.NUM_CLASSES}; set DATA.NUM_CLASSES {classes}.")
     return dataset

@@ -38,10 +38,13 @@ class ViLBackbone(MsViT):
         level_norm: a LayerNorm over channels on each returned map.
         global_tokens: ``"drop"``, or ``"average"`` (the mean of the stage's global tokens added everywhere).
         frozen_stages: the first k stages get no gradients and stay in eval mode.
+        dynamic_img_pad: patch embeddings pad images to a multiple of their patch size (the default here,
+            unlike the classification model, which drops the remainder as the original release did).
     """
 
-    def __init__(self, arch, out_indices=(0, 1, 2, 3), level_norm=True, global_tokens="drop", frozen_stages=0, **kwargs):
-        super().__init__(arch, num_classes=0, **kwargs)
+    def __init__(self, arch, out_indices=(0, 1, 2, 3), level_norm=True, global_tokens="drop", frozen_stages=0,
+                 dynamic_img_pad=True, **kwargs):
+        super().__init__(arch, num_classes=0, dynamic_img_pad=dynamic_img_pad, **kwargs)
         if global_tokens not in GLOBAL_TOKENS:
             raise ValueError(f"global_tokens {global_tokens!r} is not an option; use one of {', '.join(GLOBAL_TOKENS)}.")
         self.out_indices = self.prune_intermediate_layers(out_indices, prune_norm=True)
@@ -91,8 +94,8 @@ def _model_arguments(name_or_cfg):
     """MsViT keyword arguments (``arch`` included) from a preset name, an arch string or a config."""
     if not isinstance(name_or_cfg, str):
         kwargs = model_kwargs(name_or_cfg)
-        kwargs.pop("num_classes")
-        kwargs.pop("avg_pool")
+        for classification_only in ("num_classes", "avg_pool", "dynamic_img_pad"):
+            kwargs.pop(classification_only)
         return kwargs
     if name_or_cfg in PRESETS:
         return dict(arch=PRESETS[name_or_cfg])
@@ -173,7 +176,8 @@ def load_backbone_checkpoint(body, path, source_arch, **conversion):
     state = backbone_state(checkpoint)
     if state is None:
         size = checkpoint_image_size(checkpoint, source_arch) or body.img_size
-        state, _, _ = convert_classification_state(checkpoint, source_arch, size, new_image_size=body.img_size, **conversion)
+        state, _, _ = convert_classification_state(checkpoint, source_arch, size, new_image_size=body.img_size,
+                                                   pad=body.dynamic_img_pad, **conversion)
     load_model_state(body, state, path, may_miss=("level_norms.",))
 
 

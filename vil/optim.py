@@ -1,44 +1,94 @@
-"""The optimizer and the per-step learning-rate schedule, built from the config."""
+"""The optimizer and the learning-rate schedule, built from the config as the original release did."""
+
+import warnings
 
 import torch
-from timm.scheduler import CosineLRScheduler, StepLRScheduler
+from qhoptim.pyt import QHM
+from timm.optim import Lamb, param_groups_layer_decay
+from timm.scheduler import CosineLRScheduler, PolyLRScheduler, StepLRScheduler
+
+OPTIMIZERS = ("adamw", "sgd", "qhm", "adam", "lamb")
+LR_POLICIES = ("cosine", "multistep", "step", "linear", "constant", "")
+
+# qhoptim calls an overload of Tensor.add_ that torch deprecates; the result is the same.
+warnings.filterwarnings("ignore", message="This overload of add_ is deprecated", category=UserWarning, module="qhoptim")
 
 
-def parameter_groups(model, weight_decay):
-    """Two groups: weight decay for weight matrices and kernels; none for 1-D parameters (biases, norms) and
-    the names ``model.no_weight_decay()`` returns (position embeddings, tokens, bias tables)."""
+def parameter_groups(model, cfg):
+    """The original's two groups: ``OPTIM.WD0`` for the parameters ``model.no_weight_decay()`` names (for ViL:
+    names containing ``pos_embed``, ``cls_token``, ``norm.weight``, ...), ``OPTIM.WD`` for all others, biases
+    included. With ``OPTIM.LAYER_DECAY``, timm's layer-decay groups over the model's ``group_matcher``: the
+    same split per block, each group with an ``lr_scale`` that timm's schedulers apply."""
     skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    decay_rate = cfg.OPTIM.LAYER_DECAY
+    if decay_rate:
+        if not 0 < decay_rate <= 1:
+            raise ValueError(f"OPTIM.LAYER_DECAY {decay_rate} is not a decay rate; use a value in (0, 1], or 0 to turn it off.")
+        groups = param_groups_layer_decay(model, weight_decay=cfg.OPTIM.WD, no_weight_decay_list=skip,
+                                          weight_decay_exclude_1d=False, layer_decay=decay_rate)
+        undecayed = {id(p) for name, p in model.named_parameters() if name in skip}
+        for group in groups:
+            if all(id(p) in undecayed for p in group["params"]):
+                group["weight_decay"] = cfg.OPTIM.WD0
+        return groups
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (no_decay if param.ndim <= 1 or name in skip else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            (no_decay if name in skip else decay).append(param)
+    return [{"params": decay, "weight_decay": cfg.OPTIM.WD}, {"params": no_decay, "weight_decay": cfg.OPTIM.WD0}]
 
 
 def build_optimizer(cfg, model):
-    """``OPTIM.OPT`` ``adamw`` (betas and eps from ``OPTIM.ADAM``) or ``sgd`` (momentum ``OPTIM.MOM``)."""
-    groups = parameter_groups(model, cfg.OPTIM.WD)
-    if cfg.OPTIM.OPT == "adamw":
-        adam = cfg.OPTIM.ADAM
-        return torch.optim.AdamW(groups, lr=cfg.OPTIM.LR, betas=(adam.BETA1, adam.BETA2), eps=adam.EPS)
-    if cfg.OPTIM.OPT == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.OPTIM.LR, momentum=cfg.OPTIM.MOM)
-    raise ValueError(f"OPTIM.OPT {cfg.OPTIM.OPT!r} is not supported; use 'adamw' or 'sgd'.")
+    """``OPTIM.OPT``: ``adamw`` (decoupled weight decay), ``adam`` (L2), ``lamb`` (timm's), each with betas and
+    eps from ``OPTIM.ADAM``; ``sgd`` (momentum ``OPTIM.MOM``, L2); ``qhm`` (quasi-hyperbolic momentum from
+    qhoptim: momentum ``OPTIM.MOM``, nu ``OPTIM.NU``, L2 added to the gradient as the original did)."""
+    groups = parameter_groups(model, cfg)
+    optim, adam = cfg.OPTIM, cfg.OPTIM.ADAM
+    betas = (adam.BETA1, adam.BETA2)
+    if optim.OPT == "adamw":
+        return torch.optim.AdamW(groups, lr=optim.LR, betas=betas, eps=adam.EPS)
+    if optim.OPT == "adam":
+        return torch.optim.Adam(groups, lr=optim.LR, betas=betas, eps=adam.EPS)
+    if optim.OPT == "lamb":
+        return Lamb(groups, lr=optim.LR, betas=betas, eps=adam.EPS)
+    if optim.OPT == "sgd":
+        return torch.optim.SGD(groups, lr=optim.LR, momentum=optim.MOM)
+    if optim.OPT == "qhm":
+        return QHM(groups, lr=optim.LR, momentum=optim.MOM, nu=optim.NU)
+    raise ValueError(f"OPTIM.OPT {optim.OPT!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
 
 
 def build_scheduler(cfg, optimizer, steps_per_epoch):
-    """A schedule stepped once per optimizer step (``scheduler.step_update(step)``): linear warmup over
-    ``SOLVER.WARMUP_EPOCHS`` from ``OPTIM.LR * SOLVER.WARMUP_FACTOR`` to ``OPTIM.LR``, then, by
-    ``SOLVER.LR_POLICY``: ``cosine`` down to ``SOLVER.MIN_LR`` at the last step; ``step``, divided by
-    ``OPTIM.DROP_FACTOR`` every ``OPTIM.DROP_FREQ`` epochs; ``""`` (the default) or ``constant``, constant."""
-    warmup = int(round(cfg.SOLVER.WARMUP_EPOCHS * steps_per_epoch))
-    total = cfg.OPTIM.EPOCHS * steps_per_epoch
-    common = dict(warmup_t=warmup, warmup_lr_init=cfg.OPTIM.LR * cfg.SOLVER.WARMUP_FACTOR, t_in_epochs=False)
-    policy = cfg.SOLVER.LR_POLICY
+    """The schedule: linear warmup over ``SOLVER.WARMUP_EPOCHS`` from ``OPTIM.LR * SOLVER.WARMUP_FACTOR`` to
+    ``OPTIM.LR``, then, by ``SOLVER.LR_POLICY``: ``cosine`` down to ``SOLVER.MIN_LR`` at the end; ``linear``
+    down to ``SOLVER.MIN_LR``; ``multistep`` (or ``step``), divided by ``OPTIM.DROP_FACTOR`` every
+    ``OPTIM.DROP_FREQ`` epochs; ``""`` or ``constant``, constant.
+
+    Stepped once per optimizer step (``scheduler.step_update(step)``), or, with
+    ``SOLVER.EPOCH_BASED_SCHEDULE``, once per epoch (``scheduler.step(epoch)``): the other call does nothing."""
+    solver = cfg.SOLVER
+    if solver.WARMUP_METHOD != "linear":
+        raise ValueError(f"SOLVER.WARMUP_METHOD {solver.WARMUP_METHOD!r} is not supported; use 'linear'.")
+    per_epoch = 1 if solver.EPOCH_BASED_SCHEDULE else steps_per_epoch
+    warmup = solver.WARMUP_EPOCHS if solver.EPOCH_BASED_SCHEDULE else int(round(solver.WARMUP_EPOCHS * steps_per_epoch))
+    total = cfg.OPTIM.EPOCHS * per_epoch
+    common = dict(warmup_t=warmup, warmup_lr_init=cfg.OPTIM.LR * solver.WARMUP_FACTOR, t_in_epochs=solver.EPOCH_BASED_SCHEDULE)
+    policy = solver.LR_POLICY
+    decay_steps = max(1, total - warmup)
     if policy == "cosine":
-        return CosineLRScheduler(optimizer, t_initial=max(1, total - warmup), lr_min=cfg.SOLVER.MIN_LR, warmup_prefix=True, **common)
-    if policy == "step":
-        return StepLRScheduler(optimizer, decay_t=cfg.OPTIM.DROP_FREQ * steps_per_epoch, decay_rate=1.0 / cfg.OPTIM.DROP_FACTOR, **common)
+        return CosineLRScheduler(optimizer, t_initial=decay_steps, lr_min=solver.MIN_LR, warmup_prefix=True, **common)
+    if policy == "linear":
+        return PolyLRScheduler(optimizer, t_initial=decay_steps, power=1.0, lr_min=solver.MIN_LR, warmup_prefix=True, **common)
+    if policy in ("multistep", "step"):
+        return StepLRScheduler(optimizer, decay_t=cfg.OPTIM.DROP_FREQ * per_epoch, decay_rate=1.0 / cfg.OPTIM.DROP_FACTOR, **common)
     if policy in ("", "constant"):
         return StepLRScheduler(optimizer, decay_t=total + 1, decay_rate=1.0, **common)
-    raise ValueError(f"SOLVER.LR_POLICY {policy!r} is not supported; use 'cosine', 'step' or 'constant'.")
+    raise ValueError(f"SOLVER.LR_POLICY {policy!r} is not supported; use 'cosine', 'linear', 'multistep' or 'constant'.")
+
+
+def drop_learning_rate(optimizer, factor):
+    """Divide every group's learning rate by ``factor`` for the rest of the run (``OPTIM.VAL``): through the
+    groups' ``lr_scale``, which timm's schedulers apply at every step and the optimizer's state keeps."""
+    for group in optimizer.param_groups:
+        group["lr_scale"] = group.get("lr_scale", 1.0) / factor
+        group["lr"] /= factor

@@ -74,13 +74,17 @@ def arch_string(specs):
     )
 
 
-def stage_map_sizes(specs, image_size):
+def stage_map_sizes(specs, image_size, pad=False):
     """The (rows, columns) of every stage's feature map for an image of ``image_size`` (H, W): each patch
-    embedding pads its input at the bottom and right to a multiple of its patch size."""
+    embedding drops the rows and columns that do not fill a patch (as the original release's convolution
+    does), or, with ``pad``, pads its input at the bottom and right to a multiple of its patch size."""
     rows, cols = image_size
     sizes = []
     for spec in specs:
-        rows, cols = -(-rows // spec.patch), -(-cols // spec.patch)
+        if pad:
+            rows, cols = -(-rows // spec.patch), -(-cols // spec.patch)
+        else:
+            rows, cols = rows // spec.patch, cols // spec.patch
         sizes.append((rows, cols))
     return sizes
 

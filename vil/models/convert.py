@@ -58,10 +58,11 @@ def infer_image_size(state, specs):
     return None
 
 
-def resize_tables(state, specs, old_size, new_size):
+def resize_tables(state, specs, old_size, new_size, pad=False):
     """Position embeddings and full-attention bias tables made for images of ``old_size`` (H, W), remade for
-    ``new_size`` by the interpolation the model itself uses on inputs of another size."""
-    old_maps, new_maps = stage_map_sizes(specs, old_size), stage_map_sizes(specs, new_size)
+    ``new_size`` by the interpolation the model itself uses on inputs of another size (``pad``: the maps of
+    patch embeddings that pad, see :func:`~vil.models.arch.stage_map_sizes`)."""
+    old_maps, new_maps = stage_map_sizes(specs, old_size, pad), stage_map_sizes(specs, new_size, pad)
     resized = {}
     for key, value in state.items():
         i = _stage_position(key, specs)
@@ -85,12 +86,12 @@ def backbone_specs(specs, full_attention_to_local=False, num_global=None):
     return specs
 
 
-def full_to_local(state, specs, image_size):
+def full_to_local(state, specs, image_size, pad=True):
     """Full-attention blocks turned into longformer blocks, as the original detection code did: ``qkv`` split
     into ``query`` and ``kv`` (and their ``_global`` twins where the stage has global tokens), and the
     relative-bias table re-indexed by offset into a ``(4w-1)^2`` table. Returns ``(state, specs)`` with every
     stage local (s1)."""
-    maps = stage_map_sizes(specs, image_size)
+    maps = stage_map_sizes(specs, image_size, pad)
     converted = {}
     for key, value in state.items():
         i = _stage_position(key, specs)
@@ -154,34 +155,40 @@ def set_num_global(state, specs, num_global, init="copy"):
     return converted, backbone_specs(specs, num_global=num_global)
 
 
-def checkpoint_filter_fn(state_dict, model):
-    """timm's checkpoint filter: the original release's checkpoints and this project's (the ``"net"`` entry,
-    wrapper prefixes and derived buffers removed), with position tables resized when the model was built for
-    another image size than the checkpoint's (taken as square, as both releases train). A checkpoint of
-    another architecture is refused in one sentence; the classifier may differ (timm replaces it)."""
-    state = model_state(state_dict)
+def fit_to_model(state, model, path):
+    """A model state dict for ``model`` (an :class:`~vil.models.MsViT`): position tables resized when the model
+    was built for another image size than the state's (taken as square, as both releases train). A state of
+    another architecture is refused in one sentence naming the mismatched keys; the classifier may differ."""
     expected = model.state_dict()
     if any(k in expected and expected[k].shape != v.shape for k, v in state.items()):
         source = infer_image_size(state, model.stage_specs)
         if source:
-            state = resize_tables(state, model.stage_specs, source, model.img_size)
+            state = resize_tables(state, model.stage_specs, source, model.img_size, model.dynamic_img_pad)
     body = {k: v for k, v in state.items() if not k.startswith("head.")}
-    check_fits(body, model, "pretrained_cfg file", may_miss=("head.",))
+    check_fits(body, model, path, may_miss=("head.",))
     return state
 
 
+def checkpoint_filter_fn(state_dict, model):
+    """timm's checkpoint filter: the original release's checkpoints and this project's (the ``"net"`` entry,
+    wrapper prefixes and derived buffers removed), fitted to the model by :func:`fit_to_model` (timm replaces
+    a classifier of another class count)."""
+    return fit_to_model(model_state(state_dict), model, "pretrained_cfg file")
+
+
 def convert_classification_state(state, arch, image_size, *, full_attention_to_local=False, num_global=None,
-                                 global_init="copy", new_image_size=None):
+                                 global_init="copy", new_image_size=None, pad=True):
     """A classification model's state (arch string ``arch``, built for ``image_size``) as a backbone's: no
     classifier or final norm; optionally full-attention stages as longformer ones, another number of global
-    tokens, position tables for ``new_image_size``. Returns ``(state, arch specs, image size)``."""
+    tokens, position tables for ``new_image_size`` (the maps of patch embeddings that ``pad``, as the
+    detection backbone's do by default). Returns ``(state, arch specs, image size)``."""
     specs = parse_arch(arch)
     state = drop_classifier(model_state(state))
     if new_image_size is not None:  # tables of the size they already have are returned as they are
-        state = resize_tables(state, specs, image_size, new_image_size)
+        state = resize_tables(state, specs, image_size, new_image_size, pad)
         image_size = tuple(new_image_size)
     if full_attention_to_local:
-        state, specs = full_to_local(state, specs, image_size)
+        state, specs = full_to_local(state, specs, image_size, pad)
     if num_global is not None:
         state, specs = set_num_global(state, specs, num_global, global_init)
     return state, specs, tuple(image_size)

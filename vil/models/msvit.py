@@ -25,13 +25,15 @@ from .tables import resize_position_embedding
 class PatchEmbed(nn.Module):
     """Conv patch embedding, optional LayerNorm, G global tokens prepended, absolute position embedding.
 
-    Inputs of any size: the image is padded at the bottom and right to a multiple of the patch size, and the
-    position embedding, made for an ``nx x ny`` map, is interpolated for maps of another size.
+    Inputs of any size: rows and columns that do not fill a patch are dropped (the original release's
+    convolution), or, with ``pad``, the image is padded at the bottom and right to a multiple of the patch
+    size (timm's ``dynamic_img_pad``); the position embedding, made for an ``nx x ny`` map, is interpolated
+    for maps of another size.
     """
 
-    def __init__(self, in_chans, dim, patch, nx, ny, num_global, ape, norm_embed, norm_layer, drop):
+    def __init__(self, in_chans, dim, patch, nx, ny, num_global, ape, norm_embed, norm_layer, drop, pad=False):
         super().__init__()
-        self.patch, self.num_global, self.ape = patch, num_global, ape
+        self.patch, self.num_global, self.ape, self.pad = patch, num_global, ape, pad
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch, stride=patch)
         self.norm_embed = norm_layer(dim) if norm_embed else None
         if num_global:
@@ -48,7 +50,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x):
         pad_rows, pad_cols = -x.shape[-2] % self.patch, -x.shape[-1] % self.patch
-        if pad_rows or pad_cols:
+        if self.pad and (pad_rows or pad_cols):
             x = F.pad(x, (0, pad_cols, 0, pad_rows))
         x = self.proj(x)
         B, C, nx, ny = x.shape
@@ -120,13 +122,16 @@ class MsViT(nn.Module):
             or ``""`` (no pooling); None: ``"token"`` when the last stage has global tokens and not ``avg_pool``.
         full_attention: full attention in every stage (ATTN_TYPE full); otherwise only in s0 stages.
         attn_backend: the :func:`vil.ops.local_attention_2d` backend of the local stages (None: the fastest).
+        dynamic_img_pad: patch embeddings pad images to a multiple of their patch size instead of dropping
+            the remainder (see :class:`PatchEmbed`); the position tables then have ``ceil(size / stride)`` rows.
         sw_exact, mode, share_w, only_global: the longformer options of ``MODEL.VIT.MSVIT``.
     """
 
     def __init__(self, arch, img_size=224, in_chans=3, num_classes=1000, global_pool=None, drop_rate=0.0,
                  drop_path_rate=0.1, norm_embed=True, avg_pool=False, full_attention=False, attn_backend=None,
-                 share_w=True, only_global=False, sw_exact=0, mode=0, ln_eps=1e-6):
+                 share_w=True, only_global=False, sw_exact=0, mode=0, ln_eps=1e-6, dynamic_img_pad=False):
         super().__init__()
+        self.dynamic_img_pad = dynamic_img_pad
         self.stage_specs = parse_arch(arch)
         self.img_size, self.in_chans, self.num_classes = to_2tuple(img_size), in_chans, num_classes
         self.feature_info, stride = [], 1
@@ -146,8 +151,9 @@ class MsViT(nn.Module):
         rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs)).tolist()
 
         in_dim, layer = in_chans, 0
-        for spec, (nx, ny) in zip(self.stage_specs, stage_map_sizes(self.stage_specs, self.img_size)):
-            blocks = [PatchEmbed(in_dim, spec.dim, spec.patch, nx, ny, spec.num_global, spec.ape, norm_embed, norm_layer, drop_rate)]
+        for spec, (nx, ny) in zip(self.stage_specs, stage_map_sizes(self.stage_specs, self.img_size, dynamic_img_pad)):
+            blocks = [PatchEmbed(in_dim, spec.dim, spec.patch, nx, ny, spec.num_global, spec.ape, norm_embed, norm_layer,
+                                 drop_rate, dynamic_img_pad)]
             for _ in range(spec.depth):
                 if spec.local and not full_attention:
                     attn = LongformerAttention(
@@ -354,6 +360,7 @@ def model_kwargs(cfg):
         drop_path_rate=vit.DROP_PATH, norm_embed=vit.NORM_EMBED, avg_pool=vit.AVG_POOL,
         full_attention=backend == "full", attn_backend=None if backend == "full" else backend,
         share_w=msvit.SHARE_W, only_global=msvit.ONLY_GLOBAL, sw_exact=msvit.SW_EXACT, mode=msvit.MODE, ln_eps=msvit.LN_EPS,
+        dynamic_img_pad=vit.DYNAMIC_IMG_PAD,
     )
 
 
