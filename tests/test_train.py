@@ -129,6 +129,7 @@ def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
     text = (out / "log.txt").read_text()
     assert "2 process(es)" in text and "All 2 processes hold identical weights." in text
     assert "DISTRIBUTED_BACKEND nccl serves CUDA devices; these CPU processes use gloo." in text
+    assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3  # 13 images, 2 a process a batch
 
 
 @pytest.mark.parametrize(

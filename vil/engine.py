@@ -108,7 +108,9 @@ def epoch_order(dataset, epoch, seed, runtime, repeated_aug=False):
     ``repeated_aug`` in distributed training: timm's repeated-augmentation sampler, 3 repeats)."""
     if runtime.world > 1:
         if repeated_aug:
-            sampler = RepeatAugSampler(dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True)
+            # selected_round 0: every process takes len / world samples, as DistributedSampler (timm's default
+            # rounds down to multiples of 256, which the epoch's step count would not match).
+            sampler = RepeatAugSampler(dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, selected_round=0)
         else:
             sampler = DistributedSampler(dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, seed=seed)
         sampler.set_epoch(epoch)
@@ -179,11 +181,10 @@ def resolve_model_path(cfg):
     """``MODEL.MODEL_PATH``, or, when that is not a file, the same path under ``DATA.DATA_DIR`` (as the
     original release looked it up)."""
     path = cfg.MODEL.MODEL_PATH
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(cfg.DATA.DATA_DIR, path)):
-        return os.path.join(cfg.DATA.DATA_DIR, path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"Checkpoint {path} does not exist (nor under DATA.DATA_DIR {cfg.DATA.DATA_DIR}).")
-    return path
+    for candidate in (path, os.path.join(cfg.DATA.DATA_DIR, path)):
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(f"Checkpoint {path} does not exist (nor under DATA.DATA_DIR {cfg.DATA.DATA_DIR}).")
 
 
 def load_weights(model, cfg, new_classifier=False):
@@ -224,7 +225,6 @@ class Run:
     train_set: Any
     test_set: Any
     batch: int  # per process
-    steps_per_epoch: int
     epoch: int = 0
     step: int = 0
     best: float = 0.0
@@ -233,7 +233,11 @@ class Run:
 
     @property
     def last_checkpoint(self):
-        return os.path.join(self.cfg.OUTPUT_DIR, "checkpoint_last.pth")
+        return last_checkpoint_path(self.cfg)
+
+
+def last_checkpoint_path(cfg):
+    return os.path.join(cfg.OUTPUT_DIR, "checkpoint_last.pth")
 
 
 def set_up(cfg):
@@ -256,7 +260,7 @@ def set_up(cfg):
 
     train_set, test_set = build_dataset(cfg, train=True), build_dataset(cfg, train=False)
     model = build_model(cfg)
-    if cfg.MODEL.MODEL_PATH and not os.path.exists(os.path.join(out, "checkpoint_last.pth")):
+    if cfg.MODEL.MODEL_PATH and not os.path.exists(last_checkpoint_path(cfg)):
         path = load_weights(model, cfg, new_classifier=True)
         log.info(f"Starting from the weights of {path}{' (its EMA copy)' if cfg.MODEL.LOAD_EMA else ''}; optimizer, schedule and epochs start fresh.")
     layout = memory_format(cfg)
@@ -283,7 +287,6 @@ def set_up(cfg):
         optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer, steps_per_epoch), scaler=scaler,
         ema=ModelEmaV3(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None, criterion=build_loss(cfg, mixup),
         mixup=mixup, amp=amp, memory_format=layout, train_set=train_set, test_set=test_set, batch=batch,
-        steps_per_epoch=steps_per_epoch,
     )
 
 
