@@ -67,8 +67,32 @@ def test_unknown_keys_name_the_key(tmp_path):
         load_cfg(path)
     with pytest.raises(ValueError, match="KEY VALUE pairs"):
         load_cfg(overrides=["OPTIM.LR"])
-    with pytest.raises(ValueError, match="Type mismatch"):
+    with pytest.raises(ValueError, match=r"^In the overrides, INPUT.IMAGE_SIZE is 'big', but it must be an integer \(its default is 224\)\.$"):
         load_cfg(overrides=["INPUT.IMAGE_SIZE", "big"])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("MODEL:\n  ARCH: [msvit\n", r"^Not valid YAML in \S+bad.yaml at line 3 \("),
+    ("- MODEL\n- OPTIM\n", r"^Expected a mapping of config keys \(like 'MODEL: \.\.\.'\) in \S+bad.yaml, not a list\.$"),
+    ("MODEL: 5\n", r"MODEL is 5, but it is a section of keys \(like 'MODEL: \{ARCH: \.\.\.\}'\)\.$"),
+    ("OPTIM:\n  LR: None\n", r"OPTIM.LR is None, but it must be a number \(its default is 1.0\)\.$"),
+    ("OPTIM:\n  LR: .inf\n", r"^OPTIM.LR is inf, but it must be a finite learning rate >= 0\.$"),
+    ("DATALOADER:\n  BSZ: 0\n", r"^DATALOADER.BSZ is 0, but it must be a positive batch size"),
+    ("DATALOADER:\n  BSZ: -8\n", r"^DATALOADER.BSZ is -8, but it must be a positive batch size"),
+    ("AMP:\n  DTYPE: fp8\n", r"^AMP.DTYPE is 'fp8', but it must be 'bfloat16' or 'float16'\.$"),
+    ("INPUT:\n  CROP_PCT: 0.0\n", r"^INPUT.CROP_PCT is 0.0, but it must be a fraction in \(0, 1\]\.$"),
+])
+def test_malformed_config_files_are_one_sentence(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as caught:
+        load_cfg(path)
+    assert "\n" not in str(caught.value)
+
+
+def test_integers_are_accepted_for_float_keys_and_lists_for_tuples():
+    cfg = load_cfg(overrides=["OPTIM.LR", "1", "AUG.SCALE", "[0.5, 1.0]"])
+    assert cfg.OPTIM.LR == 1.0 and isinstance(cfg.OPTIM.LR, float) and cfg.AUG.SCALE == (0.5, 1.0)
 
 
 def test_compatibility_only_keys_warn_when_set():

@@ -1,5 +1,7 @@
 """Data: ImageNet-style folders with unreadable files, the digits split, transforms, Mixup and the loss."""
 
+import os
+import re
 from functools import partial
 
 import pytest
@@ -32,15 +34,31 @@ def test_unreadable_images_are_skipped_named_and_counted(tmp_path):
     cfg = cfg_for(make_folder(tmp_path))
     dataset = build_dataset(cfg, train=True)
     assert len(dataset) == 7
-    with pytest.warns(UserWarning, match=r"Skipping unreadable image .*broken\.JPEG"):
-        batches = list(DataLoader(dataset, batch_size=4, collate_fn=collate_skipping))
-    assert sum(skipped for _, _, skipped in batches) == 1
+    batches = list(DataLoader(dataset, batch_size=4, collate_fn=collate_skipping))
+    names = [name for _, _, unreadable in batches for name in unreadable]
+    assert len(names) == 1 and re.fullmatch(r".*broken\.JPEG \(cannot identify image file .*\)", names[0])
     assert sum(len(images) for images, _, _ in batches) == 6  # evaluation drops it
     images, targets, _ = batches[0]
     assert images.shape[1:] == (3, 32, 32) and targets.dtype == torch.long
-    with pytest.warns(UserWarning):
-        refilled = list(DataLoader(dataset, batch_size=4, collate_fn=partial(collate_skipping, refill=True)))
+    refilled = list(DataLoader(dataset, batch_size=4, collate_fn=partial(collate_skipping, refill=True)))
     assert [len(images) for images, _, _ in refilled] == [4, 3]  # training keeps every batch full
+
+
+def test_decompression_bombs_and_damaged_images_are_skipped_also_in_worker_processes(tmp_path):
+    root = make_folder(tmp_path, corrupt=False)
+    folder = root / "train" / "cat"
+    # 28 KB on disk, 15000 x 15000 pixels once decoded: PIL refuses it as a decompression bomb.
+    Image.new("1", (15000, 15000)).save(folder / "bomb.png")
+    good = (folder / "0.JPEG").read_bytes()
+    (folder / "cut.JPEG").write_bytes(good[: len(good) // 3])  # truncated in its image data
+    flipped = bytearray(good)
+    flipped[2:40] = bytes(38)  # the JPEG header's segments zeroed
+    (folder / "flipped.JPEG").write_bytes(bytes(flipped))
+    dataset = build_dataset(cfg_for(root), train=True)
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=partial(collate_skipping, refill=True))
+    names = sorted(name for _, _, unreadable in loader for name in unreadable)
+    assert [os.path.basename(name.split(" (")[0]) for name in names] == ["bomb.png", "cut.JPEG", "flipped.JPEG"]
+    assert "decompression bomb" in names[0] and all("Traceback" not in name for name in names)
 
 
 def test_eval_transform_resizes_and_center_crops(tmp_path):

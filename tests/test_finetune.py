@@ -194,9 +194,9 @@ def test_evaluate_true_makes_train_py_evaluate_model_path(tmp_path):
     assert done.stderr.count("MODEL.PRETRAINED True is ignored") == 1
     assert not (tmp_path / "eval" / "checkpoint_last.pth").exists()  # evaluated, not trained
     cfg = load_cfg(ROOT / "configs" / "vil_tiny.yaml", overrides + ["AMP.MEMORY_FORMAT", "nhwc"])
-    top1, top5 = evaluate_checkpoint(cfg)  # channels last gives the same figures
-    assert done.stdout.strip().splitlines()[-1] == f"top-1 {top1:.2f} top-5 {top5:.2f}"
+    report = evaluate_checkpoint(cfg)  # channels last gives the same figures
+    assert done.stdout.strip().splitlines()[-1] == f"top-1 {report['top1']:.2f} top-5 {report['top5']:.2f}"
     per_class = json.loads((tmp_path / "eval" / "eval.json").read_text())["per_class"]
     assert set(per_class) == {"cat", "dog"} and sum(c["images"] for c in per_class.values()) == 12
     hits = sum(c["top1"] * c["images"] / 100 for c in per_class.values())
-    assert hits == pytest.approx(top1 * 12 / 100)
+    assert hits == pytest.approx(report["top1"] * 12 / 100)

@@ -465,3 +465,47 @@ def test_empty_inputs(backend):
     )
     empty = torch.randn(0, 2, 5, 6, 4)
     assert local_attention_2d(empty, empty, empty, 3, backend=backend).shape == (0, 2, 5, 6, 4)
+
+
+CPU_2D = [b for b in available_backends(2) if b not in ("triton",)]
+
+
+@pytest.mark.parametrize("backend", CPU_2D)
+def test_a_dilation_beyond_the_map_leaves_each_query_with_itself_and_the_global_keys(backend):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, 8) for _ in range(3))
+    gk, gv = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    out = local_attention_2d(q, k, v, 1, exact=1, dilation=5, global_k=gk, global_v=gv, backend=backend)
+    # By hand: the softmax over two keys, the query's own and the global one.
+    scale = 8 ** -0.5
+    own, glob = (q * k).sum(-1) * scale, (q * gk[:, :, None]).sum(-1) * scale
+    weight = torch.sigmoid(own - glob)[..., None]
+    torch.testing.assert_close(out, weight * v + (1 - weight) * gv[:, :, None], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("exact", [1, 0, -1])
+def test_an_enormous_window_is_the_whole_map(exact):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 3, 4) for _ in range(3))
+    out = local_attention_2d(q, k, v, 10**9, exact=exact)
+    dense = torch.softmax(torch.einsum("bhxyd,bhijd->bhxyij", q, k).flatten(-2) * 4 ** -0.5, dim=-1)
+    torch.testing.assert_close(out, torch.einsum("bhxyn,bhnd->bhxyd", dense, v.flatten(2, 3)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda q: local_attention_2d(q.tolist(), q, q, 1), r"^q must be a torch.Tensor, got a list; convert it with torch.as_tensor\.$"),
+    (lambda q: local_attention_2d(q, q.numpy(), q, 1), r"^k must be a torch.Tensor, got a ndarray; convert it with torch.as_tensor\.$"),
+    (lambda q: local_attention_2d(q, q, q, 1, scale="0.5"), r"^scale must be a number \(or None for head_dim \*\* -0.5\), got '0.5'\.$"),
+    (lambda q: local_attention_2d(q[..., :0], q[..., :0], q[..., :0], 1), r"^q has head_dim 0 \(shape \(1, 1, 3, 3, 0\)\); attention needs"),
+    (lambda q: local_attention_2d(*(q.to("meta"),) * 3, 1), r"^q is on the meta device, which holds no values to attend over"),
+])
+def test_odd_inputs_are_one_sentence(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(torch.randn(1, 1, 3, 3, 4))
+
+
+def test_a_numpy_scale_is_a_number():
+    import numpy as np
+
+    q = torch.randn(1, 1, 3, 3, 4)
+    torch.testing.assert_close(local_attention_2d(q, q, q, 1, scale=np.float32(0.5)), local_attention_2d(q, q, q, 1, scale=0.5))

@@ -230,3 +230,23 @@ def test_bad_arguments_are_one_sentence(change, message):
         local_attention_1d(q, k, v, window, **change)
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda q: local_attention_1d(q.tolist(), q, q, 1), r"^q must be a torch.Tensor, got a list"),
+    (lambda q: local_attention_1d(q, q, q, 1, key_padding_mask=[[False] * 6]), r"^key_padding_mask must be a torch.Tensor, got a list"),
+    (lambda q: local_attention_1d(q, q, q, 1, scale="0.5"), r"^scale must be a number"),
+    (lambda q: local_attention_1d(q[..., :0], q[..., :0], q[..., :0], 1), r"^q has head_dim 0"),
+    (lambda q: local_attention_1d(*(q.to("meta"),) * 3, 1), r"^q is on the meta device"),
+])
+def test_odd_inputs_are_one_sentence(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(torch.randn(1, 2, 6, 4))
+
+
+def test_an_enormous_window_or_dilation_covers_the_sequence():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    dense = torch.softmax(q @ k.transpose(-1, -2) * 4 ** -0.5, dim=-1) @ v
+    torch.testing.assert_close(local_attention_1d(q, k, v, 10**9), dense, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(local_attention_1d(q, k, v, 1, dilation=50), v, rtol=1e-4, atol=1e-5)  # only itself

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import vil.engine as engine
+import vil.training_state as training_state
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
 from vil.engine import train
@@ -21,12 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_ARCH = "l1,h1,d16,n1,s1,g1,p4,f2,a1_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g1,p2,f2,a1"
 
 
-def tiny_cfg(data, out, *overrides):
-    return load_cfg(overrides=[
+def tiny_overrides(data, out, *overrides):
+    return [
         "MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data), "DATA.NUM_CLASSES", "2",
         "DATALOADER.BSZ", "4", "OPTIM.EPOCHS", "2", "OPTIM.LR", "1e-3", "SOLVER.LR_POLICY", "cosine",
         "SOLVER.WARMUP_EPOCHS", "0.5", "MODEL.VIT.DROP_PATH", "0.1", "OUTPUT_DIR", str(out), *overrides,
-    ])
+    ]
+
+
+def tiny_cfg(data, out, *overrides):
+    return load_cfg(overrides=tiny_overrides(data, out, *overrides))
 
 
 @pytest.fixture
@@ -46,17 +51,16 @@ def assert_same_weights(a, b):
 
 def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_path):
     out = tmp_path / "run"
-    with pytest.warns(UserWarning, match="broken.JPEG"):
-        top1 = train(tiny_cfg(data, out))
+    top1 = train(tiny_cfg(data, out))
     assert 0 <= top1 <= 100
     for name in ("config.yaml", "checkpoint_last.pth", "model_best.pth", "checkpoint_epoch1.pth", "log.txt"):
         assert (out / name).exists(), name
     assert any((out / "tensorboard").iterdir())
     text = (out / "log.txt").read_text()
     assert "epoch 2/2: loss" in text and "top1" in text and "images_per_s" in text
-    assert "skipped 1 unreadable images" in text
+    assert "skipped 1 unreadable images" in text and re.search(r"Skipped unreadable image \S*broken\.JPEG \(cannot identify", text)
     state = read_checkpoint(str(out / "checkpoint_last.pth"))
-    assert state["epoch"] == 2 and {"optimizer", "scheduler", "rng", "step"} <= state.keys()
+    assert state["epoch"] == 2 and {"optimizer", "lr_drop", "rng", "step", "config"} <= state.keys()
     assert load_cfg(out / "config.yaml").OPTIM.EPOCHS == 2
 
 
@@ -79,7 +83,7 @@ def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, m
     train(tiny_cfg(data, straight, "CHECKPOINT.EVERY_STEPS", "2"))
     killed = tmp_path / "killed"
     saves = []
-    real_save = engine.save_checkpoint
+    real_save = training_state.save_checkpoint
 
     def save_then_die(*args, **kwargs):
         real_save(*args, **kwargs)
@@ -87,11 +91,11 @@ def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, m
         if len(saves) == 3:  # steps 2 (mid epoch 1) and 3 (its end), then step 4: batch 1 of epoch 2
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(training_state, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2"))
     assert saves == [2, 0, 1]  # killed mid-epoch, right after the checkpoint at batch 1 of epoch 2
-    monkeypatch.setattr(engine, "save_checkpoint", real_save)
+    monkeypatch.setattr(training_state, "save_checkpoint", real_save)
     train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2"))
     assert_same_weights(final_weights(straight), final_weights(killed))
 
@@ -135,7 +139,7 @@ def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["OPTIM.LRR", "0.1"], "error: Unknown config key OPTIM.LRR: it is not one of the keys defined in vil/config.py."),
+        (["OPTIM.LRR", "0.1"], "error: Unknown config key OPTIM.LRR: it is not one of the keys defined in vil/config.py (in the overrides)."),
         (["DATA.PATH", "/nonexistent"], "error: No images found in /nonexistent/train: the data must be ImageNet-style folders"),
     ],
 )
@@ -146,23 +150,29 @@ def test_config_typo_and_missing_data_are_one_sentence(args, message, tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_nan_loss_stops_before_the_last_good_checkpoint_is_overwritten(data, tmp_path, monkeypatch):
+def break_loss(monkeypatch, at_call, broken):
+    """Make the training loss ``broken(criterion, logits, targets)`` at its ``at_call``-th call."""
     real_loss = engine.build_loss
     calls = []
 
-    def loss_that_breaks(cfg, mixup):
+    def build(cfg, mixup):
         criterion = real_loss(cfg, mixup)
 
         def loss(logits, targets):
             calls.append(1)
-            value = criterion(logits, targets)
-            return value * float("nan") if len(calls) == 5 else value  # epoch 2, batch 2 (3 batches an epoch)
+            return broken(criterion, logits, targets) if len(calls) == at_call else criterion(logits, targets)
 
         return loss
 
-    monkeypatch.setattr(engine, "build_loss", loss_that_breaks)
+    monkeypatch.setattr(engine, "build_loss", build)
+
+
+def test_nan_loss_stops_before_the_last_good_checkpoint_is_overwritten(data, tmp_path, monkeypatch):
+    # epoch 2, batch 2 (3 batches an epoch)
+    break_loss(monkeypatch, 5, lambda criterion, logits, targets: criterion(logits, targets) * float("nan"))
     out = tmp_path / "nan"
-    with pytest.raises(FloatingPointError, match=r"The loss became nan at epoch 2, batch 2: training stops"):
+    with pytest.raises(FloatingPointError, match=r"^Training stops before optimizer step 5: the loss became nan at epoch 2, batch 2; "
+                       r"\S+checkpoint_last.pth keeps optimizer step 3 \(the end of epoch 1\), the newest state whose loss and gradients were finite"):
         train(tiny_cfg(data, out))
     assert (out / "checkpoint_last.pth").read_bytes() == (out / "checkpoint_epoch1.pth").read_bytes()
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["epoch"] == 1

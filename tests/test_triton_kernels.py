@@ -200,7 +200,7 @@ def test_model_gives_the_logits_of_longformerhand(attn_type):
 )
 def test_unsupported_inputs_are_one_sentence(change, message):
     w = change.pop("w", 2)
-    inputs = make_inputs(4, 4, w, 0, False, False, **change)
+    inputs = make_inputs(4, 40, w, 0, False, False, **change)  # a map wide enough to use a window of 17
     with pytest.raises(ValueError) as err:
         run("triton", inputs, w)
     assert str(err.value) == message

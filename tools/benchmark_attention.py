@@ -51,7 +51,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vil.checkpoint import atomic_write
+from vil.files import atomic_write
 from vil.ops import available_backends, default_backend, local_attention_1d, local_attention_2d
 from vil.profiling import PeakMemory
 

@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from vil.checkpoint import atomic_write, read_checkpoint
+from vil.checkpoint import read_checkpoint
+from vil.files import atomic_write, check_writable_file
 from vil.config import load_cfg
 from vil.detection import EXPORT_FORMATS, checkpoint_image_size, export_state, stored_config
 from vil.models import PRESETS, arch_string, parse_arch
@@ -54,30 +55,32 @@ def source_model(args, checkpoint):
         cfg = load_cfg(args.config_file)
         arch, size = cfg.MODEL.VIT.MSVIT.ARCH, (cfg.INPUT.IMAGE_SIZE,) * 2
     else:
-        arch = stored_config(checkpoint).get("MODEL", {}).get("VIT", {}).get("MSVIT", {}).get("ARCH")
+        stored = stored_config(checkpoint, args.input)
+        arch = stored.MODEL.VIT.MSVIT.ARCH if stored else None
     if args.arch:
         arch = PRESETS.get(args.arch, args.arch)
     if arch is None:
         raise ValueError(f"{args.input} does not say which architecture it holds; give --arch (a preset or arch string) or --config-file.")
     arch = arch_string(parse_arch(arch))
-    size = _size(args.image_size, "--image-size") or size or checkpoint_image_size(checkpoint, arch) or (224, 224)
+    size = _size(args.image_size, "--image-size") or size or checkpoint_image_size(checkpoint, arch, args.input) or (224, 224)
     return arch, size
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:
+        check_writable_file(args.output)
         checkpoint = read_checkpoint(args.input)
         arch, size = source_model(args, checkpoint)
         state, specs, new_size = convert_classification_state(
             checkpoint, arch, size, full_attention_to_local=args.full_attention_to_local, num_global=args.num_global,
             global_init=args.global_init, new_image_size=_size(args.new_image_size, "--new-image-size"),
         )
-    except (ValueError, FileNotFoundError) as e:
+        new_arch = arch_string(specs)
+        exported = export_state(state, args.format, new_arch, new_size)
+        atomic_write(args.output, lambda f: torch.save(exported, f))
+    except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
-    new_arch = arch_string(specs)
-    exported = export_state(state, args.format, new_arch, new_size)
-    atomic_write(args.output, lambda f: torch.save(exported, f))
     print(f"{args.output}: {len(state)} backbone tensors in the {args.format} layout")
     print(f"arch {new_arch}")
     print(f"image size {new_size[0]}x{new_size[1]}")

@@ -9,18 +9,20 @@ evaluates that checkpoint instead, as ``tools/eval.py`` does, and exits.
 import sys
 
 from vil.config import config_from_command_line
-from vil.engine import evaluate_checkpoint, train
+from vil.engine import evaluate_checkpoint, train, write_eval_report
 
 
 def main():
     try:
         cfg = config_from_command_line(__doc__.split("\n\n")[0])
         if cfg.EVALUATE:
-            top1, top5 = evaluate_checkpoint(cfg)
-            print(f"top-1 {top1:.2f} top-5 {top5:.2f}")
+            report = evaluate_checkpoint(cfg)
+            if report:
+                print(f"top-1 {report['top1']:.2f} top-5 {report['top5']:.2f}", flush=True)
+                write_eval_report(cfg, report)
         else:
             train(cfg)
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+    except (ValueError, OSError, FloatingPointError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -7,33 +7,13 @@ the trainer stores. A bare state dict is accepted too.
 """
 
 import os
-import tempfile
 
 import torch
 
+from .files import atomic_write
+
 # Buffers the original release saved that this project derives from the shapes instead.
 _DERIVED_KEYS = ("relative_position_index",)
-
-
-def atomic_write(path, write):
-    """Write a file through ``write(binary_file)`` into a temporary file beside ``path``, then rename it over
-    ``path``: a crash never leaves a broken file, and an old one stays intact until the new one is complete."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # the mode open() would give; mkstemp makes files private to the owner
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def save_checkpoint(path, model, **extra):
@@ -46,10 +26,13 @@ def read_checkpoint(path):
     """The checkpoint dict at ``path``, loaded with ``weights_only=True`` (checkpoints are untrusted input)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{path} is empty (0 bytes), not a checkpoint; its write was interrupted, or it is the wrong file.")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
+        detail = next(iter(str(e).splitlines()), "")
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors ({type(e).__name__}{': ' + detail if detail else ''}).") from None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
     return checkpoint

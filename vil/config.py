@@ -6,7 +6,9 @@ original's YAML files load; setting one of those to another value than its defau
 """
 
 import logging
+import math
 
+import yaml
 from yacs.config import CfgNode as CN
 
 _C = CN()
@@ -200,23 +202,154 @@ def get_cfg():
 
 
 def load_cfg(config_file=None, overrides=()):
-    """Defaults, then ``config_file`` (YAML), then ``overrides`` (``["KEY", "VALUE", ...]``); frozen.
+    """Defaults, then ``config_file`` (YAML), then ``overrides`` (``["KEY", "VALUE", ...]``); checked and frozen.
 
-    An unknown key or a malformed override list raises ``ValueError`` with one sentence naming it.
+    Anything wrong (a file that is not YAML or not a mapping of keys, an unknown key, a value of the wrong type
+    or out of range) raises ``ValueError`` with one sentence naming it.
     """
     cfg = get_cfg()
-    try:
-        if config_file:
-            cfg.merge_from_file(config_file)
-        if overrides:
-            if len(overrides) % 2:
-                raise ValueError(f"Config overrides come in KEY VALUE pairs; got an odd number of items: {list(overrides)}.")
-            cfg.merge_from_list(list(overrides))
-    except (KeyError, AssertionError) as e:  # yacs: KeyError from files, AssertionError from override lists
-        key = str(e).strip("'\"").rsplit(": ", 1)[-1]
-        raise ValueError(f"Unknown config key {key}: it is not one of the keys defined in vil/config.py.") from None
+    if config_file:
+        try:
+            with open(config_file) as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"Cannot read the config file {config_file} ({e.strerror or type(e).__name__}).") from None
+        merge_yaml(cfg, text, str(config_file))
+    if overrides:
+        if len(overrides) % 2:
+            raise ValueError(f"Config overrides come in KEY VALUE pairs; got an odd number of items: {list(overrides)}.")
+        for key, value in zip(overrides[0::2], overrides[1::2]):
+            _set(cfg, str(key), CN._decode_cfg_value(value), "the overrides")
+    check_values(cfg)
     cfg.freeze()
     return cfg
+
+
+def config_from_text(text, source):
+    """The config stored as YAML text in ``source`` (a checkpoint): the defaults with the text merged in,
+    checked as :func:`load_cfg` checks files."""
+    if not isinstance(text, str):
+        raise ValueError(f"Expected YAML text in {source}, not a {type(text).__name__}.")
+    cfg = get_cfg()
+    merge_yaml(cfg, text, source)
+    check_values(cfg, source)
+    cfg.freeze()
+    return cfg
+
+
+def merge_yaml(cfg, text, source):
+    """Merge the YAML ``text`` (from ``source``) into ``cfg``, key by key."""
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        raise ValueError(f"Not valid YAML in {source}{line} ({getattr(e, 'problem', None) or type(e).__name__}).") from None
+    if tree is None:
+        return
+    if not isinstance(tree, dict):
+        raise ValueError(f"Expected a mapping of config keys (like 'MODEL: ...') in {source}, not a {type(tree).__name__}.")
+    for key, value in _flatten(tree, cfg, source):
+        _set(cfg, key, CN._decode_cfg_value(value), source)
+
+
+def _flatten(tree, node, source, prefix=""):
+    """(dotted key, value) for every leaf of a YAML mapping, checked against the sections of ``node``."""
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        default = node.get(name) if isinstance(name, str) else None
+        if isinstance(default, CN):
+            if not isinstance(value, dict):
+                raise ValueError(f"In {source}, {key} is {_shown(value)}, but it is a section of keys (like '{key}: {{{next(iter(default), 'KEY')}: ...}}').")
+            yield from _flatten(value, default, source, prefix=f"{key}.")
+        else:
+            yield key, value
+
+
+def _set(cfg, key, value, source):
+    """Set the dotted ``key`` to ``value`` when the key exists and the value has its default's type."""
+    *sections, name = key.split(".")
+    node = cfg
+    for part in sections:
+        node = node.get(part) if isinstance(node, CN) else None
+        if not isinstance(node, CN):
+            raise ValueError(f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source}).")
+    if name not in node:
+        if not node.is_new_allowed():
+            raise ValueError(f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source}).")
+        node[name] = value
+        return
+    default = node[name]
+    if isinstance(default, CN):
+        raise ValueError(f"In {source}, {key} is {_shown(value)}, but it is a section of keys; set its keys ({key}.KEY) instead.")
+    node[name] = _coerced(value, default, key, source)
+
+
+def _coerced(value, default, key, source):
+    if isinstance(default, bool) or isinstance(value, bool):
+        if type(value) is type(default):
+            return value
+    elif isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
+        return type(default)(value)
+    elif isinstance(default, float) and isinstance(value, (int, float)):
+        return float(value)
+    elif type(value) is type(default):
+        return value
+    kind = {bool: "True or False", int: "an integer", float: "a number", str: "a string", list: "a list", tuple: "a list"}.get(type(default), type(default).__name__)
+    raise ValueError(f"In {source}, {key} is {_shown(value)}, but it must be {kind} (its default is {default!r}).")
+
+
+def _shown(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Keys whose values have a range: (test, what the value must be).
+_RULES = {
+    "INPUT.IMAGE_SIZE": (lambda v: v >= 1, "a positive number of pixels"),
+    "INPUT.CROP_PCT": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+    "INPUT.MEAN": (lambda v: len(v) == 3 and all(isinstance(x, (int, float)) for x in v), "three numbers, one per channel"),
+    "INPUT.STD": (lambda v: len(v) == 3 and all(isinstance(x, (int, float)) and x > 0 for x in v), "three positive numbers, one per channel"),
+    "AMP.DTYPE": (lambda v: v in ("bfloat16", "float16"), "'bfloat16' or 'float16'"),
+    "AMP.MEMORY_FORMAT": (lambda v: v in ("nchw", "nhwc"), "'nchw' or 'nhwc'"),
+    "DATA.NUM_CLASSES": (lambda v: v >= 1, "a positive number of classes"),
+    "DATALOADER.BSZ": (lambda v: v >= 1, "a positive batch size (the images of all processes together)"),
+    "DATALOADER.WORKERS": (lambda v: v >= 0, "0 (load in the training process) or a positive number of workers"),
+    "OPTIM.LR": (lambda v: math.isfinite(v) and v >= 0, "a finite learning rate >= 0"),
+    "OPTIM.EPOCHS": (lambda v: v >= 1, "a positive number of epochs"),
+    "OPTIM.ACCUM_STEPS": (lambda v: v >= 1, "a positive number of batches per optimizer step"),
+    "OPTIM.CLIP_GRAD": (lambda v: math.isfinite(v) and v >= 0, "a finite gradient norm >= 0 (0: no clipping)"),
+    "OPTIM.DROP_FACTOR": (lambda v: math.isfinite(v) and v > 0, "a positive factor"),
+    "OPTIM.DROP_FREQ": (lambda v: v >= 1, "a positive number of epochs"),
+    "SOLVER.WARMUP_EPOCHS": (lambda v: math.isfinite(v) and v >= 0, "a finite number of epochs >= 0"),
+    "SOLVER.WARMUP_FACTOR": (lambda v: math.isfinite(v) and v >= 0, "a finite factor >= 0"),
+    "SOLVER.MIN_LR": (lambda v: math.isfinite(v) and v >= 0, "a finite learning rate >= 0"),
+    "LOSS.LABEL_SMOOTHING": (lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
+    "MODEL.EMA_DECAY": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+    "MODEL.VIT.DROP": (lambda v: 0 <= v < 1, "a probability in [0, 1)"),
+    "MODEL.VIT.DROP_PATH": (lambda v: 0 <= v < 1, "a probability in [0, 1)"),
+    "MODEL.VIT.MSVIT.LN_EPS": (lambda v: v > 0, "a positive epsilon"),
+    "MODEL.VIT.MSVIT.VIL_MODE_SWITCH": (lambda v: 0 <= v <= 1, "a fraction of the epochs in [0, 1]"),
+    "LOG_FREQ": (lambda v: v >= 0, "a number of optimizer steps >= 0 (0: no step lines)"),
+    "CHECKPOINT.EVERY_STEPS": (lambda v: v >= 0, "a number of optimizer steps >= 0 (0: once an epoch)"),
+    "CHECKPOINT.KEEP": (lambda v: v >= 1, "a positive number of epoch checkpoints"),
+    "AUG.SCALE": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "two fractions, low <= high, in (0, 1]"),
+    "AUG.RATIO": (lambda v: len(v) == 2 and 0 < v[0] <= v[1], "two positive aspect ratios, low <= high"),
+    "DATA.TRAIN": (lambda v: len(v) == 1 and isinstance(v[0], str), "one dataset name, like ('imagenet',)"),
+    "DATA.TEST": (lambda v: len(v) == 1 and isinstance(v[0], str), "one dataset name, like ('imagenet',)"),
+}
+
+
+def check_values(cfg, source=None):
+    """Raise one ``ValueError`` for the first value outside its key's range (naming ``source`` if given)."""
+    for key, (test, expected) in _RULES.items():
+        value = config_value(cfg, key)
+        try:
+            fine = bool(test(value))
+        except (TypeError, ValueError):
+            fine = False
+        if not fine:
+            raise ValueError(f"{'In ' + source + ', ' if source else ''}{key} is {_shown(value)}, but it must be {expected}.")
 
 
 def config_from_command_line(description, argv=None):

@@ -6,7 +6,6 @@ folders under ``DATA.PATH``; ``('digits',)`` is the 1,797 handwritten digits tha
 """
 
 import os
-import warnings
 
 import numpy as np
 import torch
@@ -23,10 +22,15 @@ EXPECTED_LAYOUT = "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<im
 _INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 
 
+class Unreadable(str):
+    """What a dataset returns for an image that cannot be loaded: the file and the reason, as one string that
+    :func:`collate_skipping` collects (it crosses from worker processes as a plain string)."""
+
+
 class SkippingImageFolder(ImageFolder):
-    """An ImageFolder whose unreadable or corrupt images are skipped: each is named in a warning and comes out
-    as None, which :func:`collate_skipping` drops and counts. ``classes``: the class folders to keep, labelled
-    in that order (None: all, sorted)."""
+    """An ImageFolder whose images that cannot be decoded or transformed (corrupt, truncated, not images,
+    decompression bombs, odd modes) come out as :class:`Unreadable`, which :func:`collate_skipping` drops,
+    counts and names. ``classes``: the class folders to keep, labelled in that order (None: all, sorted)."""
 
     def __init__(self, root, transform=None, classes=None):
         self.chosen = list(classes) if classes else None
@@ -42,10 +46,10 @@ class SkippingImageFolder(ImageFolder):
         path, target = self.samples[index]
         try:
             image = self.loader(path)
-        except (OSError, ValueError) as e:  # PIL's errors for unreadable, truncated or non-image files
-            warnings.warn(f"Skipping unreadable image {path}: {e}", stacklevel=2)
-            return None
-        return (self.transform(image) if self.transform else image), target
+            return (self.transform(image) if self.transform else image), target
+        except Exception as e:  # a decoder can fail in many ways on crafted bytes; each is one skipped file
+            reason = next(iter(str(e).splitlines()), "") or type(e).__name__
+            return Unreadable(f"{path} ({reason})")
 
 
 class DigitsDataset(Dataset):
@@ -93,21 +97,21 @@ def _checked_subset(chosen, found, where):
 
 
 def collate_skipping(batch, refill=False):
-    """Collate the samples that loaded; returns ``(images, targets, number of unreadable samples)``.
+    """Collate the samples that loaded; returns ``(images, targets, unreadable)``, the last a list naming each
+    sample that did not load and why.
 
     With ``refill``, unreadable samples are replaced by readable ones of the same batch, so that every
     batch keeps its size: in distributed training every process must take every step, and Mixup needs
-    an even batch. Evaluation drops them instead, so that no sample counts twice."""
-    kept = [sample for sample in batch if sample is not None]
-    missing = len(batch) - len(kept)
-    if not kept:
-        if refill:
-            raise ValueError(f"All {len(batch)} images of a training batch are unreadable; check the data.")
-        return torch.empty(0), torch.empty(0, dtype=torch.long), missing
+    an even batch. Evaluation drops them instead, so that no sample counts twice. A batch of unreadable
+    samples only comes out empty."""
+    unreadable = [str(sample) for sample in batch if isinstance(sample, Unreadable)]
+    kept = [sample for sample in batch if not isinstance(sample, Unreadable)]
+    if not kept:  # nothing to refill from: the training loop stops (a worker process must not raise)
+        return torch.empty(0), torch.empty(0, dtype=torch.long), unreadable
     if refill:
-        kept += [kept[i % len(kept)] for i in range(missing)]
+        kept += [kept[i % len(kept)] for i in range(len(unreadable))]
     images, targets = default_collate(kept)
-    return images, targets, missing
+    return images, targets, unreadable
 
 
 def build_transform(cfg, train):

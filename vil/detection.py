@@ -11,11 +11,11 @@
 from collections import OrderedDict
 
 import torch.nn as nn
-import yaml
 from timm.layers import LayerNorm2d
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 
 from .checkpoint import load_model_state, model_state, read_checkpoint
+from .config import config_from_text
 from .models import PRESETS, MsViT, arch_string, parse_arch
 from .models.convert import backbone_specs, convert_classification_state, infer_image_size
 from .models.msvit import model_kwargs
@@ -175,24 +175,26 @@ def load_backbone_checkpoint(body, path, source_arch, **conversion):
     checkpoint = read_checkpoint(path)
     state = backbone_state(checkpoint)
     if state is None:
-        size = checkpoint_image_size(checkpoint, source_arch) or body.img_size
+        size = checkpoint_image_size(checkpoint, source_arch, path) or body.img_size
         state, _, _ = convert_classification_state(checkpoint, source_arch, size, new_image_size=body.img_size,
                                                    pad=body.dynamic_img_pad, **conversion)
     load_model_state(body, state, path, may_miss=("level_norms.",))
 
 
-def stored_config(checkpoint):
-    """The config this project's trainer stores in its checkpoints, as a dict; empty for other checkpoints."""
-    config = checkpoint.get("config")
-    return (yaml.safe_load(config) or {}) if isinstance(config, str) else {}
+def stored_config(checkpoint, path="The checkpoint"):
+    """The config this project's trainer stores in its checkpoints, checked as config files are (crafted
+    metadata is refused in one sentence); None for other checkpoints."""
+    if "config" not in checkpoint:
+        return None
+    return config_from_text(checkpoint["config"], f"the config stored in {path}")
 
 
-def checkpoint_image_size(checkpoint, arch):
+def checkpoint_image_size(checkpoint, arch, path="The checkpoint"):
     """The image size (H, W) a classification checkpoint was trained for: from its config (this project's
     checkpoints), else from its position tables (taken as square); None when neither tells."""
-    size = stored_config(checkpoint).get("INPUT", {}).get("IMAGE_SIZE")
-    if size:
-        return (size, size) if isinstance(size, int) else tuple(size)
+    cfg = stored_config(checkpoint, path)
+    if cfg is not None:
+        return (cfg.INPUT.IMAGE_SIZE,) * 2
     return infer_image_size(model_state(checkpoint), parse_arch(arch))
 
 

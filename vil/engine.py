@@ -1,28 +1,28 @@
 """Training and evaluation: one process, or one per device under ``torchrun`` (DistributedDataParallel).
 
-A run is set up (:func:`set_up`), continues from ``OUTPUT_DIR/checkpoint_last.pth`` or starts, from random
-weights or from those of ``MODEL.MODEL_PATH`` (:func:`resume_or_start`), then trains epoch after epoch
-(:func:`train_one_epoch`, :func:`evaluate`, :func:`end_epoch`).
+A run is set up (:func:`set_up`: output folder, config, data, model, optimizer), continues from
+``OUTPUT_DIR/checkpoint_last.pth`` when there is one (:mod:`vil.training_state`) or starts, from random
+weights or from those of ``MODEL.MODEL_PATH``, then trains epoch after epoch (:func:`train_one_epoch`,
+:func:`evaluate_epoch`, :func:`end_epoch`).
 
-Everything a run needs to continue is in ``checkpoint_last.pth`` (model, optimizer, schedule, gradient scaler,
-EMA, epoch, step and random states); running the same command again resumes from it, and never again from
-``MODEL.MODEL_PATH``. The sample order of an epoch depends only on ``SEED`` and the epoch, so a resumed run
-repeats exactly what an uninterrupted one would have done (from a mid-epoch checkpoint, bit for bit with
-``DATALOADER.WORKERS 0``; data-loading workers restart their random streams).
+Everything a run needs to continue is in ``checkpoint_last.pth``; running the same command again resumes from
+it, and never again from ``MODEL.MODEL_PATH``. The sample order of an epoch depends only on ``SEED`` and the
+epoch, so a resumed run repeats exactly what an uninterrupted one would have done (from a mid-epoch
+checkpoint, bit for bit with ``DATALOADER.WORKERS 0``; data-loading workers restart their random streams).
+A loss or gradient that is not finite stops the run before the optimizer step and before any checkpoint of
+that state.
 """
 
 import json
 import logging
+import math
 import os
-import random
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from timm.data.distributed_sampler import RepeatAugSampler
@@ -31,44 +31,23 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from .checkpoint import atomic_write, ema_state, load_model_state, model_state, read_checkpoint, save_checkpoint
+from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint
 from .config import warn_compatibility_keys
 from .data import build_dataset, build_loss, build_mixup, collate_skipping
-from .models import build_model
+from .files import FolderLock, atomic_write, check_writable_file, check_writable_folder, remove_temporaries
+from .models import arch_string, build_model, parse_arch
 from .models.attention import LongformerAttention
 from .models.convert import fit_to_model
 from .optim import build_optimizer, build_scheduler, drop_learning_rate
+from .runtime import Runtime, seed_everything
+from .training_state import (
+    LAST, check_resumable, copy_epoch_checkpoints, read_resume_point, restore, take_snapshot, write_snapshot,
+)
 
 log = logging.getLogger("vil")
 MEMORY_FORMATS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 # OPTIM.VAL lowers the learning rate of these optimizers only, as in the original release.
 PLATEAU_OPTIMIZERS = ("sgd", "qhm")
-
-
-class Runtime:
-    """This process's place in the run: rank, world size and device (from torchrun's environment). Processes
-    talk through ``backend`` on CUDA and through gloo on the CPU."""
-
-    def __init__(self, backend="nccl"):
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.rank = int(os.environ.get("RANK", 0))
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local)
-            self.device = torch.device("cuda", local)
-        else:
-            self.device = torch.device("cpu")
-        self.backend = backend if self.device.type == "cuda" else "gloo"
-        if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group(self.backend)
-        self.is_main = self.rank == 0
-
-    def sum(self, *values):
-        """Sum numbers over all processes."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t.tolist()
 
 
 def setup_logging(output_dir, is_main):
@@ -82,25 +61,6 @@ def setup_logging(output_dir, is_main):
         file = logging.FileHandler(os.path.join(output_dir, "log.txt"))
         file.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         log.addHandler(file)
-
-
-def _rng_state():
-    numpy = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": {"keys": torch.from_numpy(numpy[1].astype(np.int64)), "pos": numpy[2], "gauss": [numpy[3], numpy[4]]}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state):
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    numpy = state["numpy"]
-    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["pos"], *numpy["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def epoch_order(dataset, epoch, seed, runtime, repeated_aug=False):
@@ -129,27 +89,37 @@ def per_process_batch(cfg, runtime):
 @torch.no_grad()
 def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.contiguous_format):
     """Top-1 and top-5 accuracy (percent) over the whole evaluation set, all processes together, and per class:
-    ``{"top1", "top5", "per_class": (classes, 3) tensor of images, top-1 hits, top-5 hits}``."""
+    ``{"top1", "top5", "per_class": (classes, 3) tensor of images, top-1 hits, top-5 hits, "nonfinite": images
+    whose outputs are not all finite}``. Unreadable images are skipped, each named in a warning."""
     model.eval()
     counts = torch.zeros(num_classes, 3, dtype=torch.float64, device=runtime.device)
-    skipped = 0
-    for images, targets, missed in loader:
-        skipped += missed
+    skipped = nonfinite = 0
+    for images, targets, unreadable in loader:
+        skipped += _warn_unreadable(unreadable)
         if not len(images):
             continue
         images, targets = images.to(runtime.device, memory_format=memory_format), targets.to(runtime.device)
         with amp():
-            logits = model(images)
-        ranks = logits.float().topk(min(5, num_classes), dim=1).indices.eq(targets[:, None])
+            logits = model(images).float()
+        nonfinite += int((~torch.isfinite(logits).all(dim=1)).sum())
+        ranks = logits.topk(min(5, num_classes), dim=1).indices.eq(targets[:, None])
         hits = torch.stack([torch.ones_like(ranks[:, 0]), ranks[:, 0], ranks.any(dim=1)], dim=1)
         counts.index_add_(0, targets, hits.double())
     if runtime.world > 1:
         dist.all_reduce(counts)
-    (skipped,) = runtime.sum(skipped)
+    skipped, nonfinite = runtime.sum(skipped, nonfinite)
     if skipped:
         log.warning(f"Evaluation skipped {int(skipped)} unreadable images.")
     images, top1, top5 = counts.sum(dim=0).tolist()
-    return {"top1": 100 * top1 / max(images, 1), "top5": 100 * top5 / max(images, 1), "per_class": counts.cpu()}
+    return {"top1": 100 * top1 / max(images, 1), "top5": 100 * top5 / max(images, 1), "per_class": counts.cpu(),
+            "nonfinite": int(nonfinite)}
+
+
+def _warn_unreadable(unreadable):
+    """Name each unreadable image in a warning; returns how many there were."""
+    for name in unreadable:
+        log.warning(f"Skipped unreadable image {name}.")
+    return len(unreadable)
 
 
 def eval_loader(dataset, cfg, runtime):
@@ -160,20 +130,16 @@ def eval_loader(dataset, cfg, runtime):
 
 
 def amp_context(cfg, device):
-    """Autocast for AMP on CUDA (bf16, or fp16 with a scaler); a no-op elsewhere."""
-    if not (cfg.AMP.ENABLED and device.type == "cuda"):
-        return nullcontext, None
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.AMP.DTYPE)
-    if dtype is None:
-        raise ValueError(f"AMP.DTYPE {cfg.AMP.DTYPE!r} is not supported; use 'bfloat16' or 'float16'.")
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
-    return (lambda: torch.autocast("cuda", dtype=dtype)), scaler
+    """Autocast for AMP on CUDA (bf16, or fp16 with gradient scaling), and the gradient scaler, which is a
+    pass-through unless fp16 needs it."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.AMP.DTYPE]
+    on = cfg.AMP.ENABLED and device.type == "cuda"
+    scaler = torch.amp.GradScaler(device.type, enabled=on and dtype == torch.float16)
+    return ((lambda: torch.autocast("cuda", dtype=dtype)) if on else nullcontext), scaler
 
 
 def memory_format(cfg):
     """``AMP.MEMORY_FORMAT``: ``nchw`` (PyTorch's default layout) or ``nhwc`` (channels last)."""
-    if cfg.AMP.MEMORY_FORMAT not in MEMORY_FORMATS:
-        raise ValueError(f"AMP.MEMORY_FORMAT {cfg.AMP.MEMORY_FORMAT!r} is not a layout; use 'nchw' or 'nhwc'.")
     return MEMORY_FORMATS[cfg.AMP.MEMORY_FORMAT]
 
 
@@ -216,7 +182,7 @@ class Run:
     net: torch.nn.Module  # the model, or its DistributedDataParallel wrapper
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    scaler: Any
+    scaler: torch.amp.GradScaler
     ema: Any
     criterion: Any
     mixup: Any
@@ -225,42 +191,67 @@ class Run:
     train_set: Any
     test_set: Any
     batch: int  # per process
+    lock: Any = None  # the main process's FolderLock on OUTPUT_DIR
     epoch: int = 0
     step: int = 0
     best: float = 0.0
     batch_in_epoch: int = 0
+    lr_drop: float = 1.0  # the product of OPTIM.VAL's learning-rate drops so far
+    kept: Any = None  # the Snapshot checkpoint_last.pth holds
+    pending: Any = None  # a Snapshot to write once the next step's loss and gradients are finite
     writer: Any = None
 
-    @property
-    def last_checkpoint(self):
-        return last_checkpoint_path(self.cfg)
-
-
-def last_checkpoint_path(cfg):
-    return os.path.join(cfg.OUTPUT_DIR, "checkpoint_last.pth")
+    def close(self):
+        if self.writer:
+            self.writer.close()
+        if self.lock:
+            self.lock.release()
 
 
 def set_up(cfg):
-    """Output folder, logging, seeds, data, model (with the weights of ``MODEL.MODEL_PATH`` when the run starts
-    from them), optimizer, schedule, EMA."""
+    """Output folder (checked, locked, cleared of the leftovers of interrupted writes), logging, the checkpoint
+    to resume from (checked against the config before anything is written), seeds, data, model (with the
+    weights of ``MODEL.MODEL_PATH`` when the run starts from them), optimizer, schedule, EMA. Returns the
+    :class:`Run` and the ``(path, checkpoint)`` to resume from, or None."""
     runtime = Runtime(cfg.DISTRIBUTED_BACKEND)
     out = cfg.OUTPUT_DIR
+    lock = None
     if runtime.is_main:
-        os.makedirs(out, exist_ok=True)
-        _write_text(os.path.join(out, "config.yaml"), cfg.dump())
-    if runtime.world > 1:
-        dist.barrier()
-    setup_logging(out, runtime.is_main)
-    warn_compatibility_keys(cfg, log)
-    if runtime.world > 1 and runtime.backend != cfg.DISTRIBUTED_BACKEND:
-        log.info(f"DISTRIBUTED_BACKEND {cfg.DISTRIBUTED_BACKEND} serves CUDA devices; these CPU processes use gloo.")
-    torch.manual_seed(cfg.SEED + runtime.rank)
-    np.random.seed(cfg.SEED + runtime.rank)
-    random.seed(cfg.SEED + runtime.rank)
+        check_writable_folder(out)
+        lock = FolderLock(out)
+    try:
+        runtime.barrier()
+        setup_logging(out, runtime.is_main)
+        if runtime.is_main and (leftovers := remove_temporaries(out)):
+            log.info(f"Removed {len(leftovers)} temporary files that interrupted writes left in {out}: {', '.join(leftovers)}.")
+        resume_point = read_resume_point(out)
+        if resume_point:
+            check_resumable(resume_point[1], resume_point[0], cfg)
+        if runtime.is_main:
+            atomic_write(os.path.join(out, "config.yaml"), lambda f: f.write(cfg.dump().encode()))
+        warn_compatibility_keys(cfg, log)
+        _log_resolved_arch(cfg)
+        if runtime.world > 1 and runtime.backend != cfg.DISTRIBUTED_BACKEND:
+            log.info(f"DISTRIBUTED_BACKEND {cfg.DISTRIBUTED_BACKEND} serves CUDA devices; these CPU processes use gloo.")
+        seed_everything(cfg.SEED + runtime.rank)
+        return _build_run(cfg, runtime, lock, starts_fresh=resume_point is None), resume_point
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
 
+
+def _log_resolved_arch(cfg):
+    given = cfg.MODEL.VIT.MSVIT.ARCH
+    resolved = arch_string(parse_arch(given))
+    if resolved != given:
+        log.info(f"MODEL.VIT.MSVIT.ARCH resolves to {resolved} (the fields it leaves out take the original release's defaults).")
+
+
+def _build_run(cfg, runtime, lock, starts_fresh):
     train_set, test_set = build_dataset(cfg, train=True), build_dataset(cfg, train=False)
     model = build_model(cfg)
-    if cfg.MODEL.MODEL_PATH and not os.path.exists(last_checkpoint_path(cfg)):
+    if cfg.MODEL.MODEL_PATH and starts_fresh:
         path = load_weights(model, cfg, new_classifier=True)
         log.info(f"Starting from the weights of {path}{' (its EMA copy)' if cfg.MODEL.LOAD_EMA else ''}; optimizer, schedule and epochs start fresh.")
     layout = memory_format(cfg)
@@ -280,60 +271,48 @@ def set_up(cfg):
         log.info("AUG.REPEATED_AUG applies to distributed training (as in the original release); this single process sees each image once an epoch.")
     if cfg.OPTIM.VAL and cfg.OPTIM.OPT not in PLATEAU_OPTIMIZERS:
         log.info(f"OPTIM.VAL lowers the learning rate of {' and '.join(PLATEAU_OPTIMIZERS)} only (as in the original release); this {cfg.OPTIM.OPT} run ignores it.")
-    steps_per_epoch = batches_per_epoch // accum
     optimizer = build_optimizer(cfg, model)
     return Run(
         cfg=cfg, runtime=runtime, model=model, net=DistributedDataParallel(model) if runtime.world > 1 else model,
-        optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer, steps_per_epoch), scaler=scaler,
+        optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer, batches_per_epoch // accum), scaler=scaler,
         ema=ModelEmaV3(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None, criterion=build_loss(cfg, mixup),
-        mixup=mixup, amp=amp, memory_format=layout, train_set=train_set, test_set=test_set, batch=batch,
+        mixup=mixup, amp=amp, memory_format=layout, train_set=train_set, test_set=test_set, batch=batch, lock=lock,
     )
 
 
-def resume_or_start(run):
-    """Continue from ``checkpoint_last.pth`` when the output folder has one (the model weights
-    :func:`set_up` loaded from ``MODEL.MODEL_PATH`` are then never read)."""
-    last = run.last_checkpoint
-    if not os.path.exists(last):
-        return
-    state = read_checkpoint(last)
-    run.model.load_state_dict(model_state(state, last))
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    if run.scaler is not None and state.get("scaler"):
-        run.scaler.load_state_dict(state["scaler"])
-    if run.ema is not None and state.get("ema"):
-        run.ema.module.load_state_dict(state["ema"])
-    run.epoch, run.step, run.best, run.batch_in_epoch = state["epoch"], state["step"], state["best_acc"], state["batch_in_epoch"]
-    _set_rng_state(state["rng"][min(run.runtime.rank, len(state["rng"]) - 1)])
-    log.info(f"Resumed from {last}: epoch {run.epoch + 1}, optimizer step {run.step}.")
-
-
-def save_training_checkpoint(run, path, epoch, batch_in_epoch):
-    """Everything the run needs to continue, from every process's random state, written by the main process."""
-    rng = [None] * run.runtime.world
-    if run.runtime.world > 1:
-        dist.all_gather_object(rng, _rng_state())
+def stop_diverged(run, what, where):
+    """Stop the run because ``what`` is not finite (at ``where``), in one sentence that says what
+    ``checkpoint_last.pth`` holds and how to go on; also written to ``log.txt``."""
+    last = os.path.join(run.cfg.OUTPUT_DIR, LAST)
+    advice = "a lower OPTIM.LR (a resumed run follows it) or OPTIM.CLIP_GRAD set"
+    if run.kept is None:
+        held = f"no checkpoint was written yet, so start again with {advice}"
+    elif run.kept.step == run.step:
+        held = f"{last} holds the state it came from, {run.kept.where()}, so resume it with {advice}"
     else:
-        rng = [_rng_state()]
-    if run.runtime.is_main:
-        save_checkpoint(path, run.model, arch=run.cfg.MODEL.ARCH, epoch=epoch, batch_in_epoch=batch_in_epoch, step=run.step,
-                        best_acc=run.best, optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
-                        scaler=run.scaler.state_dict() if run.scaler else None,
-                        ema=run.ema.module.state_dict() if run.ema else None, rng=rng, config=run.cfg.dump())
+        held = f"{last} keeps {run.kept.where()}, the newest state whose loss and gradients were finite: run again with {advice}"
+    message = f"Training stops before optimizer step {run.step + 1}: {what} at {where}; {held}."
+    log.error(message)
+    raise FloatingPointError(message)
 
 
-def _optimizer_step(run):
+def optimizer_step(run, where):
+    """Check the gradients (unscaled, clipped to ``OPTIM.CLIP_GRAD``), write the checkpoint that waited for
+    them, step the optimizer, the schedule and the EMA."""
     optimizer, scaler = run.optimizer, run.scaler
-    if scaler:
-        scaler.unscale_(optimizer)
+    scaler.unscale_(optimizer)
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     if run.cfg.OPTIM.CLIP_GRAD > 0:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.OPTIM.CLIP_GRAD)
-    if scaler:
-        scaler.step(optimizer)
-        scaler.update()
+        norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.OPTIM.CLIP_GRAD)
     else:
-        optimizer.step()
+        norm = torch.nn.utils.get_total_norm(grads)
+    if not scaler.is_enabled() and not math.isfinite(norm):  # fp16's scaler skips such steps by itself
+        stop_diverged(run, f"the gradient norm became {norm.item()}", where)
+    if run.pending:
+        write_snapshot(run, run.pending)
+        run.pending = None
+    scaler.step(optimizer)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     run.step += 1
     run.scheduler.step_update(run.step)
@@ -354,8 +333,11 @@ def train_one_epoch(run, epoch):
     seen = skipped = loss_sum = 0.0
     window = dict(loss=0.0, images=0, start=time.perf_counter())  # since the last LOG_FREQ line
     bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}", disable=not runtime.is_main, leave=False)
-    for i, (images, targets, missed) in enumerate(bar, start=run.batch_in_epoch):
-        skipped += missed
+    for i, (images, targets, unreadable) in enumerate(bar, start=run.batch_in_epoch):
+        skipped += _warn_unreadable(unreadable)
+        where = f"epoch {epoch + 1}, batch {i + 1}"
+        if not len(images):
+            raise ValueError(f"All {len(unreadable)} images of the training batch at {where} are unreadable; check the data (the warnings above name them).")
         images, targets = images.to(runtime.device, memory_format=run.memory_format), targets.to(runtime.device)
         if run.mixup is not None:
             images, targets = run.mixup(images, targets)
@@ -363,22 +345,19 @@ def train_one_epoch(run, epoch):
         with (run.net.no_sync() if runtime.world > 1 and not last_micro else nullcontext()), run.amp():
             loss = run.criterion(run.net(images), targets)
         (loss_mean,) = [x / runtime.world for x in runtime.sum(loss.item())]
-        if not np.isfinite(loss_mean):
-            raise FloatingPointError(
-                f"The loss became {loss_mean} at epoch {epoch + 1}, batch {i + 1}: training stops, and {run.last_checkpoint} "
-                "keeps the last good state (lower OPTIM.LR or set OPTIM.CLIP_GRAD)."
-            )
-        (run.scaler.scale(loss / accum) if run.scaler else loss / accum).backward()
+        if not math.isfinite(loss_mean):
+            stop_diverged(run, f"the loss became {loss_mean}", where)
+        run.scaler.scale(loss / accum).backward()
         seen += len(images)
         loss_sum += loss_mean * len(images)
         window["loss"] += loss_mean * len(images)
         window["images"] += len(images) * runtime.world
         if last_micro:
-            _optimizer_step(run)
+            optimizer_step(run, where)
             if cfg.LOG_FREQ and run.step % cfg.LOG_FREQ == 0:
                 _log_steps(run, window)
             if cfg.CHECKPOINT.EVERY_STEPS and run.step % cfg.CHECKPOINT.EVERY_STEPS == 0:
-                save_training_checkpoint(run, run.last_checkpoint, epoch, i + 1)
+                run.pending = take_snapshot(run, epoch, i + 1)
         bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{run.optimizer.param_groups[0]['lr']:.2e}")
     run.batch_in_epoch = 0
     seen, skipped = runtime.sum(seen, skipped)
@@ -397,39 +376,63 @@ def _log_steps(run, window):
     window.update(loss=0.0, images=0, start=now)
 
 
+def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
+    """Evaluate after ``epoch`` (the EMA weights too); one log line and TensorBoard points. Returns top-1."""
+    cfg, runtime, model = run.cfg, run.runtime, run.model
+    result = evaluate(model, eval_loader(run.test_set, cfg, runtime), runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format)
+    if result["nonfinite"]:
+        stop_diverged(run, f"the outputs of {result['nonfinite']} evaluation images were not finite", f"the end of epoch {epoch + 1}")
+    memory = torch.cuda.max_memory_allocated() / 2**20 if runtime.device.type == "cuda" else _peak_rss_mib()
+    mode = next((m.mode for m in model.modules() if isinstance(m, LongformerAttention)), 0)
+    scalars = {"loss": loss, "lr": run.optimizer.param_groups[0]["lr"], "top1": result["top1"], "top5": result["top5"],
+               "images_per_s": seen / elapsed, "max_memory_mib": memory, "attention_mode": mode}
+    if run.ema is not None:
+        ema_loader = eval_loader(run.test_set, cfg, runtime)
+        scalars["top1_ema"] = evaluate(run.ema.module, ema_loader, runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format)["top1"]
+    if run.writer:
+        for name, value in scalars.items():
+            run.writer.add_scalar(name, value, epoch + 1)
+        run.writer.flush()
+    log.info(f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items())
+             + (f"; skipped {int(skipped)} unreadable images" if skipped else ""))
+    return result["top1"]
+
+
 def end_epoch(run, epoch, top1):
-    """After an epoch's evaluation: the best top-1, ``OPTIM.VAL``'s learning-rate drop, the checkpoints."""
-    cfg, out = run.cfg, run.cfg.OUTPUT_DIR
+    """After an epoch's evaluation: the best top-1, ``OPTIM.VAL``'s learning-rate drop, the checkpoints (the
+    mid-epoch one still waiting is superseded)."""
+    cfg = run.cfg
     improved = top1 > run.best
     run.best = max(run.best, top1)
     if not improved and cfg.OPTIM.VAL and cfg.OPTIM.OPT in PLATEAU_OPTIMIZERS:
         drop_learning_rate(run.optimizer, cfg.OPTIM.DROP_FACTOR)
+        run.lr_drop /= cfg.OPTIM.DROP_FACTOR
         log.info(f"Epoch {epoch + 1} did not improve top-1 (OPTIM.VAL): the learning rate is divided by {cfg.OPTIM.DROP_FACTOR:g}.")
-    save_training_checkpoint(run, run.last_checkpoint, epoch + 1, 0)
-    if not run.runtime.is_main:
-        return
-    if improved:
-        _copy(run.last_checkpoint, os.path.join(out, "model_best.pth"))
-    if not cfg.ONLY_SAVE_LAST:
-        _copy(run.last_checkpoint, os.path.join(out, f"checkpoint_epoch{epoch + 1}.pth"))
-        stale = os.path.join(out, f"checkpoint_epoch{epoch + 1 - cfg.CHECKPOINT.KEEP}.pth")
-        if os.path.exists(stale):
-            os.remove(stale)
+    run.pending = None
+    write_snapshot(run, take_snapshot(run, epoch + 1, 0))
+    if run.runtime.is_main:
+        copy_epoch_checkpoints(cfg, epoch + 1, improved)
 
 
 def train(cfg):
     """Train (or resume training) as ``cfg`` says; returns the final top-1 on the evaluation data."""
-    run = set_up(cfg)
-    resume_or_start(run)
-    runtime, model, out = run.runtime, run.model, cfg.OUTPUT_DIR
+    run, resume_point = set_up(cfg)
+    try:
+        if resume_point:
+            restore(run, resume_point[1], resume_point[0])
+        return _train_epochs(run)
+    finally:
+        run.close()
+
+
+def _train_epochs(run):
+    cfg, runtime, model, out = run.cfg, run.runtime, run.model, run.cfg.OUTPUT_DIR
     if runtime.is_main:
         from torch.utils.tensorboard import SummaryWriter
 
         run.writer = SummaryWriter(os.path.join(out, "tensorboard"))
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(run.train_set)} training and {len(run.test_set)} evaluation images, {runtime.world} process(es) on {runtime.device}.")
-
     mode_switch_epoch = cfg.MODEL.VIT.MSVIT.VIL_MODE_SWITCH * cfg.OPTIM.EPOCHS
-    num_classes = cfg.DATA.NUM_CLASSES
     top1 = 0.0
     for epoch in range(run.epoch, cfg.OPTIM.EPOCHS):
         if cfg.MODEL.VIT.MSVIT.MODE > 0 and epoch >= mode_switch_epoch:
@@ -439,42 +442,25 @@ def train(cfg):
         start = time.perf_counter()
         with torch.autograd.set_detect_anomaly(cfg.SOLVER.DETECT_ANOMALY):
             seen, skipped, loss = train_one_epoch(run, epoch)
-        elapsed = time.perf_counter() - start
-
-        result = evaluate(model, eval_loader(run.test_set, cfg, runtime), runtime, run.amp, num_classes, run.memory_format)
-        top1 = result["top1"]
-        memory = torch.cuda.max_memory_allocated() / 2**20 if runtime.device.type == "cuda" else _peak_rss_mib()
-        mode = next((m.mode for m in model.modules() if isinstance(m, LongformerAttention)), 0)
-        scalars = {"loss": loss, "lr": run.optimizer.param_groups[0]["lr"], "top1": top1, "top5": result["top5"],
-                   "images_per_s": seen / elapsed, "max_memory_mib": memory, "attention_mode": mode}
-        if run.ema is not None:
-            ema_loader = eval_loader(run.test_set, cfg, runtime)
-            scalars["top1_ema"] = evaluate(run.ema.module, ema_loader, runtime, run.amp, num_classes, run.memory_format)["top1"]
-        if run.writer:
-            for name, value in scalars.items():
-                run.writer.add_scalar(name, value, epoch + 1)
-            run.writer.flush()
-        log.info(f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items())
-                 + (f"; skipped {int(skipped)} unreadable images" if skipped else ""))
+        top1 = evaluate_epoch(run, epoch, seen, skipped, loss, time.perf_counter() - start)
         end_epoch(run, epoch, top1)
-    if run.writer:
-        run.writer.close()
     if runtime.world > 1:
         _check_ranks_agree(model, runtime)
     log.info(f"Best top-1 {run.best:.2f}. Checkpoints: {out}/checkpoint_last.pth, {out}/model_best.pth; "
              f"log: {out}/log.txt; TensorBoard: tensorboard --logdir {out}/tensorboard")
-    if runtime.world > 1:
-        dist.barrier()
+    runtime.barrier()
     return top1
 
 
 def evaluate_checkpoint(cfg):
-    """Top-1 and top-5 (percent) of the checkpoint ``MODEL.MODEL_PATH`` (this project's or the original
-    release's) on the evaluation data; also written to ``OUTPUT_DIR/eval.json``, with every class's figures
-    when ``OUTPUT_PERCLASS_ACC``."""
+    """Evaluate the checkpoint ``MODEL.MODEL_PATH`` (this project's or the original release's) on the
+    evaluation data. Returns, in the main process, the report for :func:`write_eval_report` (top-1, top-5,
+    and with ``OUTPUT_PERCLASS_ACC`` every class's figures); None in the others."""
     if not cfg.MODEL.MODEL_PATH:
         raise ValueError("Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth.")
     runtime = Runtime(cfg.DISTRIBUTED_BACKEND)
+    if runtime.is_main:
+        check_writable_file(eval_report_path(cfg), "The evaluation report")
     setup_logging(cfg.OUTPUT_DIR, False)
     warn_compatibility_keys(cfg, log)
     model = build_model(cfg)
@@ -484,16 +470,30 @@ def evaluate_checkpoint(cfg):
     dataset = build_dataset(cfg, train=False)
     loader = eval_loader(dataset, cfg, runtime)
     result = evaluate(model.to(runtime.device, memory_format=layout), loader, runtime, amp, cfg.DATA.NUM_CLASSES, layout)
-    if runtime.is_main:
-        os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
-        report = {"checkpoint": path, "top1": result["top1"], "top5": result["top5"], "images": len(dataset)}
-        if cfg.OUTPUT_PERCLASS_ACC:
-            report["per_class"] = {
-                name: {"images": int(n), "top1": 100 * hit1 / max(n, 1), "top5": 100 * hit5 / max(n, 1)}
-                for name, (n, hit1, hit5) in zip(dataset.classes, result["per_class"].tolist())
-            }
-        _write_text(os.path.join(cfg.OUTPUT_DIR, "eval.json"), json.dumps(report, indent=2) + "\n")
-    return result["top1"], result["top5"]
+    if not runtime.is_main:
+        return None
+    report = {"checkpoint": path, "top1": result["top1"], "top5": result["top5"], "images": len(dataset)}
+    if cfg.OUTPUT_PERCLASS_ACC:
+        report["per_class"] = {
+            name: {"images": int(n), "top1": 100 * hit1 / max(n, 1), "top5": 100 * hit5 / max(n, 1)}
+            for name, (n, hit1, hit5) in zip(dataset.classes, result["per_class"].tolist())
+        }
+    return report
+
+
+def eval_report_path(cfg):
+    return os.path.join(cfg.OUTPUT_DIR, "eval.json")
+
+
+def write_eval_report(cfg, report):
+    """``OUTPUT_DIR/eval.json``."""
+    atomic_write(eval_report_path(cfg), lambda f: f.write((json.dumps(report, indent=2) + "\n").encode()))
+
+
+def _peak_rss_mib():
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _check_ranks_agree(model, runtime):
@@ -505,18 +505,3 @@ def _check_ranks_agree(model, runtime):
     if low.item() != high.item():
         raise RuntimeError(f"The {runtime.world} processes ended with different weights (checksums {low.item()} to {high.item()}).")
     log.info(f"All {runtime.world} processes hold identical weights.")
-
-
-def _peak_rss_mib():
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _write_text(path, text):
-    atomic_write(path, lambda f: f.write(text.encode()))
-
-
-def _copy(source, target):
-    with open(source, "rb") as src:
-        atomic_write(target, lambda f: shutil.copyfileobj(src, f))

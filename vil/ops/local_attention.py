@@ -8,6 +8,7 @@ backend cannot take whole (dilation by sub-lattice, per-head dilations by head) 
 """
 
 import logging
+import numbers
 
 import torch
 
@@ -81,6 +82,8 @@ def _choose(backend, hood, q, trains):
         others = [n for n in able if _runs_on(_BACKENDS[n].devices, device)]
         raise ValueError(f"The {backend} backend runs on {_listed(b.devices)} tensors, but q is on {q.device}; "
                          f"backends that run there: {', '.join(others)}.")
+    if device == "meta":
+        raise ValueError("q is on the meta device, which holds no values to attend over; give tensors on a real device.")
     if trains and not _runs_on(b.trains_on, device):
         others = [n for n in able if _runs_on(_BACKENDS[n].devices, device) and _runs_on(_BACKENDS[n].trains_on, device)]
         raise ValueError(f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
@@ -131,14 +134,20 @@ def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, globa
         backend: one of :func:`available_backends`; None: :func:`default_backend`.
     """
     hood = Neighborhood2d(window, exact, mode, dilation)
+    _check_types(q=q, k=k, v=v, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias, scale=scale)
     if q.dim() != 5:
         raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
     _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, "(4w-1)**2")
+    rows, cols = q.shape[2:4]
+    static = isinstance(rows, int) and isinstance(cols, int)  # not symbolic sizes under torch.compile/export
+    if rel_bias is None and static:
+        hood = hood.fitted(rows, cols)
     b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
     inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
     if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
         b = reference.BACKEND
-    if hood.dilated and b.dilation(2) == "split":
+    # A dilation beyond a side of the map leaves too little of it for a backend's own dilated windows.
+    if hood.dilated and (b.dilation(2) == "split" or (static and hood.dilation >= min(rows, cols))):
         return _per_sub_lattice(b.attention_2d, q, k, v, hood, inputs)
     return b.attention_2d(q, k, v, hood, **inputs)
 
@@ -164,6 +173,8 @@ def local_attention_1d(q, k, v, window, *, dilation=1, causal=False, key_padding
         scale: factor of the scores; ``head_dim ** -0.5`` when None.
         backend: one of ``available_backends(dims=1)``; None: ``default_backend(device, dtype, dims=1)``.
     """
+    _check_types(q=q, k=k, v=v, key_padding_mask=key_padding_mask, global_k=global_k, global_v=global_v, rel_bias=rel_bias,
+                 global_bias=global_bias, scale=scale)
     if q.dim() != 4:
         raise ValueError(f"q must have shape (B, heads, L, head_dim), got {tuple(q.shape)}.")
     B, H, L, _ = q.shape
@@ -177,6 +188,8 @@ def local_attention_1d(q, k, v, window, *, dilation=1, causal=False, key_padding
     if L == 0:
         raise ValueError("q has length 0; local_attention_1d needs a sequence of at least one position.")
     _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, "2w+1")
+    if rel_bias is None and isinstance(L, int):
+        hood = hood.fitted(L)
     if key_padding_mask is not None:
         if tuple(key_padding_mask.shape) != (B, L) or key_padding_mask.dtype != torch.bool:
             raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = ({B}, {L}), got "
@@ -199,7 +212,7 @@ def _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale):
         global_k=global_k, global_v=global_v,
         rel_bias=None if rel_bias is None else rel_bias.to(q.dtype),
         global_bias=None if global_bias is None else global_bias.to(q.dtype),
-        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
     )
 
 
@@ -207,8 +220,8 @@ def _per_sub_lattice(fn, q, k, v, hood, inputs):
     """Dilated exact windows for a backend without them: the positions whose row and column have the same
     residues modulo the dilation form a map of their own, on which the window is the undilated one."""
     d, out = hood.dilation, torch.empty_like(q)
-    for r in range(d):
-        for c in range(d):
+    for r in range(min(d, q.shape[2])):
+        for c in range(min(d, q.shape[3])):
             part = (slice(None), slice(None), slice(r, None, d), slice(c, None, d))
             out[part] = fn(q[part].contiguous(), k[part].contiguous(), v[part].contiguous(), hood.with_dilation(1), **inputs)
     return out
@@ -260,6 +273,18 @@ def check_backend(backend, head_dim, window, exact=0, mode=0, dilation=1):
 def check_window_options(exact, mode, dilation=1):
     """Raise ``ValueError`` unless ``exact`` (SW_EXACT), ``mode`` (MODE) and ``dilation`` are valid together."""
     Neighborhood2d(1, exact, mode, dilation)
+
+
+def _check_types(scale, **tensors):
+    """Tensors where tensors belong (not lists or numpy arrays), a number as the scale."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got a {type(t).__name__}; convert it with torch.as_tensor.")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise ValueError(f"scale must be a number (or None for head_dim ** -0.5), got {scale!r}.")
+    q = tensors["q"]
+    if q.shape[-1] == 0:
+        raise ValueError(f"q has head_dim 0 (shape {tuple(q.shape)}); attention needs at least one feature per head.")
 
 
 def _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, rows_name):

@@ -58,6 +58,17 @@ class Neighborhood2d:
     def with_dilation(self, dilation):
         return Neighborhood2d(self.window, self.exact, self.mode, dilation)
 
+    def fitted(self, rows, cols):
+        """The same neighbourhood on a ``rows x cols`` map with no larger window or dilation than the map can
+        use: every query keeps exactly its keys, since a chunk as large as the map holds all of it and a larger
+        radius or dilation only reaches outside the map. (The window sets the size of a relative position bias
+        table, so it is fitted only for calls without one.)"""
+        reach = max(rows, cols, 1)
+        if self.chunked:
+            return Neighborhood2d(min(self.window, reach), self.exact, self.mode)
+        dilation = min(self.dilation, reach)
+        return Neighborhood2d(min(self.window, max(1, -(-(reach - 1) // dilation))), self.exact, self.mode, dilation)
+
     @property
     def bias_rows(self):
         """Rows of the relative position bias table: ``(4w-1)^2``."""
@@ -100,6 +111,12 @@ class Neighborhood1d:
 
     def with_dilation(self, dilation):
         return Neighborhood1d(self.window, dilation, self.causal)
+
+    def fitted(self, length):
+        """The same band over ``length`` positions with no larger window than it can use (see
+        :meth:`Neighborhood2d.fitted`); the dilations are kept, as they are per head."""
+        smallest = min(self.dilation if self.per_head else (self.dilation,))
+        return Neighborhood1d(min(self.window, max(1, -(-(max(length, 1) - 1) // smallest))), self.dilation, self.causal)
 
     @property
     def offsets(self):

@@ -1,0 +1,201 @@
+"""Fuzz tests (hypothesis, a fixed seed and a bounded number of examples, about a minute together): damaged
+image files, random config overrides and random local-attention requests end in a result or in one sentence,
+never in a traceback.
+
+A longer profile, by hand: ``VIL_FUZZ_EXAMPLES=500 python -m pytest tests/test_fuzz.py``.
+"""
+
+import io
+import math
+import os
+
+import torch
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+import vil.engine as engine
+from vil.config import get_cfg
+from vil.engine import train
+from vil.ops import local_attention_2d
+
+from test_train import tiny_cfg
+
+EXAMPLES = int(os.environ.get("VIL_FUZZ_EXAMPLES", 0))
+
+
+def fuzz_settings(examples):
+    return settings(max_examples=EXAMPLES or examples, deadline=None, derandomize=not EXAMPLES, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def assert_one_sentence(error):
+    assert isinstance(error, (ValueError, OSError, FloatingPointError)), f"{type(error).__name__}: {error}"
+    text = str(error)
+    assert text and "\n" not in text and "Traceback" not in text, text
+
+
+# Damaged images.
+
+FORMATS = ("JPEG", "PNG", "BMP")
+FILES = 8  # training images: two batches of 4, so every file is loaded once an epoch
+
+
+def image_bytes(index):
+    image = Image.new("RGB", (20 + index, 18), (30 * index % 255, 90, 200 - 20 * index))
+    buffer = io.BytesIO()
+    image.save(buffer, format=FORMATS[index % len(FORMATS)])
+    return buffer.getvalue()
+
+
+damage = st.one_of(
+    st.none(),
+    st.tuples(st.just("truncate"), st.floats(0.0, 0.95)),
+    st.tuples(st.just("flip"), st.lists(st.tuples(st.floats(0.0, 0.999), st.integers(1, 255)), min_size=1, max_size=6)),
+)
+
+
+def damaged(data, how):
+    if how is None:
+        return data
+    if how[0] == "truncate":
+        return data[: int(len(data) * how[1])]
+    data = bytearray(data)
+    for where, mask in how[1]:
+        data[int(where * len(data))] ^= mask
+    return bytes(data)
+
+
+def decodes(path):
+    """The oracle: PIL opens and fully decodes the file (no project code involved)."""
+    try:
+        with Image.open(path) as image:
+            image.convert("RGB").load()
+        return True
+    except Exception:
+        return False
+
+
+@seed(20261123)
+@fuzz_settings(20)
+@given(damages=st.lists(damage, min_size=FILES, max_size=FILES))
+def test_damaged_images_train_an_epoch_and_every_skip_is_counted(tmp_path_factory, damages):
+    root = tmp_path_factory.mktemp("images")
+    bad = 0
+    for split in ("train", "val"):
+        for i in range(FILES):
+            folder = root / split / ("a" if i % 2 else "b")
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{i}.{FORMATS[i % len(FORMATS)].lower()}"
+            path.write_bytes(damaged(image_bytes(i), damages[i]) if split == "train" else image_bytes(i))
+            bad += split == "train" and not decodes(path)
+    out = root / "out"
+    cfg = tiny_cfg(root, out, "OPTIM.EPOCHS", "1", "MODEL.VIT.DROP_PATH", "0.0")
+    try:
+        train(cfg)
+    except ValueError as error:  # only when a whole batch was unreadable
+        assert_one_sentence(error)
+        assert bad >= 4 and "are unreadable" in str(error)
+        return
+    text = (out / "log.txt").read_text()
+    assert (f"skipped {bad} unreadable images" in text) if bad else ("unreadable" not in text)
+    assert text.count("Skipped unreadable image") == bad
+
+
+# Random config overrides.
+
+EXCLUDED = {"OUTPUT_DIR", "DATA.PATH", "MODEL.MODEL_PATH", "EVALUATE"}  # where the run writes, reads, or what it does
+
+
+def leaves(node, prefix=""):
+    for name, value in node.items():
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{name}.")
+        elif f"{prefix}{name}" not in EXCLUDED:
+            yield f"{prefix}{name}", value
+
+
+KEYS = dict(leaves(get_cfg()))
+
+
+def values_like(default):
+    if isinstance(default, bool):
+        return st.booleans()
+    if isinstance(default, int):
+        return st.sampled_from(sorted({-1, 0, 1, 2, 3, default, 2 * default}))
+    if isinstance(default, float):
+        return st.sampled_from([-1.0, 0.0, 0.5, 1.0, 1e10, math.nan, math.inf, default])
+    if isinstance(default, str):
+        return st.sampled_from(["", "abc", "1", default])
+    return st.sampled_from([[], list(default), [0.5], ["x"], [0.5, 1.0], [1, 2, 3, 4, 5]])
+
+
+overrides = st.lists(st.sampled_from(sorted(KEYS)), min_size=1, max_size=3, unique=True).flatmap(
+    lambda keys: st.tuples(*[st.tuples(st.just(k), values_like(KEYS[k])) for k in keys])
+)
+
+
+class OneStepDone(Exception):
+    pass
+
+
+@seed(20261123)
+@fuzz_settings(80)
+@given(pairs=overrides)
+def test_random_config_overrides_train_a_step_or_stop_with_one_sentence(tmp_path_factory, monkeypatch, pairs):
+    root = tmp_path_factory.mktemp("config")
+    from test_data import make_folder
+
+    data = make_folder(root / "data", per_class=4, corrupt=False)
+    real_step = engine.optimizer_step
+
+    def one_step(run, where):
+        real_step(run, where)
+        raise OneStepDone
+
+    monkeypatch.setattr(engine, "optimizer_step", one_step)
+    flat = [x for pair in pairs for x in pair]
+    try:
+        cfg = tiny_cfg(data, root / "out", "OPTIM.EPOCHS", "1", *flat)
+        train(cfg)
+    except OneStepDone:
+        return
+    except Exception as error:
+        assert_one_sentence(error)
+
+
+# Random local-attention requests.
+
+CPU_BACKENDS = ("reference", "sliding_chunk", "sliding_chunk_autograd", "fused_cpu", "unfold", "unfold_nnf", "chunk_rows", "flex")
+
+
+@seed(20261123)
+@fuzz_settings(150)
+@given(
+    shape=st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(1, 7), st.integers(1, 7), st.integers(1, 6)),
+    window=st.integers(1, 9), exact=st.sampled_from([-1, 0, 1]), mode=st.integers(-1, 8), dilation=st.integers(1, 9),
+    num_global=st.integers(0, 2), with_bias=st.booleans(), backend=st.sampled_from(CPU_BACKENDS),
+)
+def test_random_local_attention_requests_match_the_reference_or_are_refused(shape, window, exact, mode, dilation, num_global,
+                                                                           with_bias, backend):
+    B, H, X, Y, D = shape
+    generator = torch.Generator().manual_seed(X * 100 + Y * 10 + D)
+    q, k, v = (torch.randn(B, H, X, Y, D, generator=generator) for _ in range(3))
+    extra = {}
+    if num_global:
+        extra.update(global_k=torch.randn(B, H, num_global, D, generator=generator),
+                     global_v=torch.randn(B, H, num_global, D, generator=generator))
+    if with_bias:
+        extra["rel_bias"] = torch.randn(H, (4 * window - 1) ** 2, generator=generator)
+    options = dict(exact=exact, mode=mode, dilation=dilation, **extra)
+    try:
+        expected = local_attention_2d(q, k, v, window, backend="reference", **options)
+    except ValueError as error:
+        assert_one_sentence(error)
+        return
+    try:
+        got = local_attention_2d(q, k, v, window, backend=backend, **options)
+    except ValueError as error:  # a backend may decline what it does not support, in one sentence
+        assert_one_sentence(error)
+        return
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

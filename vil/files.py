@@ -1,0 +1,117 @@
+"""Files and folders a run writes to.
+
+- :func:`atomic_write` writes through a temporary file beside the target and renames it over the target, so
+  a crash or a full disk never leaves a broken file and the previous one stays intact until the new one is
+  complete; the file gets the mode a plain ``open(path, "w")`` would give it.
+- :func:`check_writable_folder` and :func:`check_writable_file` fail before any work starts when the output
+  cannot be written.
+- :class:`FolderLock` lets one training run at a time use an output folder.
+
+Every failure here is an :class:`OutputError`: one sentence naming the path, what went wrong and what to do.
+"""
+
+import errno
+import fcntl
+import os
+import socket
+import tempfile
+
+TEMPORARY_PREFIX = ".tmp-"
+LOCK_NAME = ".lock"
+
+
+class OutputError(OSError):
+    """An output that cannot be written; ``str()`` is one sentence."""
+
+
+def _reason(error):
+    return error.strerror or type(error).__name__ if isinstance(error, OSError) else str(error)
+
+
+def atomic_write(path, write):
+    """Write a file through ``write(binary_file)`` into a temporary file beside ``path``, then rename it over
+    ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMPORARY_PREFIX)
+    except OSError as e:
+        raise OutputError(f"Cannot write {path}: {_reason(e)} in {directory}; choose a folder you can write to.") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # the mode open() would give; mkstemp makes files private to the owner
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError) and not isinstance(e, OutputError):
+            kept = "the previous file is intact" if os.path.exists(path) else "nothing was written"
+            advice = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check the folder"
+            raise OutputError(f"Writing {path} failed ({_reason(e)}); {kept}: {advice} and run again.") from None
+        raise
+
+
+def check_writable_folder(path, what="OUTPUT_DIR"):
+    """Create ``path`` if needed and make sure a file can be written in it; else an :class:`OutputError`."""
+    why = _unwritable(path)
+    if why:
+        raise OutputError(f"{what} {path} cannot be written ({why}); choose a folder you can write to.")
+
+
+def check_writable_file(path, what="The output"):
+    """Make sure ``path`` can be written (its folder is writable, and it is not a folder) before the work that
+    produces it starts."""
+    why = "it is a folder" if os.path.isdir(path) else _unwritable(os.path.dirname(os.path.abspath(path)))
+    if why:
+        raise OutputError(f"{what} {path} cannot be written ({why}); choose a path you can write to.")
+
+
+def _unwritable(folder):
+    """Why no file can be written in ``folder`` (created if missing), or None when one can."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return "it is a file, not a folder"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return _reason(e)
+    return None
+
+
+def remove_temporaries(folder):
+    """Remove the temporary files that interrupted writes left in ``folder``; returns their names. Only for a
+    folder whose :class:`FolderLock` this process holds (another run may be writing them)."""
+    names = sorted(n for n in os.listdir(folder) if n.startswith(TEMPORARY_PREFIX))
+    for name in names:
+        os.remove(os.path.join(folder, name))
+    return names
+
+
+class FolderLock:
+    """An exclusive lock on a folder, held until :meth:`release` or the end of the process (however it ends:
+    the operating system drops the lock with the process). A second holder is refused in one sentence that
+    names the process holding it."""
+
+    def __init__(self, folder, what="OUTPUT_DIR"):
+        path = os.path.join(folder, LOCK_NAME)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._fd, 256, 0).decode(errors="replace").strip() or "another process"
+            os.close(self._fd)
+            raise OutputError(f"{what} {folder} is in use by another run ({holder}); wait for it to end or choose another {what}.") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+
+    def release(self):
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None

@@ -1,0 +1,65 @@
+"""This process's place in a run (rank, world size, device) and its random state."""
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class Runtime:
+    """This process's place in the run: rank, world size and device (from torchrun's environment). Processes
+    talk through ``backend`` on CUDA and through gloo on the CPU."""
+
+    def __init__(self, backend="nccl"):
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        else:
+            self.device = torch.device("cpu")
+        self.backend = backend if self.device.type == "cuda" else "gloo"
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group(self.backend)
+        self.is_main = self.rank == 0
+
+    def sum(self, *values):
+        """Sum numbers over all processes."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def barrier(self):
+        if self.world > 1:
+            dist.barrier()
+
+
+def seed_everything(seed):
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def get_rng_state():
+    """torch's, Python's, numpy's (and CUDA's) random state, in tensors and plain types that a checkpoint
+    loaded with ``weights_only=True`` can hold."""
+    numpy = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"keys": torch.from_numpy(numpy[1].astype(np.int64)), "pos": numpy[2], "gauss": [numpy[3], numpy[4]]}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["pos"], *numpy["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

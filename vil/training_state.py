@@ -1,0 +1,185 @@
+"""What a training run writes so that it can continue, and continuing from it.
+
+``OUTPUT_DIR`` holds ``checkpoint_last.pth`` (everything the run needs to continue: model, optimizer, gradient
+scaler, EMA, counters, every process's random state, the config), ``checkpoint_epoch<N>.pth`` copies (the
+newest ``CHECKPOINT.KEEP``) and ``model_best.pth``.
+
+A state is written only after a pass on it came out finite: a mid-epoch checkpoint
+(``CHECKPOINT.EVERY_STEPS``) waits for the next optimizer step's loss and gradients, an end-of-epoch one for
+the evaluation's outputs. So ``checkpoint_last.pth`` never holds weights that already diverged.
+
+A resumed run compares its config with the one stored in the checkpoint before it touches anything: keys in
+:data:`FOLLOWED_ON_RESUME` (learning rate, schedule, epochs, logging, ...) may change and the run follows the
+new values from where the checkpoint stands; any other change is refused in one sentence naming the keys.
+"""
+
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .checkpoint import load_model_state, model_state, read_checkpoint, save_checkpoint
+from .config import config_from_text
+from .files import atomic_write
+from .runtime import get_rng_state, set_rng_state
+
+log = logging.getLogger("vil")
+LAST = "checkpoint_last.pth"
+BEST = "model_best.pth"
+# Keys a resumed run may change (a key, or a section with all its keys): it follows their new values.
+FOLLOWED_ON_RESUME = (
+    "OPTIM.LR", "OPTIM.EPOCHS", "OPTIM.MOM", "OPTIM.NU", "OPTIM.WD", "OPTIM.WD0", "OPTIM.ADAM", "OPTIM.CLIP_GRAD",
+    "OPTIM.DROP_FREQ", "OPTIM.DROP_FACTOR", "OPTIM.VAL", "SOLVER", "MODEL.EMA_DECAY", "MODEL.GRAD_CHECKPOINT",
+    "MODEL.MODEL_PATH", "MODEL.LOAD_EMA", "DATA.PATH", "DATA.DATA_DIR", "DATALOADER.WORKERS", "AMP", "LOG_FREQ",
+    "CHECKPOINT", "ONLY_SAVE_LAST", "OUTPUT_DIR", "OUTPUT_PERCLASS_ACC", "EVALUATE", "DISTRIBUTED_BACKEND",
+    "BACKUP_LOG_DIR", "GATHER_ON_CPU",
+)
+_REQUIRED = ("net", "optimizer", "epoch", "batch_in_epoch", "step", "best_acc", "rng", "config")
+
+
+def epoch_checkpoint_name(epoch):
+    return f"checkpoint_epoch{epoch}.pth"
+
+
+@dataclass
+class Snapshot:
+    """Where a run stood when a checkpoint was due: its counters and every process's random state. The weights,
+    optimizer, scaler and EMA are read when the snapshot is written: no optimizer step comes in between."""
+
+    epoch: int  # epochs completed, or the epoch in progress when batch_in_epoch > 0
+    batch_in_epoch: int
+    step: int
+    rng: list
+
+    def where(self):
+        if self.batch_in_epoch:
+            return f"optimizer step {self.step} (epoch {self.epoch + 1}, batch {self.batch_in_epoch})"
+        return f"optimizer step {self.step} (the end of epoch {self.epoch})"
+
+
+def take_snapshot(run, epoch, batch_in_epoch):
+    """A :class:`Snapshot` of ``run`` now (every process takes part: the random states are gathered)."""
+    rng = [None] * run.runtime.world
+    if run.runtime.world > 1:
+        dist.all_gather_object(rng, get_rng_state())
+    else:
+        rng = [get_rng_state()]
+    return Snapshot(epoch, batch_in_epoch, run.step, rng)
+
+
+def write_snapshot(run, snapshot):
+    """Write ``checkpoint_last.pth`` from ``snapshot`` and the run's weights and optimizer (main process)."""
+    if run.runtime.is_main:
+        save_checkpoint(
+            os.path.join(run.cfg.OUTPUT_DIR, LAST), run.model, arch=run.cfg.MODEL.ARCH, epoch=snapshot.epoch,
+            batch_in_epoch=snapshot.batch_in_epoch, step=snapshot.step, best_acc=run.best, lr_drop=run.lr_drop,
+            optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
+            ema=run.ema.module.state_dict() if run.ema else None, rng=snapshot.rng, config=run.cfg.dump(),
+        )
+    run.kept = snapshot
+
+
+def copy_epoch_checkpoints(cfg, epoch, improved):
+    """After ``checkpoint_last.pth`` was written at the end of ``epoch``: ``model_best.pth`` when top-1
+    improved, ``checkpoint_epoch<epoch>.pth`` (unless ``ONLY_SAVE_LAST``), and the oldest copies beyond
+    ``CHECKPOINT.KEEP`` removed."""
+    out = cfg.OUTPUT_DIR
+    last = os.path.join(out, LAST)
+    if improved:
+        _copy(last, os.path.join(out, BEST))
+    if cfg.ONLY_SAVE_LAST:
+        return
+    _copy(last, os.path.join(out, epoch_checkpoint_name(epoch)))
+    for old in epoch_checkpoints(out)[cfg.CHECKPOINT.KEEP :]:
+        os.remove(old)
+
+
+def epoch_checkpoints(out):
+    """The ``checkpoint_epoch<N>.pth`` files in ``out``, newest first."""
+    found = [(int(m.group(1)), name) for name in os.listdir(out) if (m := re.fullmatch(r"checkpoint_epoch(\d+)\.pth", name))]
+    return [os.path.join(out, name) for _, name in sorted(found, reverse=True)]
+
+
+def read_resume_point(out):
+    """``(path, checkpoint)`` to resume from: ``checkpoint_last.pth``, or when that cannot be read, the newest
+    readable epoch checkpoint (with a warning naming both); None when ``out`` holds neither."""
+    last = os.path.join(out, LAST)
+    if not os.path.isdir(out) or not os.path.exists(last):
+        return None
+    try:
+        return last, read_checkpoint(last)
+    except ValueError as e:
+        problem = str(e).rstrip(".")
+    for path in epoch_checkpoints(out):
+        try:
+            checkpoint = read_checkpoint(path)
+        except ValueError:
+            continue
+        log.warning(f"Resuming from {path}, the newest readable checkpoint, because {problem}.")
+        return path, checkpoint
+    raise ValueError(f"Cannot resume: {problem}, and {out} holds no readable epoch checkpoint; move {last} away to start afresh.")
+
+
+def check_resumable(checkpoint, path, cfg):
+    """Refuse, in one sentence, a checkpoint that is not this project's training checkpoint or was trained with
+    another value of a key outside :data:`FOLLOWED_ON_RESUME`; log the followed keys that changed."""
+    missing = [key for key in _REQUIRED if key not in checkpoint]
+    if missing:
+        raise ValueError(f"{path} is not a training checkpoint of this project (it has no {', '.join(missing)}); "
+                         "move it out of OUTPUT_DIR to start afresh, or choose another OUTPUT_DIR.")
+    saved = _flat(config_from_text(checkpoint["config"], f"the config stored in {path}"))
+    now = _flat(cfg)
+    changed = [key for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
+    refused = [key for key in changed if not _followed(key)]
+    if refused:
+        differences = ", ".join(f"{key} {saved.get(key)!r} (now {now.get(key)!r})" for key in refused)
+        raise ValueError(f"{path} was trained with {differences}; set those values again to resume, or choose another OUTPUT_DIR for a new run.")
+    if changed:
+        log.info("Resuming with new values, which the run follows from here: "
+                 + ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in changed) + ".")
+
+
+def restore(run, checkpoint, path):
+    """Load everything a checkpoint holds into ``run``. The schedule and the optimizer's hyper-parameters come
+    from the config (so a changed ``OPTIM.LR`` or schedule is followed); ``OPTIM.VAL``'s drops are kept."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
+    load_model_state(run.model, model_state(checkpoint, path), path)
+    try:
+        run.optimizer.load_state_dict(checkpoint["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise ValueError(f"The optimizer state in {path} does not fit this run's optimizer ({str(e).rstrip('.')}); choose another OUTPUT_DIR for a new run.") from None
+    run.lr_drop = float(checkpoint.get("lr_drop", 1.0))
+    for group, fresh in zip(run.optimizer.param_groups, settings):
+        group.update(fresh)
+        group["lr_scale"] = fresh.get("lr_scale", 1.0) * run.lr_drop
+    if checkpoint.get("scaler"):
+        run.scaler.load_state_dict(checkpoint["scaler"])
+    if run.ema is not None and checkpoint.get("ema"):
+        run.ema.module.load_state_dict(checkpoint["ema"])
+    run.epoch, run.step, run.best, run.batch_in_epoch = (checkpoint[k] for k in ("epoch", "step", "best_acc", "batch_in_epoch"))
+    run.scheduler.step_update(run.step)
+    run.kept = Snapshot(run.epoch, run.batch_in_epoch, run.step, checkpoint["rng"])
+    set_rng_state(checkpoint["rng"][min(run.runtime.rank, len(checkpoint["rng"]) - 1)])
+    log.info(f"Resumed from {path}: epoch {run.epoch + 1}, optimizer step {run.step}.")
+
+
+def _followed(key):
+    return any(key == k or key.startswith(k + ".") for k in FOLLOWED_ON_RESUME)
+
+
+def _flat(node, prefix=""):
+    flat = {}
+    for name, value in node.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def _copy(source, target):
+    with open(source, "rb") as src:
+        atomic_write(target, lambda f: shutil.copyfileobj(src, f))
