@@ -4,9 +4,8 @@ import ast
 from pathlib import Path
 
 import pytest
-from yacs.config import CfgNode
 
-from vil.config import COMPATIBILITY_KEYS, compatibility_warnings, get_cfg, load_cfg
+from vil.config import COMPATIBILITY_KEYS, compatibility_warnings, config_items, get_cfg, load_cfg
 
 ORIGINAL_STYLE_YAML = """
 INPUT:
@@ -104,14 +103,6 @@ def test_compatibility_only_keys_warn_when_set():
     ]
 
 
-def _config_keys(node, prefix=""):
-    for name, value in node.items():
-        if isinstance(value, CfgNode):
-            yield from _config_keys(value, f"{prefix}{name}.")
-        else:
-            yield prefix + name
-
-
 def _read_names(paths):
     """What the code reads from a config: every chain of upper-case attributes (``cfg.OPTIM.ADAM.EPS`` gives
     ``OPTIM.ADAM.EPS``, ``adam.EPS`` gives ``EPS``) and every upper-case string given to ``.get``."""
@@ -133,7 +124,7 @@ def test_every_config_key_is_read_or_declared_for_compatibility():
     root = Path(__file__).resolve().parents[1]
     sources = [p for p in [*(root / "vil").rglob("*.py"), *(root / "tools").glob("*.py")] if p.name != "config.py"]
     read = _read_names(sources)
-    keys = list(_config_keys(get_cfg()))
+    keys = [key for key, _ in config_items(get_cfg())]
 
     def is_read(key):
         # A name read counts for the key it ends, when it ends no other key (a bare EPS must be unambiguous).

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import vil.engine as engine
-from vil.config import get_cfg
+from vil.config import config_items, get_cfg
 from vil.engine import train
 from vil.ops import local_attention_2d
 
@@ -107,15 +107,7 @@ def test_damaged_images_train_an_epoch_and_every_skip_is_counted(tmp_path_factor
 EXCLUDED = {"OUTPUT_DIR", "DATA.PATH", "MODEL.MODEL_PATH", "EVALUATE"}  # where the run writes, reads, or what it does
 
 
-def leaves(node, prefix=""):
-    for name, value in node.items():
-        if isinstance(value, dict):
-            yield from leaves(value, f"{prefix}{name}.")
-        elif f"{prefix}{name}" not in EXCLUDED:
-            yield f"{prefix}{name}", value
-
-
-KEYS = dict(leaves(get_cfg()))
+KEYS = {key: value for key, value in config_items(get_cfg()) if key not in EXCLUDED}
 
 
 def values_like(default):

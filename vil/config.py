@@ -189,6 +189,15 @@ def warn_compatibility_keys(cfg, log=logging.getLogger("vil")):
         log.warning(sentence)
 
 
+def config_items(node, prefix=""):
+    """``(dotted key, value)`` for every key of a config (or of one of its sections), in order."""
+    for name, value in node.items():
+        if isinstance(value, CN):
+            yield from config_items(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value
+
+
 def config_value(cfg, key):
     """The value of a dotted key (``"OPTIM.LR"``)."""
     for part in key.split("."):

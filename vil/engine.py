@@ -93,7 +93,7 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
     whose outputs are not all finite}``. Unreadable images are skipped, each named in a warning."""
     model.eval()
     counts = torch.zeros(num_classes, 3, dtype=torch.float64, device=runtime.device)
-    skipped = nonfinite = 0
+    skipped, nonfinite = 0, torch.zeros((), dtype=torch.long, device=runtime.device)
     for images, targets, unreadable in loader:
         skipped += _warn_unreadable(unreadable)
         if not len(images):
@@ -101,13 +101,13 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
         images, targets = images.to(runtime.device, memory_format=memory_format), targets.to(runtime.device)
         with amp():
             logits = model(images).float()
-        nonfinite += int((~torch.isfinite(logits).all(dim=1)).sum())
+        nonfinite += (~torch.isfinite(logits).all(dim=1)).sum()
         ranks = logits.topk(min(5, num_classes), dim=1).indices.eq(targets[:, None])
         hits = torch.stack([torch.ones_like(ranks[:, 0]), ranks[:, 0], ranks.any(dim=1)], dim=1)
         counts.index_add_(0, targets, hits.double())
     if runtime.world > 1:
         dist.all_reduce(counts)
-    skipped, nonfinite = runtime.sum(skipped, nonfinite)
+    skipped, nonfinite = runtime.sum(skipped, nonfinite.item())
     if skipped:
         log.warning(f"Evaluation skipped {int(skipped)} unreadable images.")
     images, top1, top5 = counts.sum(dim=0).tolist()
@@ -301,11 +301,10 @@ def optimizer_step(run, where):
     them, step the optimizer, the schedule and the EMA."""
     optimizer, scaler = run.optimizer, run.scaler
     scaler.unscale_(optimizer)
-    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     if run.cfg.OPTIM.CLIP_GRAD > 0:
         norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.OPTIM.CLIP_GRAD)
     else:
-        norm = torch.nn.utils.get_total_norm(grads)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
     if not scaler.is_enabled() and not math.isfinite(norm):  # fp16's scaler skips such steps by itself
         stop_diverged(run, f"the gradient norm became {norm.item()}", where)
     if run.pending:

@@ -25,7 +25,8 @@ class OutputError(OSError):
 
 
 def _reason(error):
-    return error.strerror or type(error).__name__ if isinstance(error, OSError) else str(error)
+    """The system's words for an OSError (``No space left on device``)."""
+    return error.strerror or type(error).__name__
 
 
 def atomic_write(path, write):

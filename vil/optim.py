@@ -8,7 +8,6 @@ from timm.optim import Lamb, param_groups_layer_decay
 from timm.scheduler import CosineLRScheduler, PolyLRScheduler, StepLRScheduler
 
 OPTIMIZERS = ("adamw", "sgd", "qhm", "adam", "lamb")
-LR_POLICIES = ("cosine", "multistep", "step", "linear", "constant", "")
 
 # qhoptim calls an overload of Tensor.add_ that torch deprecates; the result is the same.
 warnings.filterwarnings("ignore", message="This overload of add_ is deprecated", category=UserWarning, module="qhoptim")

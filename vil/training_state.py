@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .checkpoint import load_model_state, model_state, read_checkpoint, save_checkpoint
-from .config import config_from_text
+from .config import config_from_text, config_items
 from .files import atomic_write
 from .runtime import get_rng_state, set_rng_state
 
@@ -170,14 +170,9 @@ def _followed(key):
     return any(key == k or key.startswith(k + ".") for k in FOLLOWED_ON_RESUME)
 
 
-def _flat(node, prefix=""):
-    flat = {}
-    for name, value in node.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{name}."))
-        else:
-            flat[f"{prefix}{name}"] = list(value) if isinstance(value, tuple) else value
-    return flat
+def _flat(cfg):
+    """Every key's value, tuples as lists (a YAML round trip may turn one into the other)."""
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in config_items(cfg)}
 
 
 def _copy(source, target):
