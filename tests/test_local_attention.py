@@ -345,7 +345,7 @@ def test_fused_cpu_gradients_are_not_differentiated_again():
     inputs = make_inputs(4, 4, 2, 0, rel=False, glob_bias=False)
     out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="fused_cpu")
     grad_q, = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)  # dL/dout needs a graph
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         grad_q.sum().backward()
 
 

@@ -1,10 +1,15 @@
 """Training and inference speed, peak memory, parameters and FLOPs of a model, on the CPU or a GPU.
 
     python tools/benchmark_model.py --config-file configs/vil_small.yaml [--batch 8] [--device cuda] [KEY VALUE ...]
+    python tools/benchmark_model.py --config-file configs/vil_tiny.yaml --batch 4 --compile [--timm swin_tiny_patch4_window7_224]
 
 FLOPs are counted by ``torch.utils.flop_counter`` for one 224x224 (``INPUT.IMAGE_SIZE``) image, forward, as
 multiply-adds (the convention of the paper's 1.43G / 5.12G). Peak memory: ``torch.cuda.max_memory_allocated``
 on a GPU; on the CPU the rise of the resident set during the first training step.
+
+``--compile`` and ``--timm NAME`` add a second table: training and inference images/s of the model, of the model
+under ``torch.compile`` (Inductor, after its compilation, whose time is printed) and of timm's model ``NAME``, in
+one process, in alternating rounds (``--rounds``), best round of each, with each one's ratio to the eager model.
 """
 
 import argparse
@@ -24,6 +29,9 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step")
+    parser.add_argument("--compile", action="store_true", help="also time the model under torch.compile")
+    parser.add_argument("--timm", default=None, help="also time this timm model (e.g. swin_tiny_patch4_window7_224)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the side-by-side comparison")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args()
     cfg = load_cfg(args.config_file, args.opts)
@@ -41,20 +49,32 @@ def main():
 
     images = torch.randn(args.batch, 3, size, size, device=device)
     labels = torch.randint(0, cfg.DATA.NUM_CLASSES, (args.batch,), device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def train_step():
-        loss = torch.nn.functional.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+    def steps(net):
+        """(training step, inference step) of ``net``, with its own optimizer."""
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
 
-    def timed(step):
-        step()
+        def train_step():
+            net.train()
+            loss = torch.nn.functional.cross_entropy(net(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        def infer_step():
+            net.eval()
+            with torch.no_grad():
+                net(images)
+
+        return train_step, infer_step
+
+    def timed(step, warm_up=True):
+        if warm_up:
+            step()
         sync()
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -62,17 +82,41 @@ def main():
         sync()
         return args.batch * args.steps / (time.perf_counter() - start)
 
-    model.train()
+    train_step, infer_step = steps(model)
     with PeakMemory(device) as peak:
         train_step()
-    train_speed = timed(train_step)
-    model.eval()
-    with torch.no_grad():
-        infer_speed = timed(lambda: model(images))
+    train_speed, infer_speed = timed(train_step), timed(infer_step)
     print(f"| model | ATTN_TYPE | device | batch | params | GMACs | train img/s | infer img/s | train peak memory (MiB) |")
     print(f"|---|---|---|---|---|---|---|---|---|")
     print(f"| {args.config_file} | {cfg.MODEL.VIT.MSVIT.ATTN_TYPE} | {args.device} | {args.batch} | {params / 1e6:.2f}M | {macs / 1e9:.2f} | "
           f"{train_speed:.1f} | {infer_speed:.1f} | {peak.mib:.0f} |")
+    if args.compile or args.timm:
+        compare(args, model, steps, timed, device)
+
+
+def compare(args, model, steps, timed, device):
+    """The side-by-side table of the module docstring."""
+    contenders = {"eager": steps(model)}
+    if args.compile:
+        compiled = steps(torch.compile(model))
+        start = time.perf_counter()
+        for step in compiled:  # compiles the training and the inference graph
+            step()
+        print(f"\ntorch.compile: {time.perf_counter() - start:.0f} s to compile training and inference")
+        contenders["torch.compile"] = compiled
+    if args.timm:
+        import timm
+
+        contenders[f"timm {args.timm}"] = steps(timm.create_model(args.timm, num_classes=model.num_classes).to(device))
+    best = {name: [0.0, 0.0] for name in contenders}
+    for _ in range(args.rounds):
+        for name, pair in contenders.items():
+            for i, step in enumerate(pair):
+                best[name][i] = max(best[name][i], timed(step))
+    print(f"\n| {args.batch} images, best of {args.rounds} alternating rounds | train img/s | infer img/s | train vs eager | infer vs eager |")
+    print("|---|---|---|---|---|")
+    for name, (train, infer) in best.items():
+        print(f"| {name} | {train:.1f} | {infer:.1f} | {train / best['eager'][0]:.2f}x | {infer / best['eager'][1]:.2f}x |")
 
 
 if __name__ == "__main__":

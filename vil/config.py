@@ -109,6 +109,7 @@ _C.MODEL.FREEZE_CONV_BODY_AT = -1
 _C.MODEL.EMA = False  # keep an exponential moving average of the weights
 _C.MODEL.EMA_DECAY = 0.9998
 _C.MODEL.GRAD_CHECKPOINT = False  # recompute each block's activations in backward
+_C.MODEL.COMPILE = False  # train with torch.compile(model) (Inductor): minutes of compiling first; see README
 
 _C.MODEL.VIT = CN()
 _C.MODEL.VIT.DROP = 0.0

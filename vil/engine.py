@@ -172,6 +172,12 @@ def load_weights(model, cfg, new_classifier=False):
     return path
 
 
+def _training_net(model, cfg, runtime):
+    """What the training step calls: the model, wrapped for several processes, compiled with ``MODEL.COMPILE``."""
+    net = DistributedDataParallel(model) if runtime.world > 1 else model
+    return torch.compile(net) if cfg.MODEL.COMPILE else net
+
+
 @dataclass
 class Run:
     """What one training run holds; the counters say where it stands."""
@@ -273,7 +279,7 @@ def _build_run(cfg, runtime, lock, starts_fresh):
         log.info(f"OPTIM.VAL lowers the learning rate of {' and '.join(PLATEAU_OPTIMIZERS)} only (as in the original release); this {cfg.OPTIM.OPT} run ignores it.")
     optimizer = build_optimizer(cfg, model)
     return Run(
-        cfg=cfg, runtime=runtime, model=model, net=DistributedDataParallel(model) if runtime.world > 1 else model,
+        cfg=cfg, runtime=runtime, model=model, net=_training_net(model, cfg, runtime),
         optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer, batches_per_epoch // accum), scaler=scaler,
         ema=ModelEmaV3(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None, criterion=build_loss(cfg, mixup),
         mixup=mixup, amp=amp, memory_format=layout, train_set=train_set, test_set=test_set, batch=batch, lock=lock,

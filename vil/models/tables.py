@@ -8,10 +8,17 @@ import torch
 import torch.nn.functional as F
 
 
+def _same(sizes, new_sizes):
+    """Whether the new sizes are the old ones. Symbolic sizes (torch.export with dynamic shapes) count as
+    different, so that the export does not specialise on them: interpolating to the same size returns the same
+    values (linear and bicubic interpolation sample at the grid points themselves)."""
+    return all(isinstance(n, int) for n in new_sizes) and tuple(sizes) == tuple(new_sizes)
+
+
 def resize_position_embedding(table, length):
     """An absolute position embedding of one axis, ``(1, n, c)``, at ``length`` positions: linear
     interpolation (the table itself when ``length == n``)."""
-    if table.shape[1] == length:
+    if _same((table.shape[1],), (length,)):
         return table
     return F.interpolate(table.transpose(1, 2), size=length, mode="linear", align_corners=False).transpose(1, 2)
 
@@ -20,7 +27,7 @@ def resize_full_bias_table(table, old_map, new_map):
     """A full-attention relative-bias table, ``((2nx-1)(2ny-1), heads)`` for an ``nx x ny`` map, for a map of
     ``new_map``: bicubic interpolation over the grid of (row offset, column offset), centre kept on centre."""
     (nx, ny), (mx, my) = old_map, new_map
-    if (nx, ny) == (mx, my):
+    if _same(old_map, new_map):
         return table
     heads = table.shape[1]
     grid = table.t().reshape(1, heads, 2 * nx - 1, 2 * ny - 1)

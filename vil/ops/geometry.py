@@ -179,16 +179,25 @@ def unfolded_window_tables(rows, cols, window, exact, mode, device):
     slot_used = torch.zeros(mx * my, 9, dtype=torch.bool)
     for s, ab in enumerate(offsets):
         slot_used[:, NEIGHBOURS.index(ab)] = used[:, s]
-    r = torch.arange(3 * w)
-    slot = ((r[:, None] // w) * 3 + (r[None, :] // w)).flatten()  # slot of each of the 9S window keys
-    q = torch.arange(w * w)
-    di = (q // w)[:, None] + w - r.repeat_interleave(3 * w)[None, :]  # query row - key row: (S, 9S)
-    dj = (q % w)[:, None] + w - r.repeat(3 * w)[None, :]
+    slot, di, dj = unfolded_window_offsets(w)
     allowed = slot_used[:, slot].view(mx, my, 1, 9 * w * w)
     if exact == 1:
         allowed = allowed & ((di.abs() <= w) & (dj.abs() <= w))
     bias_index = rel_bias_row(di, dj, w)
     return allowed.to(device), bias_index.to(device)
+
+
+def unfolded_window_offsets(window, device=None):
+    """For the ``3w x 3w`` keys (row-major) of the 3x3 chunks around a chunk and that chunk's ``w x w`` queries:
+    the neighbour slot of each key ``(9S,)`` and the query-minus-key offsets ``di, dj`` ``(S, 9S)``. Plain tensor
+    operations, not cached, so that torch.export can trace them."""
+    w = window
+    r = torch.arange(3 * w, device=device)
+    slot = ((r[:, None] // w) * 3 + (r[None, :] // w)).flatten()
+    q = torch.arange(w * w, device=device)
+    di = (q // w)[:, None] + w - r.repeat_interleave(3 * w)[None, :]
+    dj = (q % w)[:, None] + w - r.repeat(3 * w)[None, :]
+    return slot, di, dj
 
 
 def rel_bias_row(di, dj, window):

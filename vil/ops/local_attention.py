@@ -11,6 +11,7 @@ import logging
 import numbers
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .backends import chunk_rows, chunks_1d, flex, fused_cpu, fused_triton, loop_1d, reference, sliding_chunk
 from .backends import sliding_chunk_autograd, unfold
@@ -51,7 +52,7 @@ def default_backend(device, dtype, dims=2):
             if b.available is not None:
                 b.available()
         except ValueError as error:
-            if ("unavailable", name) not in _logged_choices:
+            if not torch.compiler.is_compiling() and ("unavailable", name) not in _logged_choices:
                 _logged_choices.add(("unavailable", name))
                 fallback = _FASTEST[device_type][-1]
                 _log.warning("%s Using %s on the CPU instead, about 2x slower.", error, fallback)
@@ -65,7 +66,7 @@ def _choose(backend, hood, q, trains):
     dims = hood.dims
     if backend is None:
         backend = default_backend(q.device, q.dtype, dims)
-        if (q.device.type, q.dtype, backend, dims) not in _logged_choices:
+        if not torch.compiler.is_compiling() and (q.device.type, q.dtype, backend, dims) not in _logged_choices:
             _logged_choices.add((q.device.type, q.dtype, backend, dims))
             _log.info("local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type)
     able = available_backends(dims)
@@ -88,6 +89,10 @@ def _choose(backend, hood, q, trains):
         others = [n for n in able if _runs_on(_BACKENDS[n].devices, device) and _runs_on(_BACKENDS[n].trains_on, device)]
         raise ValueError(f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
                          f"backends that can: {', '.join(others)}.")
+    if not b.traceable and (torch.compiler.is_compiling() or is_fake(q)):
+        others = [n for n in able if _BACKENDS[n].traceable and _runs_on(_BACKENDS[n].devices, device)]
+        raise ValueError(f"The {backend} backend cannot be traced by torch.compile or torch.export; backends that can: "
+                         f"{', '.join(others)}.")
     if q.dtype not in b.dtypes:
         raise ValueError(f"The {backend} backend takes {_listed([str(t).split('.')[-1] for t in b.dtypes])} inputs, "
                          f"got {q.dtype}.")

@@ -29,7 +29,9 @@ class Backend:
     runs the heads of each dilation together). ``devices``: device types it runs on (None: any); ``trains_on``:
     device types where it has a backward (None: wherever it runs). ``available``:
     raises ``ValueError`` with one sentence where the backend cannot run on this machine (a build, an import).
-    ``check``: ``(hood, head_dim)`` raises for options the backend cannot take.
+    ``check``: ``(hood, head_dim)`` raises for options the backend cannot take. ``traceable``: torch.compile and
+    torch.export can trace it (fake tensors, symbolic sizes; see ``vil/ops/operators.py``); the op refuses the
+    others there in one sentence.
     """
 
     name: str
@@ -43,6 +45,7 @@ class Backend:
     dtypes: tuple = FLOATS
     available: Optional[Callable] = None
     check: Optional[Callable] = None
+    traceable: bool = False
 
     def computes(self, dims):
         return (self.attention_1d if dims == 1 else self.attention_2d) is not None

@@ -17,14 +17,14 @@ import torch.nn.functional as F
 
 
 def apply_in_float32(function, q, tensors, *options):
-    """``function.apply(*tensors, *options)`` with the tensors (None allowed) in float32 or wider and autocast off,
+    """``function(*tensors, *options)`` with the tensors (None allowed) in float32 or wider and autocast off,
     the result in q's dtype: half precision is computed in float32, because the backward recomputes probabilities
     from a saved log-sum-exp, which must be exact."""
     compute = torch.promote_types(q.dtype, torch.float32)
     if compute != q.dtype:
         tensors = tuple(None if t is None else t.to(compute) for t in tensors)
     with torch.autocast(q.device.type, enabled=False):  # the dtypes are chosen here, not by autocast
-        return function.apply(*tensors, *options).to(q.dtype)
+        return function(*tensors, *options).to(q.dtype)
 
 
 def to_chunks(x, plan, extra_column=None):

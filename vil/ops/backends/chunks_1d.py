@@ -172,7 +172,7 @@ class ChunksAttention1d(torch.autograd.Function):
 
 def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    return apply_in_float32(ChunksAttention1d, q, inputs, key_padding_mask, hood.window, hood.causal, scale)
+    return apply_in_float32(ChunksAttention1d.apply, q, inputs, key_padding_mask, hood.window, hood.causal, scale)
 
 
 BACKEND = Backend("chunks", attention_1d=attention_1d, dilation_1d=None)

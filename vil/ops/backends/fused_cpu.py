@@ -14,10 +14,9 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from torch.autograd.function import once_differentiable
-from torch.utils.flop_counter import register_flop_formula
 
 from . import Backend
+from .. import operators
 from ..geometry import neighbour_table
 
 LOG2E = math.log2(math.e)
@@ -63,7 +62,6 @@ def _build():
         try:
             cpp_extension.load(name=name, sources=[str(source)], extra_cflags=build_flags, extra_ldflags=["-fopenmp"],
                                is_python_module=False)
-            _count_flops(torch.ops.vil_local_attention_cpu)
             return torch.ops.vil_local_attention_cpu
         except (OSError, RuntimeError, ImportError) as error:
             failure = error
@@ -72,44 +70,24 @@ def _build():
     return _build_failure(failure)
 
 
-@lru_cache(maxsize=None)  # torch refuses a second registration
-def _count_flops(ops):
-    """Tells ``torch.utils.flop_counter`` (FlopCounterMode) what the kernels compute."""
-    register_flop_formula(ops.forward, get_raw=True)(_forward_flops)
-    register_flop_formula(ops.backward, get_raw=True)(_backward_flops)
-    register_flop_formula(ops.forward_1d, get_raw=True)(_forward_1d_flops)
-    register_flop_formula(ops.backward_1d, get_raw=True)(_backward_1d_flops)
-
-
-def _scored_pairs(q, global_k, slots, window):
-    """The (query, key) scores the kernel computes: every real query of a chunk against the real keys of the
-    chunks its slots read (SW_EXACT 1 masks some of them afterwards) and the global keys."""
-    B, H, X, Y = q.shape[:4]
+def _scored_pairs(q, num_global, window, exact, mode, dilation):
+    """The (query, key) scores the 2D kernel computes, per (batch, head): every real query of a chunk against the
+    real keys of the chunks its slots read (SW_EXACT 1 masks some of them afterwards) and the global keys. (The
+    op runs dilated windows per sub-lattice, so ``dilation`` is 1.)"""
+    X, Y = q.shape[2:4]
     mx, my = -(-X // window), -(-Y // window)
     rows = (X - window * torch.arange(mx)).clamp(max=window)
     cols = (Y - window * torch.arange(my)).clamp(max=window)
     tokens = (rows[:, None] * cols[None, :]).flatten()  # per chunk, row-major
-    neighbour = slots[..., 0]
-    keys = torch.where(neighbour >= 0, tokens[neighbour.clamp(min=0)], 0).sum(1) + global_k.shape[2]
-    return B * H * int((tokens * keys).sum())
+    neighbour = _slot_table(X, Y, window, exact, mode)[..., 0]
+    keys = torch.where(neighbour >= 0, tokens[neighbour.clamp(min=0)], 0).sum(1) + num_global
+    return int((tokens * keys).sum())
 
 
-def _forward_flops(q, k, v, global_k, global_v, rel_bias, global_bias, slots, out, lse, window, *args, **kwargs):
-    """For ``torch.utils.flop_counter``: two products (scores, output) over the scored pairs."""
-    return 2 * 2 * _scored_pairs(q, global_k, slots, window) * q.shape[-1]
-
-
-def _backward_flops(q, k, v, global_k, global_v, rel_bias, global_bias, slots, *args, **kwargs):
-    """Five products: the recomputed scores, dP, dQ, dK and dV. The op's last three arguments are window, exact
-    and scale."""
-    window = args[-3]
-    return 5 * 2 * _scored_pairs(q, global_k, slots, window) * q.shape[-1]
-
-
-def _scored_pairs_1d(q, global_k, dilations, window, causal, block):
-    """The (query, key) scores the 1D kernel computes: every query of a block against the span of keys its
-    block's windows cover (the band and the masks apply afterwards) and the global keys."""
-    B, _, L = q.shape[:3]
+def _scored_pairs_1d(q, num_global, window, dilations, causal):
+    """The (query, key) scores the 1D kernel computes, per batch: every query of a block against the span of keys
+    its block's windows cover (the band and the masks apply afterwards) and the global keys."""
+    L, block = q.shape[2], _block_1d(window)
     pairs = 0
     for d in dilations:
         for r in range(min(d, L)):
@@ -117,20 +95,8 @@ def _scored_pairs_1d(q, global_k, dilations, window, causal, block):
             t0 = torch.arange(0, n, block)
             queries = (n - t0).clamp(max=block)
             keys = (t0 + queries + (0 if causal else window)).clamp(max=n) - (t0 - window).clamp(min=0)
-            pairs += int((queries * (keys + global_k.shape[2])).sum())
-    return B * pairs
-
-
-def _forward_1d_flops(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, dilations,
-                      window, causal, block, *args, **kwargs):
-    """For ``torch.utils.flop_counter``: two products (scores, output) over the scored pairs."""
-    return 2 * 2 * _scored_pairs_1d(q, global_k, dilations, window, causal, block) * q.shape[-1]
-
-
-def _backward_1d_flops(q, k, v, global_k, *args, **kwargs):
-    """Five products, as in 2D. The op's last five arguments are dilations, window, causal, block and scale."""
-    dilations, window, causal, block = args[-5:-1]
-    return 5 * 2 * _scored_pairs_1d(q, global_k, dilations, window, causal, block) * q.shape[-1]
+            pairs += int((queries * (keys + num_global)).sum())
+    return pairs
 
 
 def _build_failure(error):
@@ -139,9 +105,17 @@ def _build_failure(error):
             "ninja package, or choose another backend such as sliding_chunk.")
 
 
+@torch.compiler.assume_constant_result  # built, or not, once per process: torch.compile need not trace the build
+def _build_failure_sentence():
+    built = _build()
+    return built if isinstance(built, str) else ""
+
+
 def check_fused_cpu():
     """Raise ``ValueError`` with one sentence if the kernel cannot be built here."""
-    _kernels()
+    failure = _build_failure_sentence()
+    if failure:
+        raise ValueError(failure)
 
 
 @lru_cache(maxsize=64)
@@ -156,42 +130,44 @@ def _none_as_empty(t, like):
     return like.new_empty(0) if t is None else t.contiguous()
 
 
-class FusedCPUAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, scale):
-        B, H, X, Y, D = q.shape
-        slots = _slot_table(X, Y, window, exact, mode)
-        if global_k is None:
-            global_k = global_v = q.new_empty(B, H, 0, D)
-        biases = [_none_as_empty(None if t is None else t * LOG2E, q) for t in (rel_bias, global_bias)]
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
-        _kernels().forward(q, k, v, global_k, global_v, *biases, slots, out, lse, window, exact, scale)
-        ctx.save_for_backward(q, k, v, global_k, global_v, *biases, out, lse)
-        ctx.options = (slots, window, exact, scale)
-        return out
+def _kernel_inputs(q, global_k, global_v, rel_bias, global_bias):
+    """What the kernels take for absent inputs (empty tensors), and the bias tables in base 2."""
+    if global_k is None:
+        global_k = global_v = q.new_empty(*q.shape[:2], 0, q.shape[-1])
+    biases = [_none_as_empty(None if t is None else t * LOG2E, q) for t in (rel_bias, global_bias)]
+    return global_k, global_v, biases
 
-    @staticmethod
-    @once_differentiable  # the kernel's gradients are not differentiable again
-    def backward(ctx, grad_out):
-        q, k, v, global_k, global_v, rel_bias, global_bias, out, lse = ctx.saved_tensors
-        slots, window, exact, scale = ctx.options
-        has_rel_bias, has_global_bias, has_global = rel_bias.numel() > 0, global_bias.numel() > 0, global_k.shape[2] > 0
-        grad_out = grad_out.contiguous()
-        row_term = (grad_out * out).sum(-1)
-        B, H = q.shape[:2]
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
-        # Per (batch, head) partial sums of the bias gradients, added up here.
-        grad_rel = q.new_zeros(B, *rel_bias.shape) if has_rel_bias else q.new_empty(0)
-        grad_glob = q.new_zeros(B, *global_bias.shape) if has_global_bias else q.new_empty(0)
-        _kernels().backward(
-            q, k, v, global_k, global_v, rel_bias, global_bias, slots, grad_out, lse, row_term,
-            grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, window, exact, scale,
-        )
-        grad_gk, grad_gv = (grad_gk, grad_gv) if has_global else (None, None)
-        grad_rel = grad_rel.sum(0) if has_rel_bias else None
-        grad_glob = grad_glob.sum(0) if has_global_bias else None
-        return grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, None, None, None, None
+
+def _backward_buffers(q, k, v, out, grad_out):
+    """The softmax backward's row term rowsum(dO * O), and the gradients of q, k and v to fill."""
+    return (grad_out * out).sum(-1), torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _forward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
+    slots = _slot_table(q.shape[2], q.shape[3], window, exact, mode)
+    global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    _kernels().forward(q, k, v, global_k, global_v, *biases, slots, out, lse, window, exact, scale)
+    return out, lse
+
+
+def _backward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation,
+                 scale):
+    B, X, Y = q.shape[0], q.shape[2], q.shape[3]
+    slots = _slot_table(X, Y, window, exact, mode)
+    has_global = global_k is not None
+    global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
+    row_term, grad_q, grad_k, grad_v = _backward_buffers(q, k, v, out, grad_out)
+    grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
+    # Per (batch, head) partial sums of the bias gradients, added up here.
+    grad_rel = q.new_empty(0) if rel_bias is None else q.new_zeros(B, *rel_bias.shape)
+    grad_glob = q.new_empty(0) if global_bias is None else q.new_zeros(B, *global_bias.shape)
+    _kernels().backward(
+        q, k, v, global_k, global_v, *biases, slots, grad_out, lse, row_term,
+        grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, window, exact, scale,
+    )
+    return (grad_q, grad_k, grad_v, grad_gk if has_global else None, grad_gv if has_global else None,
+            None if rel_bias is None else grad_rel.sum(0), None if global_bias is None else grad_glob.sum(0))
 
 
 def _block_1d(window):
@@ -200,46 +176,36 @@ def _block_1d(window):
     return min(64, max(16, window))
 
 
-class FusedCPUAttention1d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal,
-                scale):
-        B, H, L, D = q.shape
-        block = _block_1d(window)
-        if global_k is None:
-            global_k = global_v = q.new_empty(B, H, 0, D)
-        biases = [_none_as_empty(None if t is None else t * LOG2E, q) for t in (rel_bias, global_bias)]
-        mask = q.new_empty(0, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.contiguous()
-        out, lse = torch.empty_like(q), q.new_empty(B, H, L)
-        _kernels().forward_1d(q, k, v, global_k, global_v, *biases, mask, out, lse, dilations, window, causal, block,
-                              scale)
-        ctx.save_for_backward(q, k, v, global_k, global_v, *biases, mask, out, lse)
-        ctx.options = (dilations, window, causal, block, scale)
-        return out
+def _masks_1d(q, key_padding_mask):
+    return q.new_empty(0, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.contiguous()
 
-    @staticmethod
-    @once_differentiable  # the kernel's gradients are not differentiable again
-    def backward(ctx, grad_out):
-        q, k, v, global_k, global_v, rel_bias, global_bias, mask, out, lse = ctx.saved_tensors
-        dilations, window, causal, block, scale = ctx.options
-        has_rel_bias, has_global_bias, has_global = rel_bias.numel() > 0, global_bias.numel() > 0, global_k.shape[2] > 0
-        grad_out = grad_out.contiguous()
-        row_term = (grad_out * out).sum(-1)
-        B, H, L = q.shape[:3]
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        # Per (batch, head, residue class) partial sums of the global key, value and bias gradients, added up here.
-        residues = max(min(d, L) for d in dilations)
-        grad_gk, grad_gv = (q.new_zeros(B, H, residues, *global_k.shape[2:]) for _ in range(2))
-        grad_rel = q.new_zeros(B, H, residues, rel_bias.shape[1]) if has_rel_bias else q.new_empty(0)
-        grad_glob = q.new_zeros(B, H, residues, global_bias.shape[1]) if has_global_bias else q.new_empty(0)
-        _kernels().backward_1d(
-            q, k, v, global_k, global_v, rel_bias, global_bias, mask, grad_out, lse, row_term,
-            grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, dilations, window, causal, block, scale,
-        )
-        grad_gk, grad_gv = (grad_gk.sum(2), grad_gv.sum(2)) if has_global else (None, None)
-        grad_rel = grad_rel.sum((0, 2)) if has_rel_bias else None
-        grad_glob = grad_glob.sum((0, 2)) if has_global_bias else None
-        return grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, None, None, None, None, None
+
+def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale):
+    global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    _kernels().forward_1d(q, k, v, global_k, global_v, *biases, _masks_1d(q, key_padding_mask), out, lse, dilations,
+                          window, causal, _block_1d(window), scale)
+    return out, lse
+
+
+def _backward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
+                 dilations, causal, scale):
+    B, H, L = q.shape[:3]
+    has_global = global_k is not None
+    global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
+    row_term, grad_q, grad_k, grad_v = _backward_buffers(q, k, v, out, grad_out)
+    # Per (batch, head, residue class) partial sums of the global key, value and bias gradients, added up here.
+    residues = max(min(d, L) for d in dilations)
+    grad_gk, grad_gv = (q.new_zeros(B, H, residues, *global_k.shape[2:]) for _ in range(2))
+    grad_rel = q.new_empty(0) if rel_bias is None else q.new_zeros(B, H, residues, rel_bias.shape[1])
+    grad_glob = q.new_empty(0) if global_bias is None else q.new_zeros(B, H, residues, global_bias.shape[1])
+    _kernels().backward_1d(
+        q, k, v, global_k, global_v, *biases, _masks_1d(q, key_padding_mask), grad_out, lse, row_term,
+        grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, dilations, window, causal, _block_1d(window),
+        scale,
+    )
+    return (grad_q, grad_k, grad_v, grad_gk.sum(2) if has_global else None, grad_gv.sum(2) if has_global else None,
+            None if rel_bias is None else grad_rel.sum((0, 2)), None if global_bias is None else grad_glob.sum((0, 2)))
 
 
 def _compute_inputs(q, *tensors):
@@ -252,17 +218,20 @@ def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, sc
     window, exact, mode = hood.window, hood.exact, hood.mode
     inputs = _compute_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
     with torch.autocast("cpu", enabled=False):
-        out = FusedCPUAttention.apply(*inputs, window, exact, mode, scale)
+        out = operators.attention_2d("fused_cpu", *inputs, window, exact, mode, 1, scale)
     return out.to(q.dtype)
 
 
 def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
     inputs = _compute_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
     with torch.autocast("cpu", enabled=False):
-        out = FusedCPUAttention1d.apply(*inputs, key_padding_mask, hood.window, hood.dilations(q.shape[1]),
-                                        hood.causal, scale)
+        out = operators.attention_1d("fused_cpu", *inputs, key_padding_mask, hood.window, hood.dilations(q.shape[1]),
+                                     hood.causal, scale)
     return out.to(q.dtype)
 
 
+operators.register_2d("fused_cpu", _forward_2d, _backward_2d, _scored_pairs)
+operators.register_1d("fused_cpu", _forward_1d, _backward_1d, _scored_pairs_1d)
 BACKEND = Backend("fused_cpu", attention_2d=attention_2d, attention_1d=attention_1d, dilation_2d="split",
-                  per_head_dilation=True, devices=("cpu",), trains_on=("cpu",), available=check_fused_cpu)
+                  per_head_dilation=True, devices=("cpu",), trains_on=("cpu",), available=check_fused_cpu,
+                  traceable=True)

@@ -1,9 +1,9 @@
 """The fused Triton kernels of ``kernels/`` (package ``vil_kernels``): flash-style, O(tokens x head_dim) memory.
 
-This file builds the kernels' neighbour tables from the window geometry and holds their autograd Function;
-the kernels and their launchers know nothing of this package. Triton is imported on first use, so that
-``import vil`` stays light and ``TRITON_INTERPRET`` (read when the kernels are defined) can still be set before
-that.
+This file builds the kernels' neighbour tables from the window geometry and registers the kernels' two passes
+with the operator of ``vil/ops/operators.py``; the kernels and their launchers know nothing of this package.
+Triton is imported on first use, so that ``import vil`` stays light and ``TRITON_INTERPRET`` (read when the
+kernels are defined) can still be set before that.
 """
 
 import os
@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 
 from . import Backend
+from .. import operators
 from ..geometry import neighbour_table
 
 
@@ -43,21 +44,17 @@ def kernel_geometry(rows, cols, window, exact, mode, dilation, device):
     )
 
 
-class FusedTritonAttention2d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale):
-        o, lse = _kernels().forward(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale)
-        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, o, lse)
-        ctx.geo, ctx.scale = geo, scale
-        return o
+def _forward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
+    geo = kernel_geometry(q.shape[2], q.shape[3], window, exact, mode, dilation, q.device)
+    out, lse = _kernels().forward(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale)
+    return out, lse.view(q.shape[:-1])
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, gk, gv, rel_bias, global_bias, o, lse = ctx.saved_tensors
-        if do.stride(-1) != 1:
-            do = do.contiguous()
-        g = _kernels().backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, ctx.geo, ctx.scale)
-        return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"], None, None
+
+def _backward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation,
+                 scale):
+    geo = kernel_geometry(q.shape[2], q.shape[3], window, exact, mode, dilation, q.device)
+    g = _kernels().backward(grad_out, q, k, v, global_k, global_v, rel_bias, global_bias, out, lse.flatten(2), geo, scale)
+    return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"]
 
 
 def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
@@ -65,8 +62,8 @@ def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, sc
     q, k, v, global_k, global_v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, global_k, global_v))
     rel_bias = None if rel_bias is None else rel_bias.contiguous()
     global_bias = None if global_bias is None else global_bias.contiguous()
-    geo = kernel_geometry(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, hood.dilation, q.device)
-    return FusedTritonAttention2d.apply(q, k, v, global_k, global_v, rel_bias, global_bias, geo, float(scale))
+    return operators.attention_2d("triton", q, k, v, global_k, global_v, rel_bias, global_bias, hood.window, hood.exact,
+                                  hood.mode, hood.dilation, float(scale))
 
 
 def _check(hood, head_dim):
@@ -74,7 +71,16 @@ def _check(hood, head_dim):
     _kernels().check_supported(head_dim, hood.window)
 
 
+def _scored_pairs(q, num_global, window, exact, mode, dilation):
+    """The (query, key) scores per (batch, head): on every sub-lattice, every token of a chunk's padded ``P x P``
+    tile against the padded tiles of the chunks its slots read and the global keys."""
+    geo = kernel_geometry(q.shape[2], q.shape[3], window, exact, mode, dilation, q.device)
+    tile = geo.chunk_pad**2
+    return dilation**2 * geo.num_chunks * tile * (geo.num_slots * tile + num_global)
+
+
+operators.register_2d("triton", _forward_2d, _backward_2d, _scored_pairs)
 # CUDA GPUs; the CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 BACKEND = Backend("triton", attention_2d=attention_2d,
                   devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
-                  dtypes=(torch.float32, torch.float16, torch.bfloat16), check=_check)
+                  dtypes=(torch.float32, torch.float16, torch.bfloat16), check=_check, traceable=True)

@@ -18,10 +18,13 @@ Scores are computed in base 2 (queries and biases times log2(e), ``exp2`` for ``
 """
 
 import math
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from . import Backend
+from .. import operators
 from ..geometry import band_block_tables, chunk_plan
 from .chunked import add_rel_bias_grad_, apply_in_float32, band_blocks, band_masks, band_scores, band_windows, from_chunks, gather_windows
 from .chunked import global_scores
@@ -61,90 +64,101 @@ def _base2(bias):
     return None if bias is None else bias * LOG2E
 
 
-class SlidingChunkAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, plan, scale):
-        queries = to_chunks(q * (scale * LOG2E), plan)
-        keys, values = to_chunks(k, plan), to_chunks(v, plan)
-        biases = {group: window_bias(group, _base2(rel_bias), q.dtype) for group in plan.groups}
-        global_bias2 = _base2(global_bias)
-        out = torch.empty_like(queries)
-        lse = queries.new_empty(queries.shape[:-1])  # base 2
-        for group, b, c, cx in _blocks(queries, plan):
-            block_queries = queries[b, cx]
-            scores = window_scores(block_queries, gather_windows(keys, group, b, c), group, biases[group], c)
-            row_max = _row_max(scores, group)
-            if global_k is not None:
-                scores_g = global_scores(block_queries, global_k[b], global_bias2)
-                row_max = torch.maximum(row_max, scores_g.amax(-2, keepdim=True))
-            weights = scores.sub_(row_max).exp2_()  # unnormalised probabilities, in place
-            total = weights.sum(-2, keepdim=True)
-            block_out = torch.matmul(weights.transpose(-1, -2), gather_windows(values, group, b, c), out=out[b, cx])
-            if global_k is not None:
-                weights_g = scores_g.sub_(row_max).exp2_()
-                total += weights_g.sum(-2, keepdim=True)
-                block_out += torch.matmul(weights_g.transpose(-1, -2), global_v[b, None])
-            block_out /= total.transpose(-1, -2)
-            lse[b, cx] = (row_max + total.log2()).squeeze(-2)
-        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse)
-        ctx.plan, ctx.scale = plan, scale
-        return from_chunks(out, plan)
+def _plan(q, window, exact, mode):
+    return chunk_plan(q.shape[2], q.shape[3], window, exact, mode, q.device)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, global_k, global_v, rel_bias, global_bias, out, lse = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
-        # The extra columns of the module docstring: two passes over each block's scores fewer.
-        keys, values = to_chunks(k, plan, extra_column=1.0), to_chunks(v, plan, extra_column=1.0)
-        queries_lse = to_chunks(q * (scale * LOG2E), plan, extra_column=0.0)
-        queries_lse[..., -1] = -lse
-        grad_outc_row = to_chunks(grad_out, plan, extra_column=0.0)
-        queries, grad_outc = queries_lse[..., :-1], grad_outc_row[..., :-1]
-        # The softmax backward's row term sum_j P_ij dP_ij equals dO_i . O_i.
-        row_term = (grad_outc * out).sum(-1)
-        grad_outc_row[..., -1] = -row_term
-        biases = {group: window_bias(group, _base2(rel_bias), q.dtype) for group in plan.groups}
-        global_bias2 = _base2(global_bias)
-        grad_queries = torch.empty_like(out)
-        grad_keys, grad_values = torch.zeros_like(out), torch.zeros_like(out)
-        grad_rel_bias = None if rel_bias is None else torch.zeros_like(rel_bias)
-        grad_global_bias = None if global_bias is None else torch.zeros_like(global_bias)
-        grad_global_k = grad_global_v = None
+
+def _forward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
+    plan = _plan(q, window, exact, mode)
+    queries = to_chunks(q * (scale * LOG2E), plan)
+    keys, values = to_chunks(k, plan), to_chunks(v, plan)
+    biases = {group: window_bias(group, _base2(rel_bias), q.dtype) for group in plan.groups}
+    global_bias2 = _base2(global_bias)
+    out = torch.empty_like(queries)
+    lse = queries.new_empty(queries.shape[:-1])  # base 2
+    for group, b, c, cx in _blocks(queries, plan):
+        block_queries = queries[b, cx]
+        scores = window_scores(block_queries, gather_windows(keys, group, b, c), group, biases[group], c)
+        row_max = _row_max(scores, group)
         if global_k is not None:
-            grad_global_k, grad_global_v = torch.zeros_like(global_k), torch.zeros_like(global_v)
+            scores_g = global_scores(block_queries, global_k[b], global_bias2)
+            row_max = torch.maximum(row_max, scores_g.amax(-2, keepdim=True))
+        weights = scores.sub_(row_max).exp2_()  # unnormalised probabilities, in place
+        total = weights.sum(-2, keepdim=True)
+        block_out = torch.matmul(weights.transpose(-1, -2), gather_windows(values, group, b, c), out=out[b, cx])
+        if global_k is not None:
+            weights_g = scores_g.sub_(row_max).exp2_()
+            total += weights_g.sum(-2, keepdim=True)
+            block_out += torch.matmul(weights_g.transpose(-1, -2), global_v[b, None])
+        block_out /= total.transpose(-1, -2)
+        lse[b, cx] = (row_max + total.log2()).squeeze(-2)
+    return from_chunks(out, plan), from_chunks(lse[..., None], plan)[..., 0]
 
-        for group, b, c, cx in _blocks(queries, plan):
-            block_keys, block_values = gather_windows(keys, group, b, c), gather_windows(values, group, b, c)
-            block_queries2, block_grad_out = queries[b, cx], grad_outc[b, cx]
-            block_queries = block_queries2 / LOG2E  # scale * q: the gradients are those of the natural scores
-            block_lse, block_row_term = lse[b, cx, :, None], row_term[b, cx, :, None]
-            probs = window_scores(queries_lse[b, cx], block_keys, group, biases[group], c).exp2_()
-            scatter_windows_(grad_values, torch.matmul(probs, block_grad_out), group, b, c)
-            grad_scores = torch.matmul(block_values, grad_outc_row[b, cx].transpose(-1, -2)).mul_(probs)
-            del probs
-            block_grad_q = torch.matmul(grad_scores.transpose(-1, -2), block_keys[..., :-1], out=grad_queries[b, cx])
-            scatter_windows_(grad_keys, torch.matmul(grad_scores, block_queries), group, b, c)
-            if rel_bias is not None:
-                add_rel_bias_grad_(grad_rel_bias, grad_scores, group, c)
-            if global_k is not None:
-                probs_g = global_scores(block_queries2, global_k[b], global_bias2).sub_(block_lse).exp2_()
-                grad_global_v[b] += torch.matmul(probs_g, block_grad_out).sum(1)
-                grad_scores_g = torch.matmul(global_v[b, None], block_grad_out.transpose(-1, -2))
-                grad_scores_g.sub_(block_row_term).mul_(probs_g)
-                block_grad_q += torch.matmul(grad_scores_g.transpose(-1, -2), global_k[b, None])
-                grad_global_k[b] += torch.matmul(grad_scores_g, block_queries).sum(1)
-                if global_bias is not None:
-                    grad_global_bias += grad_scores_g.sum(dim=(0, 1, 4))
-            block_grad_q *= scale
 
-        grad_k, grad_v = from_chunks(grad_keys, plan), from_chunks(grad_values, plan)
-        return from_chunks(grad_queries, plan), grad_k, grad_v, grad_global_k, grad_global_v, grad_rel_bias, grad_global_bias, None, None
+def _backward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation,
+                 scale):
+    plan = _plan(q, window, exact, mode)
+    out, lse = to_chunks(out, plan), to_chunks(lse[..., None], plan)[..., 0]
+    # The extra columns of the module docstring: two passes over each block's scores fewer.
+    keys, values = to_chunks(k, plan, extra_column=1.0), to_chunks(v, plan, extra_column=1.0)
+    queries_lse = to_chunks(q * (scale * LOG2E), plan, extra_column=0.0)
+    queries_lse[..., -1] = -lse
+    grad_outc_row = to_chunks(grad_out, plan, extra_column=0.0)
+    queries, grad_outc = queries_lse[..., :-1], grad_outc_row[..., :-1]
+    # The softmax backward's row term sum_j P_ij dP_ij equals dO_i . O_i.
+    row_term = (grad_outc * out).sum(-1)
+    grad_outc_row[..., -1] = -row_term
+    biases = {group: window_bias(group, _base2(rel_bias), q.dtype) for group in plan.groups}
+    global_bias2 = _base2(global_bias)
+    grad_queries = torch.empty_like(out)
+    grad_keys, grad_values = torch.zeros_like(out), torch.zeros_like(out)
+    grad_rel_bias = None if rel_bias is None else torch.zeros_like(rel_bias)
+    grad_global_bias = None if global_bias is None else torch.zeros_like(global_bias)
+    grad_global_k = grad_global_v = None
+    if global_k is not None:
+        grad_global_k, grad_global_v = torch.zeros_like(global_k), torch.zeros_like(global_v)
+
+    for group, b, c, cx in _blocks(queries, plan):
+        block_keys, block_values = gather_windows(keys, group, b, c), gather_windows(values, group, b, c)
+        block_queries2, block_grad_out = queries[b, cx], grad_outc[b, cx]
+        block_queries = block_queries2 / LOG2E  # scale * q: the gradients are those of the natural scores
+        block_lse, block_row_term = lse[b, cx, :, None], row_term[b, cx, :, None]
+        probs = window_scores(queries_lse[b, cx], block_keys, group, biases[group], c).exp2_()
+        scatter_windows_(grad_values, torch.matmul(probs, block_grad_out), group, b, c)
+        grad_scores = torch.matmul(block_values, grad_outc_row[b, cx].transpose(-1, -2)).mul_(probs)
+        del probs
+        block_grad_q = torch.matmul(grad_scores.transpose(-1, -2), block_keys[..., :-1], out=grad_queries[b, cx])
+        scatter_windows_(grad_keys, torch.matmul(grad_scores, block_queries), group, b, c)
+        if rel_bias is not None:
+            add_rel_bias_grad_(grad_rel_bias, grad_scores, group, c)
+        if global_k is not None:
+            probs_g = global_scores(block_queries2, global_k[b], global_bias2).sub_(block_lse).exp2_()
+            grad_global_v[b] += torch.matmul(probs_g, block_grad_out).sum(1)
+            grad_scores_g = torch.matmul(global_v[b, None], block_grad_out.transpose(-1, -2))
+            grad_scores_g.sub_(block_row_term).mul_(probs_g)
+            block_grad_q += torch.matmul(grad_scores_g.transpose(-1, -2), global_k[b, None])
+            grad_global_k[b] += torch.matmul(grad_scores_g, block_queries).sum(1)
+            if global_bias is not None:
+                grad_global_bias += grad_scores_g.sum(dim=(0, 1, 4))
+        block_grad_q *= scale
+
+    grad_k, grad_v = from_chunks(grad_keys, plan), from_chunks(grad_values, plan)
+    return from_chunks(grad_queries, plan), grad_k, grad_v, grad_global_k, grad_global_v, grad_rel_bias, grad_global_bias
+
+
+def _scored_pairs(q, num_global, window, exact, mode, dilation):
+    """The (query, key) scores per (batch, head): every query position of a chunk (padding included) against its
+    group's window keys and the global keys. (The op runs dilated windows per sub-lattice: ``dilation`` is 1.)"""
+    return sum(g.num_chunks * window**2 * (g.window_len + num_global) for g in _plan(q, window, exact, mode).groups)
+
+
+operators.register_2d("sliding_chunk", _forward_2d, _backward_2d, _scored_pairs)
+_OPERATOR_2D = partial(operators.attention_2d, "sliding_chunk")
 
 
 def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
-    plan = chunk_plan(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, q.device)
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    return apply_in_float32(SlidingChunkAttention, q, inputs, plan, scale)
+    return apply_in_float32(_OPERATOR_2D, q, inputs, hood.window, hood.exact, hood.mode, 1, scale)
 
 
 # --- 1D: Longformer's band over a sequence ---------------------------------------------------------------------
@@ -164,88 +178,83 @@ def _band_block_ranges(q, window, blocks):
         yield start, min(blocks, start + step)
 
 
-class SlidingChunkAttention1d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, causal, scale):
-        B, H, L, D = q.shape
-        w, blocks = window, -(-L // window)
-        queries = band_blocks(q * (scale * LOG2E), w, blocks)
-        keys, values = band_blocks(k, w, blocks), band_blocks(v, w, blocks)
-        masks = _band_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
-        global_bias2 = _base2(global_bias)
-        out = q.new_empty(B, H, blocks, w, D)
-        lse = q.new_empty(B, H, blocks, w)  # base 2; +inf where a query sees no key
-        for start, stop in _band_block_ranges(q, w, blocks):
-            block_queries = queries[:, :, start + 1 : stop + 1]
-            scores = band_scores(block_queries, band_windows(keys, start, stop, 3), masks, start, stop)
-            row_max = scores.amax(-1, keepdim=True)
-            if global_k is not None:
-                scores_g = _band_global_scores(block_queries, global_k, global_bias2)
-                row_max = torch.maximum(row_max, scores_g.amax(-1, keepdim=True))
-            row_max.masked_fill_(row_max == float("-inf"), 0.0)
-            weights = scores.sub_(row_max).exp2_()
-            total = weights.sum(-1, keepdim=True)
-            block_out = torch.matmul(weights, band_windows(values, start, stop, 3))
-            if global_k is not None:
-                weights_g = scores_g.sub_(row_max).exp2_()
-                total += weights_g.sum(-1, keepdim=True)
-                block_out += torch.matmul(weights_g, global_v[:, :, None])
-            out[:, :, start:stop] = block_out / total.clamp(min=torch.finfo(total.dtype).tiny)
-            lse[:, :, start:stop] = torch.where(total > 0, row_max + total.log2(), float("inf")).squeeze(-1)
-        out = out.flatten(2, 3)[:, :, :L]
-        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse)
-        ctx.options = window, causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse = ctx.saved_tensors
-        w, causal, scale = ctx.options
-        B, H, L, D = q.shape
-        blocks = -(-L // w)
-        queries = band_blocks(q * scale, w, blocks)  # natural-scale queries; base 2 below where scores are made
-        keys, values = band_blocks(k, w, blocks), band_blocks(v, w, blocks)
-        grad_outb = band_blocks(grad_out, w, blocks)
-        row_term = band_blocks((grad_out * out).sum(-1, keepdim=True), w, blocks)[..., 0]  # rowsum(dO * O)
-        masks = _band_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
-        global_bias2 = _base2(global_bias)
-        grad_q = q.new_empty(B, H, blocks, w, D)
-        grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
-        grad_bias = None if rel_bias is None else q.new_zeros(H, w, 3 * w)
-        grad_gk = grad_gv = grad_gb = None
+def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale):
+    B, H, L, D = q.shape
+    w, blocks = window, -(-L // window)
+    queries = band_blocks(q * (scale * LOG2E), w, blocks)
+    keys, values = band_blocks(k, w, blocks), band_blocks(v, w, blocks)
+    masks = _band_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
+    global_bias2 = _base2(global_bias)
+    out = q.new_empty(B, H, blocks, w, D)
+    lse = q.new_empty(B, H, blocks, w)  # base 2; +inf where a query sees no key
+    for start, stop in _band_block_ranges(q, w, blocks):
+        block_queries = queries[:, :, start + 1 : stop + 1]
+        scores = band_scores(block_queries, band_windows(keys, start, stop, 3), masks, start, stop)
+        row_max = scores.amax(-1, keepdim=True)
         if global_k is not None:
-            grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
-            grad_gb = None if global_bias is None else torch.zeros_like(global_bias)
-        for start, stop in _band_block_ranges(q, w, blocks):
-            block_queries = queries[:, :, start + 1 : stop + 1]
-            block_keys, block_values = band_windows(keys, start, stop, 3), band_windows(values, start, stop, 3)
-            block_grad_out = grad_outb[:, :, start + 1 : stop + 1]
-            block_lse, block_row_term = lse[:, :, start:stop, :, None], row_term[:, :, start + 1 : stop + 1, :, None]
-            probs = band_scores(block_queries * LOG2E, block_keys, masks, start, stop).sub_(block_lse).exp2_()
-            scatter_band_windows_(grad_values, torch.matmul(probs.transpose(-1, -2), block_grad_out), start, stop)
-            grad_scores = torch.matmul(block_grad_out, block_values.transpose(-1, -2)).sub_(block_row_term).mul_(probs)
-            del probs
-            block_grad_q = torch.matmul(grad_scores, block_keys)
-            scatter_band_windows_(grad_keys, torch.matmul(grad_scores.transpose(-1, -2), block_queries), start, stop)
-            if grad_bias is not None:
-                grad_bias += grad_scores.sum((0, 2))
-            if global_k is not None:
-                probs_g = _band_global_scores(block_queries * LOG2E, global_k, global_bias2).sub_(block_lse).exp2_()
-                grad_gv += torch.matmul(probs_g.transpose(-1, -2), block_grad_out).sum(2)
-                grad_scores_g = torch.matmul(block_grad_out, global_v[:, :, None].transpose(-1, -2))
-                grad_scores_g.sub_(block_row_term).mul_(probs_g)
-                block_grad_q += torch.matmul(grad_scores_g, global_k[:, :, None])
-                grad_gk += torch.matmul(grad_scores_g.transpose(-1, -2), block_queries).sum(2)
-                if grad_gb is not None:
-                    grad_gb += grad_scores_g.sum((0, 2, 3))
-            grad_q[:, :, start:stop] = block_grad_q * scale
-        grad_rel_bias = None
+            scores_g = _band_global_scores(block_queries, global_k, global_bias2)
+            row_max = torch.maximum(row_max, scores_g.amax(-1, keepdim=True))
+        row_max.masked_fill_(row_max == float("-inf"), 0.0)
+        weights = scores.sub_(row_max).exp2_()
+        total = weights.sum(-1, keepdim=True)
+        block_out = torch.matmul(weights, band_windows(values, start, stop, 3))
+        if global_k is not None:
+            weights_g = scores_g.sub_(row_max).exp2_()
+            total += weights_g.sum(-1, keepdim=True)
+            block_out += torch.matmul(weights_g, global_v[:, :, None])
+        out[:, :, start:stop] = block_out / total.clamp(min=torch.finfo(total.dtype).tiny)
+        lse[:, :, start:stop] = torch.where(total > 0, row_max + total.log2(), float("inf")).squeeze(-1)
+    return out.flatten(2, 3)[:, :, :L], lse.flatten(2)[:, :, :L]
+
+
+def _backward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
+                 dilations, causal, scale):
+    w = window
+    B, H, L, D = q.shape
+    blocks = -(-L // w)
+    lse = F.pad(lse, (0, blocks * w - L)).unflatten(2, (blocks, w))
+    queries = band_blocks(q * scale, w, blocks)  # natural-scale queries; base 2 below where scores are made
+    keys, values = band_blocks(k, w, blocks), band_blocks(v, w, blocks)
+    grad_outb = band_blocks(grad_out, w, blocks)
+    row_term = band_blocks((grad_out * out).sum(-1, keepdim=True), w, blocks)[..., 0]  # rowsum(dO * O)
+    masks = _band_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
+    global_bias2 = _base2(global_bias)
+    grad_q = q.new_empty(B, H, blocks, w, D)
+    grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
+    grad_bias = None if rel_bias is None else q.new_zeros(H, w, 3 * w)
+    grad_gk = grad_gv = grad_gb = None
+    if global_k is not None:
+        grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
+        grad_gb = None if global_bias is None else torch.zeros_like(global_bias)
+    for start, stop in _band_block_ranges(q, w, blocks):
+        block_queries = queries[:, :, start + 1 : stop + 1]
+        block_keys, block_values = band_windows(keys, start, stop, 3), band_windows(values, start, stop, 3)
+        block_grad_out = grad_outb[:, :, start + 1 : stop + 1]
+        block_lse, block_row_term = lse[:, :, start:stop, :, None], row_term[:, :, start + 1 : stop + 1, :, None]
+        probs = band_scores(block_queries * LOG2E, block_keys, masks, start, stop).sub_(block_lse).exp2_()
+        scatter_band_windows_(grad_values, torch.matmul(probs.transpose(-1, -2), block_grad_out), start, stop)
+        grad_scores = torch.matmul(block_grad_out, block_values.transpose(-1, -2)).sub_(block_row_term).mul_(probs)
+        del probs
+        block_grad_q = torch.matmul(grad_scores, block_keys)
+        scatter_band_windows_(grad_keys, torch.matmul(grad_scores.transpose(-1, -2), block_queries), start, stop)
         if grad_bias is not None:
-            row = band_block_tables(w, causal, q.device)[1]
-            grad_rel_bias = torch.zeros_like(rel_bias).index_add_(1, row.flatten(), grad_bias.flatten(1))
-        grad_k, grad_v = (x.flatten(2, 3)[:, :, w : w + L] for x in (grad_keys, grad_values))  # less the padding
-        return (grad_q.flatten(2, 3)[:, :, :L], grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_gb, None, None,
-                None, None)
+            grad_bias += grad_scores.sum((0, 2))
+        if global_k is not None:
+            probs_g = _band_global_scores(block_queries * LOG2E, global_k, global_bias2).sub_(block_lse).exp2_()
+            grad_gv += torch.matmul(probs_g.transpose(-1, -2), block_grad_out).sum(2)
+            grad_scores_g = torch.matmul(block_grad_out, global_v[:, :, None].transpose(-1, -2))
+            grad_scores_g.sub_(block_row_term).mul_(probs_g)
+            block_grad_q += torch.matmul(grad_scores_g, global_k[:, :, None])
+            grad_gk += torch.matmul(grad_scores_g.transpose(-1, -2), block_queries).sum(2)
+            if grad_gb is not None:
+                grad_gb += grad_scores_g.sum((0, 2, 3))
+        grad_q[:, :, start:stop] = block_grad_q * scale
+    grad_rel_bias = None
+    if grad_bias is not None:
+        row = band_block_tables(w, causal, q.device)[1]
+        grad_rel_bias = torch.zeros_like(rel_bias).index_add_(1, row.flatten(), grad_bias.flatten(1))
+    grad_k, grad_v = (x.flatten(2, 3)[:, :, w : w + L] for x in (grad_keys, grad_values))  # less the padding
+    return grad_q.flatten(2, 3)[:, :, :L], grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_gb
 
 
 def _band_masks(rel_bias, key_padding_mask, B, L, window, blocks, causal, device):
@@ -261,10 +270,21 @@ def _band_global_scores(queries, global_k, global_bias):
     return scores
 
 
+def _scored_pairs_1d(q, num_global, window, dilations, causal):
+    """The (query, key) scores per batch: every query position of a block of w (padding included) against the 3w
+    keys of its window and the global keys, in every head."""
+    H, L = q.shape[1:3]
+    return H * -(-L // window) * window * (3 * window + num_global)
+
+
+operators.register_1d("sliding_chunk", _forward_1d, _backward_1d, _scored_pairs_1d)
+_OPERATOR_1D = partial(operators.attention_1d, "sliding_chunk")
+
+
 def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    return apply_in_float32(SlidingChunkAttention1d, q, inputs, key_padding_mask, hood.window, hood.causal, scale)
+    return apply_in_float32(_OPERATOR_1D, q, inputs, key_padding_mask, hood.window, [1], hood.causal, scale)
 
 
 BACKEND = Backend("sliding_chunk", attention_2d=attention_2d, attention_1d=attention_1d, dilation_2d="split",
-                  dilation_1d="split")
+                  dilation_1d="split", traceable=True)

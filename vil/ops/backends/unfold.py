@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from . import Backend
-from ..geometry import exact_window_bias_index, unfolded_window_tables
+from ..geometry import NEIGHBOURS, exact_window_bias_index, neighbour_offsets, rel_bias_row, unfolded_window_offsets
+from ..geometry import unfolded_window_tables
 
 
 def _pad_map(x, window, exact):
@@ -45,9 +46,26 @@ def _window_tables(rows, cols, window, exact, mode, device):
     """``(allowed, bias_index)`` of the unfolded windows (see :func:`unfolded_window_tables`); the exact window
     needs no ``allowed`` (real tokens are checked separately) and has one bias row per window position."""
     w = window
-    if exact != 1:
+    if exact == 1:
+        return None, exact_window_bias_index(w).to(device)
+    if isinstance(rows, int) and isinstance(cols, int):
         return unfolded_window_tables(rows, cols, window, exact, mode, device)
-    return None, exact_window_bias_index(w).to(device)
+    # Symbolic sizes (torch.export): with zero padding every chunk has the mode's slots, as the middle chunk of
+    # a 3x3 grid does; which keys are padding is checked separately.
+    if exact == -1:
+        raise ValueError("SW_EXACT -1 (windows wrapping around the map) needs a fixed map size; export at one "
+                         "image size, or use SW_EXACT 0 or 1.")
+    return _inner_chunk_tables(window, exact, mode, device)
+
+
+def _inner_chunk_tables(window, exact, mode, device):
+    """:func:`unfolded_window_tables` of a chunk whose 9 neighbours are all in the map, from plain tensor
+    operations that torch.export traces into the graph."""
+    slot, di, dj = unfolded_window_offsets(window, device)
+    allowed = torch.zeros_like(slot, dtype=torch.bool)
+    for ab in neighbour_offsets(exact, mode):
+        allowed = allowed | (slot == NEIGHBOURS.index(ab))
+    return allowed.view(1, 1, 1, -1), rel_bias_row(di, dj, window)
 
 
 def _unfolded_attention(unfold, q, k, v, hood, global_k, global_v, rel_bias, global_bias, scale):

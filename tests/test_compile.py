@@ -1,0 +1,142 @@
+"""The backbone through the compiler stack: torch.compile (fullgraph), torch.export with dynamic sizes, fake tensors.
+
+Compiled results are held against eager ones; eager ones are held against the naive reference elsewhere."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from vil.export import export_program, onnx_outputs
+from vil.models import MsViT
+from vil.ops import available_backends, local_attention_1d, local_attention_2d
+from vil.ops.local_attention import _BACKENDS
+
+# Two local stages with relative bias and global tokens, then a full-attention stage: every attention path.
+ARCH = "l1,h2,d32,n1,s1,g1,p4,f2,a0_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g0,p2,f2,a1"
+COMPILED_BACKENDS = ["fused_cpu", "sliding_chunk"]
+
+
+def small_model(backend, seed=0):
+    torch.manual_seed(seed)
+    return MsViT(ARCH, img_size=32, num_classes=5, attn_backend=backend, drop_path_rate=0.0)
+
+
+def loss_and_grads(model, forward, x):
+    """The loss of ``forward`` (the model, or a compiled one) and the gradients it leaves in ``model``."""
+    model.zero_grad()
+    loss = forward(x).square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_fullgraph_compile_trains_like_eager_and_switches_without_recompiling(backend):
+    """aot_eager runs the graphs that Dynamo and AOTAutograd capture (Inductor's code generation is timed by
+    tools/benchmark_model.py --compile); fullgraph=True fails on any graph break."""
+    torch._dynamo.reset()
+    model = small_model(backend)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+    x = torch.randn(2, 3, 32, 32)
+    torch._dynamo.mark_dynamic(x, 0)
+    want_loss, want = loss_and_grads(model, model, x)
+    got_loss, got = loss_and_grads(model, compiled, x)
+    torch.testing.assert_close(got_loss, want_loss)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    # Both modes compiled: switching back and forth, and other batch sizes, compile nothing new.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch, training in ((3, True), (5, False), (2, True)):
+            model.train(training)
+            y = torch.randn(batch, 3, 32, 32)
+            torch._dynamo.mark_dynamic(y, 0)
+            with torch.set_grad_enabled(training):
+                torch.testing.assert_close(compiled(y), model(y))
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_export_with_dynamic_batch_and_size_runs_at_other_sizes(backend):
+    model = small_model(backend).eval()
+    exported = export_program(model, 32, 64)
+    for shape in ((1, 3, 64, 64), (3, 3, 96, 32)):
+        y = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(exported.module()(y), model(y))
+
+
+def _traced_or_refused(backend, run):
+    """``run()`` on fake tensors: the output's shape from a backend that declares itself traceable, one sentence
+    from the others."""
+    if _BACKENDS[backend].traceable:
+        return run()
+    with pytest.raises(ValueError, match=f"^The {backend} backend cannot be traced by torch.compile or torch.export; "
+                                         "backends that can: .*fused_cpu"):
+        run()
+    return None
+
+
+@pytest.mark.parametrize("backend", available_backends(2))
+def test_fake_tensor_forward_2d(backend):
+    """Every backend runs on fake tensors (no data), as torch.export and torch.compile trace them, or refuses."""
+    with FakeTensorMode():
+        q, k, v = (torch.randn(2, 2, 5, 7, 16) for _ in range(3))
+        gk, gv = (torch.randn(2, 2, 1, 16) for _ in range(2))
+        out = _traced_or_refused(backend, lambda: local_attention_2d(
+            q, k, v, 2, global_k=gk, global_v=gv, rel_bias=torch.randn(2, 49), global_bias=torch.randn(2, 1),
+            backend=backend))
+    assert out is None or (out.shape == q.shape and out.dtype == q.dtype)
+
+
+@pytest.mark.parametrize("backend", available_backends(1))
+def test_fake_tensor_forward_1d(backend):
+    with FakeTensorMode():
+        q, k, v = (torch.randn(2, 2, 11, 16) for _ in range(3))
+        mask = torch.zeros(2, 11, dtype=torch.bool)
+        out = _traced_or_refused(backend, lambda: local_attention_1d(
+            q, k, v, 2, dilation=2 if _BACKENDS[backend].dilation(1) else 1, key_padding_mask=mask, rel_bias=torch.randn(2, 5), backend=backend))
+    assert out is None or out.shape == q.shape
+
+
+def test_legacy_onnx_exporter_records_the_attention(tmp_path):
+    """TorchScript's tracer (the legacy exporter) gets the decomposed attention, not a silently dropped one."""
+    model = small_model("fused_cpu").eval()
+    x = torch.randn(2, 3, 32, 32)
+    torch.onnx.export(model, (x,), str(tmp_path / "legacy.onnx"), dynamo=False)
+    with torch.no_grad():
+        want = model(x)
+    torch.testing.assert_close(onnx_outputs(tmp_path / "legacy.onnx", x), want, atol=1e-4, rtol=1e-4)
+    # And the attention matters: without it the logits would be other ones.
+    for block in model.modules():
+        if hasattr(block, "only_global"):
+            block.only_global = True
+    with torch.no_grad():
+        assert not torch.allclose(model(x), want, atol=1e-3)
+
+
+def test_export_onnx_tool_writes_and_checks_a_file(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("export_onnx", root / "tools" / "export_onnx.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["--config-file", str(root / "configs" / "vil_digits.yaml"), "--output", str(tmp_path / "small.onnx"),
+               "MODEL.VIT.MSVIT.ARCH", ARCH, "INPUT.IMAGE_SIZE", "32"])
+    printed = capsys.readouterr().out
+    assert (tmp_path / "small.onnx").stat().st_size > 0
+    assert "32x32: largest difference" in printed and "48x64: largest difference" in printed
+
+
+def test_compile_key_compiles_the_training_step():
+    from vil.config import load_cfg
+    from vil.engine import _training_net
+    from vil.runtime import Runtime
+
+    model = small_model("fused_cpu")
+    runtime = Runtime("")
+    assert _training_net(model, load_cfg(None, []), runtime) is model
+    net = _training_net(model, load_cfg(None, ["MODEL.COMPILE", "True"]), runtime)
+    assert isinstance(net, torch._dynamo.eval_frame.OptimizedModule) and net._orig_mod is model

@@ -1,0 +1,53 @@
+"""Export a classification model to ONNX and check it: ``python tools/export_onnx.py --config-file F --output
+model.onnx [MODEL.MODEL_PATH ckpt] [KEY VALUE ...]``.
+
+The file takes any batch and any image size that is a multiple of the model's total stride (32 for the
+presets); its input is ``images`` (B, 3, H, W), its output ``logits``. Without ``MODEL.MODEL_PATH`` the model
+keeps its initial weights. After writing, onnxruntime runs the file at ``INPUT.IMAGE_SIZE`` and at a second
+size, and the tool prints the largest difference from the PyTorch model's logits; it exits with an error above
+1e-4. Needs the ``onnx`` extra (``pip install -e .[onnx]``).
+"""
+
+import argparse
+import sys
+
+import torch
+
+from vil.config import load_cfg
+from vil.engine import load_weights
+from vil.export import export_onnx, onnx_outputs
+from vil.models import build_model
+
+TOLERANCE = 1e-4
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config-file", required=True, help="a YAML file under configs/")
+    parser.add_argument("--output", required=True, help="the ONNX file to write")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_cfg(args.config_file, args.opts)
+        model = build_model(cfg).eval()
+        if cfg.MODEL.MODEL_PATH:
+            load_weights(model, cfg)
+        stride, size = model.total_stride, cfg.INPUT.IMAGE_SIZE
+        size = max(stride, size - size % stride)
+        export_onnx(model, args.output, size, size)
+        print(f"wrote {args.output}", flush=True)
+        worst = 0.0
+        for height, width in ((size, size), (size + stride, size + 2 * stride)):
+            images = torch.randn(2, model.in_chans, height, width)
+            with torch.no_grad():
+                difference = (onnx_outputs(args.output, images) - model(images)).abs().max().item()
+            print(f"{height}x{width}: largest difference from PyTorch {difference:.2e}", flush=True)
+            worst = max(worst, difference)
+        if not worst <= TOLERANCE:
+            sys.exit(f"error: the ONNX file's logits differ from the model's by {worst:.2e}, more than {TOLERANCE}.")
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The classification model for deployment: ``torch.export`` with dynamic batch, height and width, and ONNX.
+
+Local attention is one operator per call (``vil/ops/operators.py``); the exported program keeps it, so it runs
+with the backend it was built with. ONNX has no such operator: during an ONNX export the op layer records its
+decomposition into standard operators instead (the unfold_nnf computation of the same function).
+"""
+
+import torch
+
+from .files import atomic_write
+
+
+def _example_and_dims(model, height, width, batch=2):
+    """An input of ``batch x C x height x width`` and the dynamic shapes of any batch and any height and width
+    that are multiples of the model's total stride."""
+    stride = model.total_stride
+    if height % stride or width % stride:
+        raise ValueError(f"Export at an image size that is a multiple of the model's total stride {stride}, got "
+                         f"{height}x{width}.")
+    rows, cols = torch.export.Dim("rows", min=1, max=4096 // stride), torch.export.Dim("cols", min=1, max=4096 // stride)
+    dims = {0: torch.export.Dim("batch", min=1, max=1024), 2: stride * rows, 3: stride * cols}
+    return torch.randn(batch, model.in_chans, height, width), (dims,)
+
+
+def export_program(model, height, width):
+    """``torch.export`` of ``model`` in evaluation mode, traced at ``height x width``, for any batch and any
+    height and width that are multiples of the model's total stride."""
+    example, dims = _example_and_dims(model, height, width)
+    with torch.no_grad():
+        return torch.export.export(model.eval(), (example,), dynamic_shapes=dims)
+
+
+def export_onnx(model, path, height, width):
+    """Write ``model`` as an ONNX file at ``path`` (atomically) that takes any batch and any image size that is a
+    multiple of the total stride; returns the path."""
+    try:
+        import onnx  # noqa: F401  (torch.onnx's exporter needs onnx and onnxscript)
+        import onnxscript  # noqa: F401
+    except ImportError as error:
+        raise ValueError(f"ONNX export needs the onnx and onnxscript packages ({error}); install them with "
+                         "pip install -e .[onnx].") from None
+    example, dims = _example_and_dims(model, height, width)
+    with torch.no_grad():
+        onnx_program = torch.onnx.export(model.eval(), (example,), dynamic_shapes=dims, dynamo=True,
+                                         input_names=["images"], output_names=["logits"])
+    atomic_write(path, lambda f: f.write(onnx_program.model_proto.SerializeToString()))
+    return path
+
+
+def onnx_outputs(path, images):
+    """The logits onnxruntime computes from the ONNX file at ``path`` for ``images``."""
+    try:
+        import onnxruntime
+    except ImportError as error:
+        raise ValueError(f"Running an ONNX file needs onnxruntime ({error}); install it with pip install -e .[onnx].") from None
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: images.numpy()})[0])
