@@ -217,6 +217,7 @@ def test_pooling_follows_the_spec():
     torch.manual_seed(0)
     model = MsViT(PRESETS["vil_tiny"].replace("g0", "g2"), img_size=64, num_classes=5).eval()
     feats = model.forward_features(torch.randn(1, 3, 64, 64))
+    assert model.output_fmt == "NLC" and feats.shape == (1, 2 + 2 * 2, model.num_features)  # global tokens first
     torch.testing.assert_close(model.forward_head(feats), model.head(feats[:, 0]))
     torch.testing.assert_close(model.forward_head(feats, pre_logits=True), feats[:, 0])
     model.reset_classifier(5, "avg")

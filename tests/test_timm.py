@@ -19,9 +19,10 @@ def test_every_preset_is_registered_with_its_pretrained_cfg():
         assert cfg["input_size"] == (3, 224, 224) and cfg["crop_pct"] == 0.875 and cfg["interpolation"] == "bicubic"
         assert cfg["mean"] == (0.485, 0.456, 0.406) and cfg["std"] == (0.229, 0.224, 0.225)
         assert cfg["first_conv"] == "layer1.0.proj" and cfg["classifier"] == "head"
+        assert cfg["pool_size"] == (7, 7)  # 224 / a total stride of 4 * 2 * 2 * 2
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["vil_tiny", "vil_small_rpb"])  # the others differ only in their arch strings
 def test_timm_model_conventions(name):
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=7).eval()
@@ -32,9 +33,10 @@ def test_timm_model_conventions(name):
     with torch.no_grad():
         logits = model(x)
         tokens = model.forward_features(x)
-        assert logits.shape == (2, 7) and tokens.shape == (2, 2 * 3, model.num_features)  # a 2x3 map, no global token
+        # timm's layout for a final map, as its Swin: NHWC, here 64x96 / 32 = 2x3 (the presets' last stage has g0).
+        assert model.output_fmt == "NHWC" and logits.shape == (2, 7) and tokens.shape == (2, 2, 3, model.num_features)
         pooled = model.forward_head(tokens, pre_logits=True)
-        torch.testing.assert_close(pooled, tokens.mean(1))
+        torch.testing.assert_close(pooled, tokens.mean((1, 2)))
         torch.testing.assert_close(model.get_classifier()(pooled), logits)
 
         final, maps = model.forward_intermediates(x)
@@ -42,7 +44,10 @@ def test_timm_model_conventions(name):
         assert [m.shape[1:] for m in maps] == [(info["num_chs"], 64 // info["reduction"], 96 // info["reduction"]) for info in model.feature_info]
         assert [info["reduction"] for info in model.feature_info] == [4, 8, 16, 32]
         # The last map is the last stage's tokens before the final norm.
-        torch.testing.assert_close(model.norm(maps[-1].flatten(2).transpose(1, 2)), tokens)
+        torch.testing.assert_close(model.norm(maps[-1].permute(0, 2, 3, 1)), tokens)
+        nhwc = model.forward_intermediates(x, output_fmt="NHWC", intermediates_only=True)
+        for got, want in zip(nhwc, maps):
+            torch.testing.assert_close(got, want.permute(0, 2, 3, 1))
 
         model.reset_classifier(0)
         assert model(x).shape == (2, model.num_features)
@@ -123,7 +128,62 @@ def test_original_release_checkpoint_through_pretrained_cfg_overlay(tmp_path):
             torch.testing.assert_close(head_less(x), source.forward_head(source.forward_features(x), pre_logits=True))
 
 
+def test_what_timms_model_tests_check():
+    """timm's own model tests, on vil_tiny: forward_features at the default size against ``pool_size`` in
+    ``output_fmt``, the head-less and pool-less model, and the model traced by torch.fx with timm's leaf modules."""
+    from timm.layers import create_feature_extractor, get_channel_dim, get_graph_node_names, get_spatial_dim
+
+    torch.manual_seed(0)
+    model = timm.create_model("vil_tiny").eval()
+    cfg = model.pretrained_cfg
+    x = torch.randn(1, *cfg["input_size"])
+    feat_axis, (rows, cols) = get_channel_dim(model.output_fmt), get_spatial_dim(model.output_fmt)
+    with torch.no_grad():
+        out = model.forward_features(x)
+        assert (out.shape[rows], out.shape[cols]) == cfg["pool_size"] and out.shape[feat_axis] == model.num_features
+        assert model.forward_head(out, pre_logits=True).shape == (1, model.head_hidden_size)
+        bare = timm.create_model("vil_tiny", num_classes=0, global_pool="").eval()
+        bare.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("head.")})
+        torch.testing.assert_close(bare(x), out)
+
+        _, eval_nodes = get_graph_node_names(model)
+        traced = create_feature_extractor(model, return_nodes=[eval_nodes[-1]])
+        torch.testing.assert_close(traced(x)[eval_nodes[-1]], model(x))
+
+
+@pytest.mark.parametrize("feature_cls", ["hook", "fx"])
+def test_hook_and_fx_feature_extractors_return_the_maps(feature_cls):
+    """timm's other feature extractors catch the stage maps (``feature_info`` names the StageMap modules)."""
+    x = torch.randn(1, 3, 64, 96)
+    torch.manual_seed(0)
+    getter = timm.create_model("vil_tiny", features_only=True, out_indices=(1, 3)).eval()
+    torch.manual_seed(0)
+    other = timm.create_model("vil_tiny", features_only=True, out_indices=(1, 3), feature_cls=feature_cls).eval()
+    with torch.no_grad():
+        want, got = getter(x), other(x)
+    assert [m.shape for m in got] == [(1, 96, 8, 12), (1, 384, 2, 3)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    nhwc = timm.create_model("vil_tiny", features_only=True, out_indices=(1, 3), output_fmt="NHWC").eval()
+    assert nhwc.output_fmt == "NHWC"
+
+
 # --- Bad input: one plain sentence each. ---
+
+
+def test_feature_options_this_model_does_not_have():
+    with pytest.raises(ValueError, match="output_stride 16 is not available: this architecture's stages have fixed "
+                                         "strides .*, so its output stride is 32; leave output_stride out"):
+        timm.create_model("vil_tiny", features_only=True, output_stride=16)
+    assert timm.create_model("vil_tiny", output_stride=32).total_stride == 32
+    with pytest.raises(ValueError, match="feature_cls 'list' does not give this model's maps .*; use 'getter' "):
+        timm.create_model("vil_tiny", features_only=True, feature_cls="list")
+    with pytest.raises(ValueError, match="feature_cls 'hook' returns NCHW maps; for output_fmt 'NHWC' use feature_cls 'getter'"):
+        timm.create_model("vil_tiny", features_only=True, feature_cls="hook", output_fmt="NHWC")
+    with pytest.raises(ValueError, match="output_fmt 'NCL' is not a layout of feature maps; use 'NCHW' or 'NHWC'"):
+        timm.create_model("vil_tiny", features_only=True, output_fmt="NCL")
+    with pytest.raises(ValueError, match="output_fmt 'NLC' is not a layout of these maps; use 'NCHW' or 'NHWC'"):
+        timm.create_model("vil_tiny").forward_intermediates(torch.randn(1, 3, 64, 64), output_fmt="NLC")
 
 
 def test_out_indices_out_of_range():

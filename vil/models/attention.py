@@ -7,7 +7,7 @@ release, so its checkpoints load unchanged.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import trunc_normal_
+from timm.layers import register_notrace_module, trunc_normal_
 
 from ..ops import check_backend, local_attention_2d
 from .tables import full_bias, resize_full_bias_table
@@ -23,6 +23,16 @@ def _merge_heads(x):
     """(B, heads, N, D) -> (B, N, heads * D)."""
     B, H, N, D = x.shape
     return x.transpose(1, 2).reshape(B, N, H * D)
+
+
+def _full_attention(q, k, v, bias):
+    """``scaled_dot_product_attention``, written out during an ONNX export: the exporter's decomposition of it with
+    a mask returns other strides than torch.export recorded, and merging the heads then fails
+    (pytorch/pytorch#136543)."""
+    if not torch.onnx.is_in_onnx_export():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    return (scores if bias is None else scores + bias).softmax(dim=-1) @ v
 
 
 class _Attention(nn.Module):
@@ -45,6 +55,7 @@ class _Attention(nn.Module):
         return torch.cat([self.g2g_relative_position_bias, g2l[:, :, None].expand(-1, -1, num_local)], dim=2)
 
 
+@register_notrace_module  # a leaf for torch.fx: its sizes are data
 class FullAttention(_Attention):
     """Multi-head self-attention over all tokens (stages with s0, or ATTN_TYPE full).
 
@@ -79,10 +90,11 @@ class FullAttention(_Attention):
         B, N, C = x.shape
         q, k, v = _split_heads(self.qkv(x), 3 * self.heads).chunk(3, dim=1)
         bias = self._bias(nx, ny).to(q.dtype)[None] if self.rpe else None
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = _full_attention(q, k, v, bias)
         return self.proj_drop(self.proj(_merge_heads(out)))
 
 
+@register_notrace_module
 class LongformerAttention(_Attention):
     """Conv-like local attention on the ``nx x ny`` map with G global tokens.
 

@@ -5,13 +5,14 @@ Module and parameter names follow the original release (``layer1.0.proj.weight``
 (index 0) followed by, per transformer layer, an attention block and an MLP block.
 """
 
+import math
 from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_
+from timm.layers import DropPath, Mlp, register_notrace_function, register_notrace_module, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch.utils.checkpoint import checkpoint
 
@@ -22,6 +23,7 @@ from .convert import checkpoint_filter_fn
 from .tables import resize_position_embedding
 
 
+@register_notrace_module  # a leaf for torch.fx: the map size it returns is data
 class PatchEmbed(nn.Module):
     """Conv patch embedding, optional LayerNorm, G global tokens prepended, absolute position embedding.
 
@@ -109,6 +111,31 @@ class Stage(nn.Sequential):
         return x, (nx, ny)
 
 
+class StageMap(nn.Module):
+    """A stage's tokens (B, G + nx*ny, C) -> its local ones as a map (B, C, nx, ny), without the global ones: the
+    next stage's input and the stage's feature map. ``feature_info`` names these modules, so timm's hook and FX
+    feature extractors return maps."""
+
+    def __init__(self, num_global):
+        super().__init__()
+        self.num_global = num_global
+
+    def forward(self, tokens, nx, ny):
+        local = tokens[:, self.num_global :]
+        return local.transpose(1, 2).reshape(local.shape[0], -1, nx, ny)
+
+
+@register_notrace_function  # a leaf for torch.fx: it checks sizes
+def check_images(x, in_chans, total_stride):
+    if x.dim() != 4 or x.shape[1] != in_chans:
+        raise ValueError(f"This model takes images of shape (B, {in_chans}, H, W); got {tuple(x.shape)}.")
+    if min(x.shape[-2:]) < total_stride:
+        raise ValueError(
+            f"Images of {x.shape[-2]}x{x.shape[-1]} are smaller than the model's total stride {total_stride} (the "
+            f"product of its stages' patch sizes); give images of at least {total_stride}x{total_stride}."
+        )
+
+
 class MsViT(nn.Module):
     """Multi-Scale Vision Longformer.
 
@@ -125,11 +152,14 @@ class MsViT(nn.Module):
         dynamic_img_pad: patch embeddings pad images to a multiple of their patch size instead of dropping
             the remainder (see :class:`PatchEmbed`); the position tables then have ``ceil(size / stride)`` rows.
         sw_exact, mode, share_w, only_global: the longformer options of ``MODEL.VIT.MSVIT``.
+        output_stride: accepted only as the total stride (timm's ``features_only`` argument): the stages'
+            strides are their patch sizes, there are no dilated stages.
     """
 
     def __init__(self, arch, img_size=224, in_chans=3, num_classes=1000, global_pool=None, drop_rate=0.0,
                  drop_path_rate=0.1, norm_embed=True, avg_pool=False, full_attention=False, attn_backend=None,
-                 share_w=True, only_global=False, sw_exact=0, mode=0, ln_eps=1e-6, dynamic_img_pad=False):
+                 share_w=True, only_global=False, sw_exact=0, mode=0, ln_eps=1e-6, dynamic_img_pad=False,
+                 output_stride=None):
         super().__init__()
         self.dynamic_img_pad = dynamic_img_pad
         self.stage_specs = parse_arch(arch)
@@ -137,8 +167,11 @@ class MsViT(nn.Module):
         self.feature_info, stride = [], 1
         for spec in self.stage_specs:
             stride *= spec.patch
-            self.feature_info.append(dict(num_chs=spec.dim, reduction=stride, module=f"layer{spec.index}"))
+            self.feature_info.append(dict(num_chs=spec.dim, reduction=stride, module=f"stage_maps.{len(self.feature_info)}"))
         self.total_stride = stride
+        if output_stride not in (None, stride):
+            raise ValueError(f"output_stride {output_stride} is not available: this architecture's stages have fixed "
+                             f"strides (its patch sizes), so its output stride is {stride}; leave output_stride out.")
         if min(self.img_size) < stride:
             raise ValueError(
                 f"Image size {img_size} is smaller than the model's total stride {stride} (the product of the "
@@ -167,6 +200,7 @@ class MsViT(nn.Module):
                 layer += 1
             self.add_module(f"layer{spec.index}", Stage(*blocks))
             in_dim = spec.dim
+        self.stage_maps = nn.ModuleList(StageMap(spec.num_global) for spec in self.stage_specs)
         self.num_features = self.head_hidden_size = in_dim
         self.norm = norm_layer(in_dim)
         self.head = nn.Linear(in_dim, num_classes) if num_classes > 0 else nn.Identity()
@@ -228,23 +262,14 @@ class MsViT(nn.Module):
         for m in layers:
             m.mode = mode
 
-    def _check_images(self, x):
-        if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"This model takes images of shape (B, {self.in_chans}, H, W); got {tuple(x.shape)}.")
-        if min(x.shape[-2:]) < self.total_stride:
-            raise ValueError(
-                f"Images of {x.shape[-2]}x{x.shape[-1]} are smaller than the model's total stride {self.total_stride} "
-                f"(the product of its stages' patch sizes); give images of at least {self.total_stride}x{self.total_stride}."
-            )
-
     def _stages(self, x):
         """Yields every stage's tokens (B, G + nx*ny, C) and map size (nx, ny). Between stages the global tokens
         are dropped and the local ones, as an image, are the next stage's input."""
-        self._check_images(x)
-        for spec in self.stage_specs:
+        check_images(x, self.in_chans, self.total_stride)
+        for spec, to_map in zip(self.stage_specs, self.stage_maps):
             tokens, (nx, ny) = getattr(self, f"layer{spec.index}")(x)
             yield tokens, (nx, ny)
-            x = tokens[:, spec.num_global :].transpose(1, 2).reshape(tokens.shape[0], -1, nx, ny)
+            x = to_map(tokens, nx, ny)
 
     def _take_indices(self, indices):
         """Stage indices to return: None all, an int n the last n, a sequence those (negative from the end)."""
@@ -263,21 +288,36 @@ class MsViT(nn.Module):
             )
         return sorted({i % count for i in indices})
 
+    @property
+    def output_fmt(self):
+        """The layout of :meth:`forward_features`: ``"NHWC"`` (the last stage's map, as timm's Swin) when the last
+        stage has no global tokens, as in the presets; otherwise ``"NLC"``, the global tokens first and then the
+        map's tokens row by row (as timm's ViT with its class token), since global tokens have no place on a map."""
+        return "NLC" if self.stage_specs[-1].num_global else "NHWC"
+
+    def _final(self, tokens, nx, ny):
+        """The last stage's tokens, normalised, in :attr:`output_fmt`."""
+        tokens = self.norm(tokens)
+        if self.stage_specs[-1].num_global:
+            return tokens
+        return tokens.reshape(tokens.shape[0], nx, ny, tokens.shape[-1])
+
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
                               intermediates_only=False, global_tokens="drop"):
-        """Images (B, C, H, W) -> the stage outputs as NCHW maps (at strides 4, 8, 16, 32 for the presets).
+        """Images (B, C, H, W) -> the stage outputs as maps (at strides 4, 8, 16, 32 for the presets).
 
         Args:
             indices: the stages to return: None all, an int n the last n, a sequence those.
             norm: apply the final norm to the last stage's map.
             stop_early: with ``intermediates_only``, stop after the last stage asked for.
+            output_fmt: ``"NCHW"`` or ``"NHWC"``, the layout of the maps.
             global_tokens: ``"drop"``, or ``"average"``: add the mean of the stage's global tokens to every position.
 
         Returns:
             The list of maps with ``intermediates_only``, otherwise ``(forward_features(x), maps)``.
         """
-        if output_fmt != "NCHW":
-            raise ValueError(f"output_fmt {output_fmt!r} is not supported; this model returns 'NCHW' maps.")
+        if output_fmt not in ("NCHW", "NHWC"):
+            raise ValueError(f"output_fmt {output_fmt!r} is not a layout of these maps; use 'NCHW' or 'NHWC'.")
         if global_tokens not in ("drop", "average"):
             raise ValueError(f"global_tokens {global_tokens!r} is not an option; use 'drop' or 'average'.")
         take = self._take_indices(indices)
@@ -287,15 +327,15 @@ class MsViT(nn.Module):
             if i in take:
                 G = self.stage_specs[i].num_global
                 normed = self.norm(tokens) if norm and i == last else tokens
-                local = normed[:, G:]
+                stage_map = self.stage_maps[i](normed, nx, ny)
                 if global_tokens == "average" and G:
-                    local = local + normed[:, :G].mean(dim=1, keepdim=True)
-                maps.append(local.transpose(1, 2).reshape(local.shape[0], -1, nx, ny))
+                    stage_map = stage_map + normed[:, :G].mean(dim=1)[:, :, None, None]
+                maps.append(stage_map.permute(0, 2, 3, 1) if output_fmt == "NHWC" else stage_map)
             if intermediates_only and stop_early and i == take[-1]:
                 break
         if intermediates_only:
             return maps
-        return self.norm(tokens), maps
+        return self._final(tokens, nx, ny), maps
 
     def prune_intermediate_layers(self, indices=1, prune_norm=False, prune_head=True):
         """Remove the stages after the last of ``indices`` (and with them the final norm, which belongs to the
@@ -305,6 +345,7 @@ class MsViT(nn.Module):
         keep = take[-1] + 1
         for spec in self.stage_specs[keep:]:
             delattr(self, f"layer{spec.index}")
+        self.stage_maps = self.stage_maps[:keep]
         if prune_norm or keep < len(self.stage_specs):
             self.norm = nn.Identity()
         self.stage_specs, self.feature_info = self.stage_specs[:keep], self.feature_info[:keep]
@@ -314,17 +355,19 @@ class MsViT(nn.Module):
         return take
 
     def forward_features(self, x):
-        """Images (B, C, H, W) -> the final normalised tokens (B, G + N, C) of the last stage."""
-        for tokens, _ in self._stages(x):
+        """Images (B, C, H, W) -> the last stage's normalised tokens in :attr:`output_fmt`: (B, H', W', C) for
+        the presets, (B, G + H'W', C) where the last stage has global tokens."""
+        for tokens, (nx, ny) in self._stages(x):
             pass
-        return self.norm(tokens)
+        return self._final(tokens, nx, ny)
 
     def forward_head(self, x, pre_logits=False):
-        """Final tokens -> pooled features (``pre_logits``) or logits."""
+        """Final tokens -> pooled features (``pre_logits``) or logits. ``"avg"`` averages every token (global
+        ones included), ``"token"`` takes the first global token, ``""`` returns ``x`` as it is."""
         if self.global_pool == "token":
             x = x[:, 0]
         elif self.global_pool == "avg":
-            x = x.mean(dim=1)
+            x = x.flatten(1, -2).mean(dim=1)
         return x if pre_logits else self.head(x)
 
     def forward(self, x):
@@ -372,21 +415,41 @@ def build_model(cfg):
 # --- Registration with timm: timm.create_model("vil_small"), features_only, pretrained_cfg_overlay=dict(file=...) ---
 
 
-def _cfg():
+def _cfg(arch):
+    stride = math.prod(spec.patch for spec in parse_arch(arch))
     return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.875,
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (224 // stride, 224 // stride), "crop_pct": 0.875,
         "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
         "first_conv": "layer1.0.proj", "classifier": "head", "license": "mit",
     }
 
 
-default_cfgs = generate_default_cfgs({name: _cfg() for name in PRESETS})
+default_cfgs = generate_default_cfgs({name: _cfg(arch) for name, arch in PRESETS.items()})
+
+
+def _feature_cfg(kwargs):
+    """timm's feature extractor for ``features_only``, taking ``feature_cls`` and ``output_fmt`` out of
+    ``kwargs``. The stages return tokens, so only the extractors that read the maps work: ``"getter"`` (the
+    default; NCHW or NHWC maps), and ``"hook"`` and ``"fx"``, which catch the :class:`StageMap` outputs (NCHW)."""
+    feature_cfg = dict(feature_cls="getter", out_indices=(0, 1, 2, 3))
+    if not kwargs.get("features_only"):
+        return feature_cfg
+    feature_cls, output_fmt = kwargs.pop("feature_cls", "getter"), kwargs.pop("output_fmt", "NCHW")
+    if isinstance(feature_cls, str) and feature_cls not in ("getter", "hook", "fx"):
+        raise ValueError(f"feature_cls {feature_cls!r} does not give this model's maps (its stages return tokens); "
+                         "use 'getter' (the default), 'hook' or 'fx'.")
+    if output_fmt not in ("NCHW", "NHWC"):
+        raise ValueError(f"output_fmt {output_fmt!r} is not a layout of feature maps; use 'NCHW' or 'NHWC'.")
+    if output_fmt != "NCHW" and feature_cls != "getter":
+        raise ValueError(f"feature_cls {feature_cls!r} returns NCHW maps; for output_fmt {output_fmt!r} use "
+                         "feature_cls 'getter' (the default).")
+    return dict(feature_cfg, feature_cls=feature_cls, output_fmt=output_fmt)
 
 
 def _create_vil(variant, pretrained=False, **kwargs):
     return build_model_with_cfg(
         MsViT, variant, pretrained, arch=PRESETS[variant], pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls="getter", out_indices=(0, 1, 2, 3)), **kwargs,
+        feature_cfg=_feature_cfg(kwargs), **kwargs,
     )
 
 
