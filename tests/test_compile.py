@@ -16,7 +16,8 @@ from vil.ops.local_attention import _BACKENDS
 ARCH = "l1,h2,d32,n1,s1,g1,p4,f2,a0_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g0,p2,f2,a0"
 # One local layer and one full-attention layer with relative bias, for the slow ONNX export of dynamic sizes.
 ONNX_ARCH = "l1,h2,d32,n1,s1,g1,p4,f2,a0_l2,h2,d32,n1,s0,g0,p2,f2,a0_l3,h2,d32,n1,s0,g0,p2,f2,a1"
-COMPILED_BACKENDS = ["fused_cpu", "sliding_chunk"]
+# The whole model compiled with the CPU's default backend; every backend's operator is compiled on its own below.
+COMPILED_BACKENDS = ["fused_cpu"]
 
 
 def small_model(backend, seed=0):
@@ -59,7 +60,7 @@ def test_fullgraph_compile_trains_like_eager_and_switches_without_recompiling(ba
                 torch.testing.assert_close(compiled(y), model(y))
 
 
-@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("backend", ["fused_cpu", "unfold"])  # an operator of its own, the generic one
 def test_export_with_dynamic_batch_and_size_runs_at_other_sizes(backend):
     model = small_model(backend).eval()
     exported = export_program(model, 32, 64)
@@ -69,27 +70,32 @@ def test_export_with_dynamic_batch_and_size_runs_at_other_sizes(backend):
             torch.testing.assert_close(exported.module()(y), model(y))
 
 
-def _traced_or_refused(backend, run):
-    """``run()`` on fake tensors: the output's shape from a backend that declares itself traceable, one sentence
-    from the others."""
-    if _BACKENDS[backend].traceable:
-        return run()
-    with pytest.raises(ValueError, match=f"^The {backend} backend cannot be traced by torch.compile or torch.export; "
-                                         "backends that can: .*fused_cpu"):
-        run()
-    return None
+def _runs_on_the_cpu(backend):
+    devices = _BACKENDS[backend].devices
+    return devices is None or "cpu" in devices
+
+
+# The 2D backends the model test above does not compile, and every 1D backend, on the CPU. Not the Triton one:
+# it is an operator of its own as fused_cpu is, and its interpreter takes a minute for this on the CPU.
+OTHER_2D = [b for b in available_backends(2) if b not in COMPILED_BACKENDS + ["triton"] and _runs_on_the_cpu(b)]
+ALL_1D = [b for b in available_backends(1) if _runs_on_the_cpu(b)]
 
 
 @pytest.mark.parametrize("backend", available_backends(2))
 def test_fake_tensor_forward_2d(backend):
-    """Every backend runs on fake tensors (no data), as torch.export and torch.compile trace them, or refuses."""
+    """Every backend runs on fake tensors (no data), as torch.export and torch.compile trace them; the Triton
+    one refuses CPU tensors as it does eagerly."""
     with FakeTensorMode():
         q, k, v = (torch.randn(2, 2, 5, 7, 16) for _ in range(3))
         gk, gv = (torch.randn(2, 2, 1, 16) for _ in range(2))
-        out = _traced_or_refused(backend, lambda: local_attention_2d(
-            q, k, v, 2, global_k=gk, global_v=gv, rel_bias=torch.randn(2, 49), global_bias=torch.randn(2, 1),
-            backend=backend))
-    assert out is None or (out.shape == q.shape and out.dtype == q.dtype)
+        run = lambda: local_attention_2d(q, k, v, 2, global_k=gk, global_v=gv, rel_bias=torch.randn(2, 49),  # noqa: E731
+                                         global_bias=torch.randn(2, 1), backend=backend)
+        if not _runs_on_the_cpu(backend):
+            with pytest.raises(ValueError, match=f"The {backend} backend runs on cuda tensors, but q is on cpu"):
+                run()
+            return
+        out = run()
+    assert out.shape == q.shape and out.dtype == q.dtype
 
 
 @pytest.mark.parametrize("backend", available_backends(1))
@@ -97,9 +103,56 @@ def test_fake_tensor_forward_1d(backend):
     with FakeTensorMode():
         q, k, v = (torch.randn(2, 2, 11, 16) for _ in range(3))
         mask = torch.zeros(2, 11, dtype=torch.bool)
-        out = _traced_or_refused(backend, lambda: local_attention_1d(
-            q, k, v, 2, dilation=2 if _BACKENDS[backend].dilation(1) else 1, key_padding_mask=mask, rel_bias=torch.randn(2, 5), backend=backend))
-    assert out is None or out.shape == q.shape
+        out = local_attention_1d(q, k, v, 2, dilation=2 if _BACKENDS[backend].dilation(1) else 1, key_padding_mask=mask,
+                                 rel_bias=torch.randn(2, 5), backend=backend)
+    assert out.shape == q.shape
+
+
+def _leaves(*shapes):
+    return [torch.randn(shape, requires_grad=True) for shape in shapes]
+
+
+def _compiled_matches_eager(function, leaves, backend):
+    """``function(*leaves)`` and its gradients (where the backend trains on the CPU), compiled with
+    fullgraph=True, against eager."""
+    compiled = torch.compile(function, fullgraph=True, backend="aot_eager", dynamic=False)
+    trains = _BACKENDS[backend].trains_on is None or "cpu" in _BACKENDS[backend].trains_on
+    upstream = None
+    results = []
+    for run in (function, compiled):
+        with torch.set_grad_enabled(trains):
+            out = run(*leaves)
+        upstream = torch.randn_like(out) if upstream is None else upstream
+        results.append((out, torch.autograd.grad(out, leaves, upstream) if trains else ()))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("backend", OTHER_2D)
+def test_every_backend_compiles_with_fullgraph_2d(backend):
+    """Backends not traced as they are run as one operator whose backward recomputes the forward; flex is
+    traced as FlexAttention. Either way: fullgraph, results as eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    _compiled_matches_eager(
+        lambda q, k, v, gk, gv, bias: local_attention_2d(q, k, v, 2, global_k=gk, global_v=gv, rel_bias=bias,
+                                                         backend=backend),
+        _leaves((2, 2, 5, 7, 16), (2, 2, 5, 7, 16), (2, 2, 5, 7, 16), (2, 2, 1, 16), (2, 2, 1, 16), (2, 49)), backend)
+
+
+@pytest.mark.parametrize("backend", ALL_1D)
+def test_every_backend_compiles_with_fullgraph_1d(backend):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[1, -3:] = True
+    dilation = [1, 2] if _BACKENDS[backend].dilation(1) else 1
+    _compiled_matches_eager(
+        lambda q, k, v, bias: local_attention_1d(q, k, v, 2, dilation=dilation, key_padding_mask=mask, rel_bias=bias,
+                                                 backend=backend),
+        _leaves((2, 2, 11, 8), (2, 2, 11, 8), (2, 2, 11, 8), (2, 5)), backend)
 
 
 def test_legacy_onnx_exporter_records_the_attention(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from .backends import chunk_rows, chunks_1d, flex, fused_cpu, fused_triton, loop_1d, reference, sliding_chunk
+from . import operators
 from .backends import sliding_chunk_autograd, unfold
 from .neighborhood import Neighborhood1d, Neighborhood2d
 
@@ -89,10 +90,6 @@ def _choose(backend, hood, q, trains):
         others = [n for n in able if _runs_on(_BACKENDS[n].devices, device) and _runs_on(_BACKENDS[n].trains_on, device)]
         raise ValueError(f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
                          f"backends that can: {', '.join(others)}.")
-    if not b.traceable and (torch.compiler.is_compiling() or is_fake(q)):
-        others = [n for n in able if _BACKENDS[n].traceable and _runs_on(_BACKENDS[n].devices, device)]
-        raise ValueError(f"The {backend} backend cannot be traced by torch.compile or torch.export; backends that can: "
-                         f"{', '.join(others)}.")
     if q.dtype not in b.dtypes:
         raise ValueError(f"The {backend} backend takes {_listed([str(t).split('.')[-1] for t in b.dtypes])} inputs, "
                          f"got {q.dtype}.")
@@ -149,6 +146,9 @@ def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, globa
         hood = hood.fitted(rows, cols)
     b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
     inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
+    if _traced_as_one_operator(b, q):
+        return operators.attention_2d(b.name, q, k, v, *_tensor_inputs(inputs), hood.window, hood.exact, hood.mode,
+                                      hood.dilation, inputs["scale"])
     if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
         b = reference.BACKEND
     # A dilation beyond a side of the map leaves too little of it for a backend's own dilated windows.
@@ -203,9 +203,23 @@ def local_attention_1d(q, k, v, window, *, dilation=1, causal=False, key_padding
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}; both must match.")
     b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
     inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
+    if _traced_as_one_operator(b, q):
+        return operators.attention_1d(b.name, q, k, v, *_tensor_inputs(inputs), key_padding_mask, hood.window,
+                                      hood.dilations(H), hood.causal, inputs["scale"])
     if q.numel() == 0:
         b = reference.BACKEND
     return _run_1d(b, q, k, v, hood, dict(inputs, key_padding_mask=key_padding_mask))
+
+
+def _traced_as_one_operator(b, q):
+    """Under torch.compile and torch.export (fake tensors, symbolic sizes) a backend that is not traced as it is
+    runs as one generic operator (``vil/ops/operators.py``), so that its tables and loops see real sizes; an
+    ONNX export records the operators' decomposition, whatever the backend."""
+    return operators.exporting_to_onnx() or (not b.traced_as_is and (torch.compiler.is_compiling() or is_fake(q)))
+
+
+def _tensor_inputs(inputs):
+    return inputs["global_k"], inputs["global_v"], inputs["rel_bias"], inputs["global_bias"]
 
 
 def _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale):

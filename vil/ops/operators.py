@@ -1,5 +1,6 @@
-"""The backends that have a backward of their own, as torch operators: ``vil::local_attention_2d`` and
-``vil::local_attention_1d``, each with its ``_backward`` operator, registered through ``torch.library``.
+"""Local attention as torch operators, registered through ``torch.library``: ``vil::local_attention_2d`` and
+``vil::local_attention_1d`` (each with its ``_backward`` operator) for the backends that have a backward of their
+own, and ``vil::recomputed_local_attention_2d`` / ``_1d`` for the others under torch.compile and torch.export.
 
 To ``torch.compile`` and ``torch.export`` a call is one opaque operator: its fake implementation gives the output
 shapes from the input shapes and autograd is registered on it, so nothing inside a backend (tables built from the
@@ -12,6 +13,7 @@ backend's base). ONNX exports and TorchScript's tracer record the same function 
 instead (:func:`_decomposed_2d`, :func:`_decomposed_1d`).
 """
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -41,7 +43,7 @@ def register_1d(name, forward, backward, scored_pairs):
     _FORWARD_1D[name], _BACKWARD_1D[name], _PAIRS_1D[name] = forward, backward, scored_pairs
 
 
-def _exporting_to_onnx():
+def exporting_to_onnx():
     """ONNX exports (either exporter) and TorchScript's tracer record standard operators only."""
     return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
 
@@ -56,6 +58,10 @@ def _gradients(inputs, grads):
     gradients travel as empty tensors."""
     return [g.contiguous() if g is not None else x.new_empty(0) if x is not None else torch.empty(0)
             for x, g in zip(inputs, grads)]
+
+
+def _fake_gradients(inputs):
+    return _gradients(inputs, [None if x is None else x.new_empty(x.shape) for x in inputs])
 
 
 def _or_none(grads, inputs):
@@ -90,8 +96,7 @@ def _attention_2d_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, global
 
 @_attention_2d_backward.register_fake
 def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation, scale):
-    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    return _gradients(inputs, [None if x is None else x.new_empty(x.shape) for x in inputs])
+    return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
 
 
 def _setup_2d(ctx, inputs, output):
@@ -111,9 +116,13 @@ _attention_2d.register_autograd(_backward_2d, setup_context=_setup_2d)
 
 
 def attention_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
-    """The output of ``backend``'s registered 2D forward, through the operator."""
-    if _exporting_to_onnx():
+    """The output of ``backend``'s registered 2D forward through the operator, or of any other backend through
+    the generic one."""
+    if exporting_to_onnx():
         return _decomposed_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale)
+    if backend not in _FORWARD_2D:
+        return _recomputed_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode,
+                              dilation, scale)
     return _attention_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale)[0]
 
 
@@ -148,8 +157,7 @@ def _attention_1d_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, global
 @_attention_1d_backward.register_fake
 def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
       dilations, causal, scale):
-    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    return _gradients(inputs, [None if x is None else x.new_empty(x.shape) for x in inputs])
+    return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
 
 
 def _setup_1d(ctx, inputs, output):
@@ -171,12 +179,160 @@ _attention_1d.register_autograd(_backward_1d, setup_context=_setup_1d)
 
 def attention_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations,
                  causal, scale):
-    """The output of ``backend``'s registered 1D forward, through the operator."""
-    if _exporting_to_onnx():
+    """The output of ``backend``'s registered 1D forward through the operator, or of any other backend through
+    the generic one."""
+    if exporting_to_onnx():
         return _decomposed_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations,
                               causal, scale)
+    if backend not in _FORWARD_1D:
+        return _recomputed_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window,
+                              list(dilations), causal, scale)
     return _attention_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window,
                          list(dilations), causal, scale)[0]
+
+
+# --- Backends whose backward is autograd's ------------------------------------------------------------------
+# Under torch.compile and torch.export they run as one generic operator: the forward with the real tensors and no
+# graph, the backward by recomputing the forward with autograd (as activation checkpointing does), so nothing of
+# theirs is traced. Eager calls never come here.
+
+
+def _eager_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
+    from .local_attention import local_attention_2d  # the op layer, which imports this file
+
+    return local_attention_2d(q, k, v, window, exact=exact, mode=mode, global_k=global_k, global_v=global_v,
+                              rel_bias=rel_bias, global_bias=global_bias, scale=scale, dilation=dilation, backend=backend)
+
+
+def _eager_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations,
+              causal, scale):
+    from .local_attention import local_attention_1d
+
+    return local_attention_1d(q, k, v, window, dilation=dilations, causal=causal, key_padding_mask=key_padding_mask,
+                              global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias,
+                              scale=scale, backend=backend)
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+
+
+@contextmanager
+def _autograd_inside_an_operator():
+    """An operator's implementation runs below autograd (its dispatch keys excluded), so autograd would record
+    nothing there; this lets it record again, and restores the exclusion after."""
+    excluded = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in _AUTOGRAD_KEYS]
+    for key in _AUTOGRAD_KEYS:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        for key, was in zip(_AUTOGRAD_KEYS, excluded):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
+
+
+def _autograd_gradients(forward, inputs, grad_out):
+    """The gradients of ``forward(*inputs)`` (None for absent inputs), recomputing it with autograd."""
+    leaves = [None if x is None else x.detach().requires_grad_() for x in inputs]
+    with _autograd_inside_an_operator():
+        out = forward(*leaves)
+        present = [x for x in leaves if x is not None]
+        grads = iter(torch.autograd.grad(out, present, grad_out, allow_unused=True))
+    return [None if x is None else next(grads) for x in leaves]
+
+
+@torch.library.custom_op("vil::recomputed_local_attention_2d", mutates_args=())
+def _recomputed_2d(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
+                   global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor], window: int,
+                   exact: int, mode: int, dilation: int, scale: float) -> Tensor:
+    with torch.no_grad():
+        return _eager_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation,
+                         scale).contiguous()
+
+
+@_recomputed_2d.register_fake
+def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("vil::recomputed_local_attention_2d_backward", mutates_args=())
+def _recomputed_2d_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
+                            global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor],
+                            grad_out: Tensor, window: int, exact: int, mode: int, dilation: int,
+                            scale: float) -> list[Tensor]:
+    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
+    grads = _autograd_gradients(
+        lambda *xs: _eager_2d(backend, *xs, window, exact, mode, dilation, scale), inputs, grad_out)
+    return _gradients(inputs, grads)
+
+
+@_recomputed_2d_backward.register_fake
+def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, grad_out, window, exact, mode, dilation, scale):
+    return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
+
+
+def _setup_recomputed_2d(ctx, inputs, output):
+    backend, *tensors, window, exact, mode, dilation, scale = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.options = backend, window, exact, mode, dilation, scale
+
+
+def _backward_recomputed_2d(ctx, grad_out):
+    backend, window, exact, mode, dilation, scale = ctx.options
+    inputs = ctx.saved_tensors
+    grads = _recomputed_2d_backward(backend, *inputs, grad_out, window, exact, mode, dilation, scale)
+    return (None, *_or_none(grads, inputs), None, None, None, None, None)
+
+
+_recomputed_2d.register_autograd(_backward_recomputed_2d, setup_context=_setup_recomputed_2d)
+
+
+@torch.library.custom_op("vil::recomputed_local_attention_1d", mutates_args=())
+def _recomputed_1d(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
+                   global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor],
+                   key_padding_mask: Optional[Tensor], window: int, dilations: list[int], causal: bool,
+                   scale: float) -> Tensor:
+    with torch.no_grad():
+        return _eager_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window,
+                         dilations, causal, scale).contiguous()
+
+
+@_recomputed_1d.register_fake
+def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("vil::recomputed_local_attention_1d_backward", mutates_args=())
+def _recomputed_1d_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
+                            global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor],
+                            key_padding_mask: Optional[Tensor], grad_out: Tensor, window: int, dilations: list[int],
+                            causal: bool, scale: float) -> list[Tensor]:
+    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
+    grads = _autograd_gradients(
+        lambda *xs: _eager_1d(backend, *xs, key_padding_mask, window, dilations, causal, scale), inputs, grad_out)
+    return _gradients(inputs, grads)
+
+
+@_recomputed_1d_backward.register_fake
+def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, grad_out, window, dilations,
+      causal, scale):
+    return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
+
+
+def _setup_recomputed_1d(ctx, inputs, output):
+    backend, *tensors, window, dilations, causal, scale = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.options = backend, window, dilations, causal, scale
+
+
+def _backward_recomputed_1d(ctx, grad_out):
+    backend, window, dilations, causal, scale = ctx.options
+    *inputs, key_padding_mask = ctx.saved_tensors
+    grads = _recomputed_1d_backward(backend, *inputs, key_padding_mask, grad_out, window, dilations, causal, scale)
+    return (None, *_or_none(grads, inputs), None, None, None, None, None)
+
+
+_recomputed_1d.register_autograd(_backward_recomputed_1d, setup_context=_setup_recomputed_1d)
 
 
 # --- FLOPs (torch.utils.flop_counter): two products over the scored pairs forward, five backward ---------------

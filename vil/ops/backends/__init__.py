@@ -29,9 +29,10 @@ class Backend:
     runs the heads of each dilation together). ``devices``: device types it runs on (None: any); ``trains_on``:
     device types where it has a backward (None: wherever it runs). ``available``:
     raises ``ValueError`` with one sentence where the backend cannot run on this machine (a build, an import).
-    ``check``: ``(hood, head_dim)`` raises for options the backend cannot take. ``traceable``: torch.compile and
-    torch.export can trace it (fake tensors, symbolic sizes; see ``vil/ops/operators.py``); the op refuses the
-    others there in one sentence.
+    ``check``: ``(hood, head_dim)`` raises for options the backend cannot take. ``traced_as_is``: torch.compile
+    and torch.export trace it as it is: it is its own pair of operators (forward, hand-written backward;
+    ``vil/ops/operators.py``), or FlexAttention, which the compiler knows; the op layer runs the others there as
+    one generic operator whose backward recomputes their forward with autograd.
     """
 
     name: str
@@ -45,7 +46,7 @@ class Backend:
     dtypes: tuple = FLOATS
     available: Optional[Callable] = None
     check: Optional[Callable] = None
-    traceable: bool = False
+    traced_as_is: bool = False
 
     def computes(self, dims):
         return (self.attention_1d if dims == 1 else self.attention_2d) is not None

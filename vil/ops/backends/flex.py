@@ -10,6 +10,7 @@ FlexAttention has no CPU backward.
 from functools import lru_cache
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import Backend
 from ..geometry import pair_in_band, pair_in_window_2d
@@ -25,6 +26,14 @@ def _block_mask(rows, cols, window, exact, mode, dilation, num_global, device):
         return (kv_idx < num_global) | pair_in_window_2d(q_idx, kv_idx, **geometry)[0]
 
     return create_block_mask(mask_mod, None, None, rows * cols, num_global + rows * cols, device=device)
+
+
+def _block_mask_for(q, *args):
+    """The cached block mask, or under torch.compile / torch.export a new one, traced (a cached one holds real
+    tensors)."""
+    if torch.compiler.is_compiling() or is_fake(q):
+        return _block_mask.__wrapped__(*args)
+    return _block_mask(*args)
 
 
 def _geometry(rows, cols, window, exact, mode, dilation, num_global):
@@ -70,7 +79,7 @@ def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, sc
     attend = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
     out = attend(
         q.reshape(B, H, X * Y, D), keys, values, score_mod=score_mod,
-        block_mask=_block_mask(X, Y, window, exact, mode, dilation, G, q.device), scale=scale,
+        block_mask=_block_mask_for(q, X, Y, window, exact, mode, dilation, G, q.device), scale=scale,
     )
     return out.reshape(B, H, X, Y, D)
 
@@ -113,4 +122,4 @@ def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, ke
 
 # torch's FlexAttention has no CPU backward: forward only there.
 BACKEND = Backend("flex", attention_2d=attention_2d, attention_1d=attention_1d, per_head_dilation=True,
-                  devices=("cpu", "cuda"), trains_on=("cuda",))
+                  devices=("cpu", "cuda"), trains_on=("cuda",), traced_as_is=True)

@@ -234,4 +234,4 @@ operators.register_2d("fused_cpu", _forward_2d, _backward_2d, _scored_pairs)
 operators.register_1d("fused_cpu", _forward_1d, _backward_1d, _scored_pairs_1d)
 BACKEND = Backend("fused_cpu", attention_2d=attention_2d, attention_1d=attention_1d, dilation_2d="split",
                   per_head_dilation=True, devices=("cpu",), trains_on=("cpu",), available=check_fused_cpu,
-                  traceable=True)
+                  traced_as_is=True)

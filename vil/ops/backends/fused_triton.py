@@ -83,4 +83,4 @@ operators.register_2d("triton", _forward_2d, _backward_2d, _scored_pairs)
 # CUDA GPUs; the CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 BACKEND = Backend("triton", attention_2d=attention_2d,
                   devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
-                  dtypes=(torch.float32, torch.float16, torch.bfloat16), check=_check, traceable=True)
+                  dtypes=(torch.float32, torch.float16, torch.bfloat16), check=_check, traced_as_is=True)

@@ -287,4 +287,4 @@ def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, ke
 
 
 BACKEND = Backend("sliding_chunk", attention_2d=attention_2d, attention_1d=attention_1d, dilation_2d="split",
-                  dilation_1d="split", traceable=True)
+                  dilation_1d="split", traced_as_is=True)
