@@ -298,7 +298,7 @@ class MsViT(nn.Module):
     def _final(self, tokens, nx, ny):
         """The last stage's tokens, normalised, in :attr:`output_fmt`."""
         tokens = self.norm(tokens)
-        if self.stage_specs[-1].num_global:
+        if self.output_fmt == "NLC":
             return tokens
         return tokens.reshape(tokens.shape[0], nx, ny, tokens.shape[-1])
 

@@ -11,7 +11,6 @@ import logging
 import numbers
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .backends import chunk_rows, chunks_1d, flex, fused_cpu, fused_triton, loop_1d, reference, sliding_chunk
 from . import operators
@@ -215,7 +214,7 @@ def _traced_as_one_operator(b, q):
     """Under torch.compile and torch.export (fake tensors, symbolic sizes) a backend that is not traced as it is
     runs as one generic operator (``vil/ops/operators.py``), so that its tables and loops see real sizes; an
     ONNX export records the operators' decomposition, whatever the backend."""
-    return operators.exporting_to_onnx() or (not b.traced_as_is and (torch.compiler.is_compiling() or is_fake(q)))
+    return operators.exporting_to_onnx() or (not b.traced_as_is and operators.tracing(q))
 
 
 def _tensor_inputs(inputs):

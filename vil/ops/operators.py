@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.flop_counter import register_flop_formula
 
 from .backends import reference, unfold
@@ -41,6 +42,11 @@ def register_1d(name, forward, backward, scored_pairs):
     scale)`` as options; ``lse`` is ``(B, heads, L)``; ``scored_pairs(q, num_global, window, dilations, causal)``
     counts per batch, over all heads."""
     _FORWARD_1D[name], _BACKWARD_1D[name], _PAIRS_1D[name] = forward, backward, scored_pairs
+
+
+def tracing(q):
+    """Under torch.compile or torch.export: fake tensors, perhaps symbolic sizes."""
+    return torch.compiler.is_compiling() or is_fake(q)
 
 
 def exporting_to_onnx():

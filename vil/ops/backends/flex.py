@@ -10,9 +10,9 @@ FlexAttention has no CPU backward.
 from functools import lru_cache
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from . import Backend
+from .. import operators
 from ..geometry import pair_in_band, pair_in_window_2d
 
 
@@ -31,7 +31,7 @@ def _block_mask(rows, cols, window, exact, mode, dilation, num_global, device):
 def _block_mask_for(q, *args):
     """The cached block mask, or under torch.compile / torch.export a new one, traced (a cached one holds real
     tensors)."""
-    if torch.compiler.is_compiling() or is_fake(q):
+    if operators.tracing(q):
         return _block_mask.__wrapped__(*args)
     return _block_mask(*args)
 
