@@ -1,20 +1,10 @@
 """The implementation study's plots: one line per backend, log scales, files written whole."""
 
-import importlib.util
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("benchmark_attention", ROOT / "tools" / "benchmark_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tool_runner import load_tool
 
 
 def test_plot_study_draws_time_and_memory(tmp_path, monkeypatch):
-    tool = load_tool()
+    tool = load_tool("benchmark_attention")
     study = {
         28: {"sdpa (full attention)": (0.03, 50.0, 5.0), "sliding_chunk": (0.05, 90.0, 9.0)},
         56: {"sdpa (full attention)": (0.4, 70.0, 2.0), "sliding_chunk": (0.15, 190.0, 5.0), "reference": "skipped"},
@@ -43,7 +33,7 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     import io
     import subprocess
 
-    tool = load_tool()
+    tool = load_tool("benchmark_attention")
     real_run = subprocess.run
     workers = []
 

@@ -5,6 +5,7 @@ Compiled results are held against eager ones; eager ones are held against the na
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from tool_runner import ROOT, run_tool
 
 from vil.export import export_program, onnx_outputs
 from vil.models import MsViT
@@ -58,6 +59,38 @@ def test_fullgraph_compile_trains_like_eager_and_switches_without_recompiling(ba
             torch._dynamo.mark_dynamic(y, 0)
             with torch.set_grad_enabled(training):
                 torch.testing.assert_close(compiled(y), model(y))
+
+
+def test_random_neighbour_training_draws_in_the_compiled_graph():
+    """MODE > 0: every training forward draws a neighbour chunk per layer; compiled, the draw stays in the graph
+    (aot_eager takes it from the same generator as eager, so the same seed gives the same result)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MsViT("l1,h2,d32,n2,s1,g1,p4,f2,a0_l2,h2,d32,n1,s0,g0,p2,f2,a0_l3,h2,d32,n1,s0,g0,p2,f2,a0", img_size=32, num_classes=5, attn_backend="fused_cpu",
+                  drop_path_rate=0.0, mode=2)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+    x = torch.randn(2, 3, 32, 32)
+    results = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        want_loss, want = loss_and_grads(model, model, x)
+        torch.manual_seed(seed)
+        got_loss, got = loss_and_grads(model, compiled, x)
+        torch.testing.assert_close(got_loss, want_loss)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=name)
+        results.append(got_loss)
+    assert len({float(loss) for loss in results}) > 1  # the neighbours differ from call to call
+
+
+def test_a_drawn_neighbour_is_refused_by_the_onnx_exporter(monkeypatch):
+    from vil.ops import operators
+
+    monkeypatch.setattr(operators, "exporting_to_onnx", lambda: True)
+    q = torch.randn(1, 1, 4, 4, 8)
+    with pytest.raises(ValueError, match=r"^A neighbour chunk drawn at random \(MODE > 0 in training\) cannot be "
+                                         r"exported to ONNX; export the model in evaluation mode \(model.eval\(\)\).$"):
+        operators.attention_2d("unfold", q, q, q, None, None, None, None, 2, 0, torch.tensor(3), 1, 1.0)
 
 
 @pytest.mark.parametrize("backend", ["fused_cpu", "unfold"])  # an operator of its own, the generic one
@@ -171,17 +204,10 @@ def test_legacy_onnx_exporter_records_the_attention(tmp_path):
         assert not torch.allclose(model(x), want, atol=1e-3)
 
 
-def test_export_onnx_tool_writes_and_checks_a_file(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("export_onnx", root / "tools" / "export_onnx.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    tool.main(["--config-file", str(root / "configs" / "vil_digits.yaml"), "--output", str(tmp_path / "small.onnx"),
-               "MODEL.VIT.MSVIT.ARCH", ONNX_ARCH, "INPUT.IMAGE_SIZE", "32"])
-    printed = capsys.readouterr().out
+def test_export_onnx_tool_writes_and_checks_a_file(tmp_path):
+    status, printed, _ = run_tool("export_onnx", "--config-file", ROOT / "configs" / "vil_digits.yaml",
+                                  "--output", tmp_path / "small.onnx", "MODEL.VIT.MSVIT.ARCH", ONNX_ARCH, "INPUT.IMAGE_SIZE", "32")
+    assert status == 0
     assert (tmp_path / "small.onnx").stat().st_size > 0
     assert "32x32: largest difference" in printed and "48x64: largest difference" in printed
 

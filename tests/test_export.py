@@ -1,24 +1,16 @@
 """tools/export_backbone.py: classification checkpoints into torchvision, detectron2 and mmdet backbones."""
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from test_checkpoint import original_release_checkpoint
+from tool_runner import ROOT, load_tool, run_tool
 
 from vil.checkpoint import save_checkpoint
 from vil.config import load_cfg
 from vil.detection import ViLBackbone, build_fpn_backbone, export_state
 from vil.models import PRESETS, MsViT, arch_string, parse_arch
 
-ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "export_backbone.py"
-spec = importlib.util.spec_from_file_location("export_backbone", TOOL)
-export_backbone = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(export_backbone)
+export_backbone = load_tool("export_backbone")
 
 
 def classification_model(arch, seed=0, size=64):
@@ -141,8 +133,8 @@ def test_number_of_global_tokens(tmp_path, init):
 
 
 def test_bad_export_requests(tmp_path, capsys):
-    done = subprocess.run([sys.executable, str(TOOL), "in.pth", "out.pth", "--format", "caffe"], capture_output=True, text=True)
-    assert done.returncode == 2 and "argument --format: invalid choice: 'caffe' (choose from" in done.stderr
+    status, _, stderr = run_tool("export_backbone", "in.pth", "out.pth", "--format", "caffe")
+    assert status == 2 and "argument --format: invalid choice: 'caffe' (choose from" in stderr
     source = classification_model(PRESETS["vil_tiny"])
     torch.save(original_release_checkpoint(source.state_dict()), tmp_path / "orig.pth")
     with pytest.raises(SystemExit) as exit_info:

@@ -249,7 +249,12 @@ def test_dilation_runs_per_sub_lattice(backend):
             torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("exact,mode", WINDOWS)
+# Every window of the zero-padded chunks; of the cyclic ones, the own chunk, all nine and a corner and a side
+# neighbour (the modes share one block-mask rule; torch's FlexAttention takes seconds per call on the CPU).
+FLEX_WINDOWS = [w for w in WINDOWS if w[0] != -1 or w[1] in (-1, 0, 3, 8)]
+
+
+@pytest.mark.parametrize("exact,mode", FLEX_WINDOWS)
 def test_flex_forward_matches_reference(exact, mode):
     # On the CPU torch's FlexAttention runs forward only (the gradients are tested on CUDA below).
     for X, Y, w, G in ((7, 9, 2, 2), (5, 4, 7, 0)):
@@ -258,6 +263,9 @@ def test_flex_forward_matches_reference(exact, mode):
             expected, _ = run_forward("reference", inputs, w, exact, mode)
             out, _ = run_forward("flex", inputs, w, exact, mode)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_dilated_forward_matches_reference():
     inputs = make_inputs(9, 8, 1, 1, rel=True, glob_bias=True, dtype=torch.float32, D=16)
     with torch.no_grad():
         torch.testing.assert_close(run_forward("flex", inputs, 1, 1, 0, dilation=2)[0],

@@ -188,7 +188,7 @@ def test_random_shift_mode_draws_per_layer_in_training_and_uses_mode_0_in_eval(m
     real = attention_module.local_attention_2d
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["mode"])
+        seen.append(int(kwargs["mode"]))  # a drawn neighbour is a 0-dim tensor
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attention_module, "local_attention_2d", spy)

@@ -207,3 +207,43 @@ def test_bad_pooling():
         model.reset_classifier(0, "token")
     with pytest.raises(ValueError, match="global_pool 'max' is not a pooling of this model; use 'token', 'avg' or ''"):
         model.reset_classifier(0, "max")
+
+
+# What timm's train.py does with --model NAME: it builds the model through the registry with its own keyword
+# arguments (None ones are dropped by create_model), resolves the data config from the pretrained_cfg, trains.
+TIMM_TRAIN_STAND_IN = '''
+import argparse, sys, timm, torch
+from timm.data import resolve_data_config
+parser = argparse.ArgumentParser()
+parser.add_argument("--model")
+parser.add_argument("--num-classes", type=int)
+parser.add_argument("--img-size", type=int)
+args = parser.parse_args()
+model = timm.create_model(args.model, pretrained=False, in_chans=3, num_classes=args.num_classes, drop_rate=0.0,
+                          drop_path_rate=None, drop_block_rate=None, global_pool=None, bn_momentum=None, bn_eps=None,
+                          scriptable=False, checkpoint_path="", img_size=args.img_size)
+config = resolve_data_config({}, model=model)
+logits = model(torch.randn(2, *config["input_size"][:1], args.img_size, args.img_size))
+logits.sum().backward()
+print(sys.argv[0].endswith("train.py"), type(model).__name__, tuple(logits.shape), config["interpolation"])
+'''
+
+
+def test_timm_train_py_runs_with_vil_models(tmp_path):
+    """tools/timm_train.py runs timm's script (here a stand-in making its calls) in a fresh interpreter, where
+    only the tool's import of vil can register the models."""
+    import subprocess
+    import sys
+
+    from tool_runner import ROOT, run_tool
+
+    (tmp_path / "train.py").write_text(TIMM_TRAIN_STAND_IN)
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "timm_train.py"), str(tmp_path / "train.py"),
+                           "--model", "vil_tiny", "--num-classes", "3", "--img-size", "64"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "True MsViT (2, 3) bicubic"
+    status, _, stderr = run_tool("timm_train", tmp_path / "missing" / "train.py", "--model", "vil_tiny")
+    assert status == 1 and stderr.startswith(f"error: {tmp_path / 'missing' / 'train.py'} is not a file; give the path")
+    status, _, stderr = run_tool("timm_train", "--model", "vil_tiny")
+    assert status == 1 and stderr.startswith("error: Give the path of timm's train.py first, then its arguments")

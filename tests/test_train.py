@@ -17,6 +17,7 @@ from vil.config import load_cfg
 from vil.engine import train
 
 from test_data import make_folder
+from tool_runner import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ARCH = "l1,h1,d16,n1,s1,g1,p4,f2,a1_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g1,p2,f2,a1"
@@ -113,10 +114,6 @@ def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp
     assert_same_weights(final_weights(out), final_weights(resumed))
 
 
-def cli(*args, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=600)
-
 
 def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
     out = tmp_path / "ddp"
@@ -144,10 +141,10 @@ def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
     ],
 )
 def test_config_typo_and_missing_data_are_one_sentence(args, message, tmp_path):
-    done = cli("--config-file", str(ROOT / "configs" / "vil_tiny.yaml"), "OUTPUT_DIR", str(tmp_path / "o"), *args)
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1].startswith(message)
-    assert "Traceback" not in done.stderr
+    status, _, stderr = run_tool("train", "--config-file", ROOT / "configs" / "vil_tiny.yaml", "OUTPUT_DIR", tmp_path / "o", *args)
+    assert status == 1
+    assert stderr.strip().splitlines()[-1].startswith(message)
+    assert "Traceback" not in stderr
 
 
 def break_loss(monkeypatch, at_call, broken):
@@ -187,17 +184,16 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
               "DATA.NUM_CLASSES", "2", "DATALOADER.WORKERS", "0", "OUTPUT_DIR", str(tmp_path / "eval")]
     lines = []
     for checkpoint in (out / "model_best.pth", tmp_path / "original.pth"):
-        done = subprocess.run([sys.executable, str(ROOT / "tools" / "eval.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"),
-                               *common, "MODEL.MODEL_PATH", str(checkpoint)], capture_output=True, text=True, cwd=ROOT, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        lines.append(done.stdout.strip().splitlines()[-1])
+        status, stdout, stderr = run_tool("eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common,
+                                          "MODEL.MODEL_PATH", checkpoint)
+        assert status == 0, stderr[-2000:]
+        lines.append(stdout.strip().splitlines()[-1])
     assert lines[0] == lines[1]
     assert re.fullmatch(r"top-1 \d+\.\d\d top-5 \d+\.\d\d", lines[0])
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert f"top-1 {result['top1']:.2f} top-5 {result['top5']:.2f}" == lines[0] and result["images"] == 12
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "eval.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"), *common],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 1 and done.stderr.strip() == "error: Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth."
+    status, _, stderr = run_tool("eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common)
+    assert status == 1 and stderr.strip() == "error: Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth."
 
 
 def test_gradient_accumulation_matches_the_larger_batch(tmp_path):

@@ -128,9 +128,10 @@ class LongformerAttention(_Attention):
             self._init_relative_bias((4 * window - 1) ** 2, heads, num_global)
 
     def current_mode(self):
-        """The neighbour mode of this forward: a fresh random one in training when ``mode > 0``."""
+        """The neighbour mode of this forward: a fresh random one in training when ``mode > 0``, as a tensor, so
+        that torch.compile keeps the draw in its graph."""
         if self.mode > 0:
-            return int(torch.randint(1, 9, ())) if self.training else 0
+            return torch.randint(1, 9, ()) if self.training else 0
         return self.mode
 
     def forward(self, x, nx, ny):

@@ -123,6 +123,8 @@ def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, globa
             -1 = the same, wrapping around cyclically; 1 = the exact ``(2w+1)^2`` window.
         mode: 0 = all 9 chunks, -1 = the own chunk only, 1..8 = the own chunk plus one neighbour
             (1:(-1,-1) 2:(-1,0) 3:(-1,+1) 4:(0,-1) 5:(0,+1) 6:(+1,-1) 7:(+1,0) 8:(+1,+1)); only with exact 0/-1.
+            Also a 0-dim integer tensor holding one of 1..8: a neighbour drawn at random in the same program, which
+            torch.compile and torch.export keep in their graph instead of fixing one value.
         global_k, global_v: ``(B, heads, G, head_dim)``: keys every query also attends to.
         rel_bias: ``(heads, (4w-1)**2)``: bias for query (qi, qj) and key (ki, kj) at row
             ``(qi-ki + 2w-1) * (4w-1) + (qj-kj + 2w-1)``, offsets taken as if neighbour chunks were adjacent.
@@ -134,7 +136,10 @@ def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, globa
             neighborhood attention; the bias row uses ``(a, b)`` as the offsets.
         backend: one of :func:`available_backends`; None: :func:`default_backend`.
     """
-    hood = Neighborhood2d(window, exact, mode, dilation)
+    if isinstance(mode, torch.Tensor) and not operators.tracing(q):
+        mode = int(mode)
+    drawn_mode = mode if isinstance(mode, torch.Tensor) else None  # read by the operator when it runs
+    hood = Neighborhood2d(window, exact, mode if drawn_mode is None else 1, dilation)  # 1: any neighbour, to check
     _check_types(q=q, k=k, v=v, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias, scale=scale)
     if q.dim() != 5:
         raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
@@ -145,9 +150,9 @@ def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, globa
         hood = hood.fitted(rows, cols)
     b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
     inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
-    if _traced_as_one_operator(b, q):
-        return operators.attention_2d(b.name, q, k, v, *_tensor_inputs(inputs), hood.window, hood.exact, hood.mode,
-                                      hood.dilation, inputs["scale"])
+    if drawn_mode is not None or _traced_as_one_operator(b, q):
+        return operators.attention_2d(b.name, q, k, v, *_tensor_inputs(inputs), hood.window, hood.exact,
+                                      hood.mode if drawn_mode is None else drawn_mode, hood.dilation, inputs["scale"])
     if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
         b = reference.BACKEND
     # A dilation beyond a side of the map leaves too little of it for a backend's own dilated windows.

@@ -123,12 +123,16 @@ _attention_2d.register_autograd(_backward_2d, setup_context=_setup_2d)
 
 def attention_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
     """The output of ``backend``'s registered 2D forward through the operator, or of any other backend through
-    the generic one."""
+    the generic one; a ``mode`` drawn in the graph (a tensor) goes to the generic one, which reads it when it runs."""
+    drawn = isinstance(mode, Tensor)
     if exporting_to_onnx():
+        if drawn:
+            raise ValueError("A neighbour chunk drawn at random (MODE > 0 in training) cannot be exported to ONNX; "
+                             "export the model in evaluation mode (model.eval()).")
         return _decomposed_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale)
-    if backend not in _FORWARD_2D:
-        return _recomputed_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode,
-                              dilation, scale)
+    if drawn or backend not in _FORWARD_2D:
+        return _recomputed_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact,
+                              torch.as_tensor(mode), dilation, scale)
     return _attention_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale)[0]
 
 
@@ -250,10 +254,10 @@ def _autograd_gradients(forward, inputs, grad_out):
 @torch.library.custom_op("vil::recomputed_local_attention_2d", mutates_args=())
 def _recomputed_2d(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
                    global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor], window: int,
-                   exact: int, mode: int, dilation: int, scale: float) -> Tensor:
+                   exact: int, mode: Tensor, dilation: int, scale: float) -> Tensor:
     with torch.no_grad():
-        return _eager_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation,
-                         scale).contiguous()
+        return _eager_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, int(mode),
+                         dilation, scale).contiguous()
 
 
 @_recomputed_2d.register_fake
@@ -264,11 +268,11 @@ def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact
 @torch.library.custom_op("vil::recomputed_local_attention_2d_backward", mutates_args=())
 def _recomputed_2d_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
                             global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor],
-                            grad_out: Tensor, window: int, exact: int, mode: int, dilation: int,
+                            grad_out: Tensor, window: int, exact: int, mode: Tensor, dilation: int,
                             scale: float) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     grads = _autograd_gradients(
-        lambda *xs: _eager_2d(backend, *xs, window, exact, mode, dilation, scale), inputs, grad_out)
+        lambda *xs: _eager_2d(backend, *xs, window, exact, int(mode), dilation, scale), inputs, grad_out)
     return _gradients(inputs, grads)
 
 
@@ -279,13 +283,13 @@ def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, grad_out, win
 
 def _setup_recomputed_2d(ctx, inputs, output):
     backend, *tensors, window, exact, mode, dilation, scale = inputs
-    ctx.save_for_backward(*tensors)
-    ctx.options = backend, window, exact, mode, dilation, scale
+    ctx.save_for_backward(*tensors, mode)
+    ctx.options = backend, window, exact, dilation, scale
 
 
 def _backward_recomputed_2d(ctx, grad_out):
-    backend, window, exact, mode, dilation, scale = ctx.options
-    inputs = ctx.saved_tensors
+    backend, window, exact, dilation, scale = ctx.options
+    *inputs, mode = ctx.saved_tensors
     grads = _recomputed_2d_backward(backend, *inputs, grad_out, window, exact, mode, dilation, scale)
     return (None, *_or_none(grads, inputs), None, None, None, None, None)
 

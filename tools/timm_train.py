@@ -1,0 +1,31 @@
+"""Train ViL with timm's own training script: ``python tools/timm_train.py path/to/timm/train.py --model vil_tiny
+[timm's options, e.g. --torchcompile] DATA_DIR``.
+
+timm's ``train.py`` (in the pytorch-image-models repository, not in the pip package) builds models by name from
+timm's registry, and ViL's models are registered when ``vil`` is imported. This imports ``vil``, then runs the
+script as ``python path/to/timm/train.py ...`` would, with the rest of the command line as its arguments.
+"""
+
+import os
+import runpy
+import sys
+
+import vil  # noqa: F401  (registers vil_tiny, vil_small, ... with timm)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or not argv[0].endswith(".py"):
+        sys.exit("error: Give the path of timm's train.py first, then its arguments: "
+                 "python tools/timm_train.py path/to/timm/train.py --model vil_tiny DATA_DIR.")
+    script = argv[0]
+    if not os.path.isfile(script):
+        sys.exit(f"error: {script} is not a file; give the path of train.py in a clone of timm "
+                 "(github.com/huggingface/pytorch-image-models).")
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python would, for the script's own imports
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
