@@ -1,9 +1,11 @@
 """Data: ImageNet-style folders with unreadable files, the digits split, transforms, Mixup and the loss."""
 
 import os
+import random
 import re
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -135,3 +137,31 @@ def test_training_transforms_follow_the_original_choices(tmp_path):
     text = repr(plain)
     assert "ColorJitter" in text and "p=0.8" in text and "RandomGrayscale(p=0.2)" in text and "GaussianBlur" in text
     assert "ColorJitter" not in repr(build_transform(cfg_for(root), train=True))  # the default probability is 0
+
+
+def test_posterize_to_zero_bits_gives_a_black_image_and_keeps_timms_other_levels():
+    from PIL import ImageOps
+
+    from vil.data import posterize
+
+    image = Image.new("RGB", (8, 6), (200, 100, 37))
+    assert posterize(image, 0).getextrema() == ((0, 0), (0, 0), (0, 0))
+    assert list(posterize(image, 3).getdata()) == list(ImageOps.posterize(image, 3).getdata())
+    assert posterize(image, 8) is image
+
+
+def test_increasing_randaugment_policy_transforms_thousands_of_images(tmp_path):
+    """``rand-m9-mstd0.5-inc1`` (the ImageNet presets'): magnitudes drawn around 9 reach 10, where posterize keeps
+    0 bits, which Pillow 13 refuses; every image must come through."""
+    cfg = cfg_for(tmp_path, "AUG.TIMM_AUG.USE_TRANSFORM", "True", "AUG.TIMM_AUG.AUTO_AUGMENT", "rand-m9-mstd0.5-inc1")
+    transform = build_transform(cfg, train=True)
+    rand_augment = next(t for t in transform.transforms if type(t).__name__ == "RandAugment")
+    posterize_op = next(op for op in rand_augment.ops if op.name == "PosterizeIncreasing")
+    posterize_op.magnitude, posterize_op.magnitude_std, posterize_op.prob = 10, 0, 1.0  # 0 bits
+    assert posterize_op(Image.new("RGB", (8, 8), (90, 90, 90))).getextrema() == ((0, 0),) * 3
+    posterize_op.magnitude, posterize_op.magnitude_std, posterize_op.prob = 9, 0.5, 0.5
+    random.seed(0)  # timm draws the ops with numpy and the magnitudes with random
+    np.random.seed(0)
+    colours = np.random.randint(0, 256, (3000, 3)).tolist()
+    for i, colour in enumerate(colours):
+        assert transform(Image.new("RGB", (24 + i % 17, 24), tuple(colour))).shape == (3, 32, 32)

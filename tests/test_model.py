@@ -144,7 +144,7 @@ def tiny_cfg(*overrides):
 
 
 @pytest.mark.parametrize(
-    "attn_type", ["longformerauto", "longformer_unfold", "longformer_unfold_nnf", "longformer_chunk_rows", "longformer_flex",
+    "attn_type", ["longformer", "longformerauto", "longformer_unfold", "longformer_unfold_nnf", "longformer_chunk_rows", "longformer_flex",
                   "longformer_fused_cpu"]
 )
 def test_every_attn_type_gives_the_logits_of_longformerhand(attn_type):
@@ -263,7 +263,7 @@ def test_bad_arch_strings(arch, message):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"), "Unknown MODEL.VIT.MSVIT.ATTN_TYPE 'longformer_magic'; known: full, longformerhand"),
+        (("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"), "Unknown MODEL.VIT.MSVIT.ATTN_TYPE 'longformer_magic'; known: longformer, full, longformerhand"),
         (("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), "mode (MODE) 3 needs chunked windows (SW_EXACT 0 or -1)"),
         (("INPUT.IMAGE_SIZE", "16"), "Image size 16 is smaller than the model's total stride 32"),
         (("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.ARCH", "l1,g0,d48,h1_l2,g0_l3,g0"), "ONLY_GLOBAL needs global tokens"),

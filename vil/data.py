@@ -10,7 +10,7 @@ import os
 import numpy as np
 import torch
 from PIL import Image
-from timm.data import Mixup, create_transform
+from timm.data import Mixup, auto_augment, create_transform
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import Dataset, default_collate
 from torchvision import transforms
@@ -136,12 +136,12 @@ def build_transform(cfg, train):
     if not train:
         return create_transform(is_training=False, crop_pct=cfg.INPUT.CROP_PCT, **common)
     if timm_aug.USE_TRANSFORM:
-        return create_transform(
+        return _posterize_any_bits(create_transform(
             is_training=True, scale=tuple(aug.SCALE), ratio=tuple(aug.RATIO), hflip=hflip, vflip=timm_aug.get("VFLIP", 0.0),
             color_jitter=timm_aug.get("COLOR_JITTER", 0.4), auto_augment=timm_aug.get("AUTO_AUGMENT", None),
             re_prob=timm_aug.get("RE_PROB", 0.0), re_mode=timm_aug.get("RE_MODE", "pixel"), re_count=timm_aug.get("RE_COUNT", 1),
             **common,
-        )
+        ))
     if cfg.FINETUNE.FINETUNE and not cfg.FINETUNE.USE_TRAIN_AUG:
         return transforms.Compose([
             transforms.Resize(int(size / cfg.INPUT.CROP_PCT), interpolation=transforms.InterpolationMode(interpolation)),
@@ -158,6 +158,25 @@ def build_transform(cfg, train):
         color_jitter=tuple(aug.COLOR_JITTER[:4]) if jitter_prob > 0 else None, color_jitter_prob=jitter_prob,
         grayscale_prob=aug.GRAY_SCALE, gaussian_blur_prob=aug.GAUSSIAN_BLUR, **common,
     )
+
+
+def posterize(img, bits_to_keep, **kwargs):
+    """timm's posterize, also with 0 bits to keep: a black image, as Pillow gave before version 13, which refuses
+    0 bits (timm's increasing RandAugment policies, ``inc1``, reach 0 at the top magnitudes)."""
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return auto_augment.posterize(img, bits_to_keep, **kwargs)
+
+
+def _posterize_any_bits(transform):
+    """``transform`` with :func:`posterize` in each of timm's augmentation ops (RandAugment, AutoAugment and
+    AugMix hold them in ``ops`` or in the sub-policies of ``policy``)."""
+    for step in getattr(transform, "transforms", ()):
+        groups = [getattr(step, "ops", [])] + list(getattr(step, "policy", []))
+        for op in (op for group in groups for op in group):
+            if getattr(op, "aug_fn", None) is auto_augment.posterize:
+                op.aug_fn = posterize
+    return transform
 
 
 def build_dataset(cfg, train):

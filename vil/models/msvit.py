@@ -374,8 +374,10 @@ class MsViT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-# Attention implementations by MODEL.VIT.MSVIT.ATTN_TYPE: the local_attention_2d backend, or "full".
+# Attention implementations by MODEL.VIT.MSVIT.ATTN_TYPE: the local_attention_2d backend (None: the fastest one
+# for the device, dtype and options of each call), or "full".
 ATTN_TYPES = {
+    "longformer": None,
     "full": "full",
     "longformerhand": "sliding_chunk",
     "longformerauto": "sliding_chunk_autograd",
