@@ -15,11 +15,15 @@ NAMES = sorted(PRESETS)
 def test_every_preset_is_registered_with_its_pretrained_cfg():
     assert sorted(timm.list_models("vil_*")) == NAMES
     for name in NAMES:
-        cfg = timm.models.get_pretrained_cfg(name).to_dict()
-        assert cfg["input_size"] == (3, 224, 224) and cfg["crop_pct"] == 0.875 and cfg["interpolation"] == "bicubic"
+        cfg = timm.models.get_pretrained_cfg(name).to_dict()  # the default tag's
+        if cfg.get("tag", "").endswith("_384"):  # the Base presets: published only as 384 fine-tunes on ImageNet-1K
+            assert cfg["input_size"] == (3, 384, 384) and cfg["crop_pct"] == 1.0 and cfg["pool_size"] == (12, 12)
+        else:
+            assert cfg["input_size"] == (3, 224, 224) and cfg["crop_pct"] == 0.875
+            assert cfg["pool_size"] == (7, 7)  # 224 / a total stride of 4 * 2 * 2 * 2
+        assert cfg["interpolation"] == "bicubic" and cfg["num_classes"] == 1000
         assert cfg["mean"] == (0.485, 0.456, 0.406) and cfg["std"] == (0.229, 0.224, 0.225)
         assert cfg["first_conv"] == "layer1.0.proj" and cfg["classifier"] == "head"
-        assert cfg["pool_size"] == (7, 7)  # 224 / a total stride of 4 * 2 * 2 * 2
 
 
 @pytest.mark.parametrize("name", ["vil_tiny", "vil_small_rpb"])  # the others differ only in their arch strings
@@ -247,3 +251,36 @@ def test_timm_train_py_runs_with_vil_models(tmp_path):
     assert status == 1 and stderr.startswith(f"error: {tmp_path / 'missing' / 'train.py'} is not a file; give the path")
     status, _, stderr = run_tool("timm_train", "--model", "vil_tiny")
     assert status == 1 and stderr.startswith("error: Give the path of timm's train.py first, then its arguments")
+
+
+def test_pretrained_tags_download_once_into_the_hub_cache_under_their_own_names(tmp_path, monkeypatch):
+    """A tag's checkpoint (here an original-release file behind a file:// URL; the release names every file
+    model_best.pth) lands in torch hub's cache as <tag>.pth, and gives the logits of the file loaded directly;
+    MODEL.MODEL_PATH takes the tag too."""
+    from vil.config import load_cfg
+    from vil.engine import resolve_model_path
+
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
+    assert {"vil_tiny.in1k", "vil_tiny_rpb.in1k", "vil_small.in1k", "vil_small_rpb.in1k",
+            "vil_medium_deep.in22k_ft_in1k_384", "vil_base_wide.in22k"} <= set(timm.list_pretrained("vil*"))
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    for name in ("vil_tiny", "vil_tiny_rpb"):
+        source = timm.create_model(name, img_size=64).eval()
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "model_best.pth"
+        torch.save(original_release_checkpoint(source.state_dict()), path)
+        tagged = timm.create_model(f"{name}.in1k", pretrained=True, pretrained_cfg_overlay=dict(url=path.as_uri()),
+                                   img_size=64).eval()
+        direct = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), img_size=64).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(tagged(x), direct(x), rtol=0, atol=0)
+        assert (tmp_path / "hub" / "checkpoints" / f"{name}.in1k.pth").read_bytes() == path.read_bytes()
+    cached = resolve_model_path(load_cfg(overrides=["MODEL.MODEL_PATH", "vil_tiny_rpb.in1k"]))
+    assert cached == str(tmp_path / "hub" / "checkpoints" / "vil_tiny_rpb.in1k.pth")
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint vil_tiny.in9k does not exist .*and is not a pretrained tag"):
+        resolve_model_path(load_cfg(overrides=["MODEL.MODEL_PATH", "vil_tiny.in9k"]))
+    # A tag's model is built for the tag's image size (and class count).
+    model = timm.create_model("vil_medium_deep.in22k_ft_in1k_384")
+    assert model.img_size == (384, 384) and model.pretrained_cfg["input_size"] == (3, 384, 384)
+    assert timm.create_model("vil_medium_deep.in22k", img_size=64).num_classes == 21841

@@ -52,13 +52,24 @@ def assert_same_weights(a, b):
 
 def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_path):
     out = tmp_path / "run"
-    top1 = train(tiny_cfg(data, out))
+    top1 = train(tiny_cfg(data, out, "LOG_FREQ", "2"))
     assert 0 <= top1 <= 100
     for name in ("config.yaml", "checkpoint_last.pth", "model_best.pth", "checkpoint_epoch1.pth", "log.txt"):
         assert (out / name).exists(), name
-    assert any((out / "tensorboard").iterdir())
     text = (out / "log.txt").read_text()
     assert "epoch 2/2: loss" in text and "top1" in text and "images_per_s" in text
+    assert re.search(r"epoch 1/2: .*; ETA \d:\d\d:\d\d\n", text) and re.search(r"epoch 2/2: .*; ETA 0:00:00\n", text)
+    number = r"[-+0-9.e]+"
+    step_line = re.compile(rf" step (\d+): loss {number}, lr {number}, images_per_s {number}, data_s {number}, "
+                           rf"step_s {number}, max_memory_mib {number}\n")
+    steps = read_checkpoint(str(out / "checkpoint_last.pth"))["step"]
+    assert [int(n) for n in step_line.findall(text)] == list(range(2, steps + 1, 2))  # every LOG_FREQ steps
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    for name in ("loss", "lr", "images_per_s", "data_s", "step_s", "max_memory_mib"):
+        assert [e.step for e in events.Scalars(f"train/{name}")] == list(range(2, steps + 1, 2)), name
+    assert [e.step for e in events.Scalars("top1")] == [1, 2]
     assert "skipped 1 unreadable images" in text and re.search(r"Skipped unreadable image \S*broken\.JPEG \(cannot identify", text)
     state = read_checkpoint(str(out / "checkpoint_last.pth"))
     assert state["epoch"] == 2 and {"optimizer", "lr_drop", "rng", "step", "config"} <= state.keys()

@@ -22,6 +22,21 @@ def save_checkpoint(path, model, **extra):
     atomic_write(path, lambda f: torch.save(state, f))
 
 
+def download_checkpoint(url, file_name):
+    """The file at ``url``, kept in torch hub's checkpoint cache (``$TORCH_HOME/hub/checkpoints``) as
+    ``file_name``: downloaded once, with a progress bar, written whole or not at all. Returns its path."""
+    folder = os.path.join(torch.hub.get_dir(), "checkpoints")
+    path = os.path.join(folder, file_name)
+    if not os.path.isfile(path):
+        os.makedirs(folder, exist_ok=True)
+        try:
+            torch.hub.download_url_to_file(url, path, progress=True)  # to a temporary file, then renamed
+        except OSError as e:  # URLError and HTTPError are OSErrors
+            raise ValueError(f"Cannot download {url} ({getattr(e, 'reason', e)}); download it by hand and give "
+                             "its path instead.") from None
+    return path
+
+
 def read_checkpoint(path):
     """The checkpoint dict at ``path``, loaded with ``weights_only=True`` (checkpoints are untrusted input)."""
     if not os.path.isfile(path):

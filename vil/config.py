@@ -7,6 +7,8 @@ original's YAML files load; setting one of those to another value than its defau
 
 import logging
 import math
+import os
+from pathlib import Path
 
 import yaml
 from yacs.config import CfgNode as CN
@@ -219,6 +221,7 @@ def load_cfg(config_file=None, overrides=()):
     """
     cfg = get_cfg()
     if config_file:
+        config_file = _config_path(config_file)
         try:
             with open(config_file) as f:
                 text = f.read()
@@ -233,6 +236,28 @@ def load_cfg(config_file=None, overrides=()):
     check_values(cfg)
     cfg.freeze()
     return cfg
+
+
+def preset_config_files():
+    """The preset YAML files by name (``vil_small`` -> its path): ``vil/configs`` in an installed wheel, the
+    ``configs/`` folder of a source checkout."""
+    package = Path(__file__).resolve().parent
+    for folder in (package / "configs", package.parent / "configs"):
+        if folder.is_dir():
+            return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+    return {}
+
+
+def _config_path(config_file):
+    """A YAML file's path as given, or the preset file a bare name (no folder, no suffix) names."""
+    name = str(config_file)
+    if os.path.exists(name) or os.sep in name or name.endswith((".yaml", ".yml")):
+        return config_file
+    presets = preset_config_files()
+    if name not in presets:
+        raise ValueError(f"{name} is neither a config file nor a preset; give a YAML file or one of "
+                         f"{', '.join(presets)}.")
+    return presets[name]
 
 
 def config_from_text(text, source):
@@ -367,7 +392,7 @@ def config_from_command_line(description, argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config-file", required=True, help="a YAML file under configs/")
+    parser.add_argument("--config-file", required=True, help="a YAML file, or a preset's name (vil_tiny, vil_small, ...)")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args(argv)
     return load_cfg(args.config_file, args.opts)

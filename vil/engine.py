@@ -13,6 +13,7 @@ A loss or gradient that is not finite stops the run before the optimizer step an
 that state.
 """
 
+import datetime
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from .checkpoint import ema_state, load_model_state, model_state, read_checkpoin
 from .config import warn_compatibility_keys
 from .data import build_dataset, build_loss, build_mixup, collate_skipping
 from .files import FolderLock, atomic_write, check_writable_file, check_writable_folder, remove_temporaries
-from .models import arch_string, build_model, parse_arch
+from .models import arch_string, build_model, parse_arch, pretrained_checkpoint
 from .models.attention import LongformerAttention
 from .models.convert import fit_to_model
 from .optim import build_optimizer, build_scheduler, drop_learning_rate
@@ -144,13 +145,17 @@ def memory_format(cfg):
 
 
 def resolve_model_path(cfg):
-    """``MODEL.MODEL_PATH``, or, when that is not a file, the same path under ``DATA.DATA_DIR`` (as the
-    original release looked it up)."""
+    """``MODEL.MODEL_PATH``; when that is not a file, the same path under ``DATA.DATA_DIR`` (as the original
+    release looked it up), or the checkpoint of a pretrained tag (``vil_small.in1k``), downloaded once."""
     path = cfg.MODEL.MODEL_PATH
     for candidate in (path, os.path.join(cfg.DATA.DATA_DIR, path)):
         if os.path.isfile(candidate):
             return candidate
-    raise FileNotFoundError(f"Checkpoint {path} does not exist (nor under DATA.DATA_DIR {cfg.DATA.DATA_DIR}).")
+    downloaded = pretrained_checkpoint(path)
+    if downloaded:
+        return downloaded
+    raise FileNotFoundError(f"Checkpoint {path} does not exist (nor under DATA.DATA_DIR {cfg.DATA.DATA_DIR}), and is "
+                            "not a pretrained tag (timm.list_pretrained('vil*') lists them).")
 
 
 def load_weights(model, cfg, new_classifier=False):
@@ -206,6 +211,7 @@ class Run:
     kept: Any = None  # the Snapshot checkpoint_last.pth holds
     pending: Any = None  # a Snapshot to write once the next step's loss and gradients are finite
     writer: Any = None
+    started: Any = None  # (time.perf_counter(), epoch) when this process began training, for the ETA
 
     def close(self):
         if self.writer:
@@ -336,9 +342,12 @@ def train_one_epoch(run, epoch):
                         generator=torch.Generator().manual_seed(cfg.SEED * 1000 + epoch))
     run.net.train()
     seen = skipped = loss_sum = 0.0
-    window = dict(loss=0.0, images=0, start=time.perf_counter())  # since the last LOG_FREQ line
+    window = _new_window(time.perf_counter())  # since the last LOG_FREQ line
     bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}", disable=not runtime.is_main, leave=False)
+    step_end = time.perf_counter()
     for i, (images, targets, unreadable) in enumerate(bar, start=run.batch_in_epoch):
+        fetched = time.perf_counter()
+        window["data_s"] += fetched - step_end
         skipped += _warn_unreadable(unreadable)
         where = f"epoch {epoch + 1}, batch {i + 1}"
         if not len(images):
@@ -359,26 +368,45 @@ def train_one_epoch(run, epoch):
         window["images"] += len(images) * runtime.world
         if last_micro:
             optimizer_step(run, where)
-            if cfg.LOG_FREQ and run.step % cfg.LOG_FREQ == 0:
-                _log_steps(run, window)
-            if cfg.CHECKPOINT.EVERY_STEPS and run.step % cfg.CHECKPOINT.EVERY_STEPS == 0:
-                run.pending = take_snapshot(run, epoch, i + 1)
-        bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{run.optimizer.param_groups[0]['lr']:.2e}")
+        step_end = time.perf_counter()
+        window["step_s"] += step_end - fetched
+        window["steps"] += last_micro
+        bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{run.optimizer.param_groups[0]['lr']:.2e}",
+                        img_s=f"{window['images'] / max(step_end - window['start'], 1e-9):.1f}")
+        if last_micro and cfg.LOG_FREQ and run.step % cfg.LOG_FREQ == 0:
+            window = _log_steps(run, window, step_end)
+        if last_micro and cfg.CHECKPOINT.EVERY_STEPS and run.step % cfg.CHECKPOINT.EVERY_STEPS == 0:
+            run.pending = take_snapshot(run, epoch, i + 1)
     run.batch_in_epoch = 0
     seen, skipped = runtime.sum(seen, skipped)
     return seen, skipped, loss_sum / max(seen / runtime.world, 1)
 
 
-def _log_steps(run, window):
-    """The ``LOG_FREQ`` line: mean loss, learning rate and images/s since the last one; also to TensorBoard."""
-    now = time.perf_counter()
+def _new_window(now):
+    """The sums since the last ``LOG_FREQ`` line: loss x images, images (all processes), optimizer steps, and the
+    seconds spent waiting for batches and computing steps."""
+    return dict(loss=0.0, images=0, steps=0, data_s=0.0, step_s=0.0, start=now)
+
+
+def _log_steps(run, window, now):
+    """The ``LOG_FREQ`` line, also as TensorBoard points under ``train/``: since the last line, the mean loss,
+    images/s, the mean seconds per optimizer step waiting for data and computing, the learning rate and the peak
+    memory. Returns a fresh window."""
+    steps = max(window["steps"], 1)
     scalars = {"loss": window["loss"] * run.runtime.world / max(window["images"], 1),
-               "lr": run.optimizer.param_groups[0]["lr"], "images_per_s": window["images"] / max(now - window["start"], 1e-9)}
+               "lr": run.optimizer.param_groups[0]["lr"],
+               "images_per_s": window["images"] / max(now - window["start"], 1e-9),
+               "data_s": window["data_s"] / steps, "step_s": window["step_s"] / steps, "max_memory_mib": _peak_memory_mib(run)}
     log.info(f"step {run.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items()))
     if run.writer:
         for name, value in scalars.items():
             run.writer.add_scalar(f"train/{name}", value, run.step)
-    window.update(loss=0.0, images=0, start=now)
+    return _new_window(now)
+
+
+def _peak_memory_mib(run):
+    """The peak of the allocator on CUDA, else of the process's resident set."""
+    return torch.cuda.max_memory_allocated() / 2**20 if run.runtime.device.type == "cuda" else _peak_rss_mib()
 
 
 def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
@@ -387,7 +415,7 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
     result = evaluate(model, eval_loader(run.test_set, cfg, runtime), runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format)
     if result["nonfinite"]:
         stop_diverged(run, f"the outputs of {result['nonfinite']} evaluation images were not finite", f"the end of epoch {epoch + 1}")
-    memory = torch.cuda.max_memory_allocated() / 2**20 if runtime.device.type == "cuda" else _peak_rss_mib()
+    memory = _peak_memory_mib(run)
     mode = next((m.mode for m in model.modules() if isinstance(m, LongformerAttention)), 0)
     scalars = {"loss": loss, "lr": run.optimizer.param_groups[0]["lr"], "top1": result["top1"], "top5": result["top5"],
                "images_per_s": seen / elapsed, "max_memory_mib": memory, "attention_mode": mode}
@@ -399,8 +427,16 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
             run.writer.add_scalar(name, value, epoch + 1)
         run.writer.flush()
     log.info(f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items())
-             + (f"; skipped {int(skipped)} unreadable images" if skipped else ""))
+             + (f"; skipped {int(skipped)} unreadable images" if skipped else "") + f"; ETA {_run_eta(run, epoch)}")
     return result["top1"]
+
+
+def _run_eta(run, epoch):
+    """The time the remaining epochs will take at the mean pace (training and evaluation) of this process's
+    epochs so far, as h:mm:ss."""
+    started_at, first_epoch = run.started
+    per_epoch = (time.perf_counter() - started_at) / (epoch + 1 - first_epoch)
+    return str(datetime.timedelta(seconds=round(per_epoch * (run.cfg.OPTIM.EPOCHS - epoch - 1))))
 
 
 def end_epoch(run, epoch, top1):
@@ -439,6 +475,7 @@ def _train_epochs(run):
     log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(run.train_set)} training and {len(run.test_set)} evaluation images, {runtime.world} process(es) on {runtime.device}.")
     mode_switch_epoch = cfg.MODEL.VIT.MSVIT.VIL_MODE_SWITCH * cfg.OPTIM.EPOCHS
     top1 = 0.0
+    run.started = time.perf_counter(), run.epoch
     for epoch in range(run.epoch, cfg.OPTIM.EPOCHS):
         if cfg.MODEL.VIT.MSVIT.MODE > 0 and epoch >= mode_switch_epoch:
             model.reset_vil_mode(0)

@@ -6,6 +6,7 @@ from .msvit import (
     ATTN_TYPES,
     MsViT,
     build_model,
+    pretrained_checkpoint,
     vil_base_deep,
     vil_base_deep_rpb,
     vil_base_wide,
@@ -21,7 +22,7 @@ from .msvit import (
 )
 
 __all__ = [
-    "ATTN_TYPES", "MsViT", "PRESETS", "arch_string", "build_model", "parse_arch", "stage_map_sizes",
+    "ATTN_TYPES", "MsViT", "PRESETS", "arch_string", "build_model", "parse_arch", "pretrained_checkpoint", "stage_map_sizes",
     "vil_base_deep", "vil_base_deep_rpb", "vil_base_wide", "vil_base_wide_rpb", "vil_medium_deep",
     "vil_medium_deep_rpb", "vil_medium_wide", "vil_medium_wide_rpb", "vil_small", "vil_small_rpb", "vil_tiny",
     "vil_tiny_rpb",

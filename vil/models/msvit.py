@@ -13,9 +13,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, Mlp, register_notrace_function, register_notrace_module, to_2tuple, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import (build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model,
+                         resolve_pretrained_cfg)
 from torch.utils.checkpoint import checkpoint
 
+from ..checkpoint import download_checkpoint
 from ..ops import check_window_options
 from .arch import PRESETS, parse_arch, stage_map_sizes
 from .attention import FullAttention, LongformerAttention
@@ -417,16 +419,63 @@ def build_model(cfg):
 # --- Registration with timm: timm.create_model("vil_small"), features_only, pretrained_cfg_overlay=dict(file=...) ---
 
 
-def _cfg(arch):
+def _cfg(arch, url="", size=224, num_classes=1000, description=None):
     stride = math.prod(spec.patch for spec in parse_arch(arch))
     return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (224 // stride, 224 // stride), "crop_pct": 0.875,
-        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "layer1.0.proj", "classifier": "head", "license": "mit",
+        "url": url, "num_classes": num_classes, "input_size": (3, size, size), "pool_size": (size // stride, size // stride),
+        "crop_pct": 0.875 if size == 224 else 1.0, "interpolation": "bicubic", "fixed_input_size": False,
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD, "first_conv": "layer1.0.proj", "classifier": "head",
+        "license": "mit", "paper_ids": "arXiv:2103.15358", "origin_url": "https://github.com/microsoft/vision-longformer",
+        "description": description,
     }
 
 
-default_cfgs = generate_default_cfgs({name: _cfg(arch) for name, arch in PRESETS.items()})
+# The original release's checkpoints (its README): tag -> (file under ORIGINAL_RELEASE_URL, ImageNet-1K top-1, top-5
+# as published). The first tag of a preset is its default. in22k: the ImageNet-22K pre-training (21,841 classes);
+# in22k_ft_in1k_384: that, fine-tuned on ImageNet-1K at 384x384.
+ORIGINAL_RELEASE_URL = "https://penzhanwu2.blob.core.windows.net/imagenet/msvit/"
+PRETRAINED = {
+    "vil_tiny.in1k": ("visionlongformer/msvit_tiny_longformersw_1191_train/model_best.pth", 76.3, 93.3),
+    "vil_tiny_rpb.in1k": ("visionlongformer/longtiny1191_ape0_exact0_nglo1_mode1_swith075/model_best.pth", 76.65, 93.55),
+    "vil_small.in1k": ("visionlongformer/msvit_small_longformersw_1281_train/model_best.pth", 82.0, 95.8),
+    "vil_small_rpb.in1k": ("visionlongformer/small1281_relative/model_best.pth", 82.39, 95.92),
+    "vil_medium_deep.in1k": ("visionlongformer/deepmedium_14161_lr8e-4/model_best.pth", 83.3, 96.3),
+    "vil_medium_deep.in22k_ft_in1k_384": (
+        "IN384_IN22kpretrained/msvitdeepmedium_imagenet384_finetune_bsz256_lr001_wd0/model_best.pth", 85.6, 97.7),
+    "vil_medium_deep.in22k": ("IN22kpretrained/deepmedium/model_best.pth", None, None),
+    "vil_medium_deep_rpb.in1k": ("visionlongformer/longdeepmedium_ape0_exact0_mode1_switch075/model_best.pth", 83.52, 96.52),
+    "vil_medium_deep_rpb.in22k_ft_in1k_384": (
+        "IN384_IN22kpretrained/msvitdeepmedium_imagenet384_finetune_bsz256_lr001_wd1e-7_ape0/model_best.pth", 85.73, 97.8),
+    "vil_medium_deep_rpb.in22k": ("IN22kpretrained/deepmedium_relative/model_best.pth", None, None),
+    "vil_medium_wide.in1k": ("visionlongformer/wide_medium_1281/model_best.pth", 82.9, 96.4),
+    "vil_medium_wide.in22k_ft_in1k_384": (
+        "IN384_IN22kpretrained/msvitwidemedium_imagenet384_finetune_bsz512_lr004_wd0/model_best.pth", 84.7, 97.3),
+    "vil_medium_wide.in22k": ("IN22kpretrained/widemedium/model_best.pth", None, None),
+    "vil_base_deep.in22k_ft_in1k_384": (
+        "IN384_IN22kpretrained/msvitdeepbase_imagenet384_finetune_bsz640_lr003_wd0/model_best.pth", 86.0, 97.9),
+    "vil_base_deep.in22k": ("IN22kpretrained/deepbase/model_best.pth", None, None),
+    "vil_base_deep_rpb.in22k_ft_in1k_384": (
+        "IN384_IN22kpretrained/msvitdeepbase_imagenet384_finetune_bsz320_lr0015_wd0_ape0/model_best.pth", 86.11, 97.89),
+    "vil_base_deep_rpb.in22k": ("IN22kpretrained/deepbase_relative/model_best.pth", None, None),
+    "vil_base_wide.in22k_ft_in1k_384": (
+        "IN384_IN22kpretrained/msvitwidebase_imagenet384_finetune_bsz768_lr001_wd1e-7/model_best.pth", 86.2, 98.0),
+    "vil_base_wide.in22k": ("IN22kpretrained/widebase/model_best.pth", None, None),
+}
+
+
+def _tag_cfg(tag, file, top1, top5):
+    arch = PRESETS[tag.split(".")[0]]
+    kind = tag.split(".")[1]
+    about = (f"The original release's checkpoint: ImageNet-1K top-1 {top1}, top-5 {top5} as published." if top1 else
+             "The original release's ImageNet-22K pre-training.")
+    return _cfg(arch, ORIGINAL_RELEASE_URL + file, size=384 if kind.endswith("_384") else 224,
+                num_classes=21841 if kind == "in22k" else 1000, description=about)
+
+
+default_cfgs = generate_default_cfgs({
+    **{tag: _tag_cfg(tag, *published) for tag, published in PRETRAINED.items()},
+    **{name: _cfg(arch) for name, arch in PRESETS.items() if not any(t.startswith(name + ".") for t in PRETRAINED)},
+})
 
 
 def _feature_cfg(kwargs):
@@ -448,7 +497,29 @@ def _feature_cfg(kwargs):
     return dict(feature_cfg, feature_cls=feature_cls, output_fmt=output_fmt)
 
 
+def _downloaded(cfg):
+    return download_checkpoint(cfg.url, f"{cfg.architecture}.{cfg.tag}.pth")
+
+
+def pretrained_checkpoint(name):
+    """The checkpoint file of the pretrained tag ``name`` (``"vil_small.in1k"``; ``"vil_small"``: its default
+    tag), downloaded once into torch hub's cache; None when ``name`` is no published tag."""
+    try:
+        cfg = get_pretrained_cfg(name, allow_unregistered=True)
+    except RuntimeError:  # a preset with a tag it does not have
+        return None
+    return _downloaded(cfg) if cfg is not None and cfg.url else None
+
+
 def _create_vil(variant, pretrained=False, **kwargs):
+    """The preset ``variant`` at its pretrained tag's image size; with ``pretrained``, a published checkpoint is
+    downloaded into torch hub's cache under its tag's name (the original release names every file
+    model_best.pth, which the cache, keyed by file name, would mix up) and converted on load."""
+    cfg = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get("pretrained_cfg"),
+                                 pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"))
+    kwargs.setdefault("img_size", cfg.input_size[-1])
+    if pretrained and cfg.url and not (cfg.file or cfg.state_dict):
+        kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, file=_downloaded(cfg))
     return build_model_with_cfg(
         MsViT, variant, pretrained, arch=PRESETS[variant], pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=_feature_cfg(kwargs), **kwargs,
