@@ -188,7 +188,7 @@ def test_gradcheck(backend, exact, mode):
         kw = dict(zip(names, tensors))
         return local_attention_2d(kw.pop("q"), kw.pop("k"), kw.pop("v"), 2, exact=exact, mode=mode, backend=backend, **kw)
 
-    assert torch.autograd.gradcheck(fn, tuple(inputs.values()))
+    assert torch.autograd.gradcheck(fn, tuple(inputs.values()), fast_mode=True)  # random projections of the Jacobian
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)

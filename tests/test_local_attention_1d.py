@@ -151,7 +151,7 @@ def test_gradcheck(backend):
     def fn(*tensors):
         return run(backend, dict(zip(names, tensors)), padding, 2, dilation, False, grads=False)[0]
 
-    assert torch.autograd.gradcheck(fn, tuple(inputs[n] for n in names))
+    assert torch.autograd.gradcheck(fn, tuple(inputs[n] for n in names), fast_mode=True)  # random projections of the Jacobian
 
 
 @pytest.mark.parametrize("backend", ["sliding_chunk", "chunks"])

@@ -126,22 +126,38 @@ def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp
 
 
 
-def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
-    out = tmp_path / "ddp"
+def torchrun_two_processes(data, out, *overrides):
+    """One epoch of tools/train.py in two processes on the CPU (gloo)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     overrides = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data), "DATA.NUM_CLASSES", "2",
-                 "DATALOADER.BSZ", "4", "DATALOADER.WORKERS", "0", "OPTIM.EPOCHS", "1", "OUTPUT_DIR", str(out),
-                 "AUG.REPEATED_AUG", "True"]
+                 "DATALOADER.BSZ", "4", "DATALOADER.WORKERS", "0", "OPTIM.EPOCHS", "1", "OUTPUT_DIR", str(out), *overrides]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
          str(ROOT / "tools" / "train.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"), *overrides],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
+    out = tmp_path / "ddp"
+    torchrun_two_processes(data, out, "AUG.REPEATED_AUG", "True")
     text = (out / "log.txt").read_text()
     assert "2 process(es)" in text and "All 2 processes hold identical weights." in text
     assert "DISTRIBUTED_BACKEND nccl serves CUDA devices; these CPU processes use gloo." in text
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3  # 13 images, 2 a process a batch
+
+
+def test_torchrun_two_processes_on_shards_each_read_their_own(tmp_path):
+    """4 shards of 3 images, 2 processes with batches of 2: each process reads its 2 shards (which ones, and
+    that they cover every sample once, tests/test_shards.py checks for every rank), 3 steps an epoch."""
+    folder = make_folder(tmp_path / "folder", per_class=6, corrupt=False)
+    assert run_tool("make_shards", folder, tmp_path / "shards", "--per-shard", "3")[0] == 0
+    out = tmp_path / "ddp"
+    torchrun_two_processes(tmp_path / "shards", out, "DATA.FORMAT", "shards")
+    text = (out / "log.txt").read_text()
+    assert "12 training and 12 evaluation images, 2 process(es)" in text and "All 2 processes hold identical weights." in text
+    assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,12 @@
 """``python -m vil <command> [arguments]``: the command-line tools, as the console scripts ``vil-train``,
-``vil-eval``, ``vil-export``, ``vil-export-onnx`` and ``vil-benchmark`` run them."""
+``vil-eval``, ``vil-export``, ``vil-export-onnx``, ``vil-benchmark`` and ``vil-make-shards`` run them."""
 
 import importlib
 import sys
 
 # command -> module of vil_tools (the tools/ folder)
 COMMANDS = {"train": "train", "eval": "eval", "export": "export_backbone", "export-onnx": "export_onnx",
-            "benchmark": "benchmark_model", "timm-train": "timm_train"}
+            "benchmark": "benchmark_model", "make-shards": "make_shards", "timm-train": "timm_train"}
 
 
 def main(argv=None):

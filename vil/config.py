@@ -55,6 +55,7 @@ _C.DATA.NUM_CLASSES = 1000
 _C.DATA.TARGETMAP = ""
 _C.DATA.PATH = "./datasets"
 _C.DATA.DATA_DIR = "./data"  # MODEL.MODEL_PATH is looked up here when it is not a file by itself
+_C.DATA.FORMAT = "folder"  # "folder": DATA.PATH/{train,val}/<class>/<image>; "shards": tar shards (tools/make_shards.py)
 _C.DATA.CLASSES = []  # a subset of the classes (folder names; "0".."9" for digits), labelled in this order
 
 _C.LOSS = CN()
@@ -348,6 +349,7 @@ _RULES = {
     "AMP.DTYPE": (lambda v: v in ("bfloat16", "float16"), "'bfloat16' or 'float16'"),
     "AMP.MEMORY_FORMAT": (lambda v: v in ("nchw", "nhwc"), "'nchw' or 'nhwc'"),
     "DATA.NUM_CLASSES": (lambda v: v >= 1, "a positive number of classes"),
+    "DATA.FORMAT": (lambda v: v in ("folder", "shards"), "'folder' (image folders) or 'shards' (tar shards)"),
     "DATALOADER.BSZ": (lambda v: v >= 1, "a positive batch size (the images of all processes together)"),
     "DATALOADER.WORKERS": (lambda v: v >= 0, "0 (load in the training process) or a positive number of workers"),
     "OPTIM.LR": (lambda v: math.isfinite(v) and v >= 0, "a finite learning rate >= 0"),

@@ -17,6 +17,8 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from .shards import ShardDataset
+
 EXPECTED_LAYOUT = "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<image>"
 # INPUT.INTERPOLATION holds PIL's codes, as in the original release.
 _INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}
@@ -186,6 +188,11 @@ def build_dataset(cfg, train):
     chosen = list(cfg.DATA.CLASSES) or None
     if name == "digits":
         dataset = DigitsDataset(train, transform, classes=chosen)
+    elif cfg.DATA.FORMAT == "shards":
+        if chosen:
+            raise ValueError("DATA.CLASSES picks classes of image folders; shards hold their classes' labels, so write "
+                             "shards of the classes wanted (tools/make_shards.py) and leave DATA.CLASSES empty.")
+        dataset = ShardDataset(os.path.join(cfg.DATA.PATH, "train" if train else "val"), transform)
     else:
         root = os.path.join(cfg.DATA.PATH, "train" if train else "val")
         has_images = os.path.isdir(root) and any(

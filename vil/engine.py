@@ -41,6 +41,7 @@ from .models.attention import LongformerAttention
 from .models.convert import fit_to_model
 from .optim import build_optimizer, build_scheduler, drop_learning_rate
 from .runtime import Runtime, seed_everything
+from .shards import ShardDataset
 from .training_state import (
     LAST, check_resumable, copy_epoch_checkpoints, read_resume_point, restore, take_snapshot, write_snapshot,
 )
@@ -124,7 +125,11 @@ def _warn_unreadable(unreadable):
 
 
 def eval_loader(dataset, cfg, runtime):
-    """Each process evaluates every world-th sample, so that all samples count exactly once."""
+    """Each process evaluates every world-th sample (of shards: its own shards), so that all samples count
+    exactly once."""
+    if isinstance(dataset, ShardDataset):
+        return dataset.evaluation_batches(runtime.rank, runtime.world, per_process_batch(cfg, runtime),
+                                          cfg.DATALOADER.WORKERS, collate_skipping)
     indices = list(range(runtime.rank, len(dataset), runtime.world))
     return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=per_process_batch(cfg, runtime),
                       num_workers=cfg.DATALOADER.WORKERS, collate_fn=collate_skipping)
@@ -279,6 +284,9 @@ def _build_run(cfg, runtime, lock, starts_fresh):
     batches_per_epoch = len(train_set) // runtime.world // batch
     if batches_per_epoch < accum:
         raise ValueError(f"{len(train_set)} training images make {batches_per_epoch} batches of {batch} per process, fewer than OPTIM.ACCUM_STEPS {accum}; lower DATALOADER.BSZ.")
+    if cfg.AUG.REPEATED_AUG and cfg.DATA.FORMAT == "shards":
+        raise ValueError("AUG.REPEATED_AUG repeats samples of image folders; with DATA.FORMAT shards each process "
+                         "reads its own shards, so set AUG.REPEATED_AUG False.")
     if cfg.AUG.REPEATED_AUG and runtime.world == 1:
         log.info("AUG.REPEATED_AUG applies to distributed training (as in the original release); this single process sees each image once an epoch.")
     if cfg.OPTIM.VAL and cfg.OPTIM.OPT not in PLATEAU_OPTIMIZERS:
@@ -335,11 +343,7 @@ def train_one_epoch(run, epoch):
     """One epoch (or what is left of it after a mid-epoch resume); returns (images seen, images skipped, mean
     loss) over all processes."""
     cfg, runtime, accum = run.cfg, run.runtime, run.cfg.OPTIM.ACCUM_STEPS
-    order = epoch_order(run.train_set, epoch, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG)[run.batch_in_epoch * run.batch :]
-    # A generator of its own: creating the iterator then draws no number from the global random state.
-    loader = DataLoader(torch.utils.data.Subset(run.train_set, order), batch_size=run.batch, drop_last=True,
-                        num_workers=cfg.DATALOADER.WORKERS, collate_fn=partial(collate_skipping, refill=True),
-                        generator=torch.Generator().manual_seed(cfg.SEED * 1000 + epoch))
+    loader = training_batches(run, epoch)
     run.net.train()
     seen = skipped = loss_sum = 0.0
     window = _new_window(time.perf_counter())  # since the last LOG_FREQ line
@@ -380,6 +384,19 @@ def train_one_epoch(run, epoch):
     run.batch_in_epoch = 0
     seen, skipped = runtime.sum(seen, skipped)
     return seen, skipped, loss_sum / max(seen / runtime.world, 1)
+
+
+def training_batches(run, epoch):
+    """The batches this process trains on in ``epoch``, from the one a resumed run stopped at."""
+    cfg, runtime, collate = run.cfg, run.runtime, partial(collate_skipping, refill=True)
+    if isinstance(run.train_set, ShardDataset):
+        return run.train_set.training_batches(epoch, cfg.SEED, runtime.rank, runtime.world, run.batch,
+                                              cfg.DATALOADER.WORKERS, collate, skip=run.batch_in_epoch)
+    order = epoch_order(run.train_set, epoch, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG)[run.batch_in_epoch * run.batch :]
+    # A generator of its own: creating the iterator then draws no number from the global random state.
+    return DataLoader(torch.utils.data.Subset(run.train_set, order), batch_size=run.batch, drop_last=True,
+                      num_workers=cfg.DATALOADER.WORKERS, collate_fn=collate,
+                      generator=torch.Generator().manual_seed(cfg.SEED * 1000 + epoch))
 
 
 def _new_window(now):

@@ -1,0 +1,90 @@
+"""DATA.FORMAT shards: tar shards written by tools/make_shards.py, read per process and per worker, every sample
+once an epoch, damaged samples skipped and counted."""
+
+import re
+
+import pytest
+import torch
+from test_data import make_folder
+from test_train import tiny_cfg
+from tool_runner import run_tool
+
+from vil.checkpoint import read_checkpoint
+from vil.engine import train
+from vil.shards import ShardDataset
+
+
+def identity(image_and_target):
+    """A sample's identity in make_folder's images: its class and its width (40 + its number)."""
+    image, target = image_and_target
+    return target, image.size[0]
+
+
+@pytest.fixture
+def shards(tmp_path):
+    folder = make_folder(tmp_path / "folder", per_class=6, corrupt=False)  # 12 training and 12 evaluation images
+    status, stdout, stderr = run_tool("make_shards", folder, tmp_path / "shards", "--per-shard", "3")
+    assert status == 0, stderr
+    assert "train: 12 images in 4 shards" in stdout and "val: 12 images in 4 shards" in stdout
+    return tmp_path / "shards"
+
+
+def test_each_process_reads_its_own_shards_and_every_sample_once_an_epoch(shards):
+    train_set = ShardDataset(shards / "train")
+    assert train_set.classes == ["cat", "dog"] and len(train_set) == 12
+    everything = {(target, 40 + i) for target in (0, 1) for i in range(6)}
+    for workers in (0, 2):
+        orders = []
+        for epoch in (0, 1):
+            seen = []
+            for rank in (0, 1):
+                batches = list(train_set.training_batches(epoch, 0, rank, 2, 3, workers, collate_fn=list))
+                assert len(batches) == 2 and all(len(b) == 3 for b in batches)  # as many steps in every process
+                seen.append([identity(sample) for batch in batches for sample in batch])
+            assert not set(seen[0]) & set(seen[1]) and set(seen[0]) | set(seen[1]) == everything
+            orders.append(seen)
+        assert orders[0] != orders[1]  # a new order each epoch
+    # Resuming at batch 1 gives the epoch's remaining batch.
+    whole = list(train_set.training_batches(0, 0, 1, 2, 3, 0, collate_fn=list))
+    rest = list(train_set.training_batches(0, 0, 1, 2, 3, 0, collate_fn=list, skip=1))
+    assert [[identity(s) for s in b] for b in rest] == [[identity(s) for s in b] for b in whole[1:]]
+    # Evaluation: every sample once over the processes, batches not filled up.
+    val_set = ShardDataset(shards / "val")
+    evaluated = [identity(s) for rank in (0, 1) for b in val_set.evaluation_batches(rank, 2, 5, 0, list) for s in b]
+    assert sorted(evaluated) == sorted(everything)
+
+
+def test_training_on_shards_skips_and_counts_a_damaged_sample(shards, tmp_path):
+    import webdataset
+
+    with webdataset.TarWriter(str(shards / "train" / "shard-000000.tar")) as tar:  # 3 samples, one damaged
+        for key, payload, target in (("a", None, 0), ("b", b"not an image", 1), ("c", None, 1)):
+            image = payload
+            if image is None:
+                from io import BytesIO
+
+                from PIL import Image
+
+                buffer = BytesIO()
+                Image.new("RGB", (40, 40), (10, 20, 30)).save(buffer, format="PNG")
+                image = buffer.getvalue()
+            tar.write({"__key__": key, "png": image, "cls": str(target).encode()})
+    out = tmp_path / "run"
+    train(tiny_cfg(shards, out, "DATA.FORMAT", "shards", "OPTIM.EPOCHS", "1", "DATALOADER.WORKERS", "1"))
+    log = (out / "log.txt").read_text()
+    assert "12 training and 12 evaluation images" in log
+    assert re.search(r"Skipped unreadable image \S*shard-000000\.tar:b \(cannot identify image file", log)
+    assert "epoch 1/1:" in log and "skipped 1 unreadable images" in log
+    assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3  # 12 images, 4 a batch
+
+
+def test_bad_shard_requests_are_one_sentence(shards, tmp_path):
+    with pytest.raises(ValueError, match=r"is not a folder of shards with its index.json .*; write one with python tools/make_shards.py\.$"):
+        ShardDataset(tmp_path)
+    (shards / "train" / "shard-000003.tar").unlink()
+    with pytest.raises(ValueError, match=r"lists 1 shards that are not in .*, e\.g\. shard-000003\.tar; write the split again"):
+        ShardDataset(shards / "train")
+    with pytest.raises(ValueError, match=r"^DATA.CLASSES picks classes of image folders"):
+        train(tiny_cfg(shards, tmp_path / "o", "DATA.FORMAT", "shards", "DATA.CLASSES", "['cat', 'dog']"))
+    status, _, stderr = run_tool("make_shards", tmp_path / "folder", shards)
+    assert status == 1 and stderr.startswith(f"error: {shards / 'train'} exists; remove it or choose another")

@@ -1,0 +1,74 @@
+"""Write ImageNet-style image folders as tar shards for ``DATA.FORMAT shards``:
+``python tools/make_shards.py SOURCE OUTPUT [--per-shard 1000]``.
+
+``SOURCE/train/<class>/<image>`` and ``SOURCE/val/<class>/<image>`` (either may be missing) become
+``OUTPUT/train/shard-000000.tar, ...`` and ``OUTPUT/val/...``, each split with its ``index.json`` (classes, samples
+per shard). The images are stored as they are (their bytes, not decoded), the classes numbered in sorted order
+as image folders number them, the training images in a seeded random order so that every shard mixes the
+classes. A split is written into ``<split>.partial`` and renamed when complete; an existing split is refused.
+Needs webdataset (``pip install -e .[shards]``).
+"""
+
+import argparse
+import os
+import random
+import shutil
+import sys
+
+from torchvision.datasets import ImageFolder
+
+from vil.shards import require_webdataset, write_index
+
+
+def write_split(source, output, per_shard, shuffle_seed=None):
+    """Write one split; returns (shards, samples)."""
+    wds = require_webdataset()
+    folder = ImageFolder(source, loader=lambda path: path)  # paths only: nothing is decoded
+    samples = list(folder.samples)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(samples)
+    partial = output + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)  # a previous interrupted run's
+    os.makedirs(partial)
+    counts = {}
+    for start in range(0, len(samples), per_shard):
+        name = f"shard-{start // per_shard:06d}.tar"
+        with wds.TarWriter(os.path.join(partial, name)) as tar:
+            for number, (path, target) in enumerate(samples[start:start + per_shard], start):
+                with open(path, "rb") as f:
+                    image = f.read()
+                suffix = os.path.splitext(path)[1].lstrip(".").lower() or "jpg"
+                tar.write({"__key__": f"{number:09d}", suffix: image, "cls": str(target).encode()})
+        counts[name] = len(samples[start:start + per_shard])
+    write_index(partial, folder.classes, counts)
+    os.rename(partial, output)
+    return len(counts), len(samples)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="DATA.PATH of the image folders (with train/ and val/)")
+    parser.add_argument("output", help="the folder to write train/ and val/ shards into")
+    parser.add_argument("--per-shard", type=int, default=1000, help="samples per shard (the last may have fewer)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training images' order")
+    args = parser.parse_args(argv)
+    try:
+        if args.per_shard < 1:
+            raise ValueError(f"--per-shard must be a positive number of samples, got {args.per_shard}.")
+        splits = [s for s in ("train", "val") if os.path.isdir(os.path.join(args.source, s))]
+        if not splits:
+            raise ValueError(f"{args.source} has neither train/ nor val/; give the DATA.PATH of ImageNet-style folders.")
+        for split in splits:
+            target = os.path.join(args.output, split)
+            if os.path.exists(target):
+                raise ValueError(f"{target} exists; remove it or choose another output folder.")
+        for split in splits:
+            shards, samples = write_split(os.path.join(args.source, split), os.path.join(args.output, split),
+                                          args.per_shard, args.seed if split == "train" else None)
+            print(f"{split}: {samples} images in {shards} shards under {os.path.join(args.output, split)}", flush=True)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

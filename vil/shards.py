@@ -1,0 +1,115 @@
+"""ImageNet-style data as tar shards in webdataset's format, for data too large to read as millions of files:
+``DATA.FORMAT shards`` reads ``DATA.PATH/train`` and ``DATA.PATH/val`` as ``tools/make_shards.py`` writes them.
+
+A split is a folder of shards ``shard-000000.tar, ...`` and an ``index.json`` naming the classes and every shard
+with its sample count, so that every process knows an epoch's length without reading a shard. A sample is a
+``<key>.<image suffix>`` member (the image file's bytes) and a ``<key>.cls`` member (its class index as text).
+
+Each process reads its own shards (every world-th, in an order shuffled per epoch that all processes share) and
+each DataLoader worker every workers-th of those, through a shuffle buffer; an image that cannot be decoded or
+transformed is an :class:`~vil.data.Unreadable` sample, skipped and counted as in image folders. In training
+every process takes the same number of batches, the full batches the process with the fewest samples has, so
+with as many samples per process (shards of one size, a shard count that the processes divide) every sample
+is seen once an epoch; otherwise the few that exceed it wait for a later epoch's order.
+"""
+
+import io
+import json
+import os
+import random
+from itertools import islice
+
+from PIL import Image
+from torch.utils.data import DataLoader
+
+INDEX = "index.json"
+
+
+def require_webdataset():
+    """The webdataset module, or one sentence saying how to install it."""
+    try:
+        import webdataset
+    except ImportError as error:
+        raise ValueError(f"DATA.FORMAT shards reads tar shards with webdataset ({error}); install it with "
+                         "pip install -e .[shards].") from None
+    return webdataset
+
+
+def write_index(folder, classes, counts):
+    """The ``index.json`` of a split: its classes in label order and ``{shard file name: samples}``."""
+    from .files import atomic_write
+
+    text = json.dumps({"classes": list(classes), "shards": counts}, indent=1) + "\n"
+    atomic_write(os.path.join(folder, INDEX), lambda f: f.write(text.encode()))
+
+
+class ShardDataset:
+    """The shards of one split (a folder with ``index.json``) and their transform."""
+
+    def __init__(self, root, transform=None):
+        try:
+            with open(os.path.join(root, INDEX)) as f:
+                index = json.load(f)
+            self.classes, counts = list(index["classes"]), dict(index["shards"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{root} is not a folder of shards with its {INDEX} ({error}); write one with "
+                             "python tools/make_shards.py.") from None
+        missing = [name for name in counts if not os.path.isfile(os.path.join(root, name))]
+        if missing:
+            raise ValueError(f"{os.path.join(root, INDEX)} lists {len(missing)} shards that are not in {root}, "
+                             f"e.g. {missing[0]}; write the split again with tools/make_shards.py.")
+        self.root, self.counts, self.transform = root, counts, transform
+
+    def __len__(self):
+        return sum(self.counts.values())
+
+    def _shards_of(self, rank, world, epoch, seed):
+        """The shards of process ``rank`` in ``epoch``: every world-th of an order all processes share (the
+        sorted names, shuffled per epoch in training, ``epoch`` None: as they are)."""
+        names = sorted(self.counts)
+        if epoch is not None:
+            random.Random(seed * 1000 + epoch).shuffle(names)
+        return names[rank::world]
+
+    def _full_batches(self, shards, batch, workers):
+        """The full batches a process's DataLoader gives from ``shards`` (each worker batches its own)."""
+        parts = max(workers, 1)
+        return sum(sum(self.counts[name] for name in shards[w::parts]) // batch for w in range(parts))
+
+    def _loader(self, shards, batch, workers, collate_fn, drop_last, shuffle_seed=None):
+        wds = require_webdataset()
+        stages = [wds.SimpleShardList([os.path.join(self.root, name) for name in shards]), wds.split_by_worker,
+                  wds.tarfile_to_samples()]
+        if shuffle_seed is not None:
+            stages.append(wds.shuffle(1000, initial=100, rng=random.Random(shuffle_seed)))
+        stages.append(wds.map(self._decoded))
+        return DataLoader(wds.DataPipeline(*stages), batch_size=batch, num_workers=workers, collate_fn=collate_fn,
+                          drop_last=drop_last)
+
+    def training_batches(self, epoch, seed, rank, world, batch, workers, collate_fn, skip=0):
+        """The batches process ``rank`` of ``world`` trains on in ``epoch``, from batch ``skip`` on (a resumed
+        epoch reads the ones before again and drops them)."""
+        steps = min(self._full_batches(self._shards_of(r, world, epoch, seed), batch, workers) for r in range(world))
+        loader = self._loader(self._shards_of(rank, world, epoch, seed), batch, workers, collate_fn, drop_last=True,
+                              shuffle_seed=(seed * 1000 + epoch) * world + rank)
+        return islice(loader, skip, steps)
+
+    def evaluation_batches(self, rank, world, batch, workers, collate_fn):
+        """Every sample of this process's shards once, in batches."""
+        return self._loader(self._shards_of(rank, world, None, 0), batch, workers, collate_fn, drop_last=False)
+
+    def _decoded(self, sample):
+        from .data import Unreadable
+
+        name = f"{sample.get('__url__', self.root)}:{sample['__key__']}"
+        try:
+            (suffix,) = [k for k in sample if not k.startswith("__") and k != "cls"]
+            with Image.open(io.BytesIO(sample[suffix])) as image:
+                image = image.convert("RGB")
+            target = int(sample["cls"])
+            if not 0 <= target < len(self.classes):
+                raise ValueError(f"class index {target} outside the {len(self.classes)} classes")
+            return (self.transform(image) if self.transform else image), target
+        except Exception as e:  # one damaged sample is one skipped sample, as in image folders
+            reason = next(iter(str(e).splitlines()), "") or type(e).__name__
+            return Unreadable(f"{name} ({reason})")
