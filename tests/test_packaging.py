@@ -29,7 +29,7 @@ def test_a_wheel_in_a_fresh_environment_trains_the_digits_demo_from_outside_the_
     run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", wheel, cwd=tmp_path)
 
     assert (tmp_path / site / "vil" / "configs" / "vil_digits.yaml").is_file()
-    for script in ("vil-train", "vil-eval", "vil-export", "vil-export-onnx", "vil-benchmark"):
+    for script in ("vil-train", "vil-eval", "vil-export", "vil-export-onnx", "vil-benchmark", "vil-make-shards"):
         assert (venv / "bin" / script).is_file(), script
     # One epoch of the digits demo (two of its classes), by preset name; the repository is nowhere on the path.
     # longformerhand: the C++ kernel's build is tested elsewhere.
