@@ -90,3 +90,7 @@ def test_bad_shard_requests_are_one_sentence(shards, tmp_path):
         ShardDataset(shards / "train")
     status, _, stderr = run_tool("make_shards", tmp_path / "folder", shards)
     assert status == 1 and stderr.startswith(f"error: {shards / 'train'} exists; remove it or choose another")
+    status, _, stderr = run_tool("make_shards", tmp_path / "folder", tmp_path / "new", "--per-shard", "0")
+    assert status == 1 and stderr.startswith("error: --per-shard must be a positive number of samples, got 0.")
+    status, _, stderr = run_tool("make_shards", shards / "train", tmp_path / "new")
+    assert status == 1 and stderr.startswith(f"error: {shards / 'train'} has neither train/ nor val/; give the DATA.PATH")

@@ -278,6 +278,12 @@ def test_pretrained_tags_download_once_into_the_hub_cache_under_their_own_names(
         assert (tmp_path / "hub" / "checkpoints" / f"{name}.in1k.pth").read_bytes() == path.read_bytes()
     cached = resolve_model_path(load_cfg(overrides=["MODEL.MODEL_PATH", "vil_tiny_rpb.in1k"]))
     assert cached == str(tmp_path / "hub" / "checkpoints" / "vil_tiny_rpb.in1k.pth")
+    from vil.checkpoint import download_checkpoint
+
+    with pytest.raises(ValueError, match=r"^Cannot download file:///nowhere/model_best.pth \(.*\); download it by hand "
+                                         r"and give its path instead\.$"):
+        download_checkpoint("file:///nowhere/model_best.pth", "vil_small.in1k.pth")
+    assert not (tmp_path / "hub" / "checkpoints" / "vil_small.in1k.pth").exists()
     with pytest.raises(FileNotFoundError, match=r"Checkpoint vil_tiny.in9k does not exist .*and is not a pretrained tag"):
         resolve_model_path(load_cfg(overrides=["MODEL.MODEL_PATH", "vil_tiny.in9k"]))
     # A tag's model is built for the tag's image size (and class count).

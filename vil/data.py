@@ -17,8 +17,6 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .shards import ShardDataset
-
 EXPECTED_LAYOUT = "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<image>"
 # INPUT.INTERPOLATION holds PIL's codes, as in the original release.
 _INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}
@@ -27,6 +25,12 @@ _INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 class Unreadable(str):
     """What a dataset returns for an image that cannot be loaded: the file and the reason, as one string that
     :func:`collate_skipping` collects (it crosses from worker processes as a plain string)."""
+
+
+def skipped(name, error):
+    """The :class:`Unreadable` sample ``name``, with the first line of ``error`` as the reason."""
+    reason = next(iter(str(error).splitlines()), "") or type(error).__name__
+    return Unreadable(f"{name} ({reason})")
 
 
 class SkippingImageFolder(ImageFolder):
@@ -50,8 +54,7 @@ class SkippingImageFolder(ImageFolder):
             image = self.loader(path)
             return (self.transform(image) if self.transform else image), target
         except Exception as e:  # a decoder can fail in many ways on crafted bytes; each is one skipped file
-            reason = next(iter(str(e).splitlines()), "") or type(e).__name__
-            return Unreadable(f"{path} ({reason})")
+            return skipped(path, e)
 
 
 class DigitsDataset(Dataset):
@@ -192,6 +195,8 @@ def build_dataset(cfg, train):
         if chosen:
             raise ValueError("DATA.CLASSES picks classes of image folders; shards hold their classes' labels, so write "
                              "shards of the classes wanted (tools/make_shards.py) and leave DATA.CLASSES empty.")
+        from .shards import ShardDataset  # here: vil.shards imports this file
+
         dataset = ShardDataset(os.path.join(cfg.DATA.PATH, "train" if train else "val"), transform)
     else:
         root = os.path.join(cfg.DATA.PATH, "train" if train else "val")

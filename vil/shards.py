@@ -22,6 +22,9 @@ from itertools import islice
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from .data import skipped
+from .files import atomic_write
+
 INDEX = "index.json"
 
 
@@ -37,8 +40,6 @@ def require_webdataset():
 
 def write_index(folder, classes, counts):
     """The ``index.json`` of a split: its classes in label order and ``{shard file name: samples}``."""
-    from .files import atomic_write
-
     text = json.dumps({"classes": list(classes), "shards": counts}, indent=1) + "\n"
     atomic_write(os.path.join(folder, INDEX), lambda f: f.write(text.encode()))
 
@@ -99,8 +100,6 @@ class ShardDataset:
         return self._loader(self._shards_of(rank, world, None, 0), batch, workers, collate_fn, drop_last=False)
 
     def _decoded(self, sample):
-        from .data import Unreadable
-
         name = f"{sample.get('__url__', self.root)}:{sample['__key__']}"
         try:
             (suffix,) = [k for k in sample if not k.startswith("__") and k != "cls"]
@@ -111,5 +110,4 @@ class ShardDataset:
                 raise ValueError(f"class index {target} outside the {len(self.classes)} classes")
             return (self.transform(image) if self.transform else image), target
         except Exception as e:  # one damaged sample is one skipped sample, as in image folders
-            reason = next(iter(str(e).splitlines()), "") or type(e).__name__
-            return Unreadable(f"{name} ({reason})")
+            return skipped(name, e)

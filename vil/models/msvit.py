@@ -464,11 +464,10 @@ PRETRAINED = {
 
 
 def _tag_cfg(tag, file, top1, top5):
-    arch = PRESETS[tag.split(".")[0]]
-    kind = tag.split(".")[1]
+    name, kind = tag.split(".")
     about = (f"The original release's checkpoint: ImageNet-1K top-1 {top1}, top-5 {top5} as published." if top1 else
              "The original release's ImageNet-22K pre-training.")
-    return _cfg(arch, ORIGINAL_RELEASE_URL + file, size=384 if kind.endswith("_384") else 224,
+    return _cfg(PRESETS[name], ORIGINAL_RELEASE_URL + file, size=384 if kind.endswith("_384") else 224,
                 num_classes=21841 if kind == "in22k" else 1000, description=about)
 
 
