@@ -7,9 +7,9 @@ from test_checkpoint import original_release_checkpoint
 from timm.models import group_parameters
 
 import vil  # noqa: F401  (registers the presets)
-from vil.models import PRESETS, MsViT
+from vil.models import COMPARISONS, PRESETS, MsViT
 
-NAMES = sorted(PRESETS)
+NAMES = sorted([*PRESETS, *COMPARISONS])  # the presets and the attention comparison's models
 
 
 def test_every_preset_is_registered_with_its_pretrained_cfg():
@@ -24,6 +24,7 @@ def test_every_preset_is_registered_with_its_pretrained_cfg():
         assert cfg["interpolation"] == "bicubic" and cfg["num_classes"] == 1000
         assert cfg["mean"] == (0.485, 0.456, 0.406) and cfg["std"] == (0.229, 0.224, 0.225)
         assert cfg["first_conv"] == "layer1.0.proj" and cfg["classifier"] == "head"
+        assert cfg["fixed_input_size"] == ("linformer" in name)  # linformer's projections fix the token count
 
 
 @pytest.mark.parametrize("name", ["vil_tiny", "vil_small_rpb"])  # the others differ only in their arch strings

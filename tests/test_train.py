@@ -76,14 +76,19 @@ def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_pa
     assert load_cfg(out / "config.yaml").OPTIM.EPOCHS == 2
 
 
-def test_resume_after_one_epoch_gives_identical_weights(data, tmp_path):
-    straight = tmp_path / "straight"
-    train(tiny_cfg(data, straight, "MODEL.EMA", "True"))
-    resumed = tmp_path / "resumed"
+def straight_and_resumed(data, tmp_path, *overrides):
+    """Two epochs of training straight, and resumed from the state after the first one, as a run stopped there would
+    have left it: the two output folders."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(tiny_cfg(data, straight, *overrides))
     resumed.mkdir()
-    # The state after the first epoch, as a run stopped there would have left it.
     (resumed / "checkpoint_last.pth").write_bytes((straight / "checkpoint_epoch1.pth").read_bytes())
-    train(tiny_cfg(data, resumed, "MODEL.EMA", "True"))
+    train(tiny_cfg(data, resumed, *overrides))
+    return straight, resumed
+
+
+def test_resume_after_one_epoch_gives_identical_weights(data, tmp_path):
+    straight, resumed = straight_and_resumed(data, tmp_path, "MODEL.EMA", "True")
     assert "Resumed from" in (resumed / "log.txt").read_text()
     assert_same_weights(final_weights(straight), final_weights(resumed))
     ema = [read_checkpoint(str(d / "checkpoint_last.pth"))["ema"] for d in (straight, resumed)]
@@ -113,14 +118,9 @@ def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, m
 
 
 def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp_path):
-    out = tmp_path / "modes"
-    train(tiny_cfg(data, out, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.5"))
+    out, resumed = straight_and_resumed(data, tmp_path, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.5")
     text = (out / "log.txt").read_text()
     assert "Epoch 2: random-shift training ends" in text and "Epoch 1: random-shift" not in text
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    (resumed / "checkpoint_last.pth").write_bytes((out / "checkpoint_epoch1.pth").read_bytes())
-    train(tiny_cfg(data, resumed, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.5"))
     assert "Epoch 2: random-shift training ends" in (resumed / "log.txt").read_text()
     assert_same_weights(final_weights(out), final_weights(resumed))
 

@@ -129,7 +129,7 @@ _C.MODEL.VIT.MSVIT.ARCH = (
 )
 _C.MODEL.VIT.MSVIT.SHARE_W = True
 _C.MODEL.VIT.MSVIT.ATTN_TYPE = "longformerhand"
-_C.MODEL.VIT.MSVIT.SHARE_KV = True
+_C.MODEL.VIT.MSVIT.SHARE_KV = True  # ATTN_TYPE linformer: one projection for keys and values
 _C.MODEL.VIT.MSVIT.ONLY_GLOBAL = False
 _C.MODEL.VIT.MSVIT.SW_EXACT = 0
 _C.MODEL.VIT.MSVIT.LN_EPS = 1e-6
@@ -171,7 +171,6 @@ COMPATIBILITY_KEYS = {
     "MODEL.NONLINEARITY": "the original's ResNets",
     "MODEL.PRETRAINED": "torchvision's ResNet weights (ViL weights come from MODEL.MODEL_PATH)",
     "MODEL.FREEZE_CONV_BODY_AT": "the original's ResNets",
-    "MODEL.VIT.MSVIT.SHARE_KV": "the original's linformer attention",
     "BACKUP_LOG_DIR": "a copy of the logs on the original's cluster",
     "GATHER_ON_CPU": "where the original gathered per-image results",
 }

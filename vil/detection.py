@@ -128,8 +128,8 @@ def build_fpn_backbone(name_or_cfg, out_channels=256, trainable_stages=None, che
     kwargs = {**_model_arguments(name_or_cfg), **model_overrides}
     source_arch = kwargs.pop("arch")
     specs = backbone_specs(parse_arch(source_arch), full_attention_to_local, num_global)
-    if full_attention_to_local:
-        kwargs["full_attention"] = False
+    if full_attention_to_local and kwargs.get("attention") == "full":
+        kwargs["attention"] = "longformer"
     stages = len(specs)
     trainable = stages if trainable_stages is None else trainable_stages
     if not 0 <= trainable <= stages:

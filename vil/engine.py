@@ -497,6 +497,8 @@ def _train_epochs(run):
         if cfg.MODEL.VIT.MSVIT.MODE > 0 and epoch >= mode_switch_epoch:
             model.reset_vil_mode(0)
             log.info(f"Epoch {epoch + 1}: random-shift training ends; every attention layer now uses mode 0.")
+        if hasattr(model, "calls_since_last_redraw"):
+            model.set_feature_redraw_interval(1 + 5 * epoch)  # performer: the original release's schedule
         run.scheduler.step(epoch)  # SOLVER.EPOCH_BASED_SCHEDULE; a per-step schedule ignores it
         start = time.perf_counter()
         with torch.autograd.set_detect_anomaly(cfg.SOLVER.DETECT_ANOMALY):

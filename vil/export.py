@@ -12,7 +12,12 @@ from .files import atomic_write
 
 def _example_and_dims(model, height, width, batch=2):
     """An input of ``batch x C x height x width`` and the dynamic shapes of any batch and any height and width
-    that are multiples of the model's total stride."""
+    that are multiples of the model's total stride (of any batch only, for a model of fixed input size)."""
+    if model.fixed_input_size:
+        if (height, width) != tuple(model.img_size):
+            raise ValueError(f"This model takes only {model.img_size[0]}x{model.img_size[1]} images (linformer "
+                             f"attention is built for one token count); export it at that size, not {height}x{width}.")
+        return torch.randn(batch, model.in_chans, height, width), ({0: torch.export.Dim("batch", min=1, max=1024)},)
     stride = model.total_stride
     if height % stride or width % stride:
         raise ValueError(f"Export at an image size that is a multiple of the model's total stride {stride}, got "

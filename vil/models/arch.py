@@ -89,11 +89,12 @@ def stage_map_sizes(specs, image_size, pad=False):
     return sizes
 
 
-def _arch(stages, windows=(7, 7, 7, 7), ape=True):
-    """Arch string of a preset: ``stages`` as (layers, patch, heads, dim); stages 1-2 local, 3-4 full."""
+def _arch(stages, windows=(7, 7, 7, 7), ape=True, local_stages=2, num_global=(1, 1, 1, 0)):
+    """Arch string of a preset: ``stages`` as (layers, patch, heads, dim); stages 1..local_stages local (s1), the
+    others full attention."""
     return arch_string(
-        StageSpec(index=i, heads=h, dim=d, depth=n, local=i <= 2, num_global=int(i < 4), patch=p, window=f, ape=ape)
-        for i, ((n, p, h, d), f) in enumerate(zip(stages, windows), start=1)
+        StageSpec(index=i, heads=h, dim=d, depth=n, local=i <= local_stages, num_global=g, patch=p, window=f, ape=ape)
+        for i, ((n, p, h, d), f, g) in enumerate(zip(stages, windows, num_global), start=1)
     )
 
 
@@ -109,3 +110,28 @@ _PRESET_STAGES = {
 PRESETS = {name: _arch(stages, windows) for name, (stages, windows) in _PRESET_STAGES.items()}
 # The relative-position-bias variants.
 PRESETS.update({f"{name}_rpb": _arch(stages, windows, ape=False) for name, (stages, windows) in _PRESET_STAGES.items()})
+
+
+def small_arch(local_stages=2, windows=(7, 7, 7, 7), num_global=(1, 1, 1, 0)):
+    """A ViL-Small-sized arch string: ViL-Small's stages, the first ``local_stages`` of them s1 (the others full
+    attention), with these f fields and global-token counts."""
+    return _arch(_PRESET_STAGES["vil_small"][0], windows, local_stages=local_stages, num_global=num_global)
+
+
+# The ViL-Small-sized models of the original release's attention comparison: name -> (arch string, the MsViT
+# arguments of its attention). "partial": the mechanism in stages 1-2 only, full attention after. f is linformer's
+# projected token count, srformer's reduction ratio (per stage, as the published models' parameter counts say) and
+# performer's number of random features; "global" is longformer attention with ONLY_GLOBAL (local queries attend to
+# the global tokens only), 64 global tokens in each of its stages.
+COMPARISONS = {
+    "vil_small_full": (PRESETS["vil_small"], dict(attention="full")),
+    "vil_small_linformer": (small_arch(4, (256,) * 4), dict(attention="linformer", share_kv=True)),
+    "vil_small_linformer_partial": (small_arch(2, (256, 256, 7, 7)), dict(attention="linformer", share_kv=True)),
+    "vil_small_srformer64": (small_arch(4, (16, 8, 4, 2)), dict(attention="srformer")),
+    "vil_small_srformer32": (small_arch(3, (8, 4, 2, 7)), dict(attention="srformer")),
+    "vil_small_srformer32_partial": (small_arch(2, (8, 4, 7, 7)), dict(attention="srformer")),
+    "vil_small_performer": (small_arch(4, (256,) * 4), dict(attention="performer")),
+    "vil_small_performer_partial": (small_arch(2, (256, 256, 7, 7)), dict(attention="performer")),
+    "vil_small_global": (small_arch(4, num_global=(64,) * 4), dict(attention="longformer", only_global=True)),
+    "vil_small_global_partial": (small_arch(2, num_global=(64, 64, 1, 0)), dict(attention="longformer", only_global=True)),
+}

@@ -13,13 +13,13 @@ from ..ops import check_backend, local_attention_2d
 from .tables import full_bias, resize_full_bias_table
 
 
-def _split_heads(x, heads):
+def split_heads(x, heads):
     """(B, N, heads * D) -> (B, heads, N, D)."""
     B, N, C = x.shape
     return x.view(B, N, heads, C // heads).transpose(1, 2)
 
 
-def _merge_heads(x):
+def merge_heads(x):
     """(B, heads, N, D) -> (B, N, heads * D)."""
     B, H, N, D = x.shape
     return x.transpose(1, 2).reshape(B, N, H * D)
@@ -88,10 +88,10 @@ class FullAttention(_Attention):
 
     def forward(self, x, nx, ny):
         B, N, C = x.shape
-        q, k, v = _split_heads(self.qkv(x), 3 * self.heads).chunk(3, dim=1)
+        q, k, v = split_heads(self.qkv(x), 3 * self.heads).chunk(3, dim=1)
         bias = self._bias(nx, ny).to(q.dtype)[None] if self.rpe else None
         out = _full_attention(q, k, v, bias)
-        return self.proj_drop(self.proj(_merge_heads(out)))
+        return self.proj_drop(self.proj(merge_heads(out)))
 
 
 @register_notrace_module
@@ -137,8 +137,8 @@ class LongformerAttention(_Attention):
     def forward(self, x, nx, ny):
         B, N, C = x.shape
         G, H = self.num_global, self.heads
-        k, v = _split_heads(self.kv(x), 2 * H).chunk(2, dim=1)  # (B, H, G + nx*ny, D), globals first
-        q = _split_heads(self.query(x[:, G:]), H)
+        k, v = split_heads(self.kv(x), 2 * H).chunk(2, dim=1)  # (B, H, G + nx*ny, D), globals first
+        q = split_heads(self.query(x[:, G:]), H)
 
         local_bias_g = self.g2l_relative_position_bias[1] if self.rpe and G else None
         if self.only_global:
@@ -153,15 +153,15 @@ class LongformerAttention(_Attention):
                 rel_bias=self.local_relative_position_bias_table.t() if self.rpe else None,
                 global_bias=local_bias_g, backend=self.backend,
             ).reshape(B, H, nx * ny, C // H)
-        local_out = self.proj(_merge_heads(local_out))
+        local_out = self.proj(merge_heads(local_out))
         if not G:
             return self.proj_drop(local_out)
 
         kv_global = k, v
         if self.kv_global is not self.kv:
-            kv_global = _split_heads(self.kv_global(x), 2 * H).chunk(2, dim=1)
-        q_global = _split_heads(self.query_global(x[:, :G]), H)
+            kv_global = split_heads(self.kv_global(x), 2 * H).chunk(2, dim=1)
+        q_global = split_heads(self.query_global(x[:, :G]), H)
         mask = self._global_query_bias(N - G)[None].to(q.dtype) if self.rpe else None
         global_out = F.scaled_dot_product_attention(q_global, *kv_global, attn_mask=mask)
-        global_out = self.proj_global(_merge_heads(global_out))
+        global_out = self.proj_global(merge_heads(global_out))
         return self.proj_drop(torch.cat([global_out, local_out], dim=1))

@@ -19,9 +19,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import download_checkpoint
 from ..ops import check_window_options
-from .arch import PRESETS, parse_arch, stage_map_sizes
+from .arch import COMPARISONS, PRESETS, parse_arch, stage_map_sizes
 from .attention import FullAttention, LongformerAttention
 from .convert import checkpoint_filter_fn
+from .efficient_attention import LinformerAttention, PerformerAttention, SpatialReductionAttention
 from .tables import resize_position_embedding
 
 
@@ -149,8 +150,11 @@ class MsViT(nn.Module):
         arch: the architecture string (see :mod:`vil.models.arch`).
         global_pool: ``"token"`` (the first global token of the last stage), ``"avg"`` (mean over all tokens)
             or ``""`` (no pooling); None: ``"token"`` when the last stage has global tokens and not ``avg_pool``.
-        full_attention: full attention in every stage (ATTN_TYPE full); otherwise only in s0 stages.
-        attn_backend: the :func:`vil.ops.local_attention_2d` backend of the local stages (None: the fastest).
+        attention: the attention of the s1 stages (s0 stages have full attention): ``"longformer"`` (ViL's),
+            ``"full"``, or one of the mechanisms the original release compares with, ``"linformer"``,
+            ``"srformer"``, ``"performer"`` (:mod:`vil.models.efficient_attention`; the stage's f is their number).
+        attn_backend: the :func:`vil.ops.local_attention_2d` backend of longformer stages (None: the fastest).
+        share_kv: linformer's key and value projections are one parameter.
         dynamic_img_pad: patch embeddings pad images to a multiple of their patch size instead of dropping
             the remainder (see :class:`PatchEmbed`); the position tables then have ``ceil(size / stride)`` rows.
         sw_exact, mode, share_w, only_global: the longformer options of ``MODEL.VIT.MSVIT``.
@@ -159,8 +163,8 @@ class MsViT(nn.Module):
     """
 
     def __init__(self, arch, img_size=224, in_chans=3, num_classes=1000, global_pool=None, drop_rate=0.0,
-                 drop_path_rate=0.1, norm_embed=True, avg_pool=False, full_attention=False, attn_backend=None,
-                 share_w=True, only_global=False, sw_exact=0, mode=0, ln_eps=1e-6, dynamic_img_pad=False,
+                 drop_path_rate=0.1, norm_embed=True, avg_pool=False, attention="longformer", attn_backend=None,
+                 share_w=True, share_kv=True, only_global=False, sw_exact=0, mode=0, ln_eps=1e-6, dynamic_img_pad=False,
                  output_stride=None):
         super().__init__()
         self.dynamic_img_pad = dynamic_img_pad
@@ -182,6 +186,10 @@ class MsViT(nn.Module):
         if global_pool is None:
             global_pool = "token" if self.stage_specs[-1].num_global and not avg_pool else "avg"
         self.global_pool = self._checked_pool(global_pool)
+        if attention not in MECHANISMS:
+            raise ValueError(f"attention {attention!r} is not a mechanism of this model; use one of {', '.join(MECHANISMS)}.")
+        if only_global and attention != "longformer":
+            raise ValueError(f"ONLY_GLOBAL (only_global) is an option of longformer attention, not of {attention!r}.")
         norm_layer = partial(nn.LayerNorm, eps=ln_eps)
         rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs)).tolist()
 
@@ -190,13 +198,8 @@ class MsViT(nn.Module):
             blocks = [PatchEmbed(in_dim, spec.dim, spec.patch, nx, ny, spec.num_global, spec.ape, norm_embed, norm_layer,
                                  drop_rate, dynamic_img_pad)]
             for _ in range(spec.depth):
-                if spec.local and not full_attention:
-                    attn = LongformerAttention(
-                        spec.dim, spec.heads, spec.num_global, spec.window, rpe=not spec.ape, exact=sw_exact, mode=mode,
-                        share_w=share_w, only_global=only_global, backend=attn_backend, drop=drop_rate,
-                    )
-                else:
-                    attn = FullAttention(spec.dim, spec.heads, spec.num_global, nx, ny, rpe=not spec.ape, drop=drop_rate)
+                attn = self._attention(spec, nx, ny, attention if spec.local else "full", drop_rate, attn_backend=attn_backend,
+                                       share_w=share_w, share_kv=share_kv, only_global=only_global, exact=sw_exact, mode=mode)
                 blocks.append(AttnBlock(spec.dim, attn, norm_layer, rates[layer]))
                 blocks.append(MlpBlock(spec.dim, norm_layer, drop_rate, rates[layer]))
                 layer += 1
@@ -207,6 +210,52 @@ class MsViT(nn.Module):
         self.norm = norm_layer(in_dim)
         self.head = nn.Linear(in_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
+        if any(isinstance(m, PerformerAttention) for m in self.modules()):
+            # Training forwards since the features were last drawn (the original release's buffer), and every how
+            # many the features are drawn anew (a tensor, so that changing it compiles nothing new).
+            self.register_buffer("calls_since_last_redraw", torch.tensor(0))
+            self.register_buffer("feature_redraw_interval", torch.tensor(1), persistent=False)
+
+    @staticmethod
+    def _attention(spec, nx, ny, attention, drop, attn_backend, share_w, share_kv, only_global, exact, mode):
+        """The attention module of one layer of the stage ``spec`` (an ``nx x ny`` map at the built image size)."""
+        dim, heads, G, f = spec.dim, spec.heads, spec.num_global, spec.window
+        if attention == "full":
+            return FullAttention(dim, heads, G, nx, ny, rpe=not spec.ape, drop=drop)
+        if attention == "longformer":
+            return LongformerAttention(dim, heads, G, f, rpe=not spec.ape, exact=exact, mode=mode, share_w=share_w,
+                                       only_global=only_global, backend=attn_backend, drop=drop)
+        if attention == "linformer":
+            return LinformerAttention(dim, heads, G + nx * ny, f, share_kv=share_kv, drop=drop, stage=spec.index)
+        if attention == "srformer":
+            return SpatialReductionAttention(dim, heads, G, f, drop=drop, stage=spec.index)
+        return PerformerAttention(dim, heads, f, drop=drop)
+
+    @property
+    def fixed_input_size(self):
+        """True when the model takes only images of ``img_size`` (linformer attention: its projections are made for
+        one token count)."""
+        return any(isinstance(m, LinformerAttention) for m in self.modules())
+
+    def set_feature_redraw_interval(self, interval):
+        """Performer models: draw new random features every ``interval`` training forwards (the original
+        release's schedule sets ``1 + 5 * epoch`` at the start of each epoch; the default is 1)."""
+        if interval < 1:
+            raise ValueError(f"The feature redraw interval must be at least 1 forward, got {interval}.")
+        self.feature_redraw_interval.fill_(interval)
+
+    def _count_training_forward(self):
+        """Every training forward of a performer model counts; one that finds ``feature_redraw_interval`` of them
+        since the last draw first draws new features for every layer, from torch's random state. (The original
+        release reset its counter without counting the forward that redrew, so it redrew every interval + 1
+        forwards.) In a distributed run each process draws its own; DistributedDataParallel's buffer broadcast
+        at the next forward makes them rank 0's again."""
+        due = self.calls_since_last_redraw >= self.feature_redraw_interval
+        for module in self.modules():
+            if isinstance(module, PerformerAttention):
+                module.fast_attention.redraw_if(due)
+        with torch.no_grad():
+            self.calls_since_last_redraw.copy_(torch.where(due, 0, self.calls_since_last_redraw) + 1)
 
     @staticmethod
     def _init_weights(m):
@@ -268,6 +317,8 @@ class MsViT(nn.Module):
         """Yields every stage's tokens (B, G + nx*ny, C) and map size (nx, ny). Between stages the global tokens
         are dropped and the local ones, as an image, are the next stage's input."""
         check_images(x, self.in_chans, self.total_stride)
+        if self.training and hasattr(self, "calls_since_last_redraw"):
+            self._count_training_forward()
         for spec, to_map in zip(self.stage_specs, self.stage_maps):
             tokens, (nx, ny) = getattr(self, f"layer{spec.index}")(x)
             yield tokens, (nx, ny)
@@ -376,8 +427,10 @@ class MsViT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-# Attention implementations by MODEL.VIT.MSVIT.ATTN_TYPE: the local_attention_2d backend (None: the fastest one
-# for the device, dtype and options of each call), or "full".
+# The attention of s1 stages (MsViT's attention argument).
+MECHANISMS = ("longformer", "full", "linformer", "srformer", "performer")
+# MODEL.VIT.MSVIT.ATTN_TYPE -> the local_attention_2d backend of longformer attention (None: the fastest one for the
+# device, dtype and options of each call), or another mechanism.
 ATTN_TYPES = {
     "longformer": None,
     "full": "full",
@@ -390,6 +443,9 @@ ATTN_TYPES = {
     "longformer_unfold_nnf": "unfold_nnf",
     "longformer_chunk_rows": "chunk_rows",
     "longformer_fused_cpu": "fused_cpu",
+    "linformer": "linformer",
+    "srformer": "srformer",
+    "performer": "performer",
 }
 
 
@@ -401,12 +457,13 @@ def model_kwargs(cfg):
     if msvit.ATTN_TYPE not in ATTN_TYPES:
         raise ValueError(f"Unknown MODEL.VIT.MSVIT.ATTN_TYPE {msvit.ATTN_TYPE!r}; known: {', '.join(ATTN_TYPES)}.")
     backend = ATTN_TYPES[msvit.ATTN_TYPE]
+    attention = backend if backend in MECHANISMS else "longformer"
     check_window_options(msvit.SW_EXACT, msvit.MODE)  # also where no layer is a longformer one
     return dict(
         arch=msvit.ARCH, img_size=cfg.INPUT.IMAGE_SIZE, num_classes=cfg.DATA.NUM_CLASSES, drop_rate=vit.DROP,
         drop_path_rate=vit.DROP_PATH, norm_embed=vit.NORM_EMBED, avg_pool=vit.AVG_POOL,
-        full_attention=backend == "full", attn_backend=None if backend == "full" else backend,
-        share_w=msvit.SHARE_W, only_global=msvit.ONLY_GLOBAL, sw_exact=msvit.SW_EXACT, mode=msvit.MODE, ln_eps=msvit.LN_EPS,
+        attention=attention, attn_backend=None if backend in MECHANISMS else backend,
+        share_w=msvit.SHARE_W, share_kv=msvit.SHARE_KV, only_global=msvit.ONLY_GLOBAL, sw_exact=msvit.SW_EXACT, mode=msvit.MODE, ln_eps=msvit.LN_EPS,
         dynamic_img_pad=vit.DYNAMIC_IMG_PAD,
     )
 
@@ -419,11 +476,11 @@ def build_model(cfg):
 # --- Registration with timm: timm.create_model("vil_small"), features_only, pretrained_cfg_overlay=dict(file=...) ---
 
 
-def _cfg(arch, url="", size=224, num_classes=1000, description=None):
+def _cfg(arch, url="", size=224, num_classes=1000, description=None, fixed_input_size=False):
     stride = math.prod(spec.patch for spec in parse_arch(arch))
     return {
         "url": url, "num_classes": num_classes, "input_size": (3, size, size), "pool_size": (size // stride, size // stride),
-        "crop_pct": 0.875 if size == 224 else 1.0, "interpolation": "bicubic", "fixed_input_size": False,
+        "crop_pct": 0.875 if size == 224 else 1.0, "interpolation": "bicubic", "fixed_input_size": fixed_input_size,
         "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD, "first_conv": "layer1.0.proj", "classifier": "head",
         "license": "mit", "paper_ids": "arXiv:2103.15358", "origin_url": "https://github.com/microsoft/vision-longformer",
         "description": description,
@@ -460,20 +517,33 @@ PRETRAINED = {
     "vil_base_wide.in22k_ft_in1k_384": (
         "IN384_IN22kpretrained/msvitwidebase_imagenet384_finetune_bsz768_lr001_wd1e-7/model_best.pth", 86.2, 98.0),
     "vil_base_wide.in22k": ("IN22kpretrained/widebase/model_best.pth", None, None),
+    # The attention comparison (COMPARISONS). The performer and global-memory checkpoints are not tags: their numbers
+    # of random features and of global tokens are not known here.
+    "vil_small_full.in1k": ("fullMSA/small1281/model_best.pth", 81.9, 95.8),
+    "vil_small_linformer.in1k": ("linformer/small1281_full/model_best.pth", 81.0, 95.4),
+    "vil_small_linformer_partial.in1k": ("linformer/small1281_partial/model_best.pth", 81.8, 95.9),
+    "vil_small_srformer64.in1k": ("srformer/srformerfull1281/model_best.pth", 76.4, 92.9),
+    "vil_small_srformer32.in1k": ("srformer/srformerfull8_1281/model_best.pth", 79.9, 94.9),
+    "vil_small_srformer32_partial.in1k": ("srformer/srformerpartial1281/model_best.pth", 81.6, 95.7),
 }
+# Every registered model: name -> (arch string, its attention's MsViT arguments).
+VARIANTS = {**{name: (arch, {}) for name, arch in PRESETS.items()}, **COMPARISONS}
 
 
 def _tag_cfg(tag, file, top1, top5):
     name, kind = tag.split(".")
     about = (f"The original release's checkpoint: ImageNet-1K top-1 {top1}, top-5 {top5} as published." if top1 else
              "The original release's ImageNet-22K pre-training.")
-    return _cfg(PRESETS[name], ORIGINAL_RELEASE_URL + file, size=384 if kind.endswith("_384") else 224,
-                num_classes=21841 if kind == "in22k" else 1000, description=about)
+    arch, attention = VARIANTS[name]
+    return _cfg(arch, ORIGINAL_RELEASE_URL + file, size=384 if kind.endswith("_384") else 224,
+                num_classes=21841 if kind == "in22k" else 1000, description=about,
+                fixed_input_size=attention.get("attention") == "linformer")
 
 
 default_cfgs = generate_default_cfgs({
     **{tag: _tag_cfg(tag, *published) for tag, published in PRETRAINED.items()},
-    **{name: _cfg(arch) for name, arch in PRESETS.items() if not any(t.startswith(name + ".") for t in PRETRAINED)},
+    **{name: _cfg(arch, fixed_input_size=attention.get("attention") == "linformer")
+       for name, (arch, attention) in VARIANTS.items() if not any(t.startswith(name + ".") for t in PRETRAINED)},
 })
 
 
@@ -517,11 +587,12 @@ def _create_vil(variant, pretrained=False, **kwargs):
     cfg = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get("pretrained_cfg"),
                                  pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"))
     kwargs.setdefault("img_size", cfg.input_size[-1])
+    arch, attention = VARIANTS[variant]
     if pretrained and cfg.url and not (cfg.file or cfg.state_dict):
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, file=_downloaded(cfg))
     return build_model_with_cfg(
-        MsViT, variant, pretrained, arch=PRESETS[variant], pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=_feature_cfg(kwargs), **kwargs,
+        MsViT, variant, pretrained, arch=arch, pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=_feature_cfg(kwargs), **{**attention, **kwargs},
     )
 
 
@@ -595,3 +666,63 @@ def vil_base_wide(pretrained=False, **kwargs):
 def vil_base_wide_rpb(pretrained=False, **kwargs):
     """ViL-Base-Wide, relative position bias."""
     return _create_vil("vil_base_wide_rpb", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_full(pretrained=False, **kwargs):
+    """ViL-Small with full attention in every stage (the comparison's baseline)."""
+    return _create_vil("vil_small_full", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_linformer(pretrained=False, **kwargs):
+    """ViL-Small-sized, linformer attention (256 projected tokens) in all four stages."""
+    return _create_vil("vil_small_linformer", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_linformer_partial(pretrained=False, **kwargs):
+    """ViL-Small-sized, linformer attention in stages 1-2, full attention after."""
+    return _create_vil("vil_small_linformer_partial", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_srformer64(pretrained=False, **kwargs):
+    """ViL-Small-sized, spatial-reduction attention in all four stages (ratios 16, 8, 4, 2)."""
+    return _create_vil("vil_small_srformer64", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_srformer32(pretrained=False, **kwargs):
+    """ViL-Small-sized, spatial-reduction attention in stages 1-3 (ratios 8, 4, 2), full in stage 4."""
+    return _create_vil("vil_small_srformer32", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_srformer32_partial(pretrained=False, **kwargs):
+    """ViL-Small-sized, spatial-reduction attention in stages 1-2 (ratios 8, 4), full after."""
+    return _create_vil("vil_small_srformer32_partial", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_performer(pretrained=False, **kwargs):
+    """ViL-Small-sized, performer attention (256 random features) in all four stages."""
+    return _create_vil("vil_small_performer", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_performer_partial(pretrained=False, **kwargs):
+    """ViL-Small-sized, performer attention in stages 1-2, full attention after."""
+    return _create_vil("vil_small_performer_partial", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_global(pretrained=False, **kwargs):
+    """ViL-Small-sized, global-memory attention (ONLY_GLOBAL, 64 global tokens) in all four stages."""
+    return _create_vil("vil_small_global", pretrained, **kwargs)
+
+
+@register_model
+def vil_small_global_partial(pretrained=False, **kwargs):
+    """ViL-Small-sized, global-memory attention in stages 1-2, full attention after."""
+    return _create_vil("vil_small_global_partial", pretrained, **kwargs)

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.flop_counter import register_flop_formula
+from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from .backends import reference, unfold
 from .neighborhood import Neighborhood1d, Neighborhood2d
@@ -379,6 +379,20 @@ def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_m
 def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
       dilations, causal, scale, **kwargs):
     return _flops_1d(5, backend, q, global_k, window, dilations, causal)
+
+
+# torch has no formula for its CPU kernel of scaled_dot_product_attention, which would count as no work: every full
+# attention (the model's s0 stages, global tokens, other libraries' models) is counted as its CUDA kernels are.
+
+
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, get_raw=True)
+def _(query, key, value, *args, **kwargs):
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward, get_raw=True)
+def _(grad_out, query, key, value, *args, **kwargs):
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
 # --- Decompositions -------------------------------------------------------------------------------------------
