@@ -7,7 +7,7 @@ import torch
 
 from vil.config import load_cfg
 from vil.models import PRESETS, MsViT
-from vil.optim import OPTIMIZERS, build_optimizer, build_scheduler, drop_learning_rate
+from vil.optim import OPTIMIZERS, ModelEma, build_optimizer, build_scheduler, drop_learning_rate
 
 
 def cfg_with(*overrides):
@@ -147,3 +147,28 @@ def test_unknown_optimizer_and_policy_are_one_sentence():
         build_scheduler(cfg_with("SOLVER.LR_POLICY", "poly"), build_optimizer(cfg_with(), model), 3)
     with pytest.raises(ValueError, match="SOLVER.WARMUP_METHOD 'constant' is not supported; use 'linear'."):
         build_scheduler(cfg_with("SOLVER.WARMUP_METHOD", "constant"), build_optimizer(cfg_with(), model), 3)
+
+
+def test_moving_average_takes_each_shared_weight_once_and_copies_the_random_features():
+    """At decay d every parameter moves 1 - d of the way to the model's, shared ones (SHARE_W: query_global is
+    query) included; the performer's projection, a buffer, is the model's."""
+    arch = "l1,h1,d8,n1,s1,g1,p4,f2,a1_l2,h1,d8,n1,s0,g0,p2,f2,a1_l3,h1,d8,n1,s0,g0,p2,f2,a1"
+    for attention in ("longformer", "performer"):
+        torch.manual_seed(0)
+        model = MsViT(arch, img_size=32, num_classes=2, attention=attention)
+        ema = ModelEma(model, decay=0.75)
+        before = {k: v.clone() for k, v in ema.module.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+            if attention == "performer":
+                model.layer1[1].attn.fast_attention.projection_matrix.mul_(2.0)
+        ema.update(model)
+        after = ema.module.state_dict()
+        for name, value in model.named_parameters(remove_duplicate=False):
+            torch.testing.assert_close(after[name], before[name] + 0.25 * (value.detach() - before[name]), msg=name)
+        if attention == "longformer":
+            assert ema.module.layer1[1].attn.query_global is ema.module.layer1[1].attn.query
+        else:
+            key = "layer1.1.attn.fast_attention.projection_matrix"
+            assert torch.equal(after[key], model.state_dict()[key])

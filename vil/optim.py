@@ -1,4 +1,5 @@
-"""The optimizer and the learning-rate schedule, built from the config as the original release did."""
+"""The optimizer and the learning-rate schedule, built from the config as the original release did, and the
+weights' moving average (MODEL.EMA)."""
 
 import warnings
 
@@ -6,6 +7,7 @@ import torch
 from qhoptim.pyt import QHM
 from timm.optim import Lamb, param_groups_layer_decay
 from timm.scheduler import CosineLRScheduler, PolyLRScheduler, StepLRScheduler
+from timm.utils import ModelEmaV3
 
 OPTIMIZERS = ("adamw", "sgd", "qhm", "adam", "lamb")
 
@@ -91,3 +93,28 @@ def drop_learning_rate(optimizer, factor):
     for group in optimizer.param_groups:
         group["lr_scale"] = group.get("lr_scale", 1.0) / factor
         group["lr"] /= factor
+
+
+class ModelEma(ModelEmaV3):
+    """timm's ``ModelEmaV3``, with two changes to its update for these models:
+
+    - each tensor is averaged once. A model whose modules share weights (``SHARE_W``: ``query_global`` is
+      ``query``; linformer's ``SHARE_KV``) lists a shared tensor under each of its names, and timm's update
+      averages it once per name (at decay d, a shared weight then moves as if at decay d^2);
+    - buffers are copied, not averaged: the only floating-point ones are the performer's random features, a draw
+      that the model replaces, not a statistic.
+    """
+
+    @torch.no_grad()
+    def apply_update_(self, model, decay):
+        averaged = set()
+        pairs = zip(self.module.state_dict(keep_vars=True).values(), model.state_dict(keep_vars=True).values())
+        for ema_value, value in pairs:
+            if id(ema_value) in averaged:
+                continue
+            averaged.add(id(ema_value))
+            value = value.detach().to(ema_value.device)
+            if isinstance(ema_value, torch.nn.Parameter) and ema_value.is_floating_point():
+                ema_value.lerp_(value, 1.0 - decay)
+            else:
+                ema_value.copy_(value)

@@ -33,8 +33,13 @@ from .msvit import (
 )
 
 __all__ = [
-    "ATTN_TYPES", "COMPARISONS", "MECHANISMS", "MsViT", "PRESETS", "arch_string", "build_model", "parse_arch", "pretrained_checkpoint", "small_arch", "stage_map_sizes",
+    "ATTN_TYPES", "COMPARISONS", "MECHANISMS", "MsViT", "PRESETS", "arch_string", "build_model", "parse_arch",
+    "pretrained_checkpoint", "small_arch", "stage_map_sizes",
     "vil_base_deep", "vil_base_deep_rpb", "vil_base_wide", "vil_base_wide_rpb", "vil_medium_deep",
-    "vil_medium_deep_rpb", "vil_medium_wide", "vil_medium_wide_rpb", "vil_small", "vil_small_rpb", "vil_small_full", "vil_small_linformer", "vil_small_linformer_partial", "vil_small_srformer64", "vil_small_srformer32", "vil_small_srformer32_partial", "vil_small_performer", "vil_small_performer_partial", "vil_small_global", "vil_small_global_partial", "vil_tiny",
+    "vil_medium_deep_rpb", "vil_medium_wide", "vil_medium_wide_rpb", "vil_small", "vil_small_rpb", "vil_tiny",
     "vil_tiny_rpb",
+    # the attention comparison's models
+    "vil_small_full", "vil_small_global", "vil_small_global_partial", "vil_small_linformer",
+    "vil_small_linformer_partial", "vil_small_performer", "vil_small_performer_partial", "vil_small_srformer32",
+    "vil_small_srformer32_partial", "vil_small_srformer64",
 ]
