@@ -16,6 +16,7 @@ from vil.checkpoint import read_checkpoint
 from vil.engine import load_weights
 from vil.export import export_program
 from vil.config import load_cfg
+from vil.detection import ViLBackbone
 from vil.models import COMPARISONS, MsViT, build_model
 from vil.models.efficient_attention import (FavorFeatures, LinformerAttention, PerformerAttention,
                                             SpatialReductionAttention, orthogonal_random_features)
@@ -226,6 +227,27 @@ def test_performer_redraws_every_interval_training_forwards_and_never_in_evaluat
         assert len(layers) == 2 and layers[0].shape == (3, 8) and layers[1].shape == (2, 16)
     with pytest.raises(ValueError, match="at least 1"):
         model.set_feature_redraw_interval(0)
+    with pytest.raises(ValueError, match="no performer attention, so it has no random features to redraw"):
+        build_model(tiny_cfg("srformer")).set_feature_redraw_interval(2)
+
+
+def test_frozen_stages_keep_their_features():
+    """A detection backbone keeps its frozen stages in eval mode: their performer layers never redraw."""
+    torch.manual_seed(13)
+    backbone = ViLBackbone(ARCH, out_indices=(0, 1, 2), img_size=32, attention="performer", frozen_stages=1).train()
+    key = "layer{}.1.attn.fast_attention.projection_matrix"
+    before = {k: v.clone() for k, v in backbone.state_dict().items()}
+    with torch.no_grad():
+        for _ in range(3):
+            backbone(torch.randn(1, 3, 32, 32))
+    after = backbone.state_dict()
+    assert torch.equal(after[key.format(1)], before[key.format(1)])
+    assert not torch.equal(after[key.format(2)], before[key.format(2)])
+
+
+def test_fx_feature_extraction_of_a_performer_is_refused():
+    with pytest.raises(ValueError, match="feature_cls 'fx' cannot extract a performer model's features"):
+        timm.create_model("vil_small_performer_partial", features_only=True, feature_cls="fx", img_size=64)
 
 
 def test_performer_redraws_continue_identically_from_a_state_dict_and_random_state():

@@ -139,9 +139,12 @@ def torchrun_two_processes(data, out, *overrides):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path):
+@pytest.mark.parametrize("attn_type", ["longformer", "performer"])  # performer: each process draws features
+def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path, attn_type):
+    """Parameters and buffers agree at the end (the performer redraws at every step of its first epoch, also at the
+    last one before the evaluation)."""
     out = tmp_path / "ddp"
-    torchrun_two_processes(data, out, "AUG.REPEATED_AUG", "True")
+    torchrun_two_processes(data, out, "AUG.REPEATED_AUG", "True", "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type)
     text = (out / "log.txt").read_text()
     assert "2 process(es)" in text and "All 2 processes hold identical weights." in text
     assert "DISTRIBUTED_BACKEND nccl serves CUDA devices; these CPU processes use gloo." in text

@@ -428,6 +428,8 @@ def _peak_memory_mib(run):
 def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
     """Evaluate after ``epoch`` (the EMA weights too); one log line and TensorBoard points. Returns top-1."""
     cfg, runtime, model = run.cfg, run.runtime, run.model
+    if runtime.world > 1:
+        _share_rank0_buffers(run)
     result = evaluate(model, eval_loader(run.test_set, cfg, runtime), runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format)
     if result["nonfinite"]:
         stop_diverged(run, f"the outputs of {result['nonfinite']} evaluation images were not finite", f"the end of epoch {epoch + 1}")
@@ -445,6 +447,15 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
     log.info(f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items())
              + (f"; skipped {int(skipped)} unreadable images" if skipped else "") + f"; ETA {_run_eta(run, epoch)}")
     return result["top1"]
+
+
+def _share_rank0_buffers(run):
+    """Every process takes rank 0's buffers (of the model and its EMA). DistributedDataParallel does so at each
+    training forward; between the last one and the evaluation, a performer layer may have drawn features of its own
+    in each process, and every process must evaluate the model that is saved."""
+    for module in (run.model, run.ema.module if run.ema else None):
+        for buffer in module.buffers() if module is not None else ():
+            dist.broadcast(buffer, 0)
 
 
 def _run_eta(run, epoch):
@@ -557,8 +568,9 @@ def _peak_rss_mib():
 
 
 def _check_ranks_agree(model, runtime):
-    """DistributedDataParallel keeps the replicas equal; say so, or fail loudly if they drifted apart."""
-    total = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1)
+    """DistributedDataParallel keeps the replicas equal (parameters and buffers); say so, or fail loudly if they
+    drifted apart."""
+    total = torch.stack([t.detach().double().sum() for t in (*model.parameters(), *model.buffers())]).sum().reshape(1)
     low, high = total.clone(), total.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)

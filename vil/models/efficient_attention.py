@@ -16,6 +16,10 @@ from timm.layers import register_notrace_module
 from .attention import merge_heads, split_heads
 
 
+def _in_stage(stage):
+    return "" if stage is None else f" in stage {stage}"
+
+
 @register_notrace_module  # a leaf for torch.fx: it checks the token count
 class LinformerAttention(nn.Module):
     """Linformer (Wang et al., 2020): keys and values, all heads at once, are projected along the token axis to
@@ -37,10 +41,10 @@ class LinformerAttention(nn.Module):
         self.proj_v = self.proj_k if share_kv else nn.Parameter(torch.empty(seq_len, k).uniform_(-bound, bound))
 
     def forward(self, x, nx, ny):
-        B, N, C = x.shape
+        N = x.shape[1]
         if N != self.seq_len:
             raise ValueError(
-                f"Linformer attention in stage {self.stage} is built for {self.seq_len} tokens (the image size the model "
+                f"Linformer attention{_in_stage(self.stage)} is built for {self.seq_len} tokens (the image size the model "
                 f"was built for) and got {N} ({nx}x{ny} + global tokens); give images of the size the model was built "
                 "for, or build it (img_size, INPUT.IMAGE_SIZE) for this size."
             )
@@ -70,11 +74,11 @@ class SpatialReductionAttention(nn.Module):
         self.norm = nn.InstanceNorm2d(dim)
 
     def forward(self, x, nx, ny):
-        B, N, C = x.shape
+        B, _, C = x.shape
         G, r = self.num_global, self.ratio
         if (nx // r) * (ny // r) < 2:
             raise ValueError(
-                f"Spatial-reduction attention in stage {self.stage} reduces its {nx}x{ny} map by {r} to "
+                f"Spatial-reduction attention{_in_stage(self.stage)} reduces its {nx}x{ny} map by {r} to "
                 f"{nx // r}x{ny // r}, and its instance norm needs at least 2 positions; use a smaller reduction "
                 f"(the stage's f field) or larger images."
             )
@@ -100,7 +104,7 @@ def orthogonal_random_features(num_features, dim, generator=None):
 class FavorFeatures(nn.Module):
     """FAVOR+ (Choromanski et al., 2021): softmax attention approximated with ``num_features`` positive random
     features, linear in the token count. ``projection_matrix`` is a buffer (in the state dict) that
-    :meth:`redraw` replaces."""
+    :meth:`redraw_if` replaces."""
 
     def __init__(self, head_dim, num_features):
         super().__init__()

@@ -240,6 +240,8 @@ class MsViT(nn.Module):
     def set_feature_redraw_interval(self, interval):
         """Performer models: draw new random features every ``interval`` training forwards (the original
         release's schedule sets ``1 + 5 * epoch`` at the start of each epoch; the default is 1)."""
+        if not hasattr(self, "calls_since_last_redraw"):
+            raise ValueError("This model has no performer attention, so it has no random features to redraw.")
         if interval < 1:
             raise ValueError(f"The feature redraw interval must be at least 1 forward, got {interval}.")
         self.feature_redraw_interval.fill_(interval)
@@ -252,7 +254,7 @@ class MsViT(nn.Module):
         at the next forward makes them rank 0's again."""
         due = self.calls_since_last_redraw >= self.feature_redraw_interval
         for module in self.modules():
-            if isinstance(module, PerformerAttention):
+            if isinstance(module, PerformerAttention) and module.training:  # not in stages kept in eval mode
                 module.fast_attention.redraw_if(due)
         with torch.no_grad():
             self.calls_since_last_redraw.copy_(torch.where(due, 0, self.calls_since_last_redraw) + 1)
@@ -517,14 +519,17 @@ PRETRAINED = {
     "vil_base_wide.in22k_ft_in1k_384": (
         "IN384_IN22kpretrained/msvitwidebase_imagenet384_finetune_bsz768_lr001_wd1e-7/model_best.pth", 86.2, 98.0),
     "vil_base_wide.in22k": ("IN22kpretrained/widebase/model_best.pth", None, None),
-    # The attention comparison (COMPARISONS). The performer and global-memory checkpoints are not tags: their numbers
-    # of random features and of global tokens are not known here.
+    # The attention comparison (COMPARISONS). The global-memory checkpoints are not tags: their number of global
+    # tokens is not known here. The performer's 256 features fit its published parameter counts (24.8M, 24.7M), which
+    # include the projections.
     "vil_small_full.in1k": ("fullMSA/small1281/model_best.pth", 81.9, 95.8),
     "vil_small_linformer.in1k": ("linformer/small1281_full/model_best.pth", 81.0, 95.4),
     "vil_small_linformer_partial.in1k": ("linformer/small1281_partial/model_best.pth", 81.8, 95.9),
     "vil_small_srformer64.in1k": ("srformer/srformerfull1281/model_best.pth", 76.4, 92.9),
     "vil_small_srformer32.in1k": ("srformer/srformerfull8_1281/model_best.pth", 79.9, 94.9),
     "vil_small_srformer32_partial.in1k": ("srformer/srformerpartial1281/model_best.pth", 81.6, 95.7),
+    "vil_small_performer.in1k": ("performer/fullperformer1281/model_best.pth", 78.7, 94.3),
+    "vil_small_performer_partial.in1k": ("performer/partialperformer1281/model_best.pth", 81.7, 95.7),
 }
 # Every registered model: name -> (arch string, its attention's MsViT arguments).
 VARIANTS = {**{name: (arch, {}) for name, arch in PRESETS.items()}, **COMPARISONS}
@@ -588,6 +593,9 @@ def _create_vil(variant, pretrained=False, **kwargs):
                                  pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"))
     kwargs.setdefault("img_size", cfg.input_size[-1])
     arch, attention = VARIANTS[variant]
+    if kwargs.get("feature_cls") == "fx" and kwargs.get("attention", attention.get("attention")) == "performer":
+        raise ValueError("feature_cls 'fx' cannot extract a performer model's features: tracing drops the redraw of its "
+                         "random features; use feature_cls 'getter' (the default) or 'hook'.")
     if pretrained and cfg.url and not (cfg.file or cfg.state_dict):
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, file=_downloaded(cfg))
     return build_model_with_cfg(
