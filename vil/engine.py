@@ -453,8 +453,8 @@ def _share_rank0_buffers(run):
     """Every process takes rank 0's buffers (of the model and its EMA). DistributedDataParallel does so at each
     training forward; between the last one and the evaluation, a performer layer may have drawn features of its own
     in each process, and every process must evaluate the model that is saved."""
-    for module in (run.model, run.ema.module if run.ema else None):
-        for buffer in module.buffers() if module is not None else ():
+    for module in [run.model] + ([run.ema.module] if run.ema else []):
+        for buffer in module.buffers():
             dist.broadcast(buffer, 0)
 
 

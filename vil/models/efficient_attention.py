@@ -90,14 +90,14 @@ class SpatialReductionAttention(nn.Module):
         return self.proj_drop(self.proj(merge_heads(out)))
 
 
-def orthogonal_random_features(num_features, dim, generator=None):
+def orthogonal_random_features(num_features, dim, device=None):
     """``(num_features, dim)`` Gaussian orthogonal random features: stacked blocks of random orthogonal ``dim x
     dim`` matrices (Haar-distributed: QR of a Gaussian matrix, signs fixed by R's diagonal), the last one cut to
     size, each row rescaled by the norm of a ``dim``-dimensional Gaussian vector."""
-    gaussian = torch.randn(-(-num_features // dim), dim, dim, generator=generator, dtype=torch.float64)
+    gaussian = torch.randn(-(-num_features // dim), dim, dim, dtype=torch.float64, device=device)
     q, r = torch.linalg.qr(gaussian)
     blocks = (q * r.diagonal(dim1=-2, dim2=-1).sign()[:, None, :]).transpose(1, 2)  # each block's rows orthonormal
-    norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1)
+    norms = torch.randn(num_features, dim, dtype=torch.float64, device=device).norm(dim=1)
     return (norms[:, None] * blocks.reshape(-1, dim)[:num_features]).float()
 
 
@@ -115,7 +115,7 @@ class FavorFeatures(nn.Module):
     def redraw_if(self, due):
         """Replace the projection with a fresh draw where ``due`` (a bool tensor) is true. Drawing every time and
         selecting keeps the decision in the graph under torch.compile, as the neighbour draw of MODE > 0 does."""
-        fresh = orthogonal_random_features(self.num_features, self.head_dim).to(self.projection_matrix.device)
+        fresh = orthogonal_random_features(self.num_features, self.head_dim, self.projection_matrix.device)
         self.projection_matrix.copy_(torch.where(due, fresh, self.projection_matrix))
 
     def _features(self, x, is_query):

@@ -478,8 +478,10 @@ def build_model(cfg):
 # --- Registration with timm: timm.create_model("vil_small"), features_only, pretrained_cfg_overlay=dict(file=...) ---
 
 
-def _cfg(arch, url="", size=224, num_classes=1000, description=None, fixed_input_size=False):
+def _cfg(name, url="", size=224, num_classes=1000, description=None):
+    arch, attention = VARIANTS[name]
     stride = math.prod(spec.patch for spec in parse_arch(arch))
+    fixed_input_size = attention.get("attention") == "linformer"  # its projections are made for one token count
     return {
         "url": url, "num_classes": num_classes, "input_size": (3, size, size), "pool_size": (size // stride, size // stride),
         "crop_pct": 0.875 if size == 224 else 1.0, "interpolation": "bicubic", "fixed_input_size": fixed_input_size,
@@ -539,16 +541,13 @@ def _tag_cfg(tag, file, top1, top5):
     name, kind = tag.split(".")
     about = (f"The original release's checkpoint: ImageNet-1K top-1 {top1}, top-5 {top5} as published." if top1 else
              "The original release's ImageNet-22K pre-training.")
-    arch, attention = VARIANTS[name]
-    return _cfg(arch, ORIGINAL_RELEASE_URL + file, size=384 if kind.endswith("_384") else 224,
-                num_classes=21841 if kind == "in22k" else 1000, description=about,
-                fixed_input_size=attention.get("attention") == "linformer")
+    return _cfg(name, ORIGINAL_RELEASE_URL + file, size=384 if kind.endswith("_384") else 224,
+                num_classes=21841 if kind == "in22k" else 1000, description=about)
 
 
 default_cfgs = generate_default_cfgs({
     **{tag: _tag_cfg(tag, *published) for tag, published in PRETRAINED.items()},
-    **{name: _cfg(arch, fixed_input_size=attention.get("attention") == "linformer")
-       for name, (arch, attention) in VARIANTS.items() if not any(t.startswith(name + ".") for t in PRETRAINED)},
+    **{name: _cfg(name) for name in VARIANTS if not any(t.startswith(name + ".") for t in PRETRAINED)},
 })
 
 
