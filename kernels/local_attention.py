@@ -17,32 +17,24 @@ queries, and masks by distance. Dilation ``DIL`` (SW_EXACT 1 only) runs the same
 positions with equal row and column residues modulo ``DIL``; all indices are lattice indices.
 
 Forward: one pass, saves the output and the base-2 log-sum-exp. Backward, by recomputation:
-``_bwd_delta_kernel`` (rowsum(dO * O)), ``_bwd_dkdv_kernel`` (key-centric: loops over the query chunks that see a
+``flash.delta_kernel`` (rowsum(dO * O)), ``_bwd_dkdv_kernel`` (key-centric: loops over the query chunks that see a
 key chunk), ``_bwd_dq_kernel`` (query-centric: dQ, and per-program partial sums for the global keys' and the
-bias tables' gradients, which the host adds up in a fixed order, so results are deterministic).
+bias tables' gradients, which the host adds up in a fixed order, so results are deterministic). What this file
+shares with the 1D kernels (the online softmax, global keys, bias-gradient sums, tuner) is in ``flash.py``.
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
+
+from . import flash
+from .flash import (LOG2E, global_scores, initial_softmax_state, load_globals, load_rows, offset_sums,
+                    online_softmax_step, softmax_grad, softmax_result, store_rows)
 
 HEAD_DIMS = (16, 32, 48, 64, 96, 128)
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_WINDOW = 16
-LOG2E = 1.4426950408889634
-
-
-def interpreting():
-    """Whether Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Allocator of every buffer a kernel writes; tests replace it with one that fills buffers with NaN.
-new_output = torch.empty
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -80,34 +72,12 @@ def _tile(chunk, first_row, res_i, res_j, X, Y, MY, C: tl.constexpr, P: tl.const
 
 @triton.jit
 def _load_tile(base, stride_x, stride_y, x, y, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)
-    ptrs = base + x[:, None] * stride_x + y[:, None] * stride_y + d[None, :]
-    return tl.load(ptrs, mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    return load_rows(base, x * stride_x + y * stride_y, valid, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def _store_tile(base, stride_x, stride_y, x, y, valid, value, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)
-    ptrs = base + x[:, None] * stride_x + y[:, None] * stride_y + d[None, :]
-    tl.store(ptrs, value.to(base.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _load_globals(base, stride_g, G, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    return tl.load(base + g[:, None] * stride_g + d[None, :], mask=(g[:, None] < G) & (d[None, :] < HEAD_DIM), other=0.0)
-
-
-@triton.jit
-def _global_scores(q, gk, global_bias, G, qk_scale, BLOCK_G: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    """Base-2 scores of the tile's queries against the global keys: (queries, BLOCK_G), -inf past G."""
-    g = tl.arange(0, BLOCK_G)
-    s = tl.dot(q, tl.trans(gk), input_precision=DOT_PRECISION) * qk_scale
-    if HAS_GLOBAL_BIAS:
-        s += tl.load(global_bias + g, mask=g < G, other=0.0).to(tl.float32)[None, :] * 1.4426950408889634
-    return tl.where((g < G)[None, :], s, float("-inf"))
+    store_rows(base, x * stride_x + y * stride_y, valid, value, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -132,24 +102,6 @@ def _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_
 
 
 @triton.jit
-def _rel_bias_grad(ds, q_row0, k_row0, a, b, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, BQI: tl.constexpr,
-                   BKI: tl.constexpr, BT: tl.constexpr):
-    """Sums of a (BQI*P, BKI*P) tile of score gradients per relative offset, as a (BT, BT) block of the
-    (4W-1) x (4W-1) bias table: two products with one-hot matrices, after regrouping the tile so that rows
-    pair a query row with a key row and columns a query column with a key column."""
-    ds = tl.reshape(ds, (BQI, P, BKI, P))
-    ds = tl.permute(ds, (0, 2, 1, 3))
-    ds = tl.reshape(ds, (BQI * BKI, P * P))
-    pair = tl.arange(0, BQI * BKI)
-    row_bin = (q_row0 + pair // BKI) - (k_row0 + pair % BKI) - a * C + 2 * W - 1
-    col = tl.arange(0, P * P)
-    col_bin = col // P - col % P - b * C + 2 * W - 1
-    bins = tl.arange(0, BT)
-    by_col = tl.dot(ds, (col_bin[:, None] == bins[None, :]).to(tl.float32), input_precision="tf32x3")
-    return tl.dot((bins[:, None] == row_bin[None, :]).to(tl.float32), by_col, input_precision="tf32x3")
-
-
-@triton.jit
 def _fwd_kernel(
     Q, K, V, GK, GV, REL_BIAS, GLOBAL_BIAS, NEIGHBOURS, OFFSETS, O, LSE,
     s_qb, s_qh, s_qx, s_qy, s_kb, s_kh, s_kx, s_ky, s_vb, s_vh, s_vx, s_vy, s_ob, s_oh, s_ox, s_oy,
@@ -169,17 +121,12 @@ def _fwd_kernel(
     q = _load_tile(Q + b_idx * s_qb + h * s_qh, s_qx, s_qy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
     rel_bias = REL_BIAS + h * (4 * W - 1) * (4 * W - 1)
 
-    m_i = tl.full([BQI * P], -1.0e30, tl.float32)
-    l_i = tl.zeros([BQI * P], tl.float32)
-    acc = tl.zeros([BQI * P, BLOCK_D], tl.float32)
+    m_i, l_i, acc = initial_softmax_state(BQI * P, BLOCK_D)
     if HAS_GLOBAL:
-        gk = _load_globals(GK + b_idx * s_gkb + h * s_gkh, s_gkg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
-        gv = _load_globals(GV + b_idx * s_gvb + h * s_gvh, s_gvg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
-        s_g = _global_scores(q, gk, GLOBAL_BIAS + h * G, G, qk_scale, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
-        m_i = tl.maximum(m_i, tl.max(s_g, 1))
-        p_g = tl.exp2(s_g - m_i[:, None])
-        l_i = tl.sum(p_g, 1)
-        acc = tl.dot(p_g.to(gv.dtype), gv, input_precision=DOT_PRECISION)
+        gk = load_globals(GK + b_idx * s_gkb + h * s_gkh, s_gkg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
+        gv = load_globals(GV + b_idx * s_gvb + h * s_gvh, s_gvg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
+        s_g = global_scores(q, gk, GLOBAL_BIAS + h * G, G, qk_scale, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s_g, gv, DOT_PRECISION)
 
     for o in range(N_OFF):
         key_chunk, a, b = _neighbour(NEIGHBOURS, OFFSETS, chunk, o, N_OFF)
@@ -190,29 +137,11 @@ def _fwd_kernel(
                 v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
                 s = _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_scale, W, C, EXACT,
                                   HAS_REL_BIAS, DOT_PRECISION)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    _store_tile(O + b_idx * s_ob + h * s_oh, s_ox, s_oy, qx, qy, q_valid, acc / l_safe[:, None], HEAD_DIM, BLOCK_D)
-    tl.store(LSE + bh * X * Y + qx * Y + qy, m_i + tl.log2(l_safe), mask=q_valid)
-
-
-@triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, s_ob, s_oh, s_ox, s_oy, s_db, s_dh, s_dx, s_dy, H, X, Y,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """delta = rowsum(dO * O) per query, the softmax backward's correction term."""
-    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
-    b_idx, h = bh // H, bh % H
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x, y, valid = n // Y, n % Y, n < X * Y
-    o = _load_tile(O + b_idx * s_ob + h * s_oh, s_ox, s_oy, x, y, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
-    do = _load_tile(DO + b_idx * s_db + h * s_dh, s_dx, s_dy, x, y, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
-    tl.store(DELTA + bh * X * Y + n, tl.sum(o * do, 1), mask=valid)
+    out, lse = softmax_result(m_i, l_i, acc)
+    _store_tile(O + b_idx * s_ob + h * s_oh, s_ox, s_oy, qx, qy, q_valid, out, HEAD_DIM, BLOCK_D)
+    tl.store(LSE + bh * X * Y + qx * Y + qy, lse, mask=q_valid)
 
 
 @triton.jit
@@ -299,12 +228,10 @@ def _bwd_dq_kernel(
             delta = tl.load(DELTA + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
             dq = tl.zeros([BQI * P, BLOCK_D], tl.float32)
             if HAS_GLOBAL:
-                gk = _load_globals(GK + b_idx * s_gkb + h * s_gkh, s_gkg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
-                gv = _load_globals(GV + b_idx * s_gvb + h * s_gvh, s_gvg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
-                s_g = _global_scores(q, gk, GLOBAL_BIAS + h * G, G, qk_scale, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
-                p_g = tl.where(q_valid[:, None], tl.exp2(s_g - lse[:, None]), 0.0)
-                dp_g = tl.dot(do, tl.trans(gv), input_precision=DOT_PRECISION)
-                ds_g = p_g * (dp_g - delta[:, None])
+                gk = load_globals(GK + b_idx * s_gkb + h * s_gkh, s_gkg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
+                gv = load_globals(GV + b_idx * s_gvb + h * s_gvh, s_gvg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
+                s_g = global_scores(q, gk, GLOBAL_BIAS + h * G, G, qk_scale, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
+                p_g, ds_g = softmax_grad(s_g, lse, delta, do, gv, q_valid, DOT_PRECISION)
                 dq += tl.dot(ds_g.to(gk.dtype), gk, input_precision=DOT_PRECISION)
                 dgb += tl.sum(ds_g, 0)
                 part = ((bh * n_tiles + tile) * G + g[:, None]) * HEAD_DIM + d[None, :]
@@ -323,12 +250,11 @@ def _bwd_dq_kernel(
                         v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
                         s = _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_scale, W, C,
                                           EXACT, HAS_REL_BIAS, DOT_PRECISION)
-                        p = tl.where(q_valid[:, None], tl.exp2(s - lse[:, None]), 0.0)
-                        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-                        ds = p * (dp - delta[:, None])
+                        p, ds = softmax_grad(s, lse, delta, do, v, q_valid, DOT_PRECISION)
                         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-                        if HAS_REL_BIAS:
-                            drb += _rel_bias_grad(ds, first_row, kb * BKI, a, b, W, C, P, BQI, BKI, BT)
+                        if HAS_REL_BIAS:  # the (4W-1)^2 table as (row offset, column offset) bins
+                            drb += offset_sums(ds, first_row - kb * BKI - a * C + 2 * W - 1, -b * C + 2 * W - 1,
+                                               P, BQI, BKI, BT, BT)
             _store_tile(DQ + bh * X * Y * HEAD_DIM, Y * HEAD_DIM, HEAD_DIM, qx, qy, q_valid, dq * scale, HEAD_DIM, BLOCK_D)
 
     slot = (group * H + h) * n_tiles + tile
@@ -388,35 +314,8 @@ def num_warps(query_rows, chunk_pad):
     return 4 if query_rows * chunk_pad <= 64 else 8
 
 
-_TUNED = {}
-
-
-def _tuned_launch(name, key, launch):
-    """Run ``launch(query_rows, key_rows, num_warps)`` with the fastest candidate tile shape for ``key``, measured
-    on the first call and cached for the process; shapes that need more shared memory than the GPU has are
-    skipped. The interpreter takes the first candidate."""
-    chunk_pad = key[0]
-    candidates = [(bq, bk, num_warps(bq, chunk_pad)) for bq, bk in _tile_shapes(chunk_pad)]
-    if (name, key) not in _TUNED:
-        if interpreting() or len(candidates) == 1:
-            _TUNED[name, key] = candidates[0]
-        else:
-            timings = {}
-            for config in candidates:
-                try:
-                    timings[config] = triton.testing.do_bench(lambda: launch(*config))
-                except OutOfResources:
-                    continue
-            if not timings:
-                raise RuntimeError(f"No tile shape of the triton backend's {name} kernel fits this GPU for {key}.")
-            _TUNED[name, key] = min(timings, key=timings.get)
-    return launch(*_TUNED[name, key])
-
-
-def _dot_precision(dtype):
-    """Float32 products follow torch's TF32 switch: TF32, or else three TF32 products (about float32's
-    accuracy, still on tensor cores). Half-precision products ignore the setting."""
-    return "tf32x3" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+def _candidates(chunk_pad):
+    return [(bq, bk, num_warps(bq, chunk_pad)) for bq, bk in _tile_shapes(chunk_pad)]
 
 
 def _strides4(t):
@@ -428,8 +327,8 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
     :func:`check_supported`; ``gk``/``gv`` and the bias tables may be None."""
     B, H, X, Y, D = q.shape
     G = 0 if gk is None else gk.shape[2]
-    o = new_output(q.shape, dtype=q.dtype, device=q.device)
-    lse = new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
+    o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
+    lse = flash.new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
     dummy = q.new_empty(0)
     key = (geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
 
@@ -443,10 +342,10 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
             W=geo.window, C=geo.chunk, P=geo.chunk_pad, DIL=geo.dilation, EXACT=geo.exact, N_OFF=geo.num_slots,
             HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
             HAS_GLOBAL=G > 0, HAS_REL_BIAS=rel_bias is not None, HAS_GLOBAL_BIAS=global_bias is not None,
-            BQI=bq, BKI=bk, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps,
+            BQI=bq, BKI=bk, DOT_PRECISION=flash.dot_precision(q.dtype), num_warps=warps,
         )
 
-    _tuned_launch("forward", key, launch)
+    flash.tuned_launch("forward", key, _candidates(geo.chunk_pad), launch)
     return o, lse
 
 
@@ -457,20 +356,16 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
     BLOCK_D, BLOCK_G = triton.next_power_of_2(D), max(16, triton.next_power_of_2(G))
     BT = max(16, triton.next_power_of_2(4 * geo.window - 1))
     dummy = q.new_empty(0)
-    precision = _dot_precision(q.dtype)
+    precision = flash.dot_precision(q.dtype)
     common = dict(W=geo.window, C=geo.chunk, P=geo.chunk_pad, DIL=geo.dilation, EXACT=geo.exact, N_OFF=geo.num_slots,
                   HEAD_DIM=D, BLOCK_D=BLOCK_D, HAS_REL_BIAS=rel_bias is not None, DOT_PRECISION=precision)
     key = (geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
     rel = dummy if rel_bias is None else rel_bias
 
-    delta = new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
-    BLOCK_N = 64
-    _bwd_delta_kernel[(triton.cdiv(X * Y, BLOCK_N), B * H)](
-        o, do, delta, *_strides4(o), *_strides4(do), H, X, Y, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N
-    )
+    delta = flash.delta(o.flatten(2, 3), do.flatten(2, 3)).flatten(1)
 
-    dk = new_output(k.shape, dtype=k.dtype, device=k.device)
-    dv = new_output(v.shape, dtype=v.dtype, device=v.device)
+    dk = flash.new_output(k.shape, dtype=k.dtype, device=k.device)
+    dv = flash.new_output(v.shape, dtype=v.dtype, device=v.device)
 
     def launch_dkdv(bq, bk, warps):
         _bwd_dkdv_kernel[(geo.tiles(bk), B * H)](
@@ -480,9 +375,9 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
             BQI=bq, BKI=bk, num_warps=warps, **common,
         )
 
-    _tuned_launch("backward_dkdv", key, launch_dkdv)
+    flash.tuned_launch("backward_dkdv", key, _candidates(geo.chunk_pad), launch_dkdv)
 
-    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
+    dq = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     result = {}
 
     def launch_dq(bq, bk, warps):
@@ -491,10 +386,10 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
         groups = min(B, max(1, -(-2048 // (tiles * H))))
         per_program = -(-B // groups)
         groups = -(-B // per_program)
-        dgk = new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
-        dgv = new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
-        dgb = new_output((groups, H, tiles, BLOCK_G), dtype=torch.float32, device=q.device) if global_bias is not None else dummy
-        drb = new_output((groups, H, tiles, BT, BT), dtype=torch.float32, device=q.device) if rel_bias is not None else dummy
+        dgk = flash.new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
+        dgv = flash.new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
+        dgb = flash.new_output((groups, H, tiles, BLOCK_G), dtype=torch.float32, device=q.device) if global_bias is not None else dummy
+        drb = flash.new_output((groups, H, tiles, BT, BT), dtype=torch.float32, device=q.device) if rel_bias is not None else dummy
         _bwd_dq_kernel[(tiles, H, groups)](
             q, k, v, gk if G else dummy, gv if G else dummy, do, rel,
             dummy if global_bias is None else global_bias, lse, delta, geo.neighbours, geo.offsets,
@@ -507,7 +402,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
         )
         result.update(dgk=dgk, dgv=dgv, dgb=dgb, drb=drb)
 
-    _tuned_launch("backward_dq", key, launch_dq)
+    flash.tuned_launch("backward_dq", key, _candidates(geo.chunk_pad), launch_dq)
 
     grads = dict(dq=dq, dk=dk, dv=dv, dgk=None, dgv=None, drb=None, dgb=None)
     if G:
@@ -528,14 +423,4 @@ def check_supported(head_dim, window, dtype=None, device=None, batch_heads=1):
         raise ValueError(f"The triton backend takes head_dim {', '.join(map(str, HEAD_DIMS))}, got {head_dim}.")
     if window > MAX_WINDOW:
         raise ValueError(f"The triton backend takes windows 1..{MAX_WINDOW}, got {window}.")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"The triton backend takes float32, float16 or bfloat16 inputs, got {dtype}.")
-    if device is not None and device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"The triton backend runs on CUDA GPUs (or on the CPU under TRITON_INTERPRET=1, for tests), but the "
-            f"inputs are on {device}; use backend 'sliding_chunk' there."
-        )
-    if device is not None and device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
-        raise ValueError("The triton backend needs a GPU of compute capability 8.0 or newer for bfloat16; use float16.")
-    if batch_heads > 65535:
-        raise ValueError(f"The triton backend takes at most 65535 batch x heads, got {batch_heads}.")
+    flash.check_device(dtype, device, batch_heads)

@@ -8,9 +8,12 @@ the test problems are far too small to overflow, so that check is switched off.
 import dataclasses
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
+    import triton.language as tl
     from triton.runtime import interpreter
 except ImportError:  # no triton: its tests say so
     interpreter = None
@@ -19,3 +22,55 @@ if interpreter is not None and hasattr(interpreter, "interpreter_builder"):
     options = interpreter.interpreter_builder.options
     if hasattr(options, "sanitize_overflow"):
         interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+class _PatchLanguageOncePerLaunch:
+    """The interpreter patches the ``triton.language`` modules a kernel sees with its own functions when the kernel
+    launches (and restores them after), and again at every call of a device function inside the kernel, though
+    they are patched already: a third of the interpreted kernels' time. This skips a device function's patch
+    when every language module it sees has been patched in this launch."""
+
+    def __init__(self):
+        self.patched = None  # the language modules patched in the running launch; None: no launch
+        self.real_patch = interpreter._patch_lang
+        self.real_launch = interpreter.GridExecutor.__call__
+
+    def patch(self, fn):
+        seen = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+        if self.patched is not None and seen <= self.patched:
+            return interpreter._LangPatchScope()
+        scope = self.real_patch(fn)
+        if self.patched is not None:
+            self.patched |= seen
+        return scope
+
+    def launch(self, executor, *args, **kwargs):
+        self.patched = set()
+        try:
+            return self.real_launch(executor, *args, **kwargs)
+        finally:
+            self.patched = None
+
+    def install(self):
+        interpreter._patch_lang = self.patch
+        launch = self.launch
+        interpreter.GridExecutor.__call__ = lambda executor, *args, **kwargs: launch(executor, *args, **kwargs)
+
+
+if interpreter is not None and all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+    _PatchLanguageOncePerLaunch().install()
+
+
+@pytest.fixture
+def poisoned_triton_outputs(monkeypatch):
+    """Every buffer the Triton kernels write starts as NaN (or the smallest integer), so that an element a kernel
+    fails to write fails its test; the tile-shape tuning cache starts empty."""
+    import torch
+    from vil_kernels import flash
+
+    def poisoned(*shape, dtype=None, device=None):
+        out = torch.empty(*shape, dtype=dtype, device=device)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(torch.iinfo(out.dtype).min)
+
+    monkeypatch.setattr(flash, "new_output", poisoned)
+    monkeypatch.setattr(flash, "_TUNED", {})

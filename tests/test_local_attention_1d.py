@@ -8,8 +8,9 @@ from vil.ops.backends import sliding_chunk
 from vil.ops.backends.reference import band_pairs
 
 CPU = torch.device("cpu")
-# Backends with a backward on the CPU; flex runs forward only there (its own test below).
-TRAINING = [b for b in available_backends(1) if b not in ("reference", "flex")]
+# Backends with a backward on the CPU; flex runs forward only there (its own test below); triton takes float32 and
+# half precision only (tests/test_triton_kernels_1d.py).
+TRAINING = [b for b in available_backends(1) if b not in ("reference", "flex", "triton")]
 
 
 # --- The oracle itself, against bands worked out by hand. ---
@@ -203,7 +204,7 @@ def _qkv(shape=(2, 2, 10, 4)):
         (dict(shape=(2, 2, 0, 4)), "q has length 0; local_attention_1d needs a sequence of at least one position."),
         (dict(k_shape=(2, 2, 9, 4)), "k must have the shape of q (2, 2, 10, 4), got (2, 2, 9, 4)."),
         (dict(dilation=2, backend="chunks"), "The chunks backend computes undilated windows only; backends with "
-                                             "dilation: sliding_chunk, fused_cpu, flex, loop, reference."),
+                                             "dilation: sliding_chunk, triton, fused_cpu, flex, loop, reference."),
         (dict(dilation=0), "dilation must be a positive integer or one positive integer per head, got 0."),
         (dict(dilation=[1, 2, 3]), "dilation must be one int or one int per head (2), got 3 values."),
         (dict(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),

@@ -2,7 +2,7 @@
 or on a CUDA GPU with ``TRITON_INTERPRET=0 python -m pytest tests/test_triton_kernels.py``.
 
 Interpreted kernels are slow, so problems are small (one or two heads of 16 channels, maps of a few chunks);
-every output buffer a kernel writes is filled with NaN first, so that an element it fails to write fails.
+every output buffer a kernel writes is filled with NaN first (``poisoned_triton_outputs`` in conftest.py).
 """
 
 import sys
@@ -15,10 +15,10 @@ pytest.importorskip("triton", reason="the triton package is not installed; the t
 from vil.config import load_cfg  # noqa: E402
 from vil.models import build_model  # noqa: E402
 from vil.ops import local_attention_2d  # noqa: E402
-from vil_kernels import local_attention as kernels  # noqa: E402
+from vil_kernels import flash, local_attention as kernels  # noqa: E402
 from test_local_attention import make_inputs as make_local_inputs  # noqa: E402
 
-DEVICE = torch.device("cpu" if kernels.interpreting() or not torch.cuda.is_available() else "cuda")
+DEVICE = torch.device("cpu" if flash.interpreting() or not torch.cuda.is_available() else "cuda")
 
 # What the kernels must cover, as (X, Y, w, exact, mode, G, rel_bias, global_bias, dilation): every SW_EXACT,
 # the random-shift modes, 0/1/2 global keys, each bias table alone and together, odd map sizes, maps smaller
@@ -49,16 +49,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every buffer the kernels write starts as NaN (or the smallest integer), and the tuning cache is fresh."""
-
-    def poisoned(*shape, dtype=None, device=None):
-        out = torch.empty(*shape, dtype=dtype, device=device)
-        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(torch.iinfo(out.dtype).min)
-
-    monkeypatch.setattr(kernels, "new_output", poisoned)
-    monkeypatch.setattr(kernels, "_TUNED", {})
+pytestmark = pytest.mark.usefixtures("poisoned_triton_outputs")
 
 
 def make_inputs(X, Y, w, G, rel, glob, B=1, H=2, D=16, dtype=torch.float32, seed=0):
@@ -79,9 +70,15 @@ def assert_matches_reference(inputs, w, exact=0, mode=0, dilation=1, tolerance=2
     wide = {n: None if t is None else t.detach().double().requires_grad_() for n, t in inputs.items()}
     expected, expected_grads = run("reference", wide, w, exact, mode, dilation)
     out, grads = run("triton", inputs, w, exact, mode, dilation)
-    assert out.dtype == inputs["q"].dtype
+    assert_close_in_dtype(inputs, (out, *grads), (expected, *expected_grads), tolerance)
+
+
+def assert_close_in_dtype(inputs, results, expected, tolerance):
+    """The output and the gradients of ``inputs`` (those not None, in order) in the dtypes of q and of each input,
+    close to the reference's."""
+    assert results[0].dtype == inputs["q"].dtype
     names = ["output"] + [n for n, t in inputs.items() if t is not None]
-    for name, got, want in zip(names, (out, *grads), (expected, *expected_grads)):
+    for name, got, want in zip(names, results, expected):
         if name != "output":
             assert got.dtype == inputs[name].dtype
         torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance, msg=lambda m: f"{name}: {m}")
@@ -207,7 +204,7 @@ def test_unsupported_inputs_are_one_sentence(change, message):
 
 
 def test_cpu_without_the_interpreter_is_refused(monkeypatch):
-    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(flash, "interpreting", lambda: False)
     monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"runs on CUDA GPUs \(or on the CPU under TRITON_INTERPRET=1, for tests\), "
                                          r"but the inputs are on cpu; use backend 'sliding_chunk' there\.$"):
@@ -223,12 +220,18 @@ def test_model_with_an_unsupported_head_dim_is_refused_at_build():
 
 
 def test_kernels_compile_for_a_gpu():
-    # The interpreter does not compile; this does, for sm_90, every candidate tile shape of ViL-Small's variant.
+    # The interpreter does not compile; this does, for sm_90: every candidate tile shape of ViL-Small's 2D variant,
+    # and the 1D kernels of Longformer's settings (the first tile shape: each 1D shape takes seconds to compile).
     import os
     import subprocess
 
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "tools/compile_kernels.py", "--arch", "90", "--variant", "bfloat16,32,7,0"],
-                          capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    root = os.path.dirname(os.path.dirname(__file__))
+    tool = [sys.executable, "tools/compile_kernels.py", "--arch", "90"]
+    done = subprocess.run(tool + ["--variant", "bfloat16,32,7,0"], capture_output=True, text=True, env=env, cwd=root)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("| sm_90 |") == 1 + 3 * len(kernels._tile_shapes(8))
+    assert done.stdout.count("| sm_90 | 2D |") == 1 + 3 * len(kernels._tile_shapes(8))
+    done = subprocess.run(tool + ["--variant-1d", "bfloat16,64,256,0", "--first-tile"], capture_output=True, text=True,
+                          env=env, cwd=root)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("| sm_90 | 1D |") == 1 + 3

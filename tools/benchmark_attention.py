@@ -25,8 +25,8 @@ per backend, as the original paper's implementation study): ``PREFIX_time.png`` 
 ``--dim 1`` measures ``local_attention_1d`` over sequences instead, with Longformer's settings: batch 1, 12 heads
 x 64, a window of 256 keys on each side, no global keys (``--num-global``), ``--dilation`` and ``--causal``
 (full attention then gets ``is_causal=True``); the sizes are sequence lengths, 1024 to 32768 by default. The
-default backends are ``fused_cpu``, ``sliding_chunk``, ``chunks`` and ``loop`` on the CPU; ``triton`` (where it
-computes 1D windows), ``flex``, ``sliding_chunk`` and ``chunks`` on CUDA. On the CPU, full attention and ``loop``
+default backends are ``fused_cpu``, ``sliding_chunk``, ``chunks`` and ``loop`` on the CPU; ``triton``, ``flex``,
+``sliding_chunk`` and ``chunks`` on CUDA. On the CPU, full attention and ``loop``
 are skipped above 16384 and 2048 tokens and ``reference`` above 4096; ``chunks`` is skipped with a dilation. The plots put
 time and peak memory against the sequence length, as Figure 1 of the Longformer paper.
 

@@ -1,11 +1,12 @@
 """Compile the Triton kernels for NVIDIA GPU architectures, without a GPU, and print their shared memory.
 
 Catches what the CPU interpreter cannot (types that differ between branches, layouts the compiler rejects,
-shared memory beyond a GPU's limit) for each variant the launcher can ask for: dtypes, head dims, windows,
-SW_EXACT, globals and bias tables, and every candidate tile shape.
+shared memory beyond a GPU's limit) for each variant the launchers can ask for: dtypes, head dims, windows,
+SW_EXACT (2D) or causal (1D), globals, bias tables and the key padding mask, and every candidate tile shape.
 
     python tools/compile_kernels.py                                  # sm_80 and sm_90, a few variants
-    python tools/compile_kernels.py --arch 90 --variant bfloat16,32,7,0
+    python tools/compile_kernels.py --arch 90 --variant bfloat16,32,7,0 --variant-1d bfloat16,64,256,0
+    python tools/compile_kernels.py --arch 90 --first-tile           # only the tile shape the interpreter runs
     python tools/compile_kernels.py --arch 90 --all                  # every dtype, head dim, tile (slow)
 """
 
@@ -21,10 +22,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from vil.ops.backends.fused_triton import kernel_geometry  # noqa: E402
-from vil_kernels import local_attention as kernels  # noqa: E402
+from vil_kernels import flash, local_attention as kernels, local_attention_1d as kernels_1d  # noqa: E402
 
 POINTERS = {"LSE": "fp32", "DELTA": "fp32", "NEIGHBOURS": "i32", "NEIGHBOURS_T": "i32", "OFFSETS": "i32",
-            "DGK_PART": "fp32", "DGV_PART": "fp32", "DGB_PART": "fp32", "DRB_PART": "fp32"}
+            "DGK_PART": "fp32", "DGV_PART": "fp32", "DGB_PART": "fp32", "DRB_PART": "fp32", "MASK": "u8",
+            "DILATIONS": "i32"}
 TENSORS = {"Q", "K", "V", "GK", "GV", "O", "DO", "DQ", "DK", "DV", "REL_BIAS", "GLOBAL_BIAS"}
 FLOATS = {"qk_scale", "scale"}
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -45,32 +47,54 @@ def signature(kernel, constants, dtype):
 
 
 def variants(args):
-    """(dtype, head_dim, window, exact) to compile; each with globals and both bias tables."""
+    """(dims, dtype, head_dim, window, exact or causal) to compile; each with globals, both bias tables and (1D)
+    the key padding mask."""
     if args.all:
-        return list(itertools.product(DTYPES, kernels.HEAD_DIMS, (3, 7, 12), (0, 1)))
-    if args.variant:
-        return [(dtype, int(d), int(w), int(e)) for dtype, d, w, e in (v.split(",") for v in args.variant)]
-    return [("bfloat16", 32, 7, 0), ("float16", 64, 7, 1), ("float32", 48, 3, -1)]
+        return (list(itertools.product([2], DTYPES, kernels.HEAD_DIMS, (3, 7, 12), (0, 1)))
+                + list(itertools.product([1], DTYPES, (16, 32, 64, 128), (7, 256, 512), (0, 1))))
+    if args.variant or args.variant_1d:
+        return [(dims, dtype, int(d), int(w), int(e)) for dims, given in ((2, args.variant), (1, args.variant_1d))
+                for dtype, d, w, e in (v.split(",") for v in given or [])]
+    return [(2, "bfloat16", 32, 7, 0), (2, "float16", 64, 7, 1), (2, "float32", 48, 3, -1),
+            (1, "bfloat16", 64, 256, 0), (1, "float16", 128, 512, 1), (1, "float32", 24, 7, 0)]
 
 
-def compile_variant(arch, dtype, head_dim, window, exact):
-    """Compile the four kernels for every candidate tile shape; yields (kernel, shape, shared bytes)."""
+def _jobs_2d(dtype, head_dim, window, exact, first_tile):
+    """(kernel, tile shape or None, warps, constants) of the 2D kernels, every candidate tile shape."""
     geo = kernel_geometry(14, 14, window, exact, 0, 1, "cpu")
-    precision = "tf32x3" if dtype == "float32" else "tf32"
     base = dict(W=window, C=geo.chunk, P=geo.chunk_pad, DIL=1, EXACT=exact, N_OFF=geo.num_slots, HEAD_DIM=head_dim,
                 BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_G=16, BT=max(16, triton.next_power_of_2(4 * window - 1)),
-                HAS_GLOBAL=True, HAS_REL_BIAS=True, HAS_GLOBAL_BIAS=True, DOT_PRECISION=precision, BLOCK_N=64)
+                HAS_GLOBAL=True, HAS_REL_BIAS=True, HAS_GLOBAL_BIAS=True, BLOCK_N=64)
+    yield flash.delta_kernel, None, 4, base
+    for shape in kernels._tile_shapes(geo.chunk_pad)[: 1 if first_tile else None]:
+        for kernel in (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel):
+            yield kernel, shape, kernels.num_warps(shape[0], geo.chunk_pad), dict(base, BQI=shape[0], BKI=shape[1])
+
+
+def _jobs_1d(dtype, head_dim, window, causal, first_tile):
+    """The same for the 1D kernels (the delta pass is the 2D kernels')."""
+    base = dict(W=window, CAUSAL=bool(causal), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                BLOCK_G=kernels_1d.BLOCK_G, BLOCK_N=kernels_1d.BLOCK_N, HAS_GLOBAL=True, HAS_REL_BIAS=True,
+                HAS_GLOBAL_BIAS=True, HAS_MASK=True)
+    yield kernels_1d._bwd_global_kernel, None, 4, base
+    for bm, bn, warps in kernels_1d.TILE_SHAPES[: 1 if first_tile else None]:
+        kb, before, bt_rows, bt_cols = kernels_1d.bias_bins(bm, bn, window)
+        constants = dict(base, BM=bm, BN=bn, KB=kb, BEFORE=before, BT_ROWS=bt_rows, BT_COLS=bt_cols)
+        for kernel in (kernels_1d._fwd_kernel, kernels_1d._bwd_dkdv_kernel, kernels_1d._bwd_dq_kernel):
+            yield kernel, (bm, bn), warps, constants
+
+
+def compile_variant(arch, dims, dtype, head_dim, window, option, first_tile=False):
+    """Compile the kernels of one variant for every candidate tile shape (or the first); yields (kernel, shape,
+    shared bytes)."""
+    precision = "tf32x3" if dtype == "float32" else "tf32"
     target = GPUTarget("cuda", arch, 32)
-    jobs = [(kernels._bwd_delta_kernel, None)] + [
-        (kernel, shape) for shape in kernels._tile_shapes(geo.chunk_pad)
-        for kernel in (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel)
-    ]
-    for kernel, shape in jobs:
-        constants = dict(base, **({} if shape is None else dict(BQI=shape[0], BKI=shape[1])))
+    jobs = (_jobs_1d if dims == 1 else _jobs_2d)(dtype, head_dim, window, option, first_tile)
+    for kernel, shape, warps, constants in jobs:
+        constants = dict(constants, DOT_PRECISION=precision)
         constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
         source = triton.compiler.ASTSource(fn=kernel, signature=signature(kernel, constants, DTYPES[dtype]),
                                            constexprs=constants)
-        warps = 4 if shape is None else kernels.num_warps(shape[0], geo.chunk_pad)
         compiled = triton.compile(source, target=target, options={"num_warps": warps})
         yield kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, shape, compiled.metadata.shared
 
@@ -79,19 +103,22 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities, e.g. 80 90")
     p.add_argument("--all", action="store_true", help="every dtype, head dim and chunk tile size")
-    p.add_argument("--variant", nargs="+", help="dtype,head_dim,window,exact, e.g. bfloat16,32,7,0")
+    p.add_argument("--variant", nargs="+", help="2D: dtype,head_dim,window,exact, e.g. bfloat16,32,7,0")
+    p.add_argument("--variant-1d", nargs="+", help="1D: dtype,head_dim,window,causal, e.g. bfloat16,64,256,0")
+    p.add_argument("--first-tile", action="store_true", help="only the first candidate tile shape (the interpreter's)")
     args = p.parse_args(argv)
-    print("| arch | dtype | head_dim | w | SW_EXACT | kernel | tile (query rows, key rows) | shared memory (KiB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| arch | windows | dtype | head_dim | w | SW_EXACT (2D) / causal (1D) | kernel | tile (2D: query rows, key "
+          "rows; 1D: queries, keys) | shared memory (KiB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     failures = 0
-    for arch, (dtype, head_dim, window, exact) in itertools.product(args.arch, variants(args)):
+    for arch, (dims, dtype, head_dim, window, option) in itertools.product(args.arch, variants(args)):
+        row = f"| sm_{arch} | {dims}D | {dtype} | {head_dim} | {window} | {option} |"
         try:
-            for name, shape, shared in compile_variant(arch, dtype, head_dim, window, exact):
-                print(f"| sm_{arch} | {dtype} | {head_dim} | {window} | {exact} | {name} | {shape or ''} | {shared / 1024:.1f} |",
-                      flush=True)
+            for name, shape, shared in compile_variant(arch, dims, dtype, head_dim, window, option, args.first_tile):
+                print(f"{row} {name} | {shape or ''} | {shared / 1024:.1f} |", flush=True)
         except Exception as error:  # report every failing variant, then fail
             failures += 1
-            print(f"| sm_{arch} | {dtype} | {head_dim} | {window} | {exact} | FAILED: {str(error).splitlines()[-1][:150]} | | |")
+            print(f"{row} FAILED: {str(error).splitlines()[-1][:150]} | | |")
     if failures:
         sys.exit(f"{failures} variant(s) did not compile.")
 

@@ -1,7 +1,9 @@
-"""The fused Triton kernels of ``kernels/`` (package ``vil_kernels``): flash-style, O(tokens x head_dim) memory.
+"""The fused Triton kernels of ``kernels/`` (package ``vil_kernels``): flash-style, O(tokens x head_dim) memory, for
+2D windows (``local_attention.py``) and 1D bands (``local_attention_1d.py``).
 
-This file builds the kernels' neighbour tables from the window geometry and registers the kernels' two passes
-with the operator of ``vil/ops/operators.py``; the kernels and their launchers know nothing of this package.
+This file builds the 2D kernels' neighbour tables from the window geometry and registers each kernel family's two
+passes with the operators of ``vil/ops/operators.py``; the kernels and their launchers know nothing of this
+package.
 Triton is imported on first use, so that ``import vil`` stays light and ``TRITON_INTERPRET`` (read when the
 kernels are defined) can still be set before that.
 """
@@ -16,12 +18,13 @@ from .. import operators
 from ..geometry import neighbour_table
 
 
-def _kernels():
+def _kernels(dims=2):
+    """The kernel module of ``dims``-D windows; ``ValueError`` with one sentence where Triton does not import."""
     try:
-        from vil_kernels import local_attention
+        from vil_kernels import local_attention, local_attention_1d
     except ImportError as error:
         raise ValueError(f"The triton backend needs the triton package, which does not import here ({error}).") from error
-    return local_attention
+    return local_attention_1d if dims == 1 else local_attention
 
 
 @lru_cache(maxsize=64)
@@ -57,18 +60,40 @@ def _backward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, g
     return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"]
 
 
+def _kernel_inputs(q, k, v, global_k, global_v, rel_bias, global_bias):
+    """The kernels take rows of unit stride along head_dim and contiguous bias tables."""
+    rows = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, global_k, global_v))
+    return (*rows, *(None if t is None else t.contiguous() for t in (rel_bias, global_bias)))
+
+
 def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
     _kernels().check_supported(q.shape[-1], hood.window, q.dtype, q.device, q.shape[0] * q.shape[1])
-    q, k, v, global_k, global_v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, global_k, global_v))
-    rel_bias = None if rel_bias is None else rel_bias.contiguous()
-    global_bias = None if global_bias is None else global_bias.contiguous()
-    return operators.attention_2d("triton", q, k, v, global_k, global_v, rel_bias, global_bias, hood.window, hood.exact,
-                                  hood.mode, hood.dilation, float(scale))
+    inputs = _kernel_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
+    return operators.attention_2d("triton", *inputs, hood.window, hood.exact, hood.mode, hood.dilation, float(scale))
+
+
+def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale):
+    return _kernels(1).forward(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, dilations, window,
+                               causal, scale)
+
+
+def _backward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
+                 dilations, causal, scale):
+    g = _kernels(1).backward(grad_out, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse,
+                             dilations, window, causal, scale)
+    return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"]
+
+
+def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
+    _kernels(1).check_supported(q.shape[-1], hood.window, q.dtype, q.device, q.shape[0] * q.shape[1])
+    inputs = _kernel_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
+    return operators.attention_1d("triton", *inputs, key_padding_mask, hood.window, hood.dilations(q.shape[1]),
+                                  hood.causal, float(scale))
 
 
 def _check(hood, head_dim):
     """Raise ``ValueError`` with one sentence if the kernels cannot take this head_dim or window."""
-    _kernels().check_supported(head_dim, hood.window)
+    _kernels(hood.dims).check_supported(head_dim, hood.window)
 
 
 def _scored_pairs(q, num_global, window, exact, mode, dilation):
@@ -79,8 +104,29 @@ def _scored_pairs(q, num_global, window, exact, mode, dilation):
     return dilation**2 * geo.num_chunks * tile * (geo.num_slots * tile + num_global)
 
 
+def _scored_pairs_1d(q, num_global, window, dilations, causal):
+    """The (query, key) scores per batch, over all heads: every query of a tile against the key blocks it reads
+    (those of the interpreter's tile shape; a tuned shape differs by a few percent) and the global keys."""
+    kernels = _kernels(1)
+    L = q.shape[2]
+    tile, block, _ = kernels.TILE_SHAPES[0]
+    before = kernels.bias_bins(tile, block, window)[1]
+    pairs = 0
+    for d in dilations:
+        for r in range(min(d, L)):
+            n = -(-(L - r) // d)  # the length of residue class r
+            t0 = torch.arange(0, n, tile)
+            first = t0 - before
+            first = first + (-first).clamp(min=0) // block * block
+            stop = (t0 + tile + (0 if causal else window)).clamp(max=n)
+            blocks = (stop - first).clamp(min=0).add(block - 1).div(block, rounding_mode="floor")
+            pairs += int((tile * (blocks * block + num_global)).sum())
+    return pairs
+
+
 operators.register_2d("triton", _forward_2d, _backward_2d, _scored_pairs)
+operators.register_1d("triton", _forward_1d, _backward_1d, _scored_pairs_1d)
 # CUDA GPUs; the CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
-BACKEND = Backend("triton", attention_2d=attention_2d,
+BACKEND = Backend("triton", attention_2d=attention_2d, attention_1d=attention_1d, per_head_dilation=True,
                   devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
                   dtypes=(torch.float32, torch.float16, torch.bfloat16), check=_check, traced_as_is=True)

@@ -1,0 +1,193 @@
+"""What the 2D (``local_attention.py``) and 1D (``local_attention_1d.py``) Triton kernels share: loading rows of
+tokens, the online softmax and its backward, the global keys, sums of score gradients per relative offset (the
+bias tables' gradients), the backward's ``rowsum(dO * O)`` pass, the input checks and the tile-shape tuner.
+
+Scores are in base 2 throughout (``qk_scale = scale * log2(e)``; bias tables are multiplied by ``log2(e)`` where
+they are added), so the softmax uses ``exp2`` and the saved log-sum-exp is in base 2.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOG2E = 1.4426950408889634
+
+
+def interpreting():
+    """Whether Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Allocator of every buffer a kernel writes; tests replace it with one that fills buffers with NaN.
+new_output = torch.empty
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pieces of kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_rows(base, row_offsets, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rows of ``HEAD_DIM`` channels (unit stride) at ``base + row_offsets``; zeros for rows not ``valid``."""
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(base + row_offsets[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def store_rows(base, row_offsets, valid, value, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    tl.store(base + row_offsets[:, None] + d[None, :], value.to(base.dtype.element_ty),
+             mask=valid[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def load_globals(base, stride_g, G, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The first ``min(G, BLOCK_G)`` global keys (or values) at ``base``; zero rows past G."""
+    g = tl.arange(0, BLOCK_G)
+    return load_rows(base, g * stride_g, g < G, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def global_scores(q, gk, global_bias, G, qk_scale, BLOCK_G: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Base-2 scores of the queries against a block of global keys: (queries, BLOCK_G), -inf past G."""
+    g = tl.arange(0, BLOCK_G)
+    s = tl.dot(q, tl.trans(gk), input_precision=DOT_PRECISION) * qk_scale
+    if HAS_GLOBAL_BIAS:
+        s += tl.load(global_bias + g, mask=g < G, other=0.0).to(tl.float32)[None, :] * 1.4426950408889634
+    return tl.where((g < G)[None, :], s, float("-inf"))
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
+    """Adds a block of base-2 scores ``s`` (queries, keys; -inf for hidden keys) and their values to the running
+    maximum, sum of exponentials and unnormalised output of each query."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def initial_softmax_state(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The running state before any key: a finite maximum (so that rows whose keys are all hidden stay finite)."""
+    return tl.full([ROWS], -1.0e30, tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, BLOCK_D], tl.float32)
+
+
+@triton.jit
+def softmax_result(m_i, l_i, acc):
+    """The output and the base-2 log-sum-exp; a query that saw no key outputs zeros."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    return acc / l_safe[:, None], m_i + tl.log2(l_safe)
+
+
+@triton.jit
+def softmax_grad(s, lse, delta, do, v, row_valid, DOT_PRECISION: tl.constexpr):
+    """Probabilities and score gradients of a (queries, keys) block of base-2 scores, from the saved log-sum-exp
+    and ``delta = rowsum(dO * O)``: ``p = 2^(s - lse)``, ``ds = p * (dO v^T - delta)``; zero on invalid rows."""
+    p = tl.where(row_valid[:, None], tl.exp2(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def offset_sums(ds, row_shift, col_shift, P: tl.constexpr, BQI: tl.constexpr, BKI: tl.constexpr,
+                BT_ROWS: tl.constexpr, BT_COLS: tl.constexpr):
+    """Sums of a (BQI*P, BKI*P) block of score gradients per relative offset, for tokens laid out in rows of P
+    (token t at row ``t // P``, column ``t % P``): entry (r, c) of the (BT_ROWS, BT_COLS) result adds up the pairs
+    with ``query row - key row + row_shift == r`` and ``query column - key column + col_shift == c`` (others are
+    dropped). Two products with one-hot matrices, after regrouping the block so that rows pair a query row with a
+    key row and columns a query column with a key column; no atomics, so sums are deterministic."""
+    ds = tl.reshape(ds, (BQI, P, BKI, P))
+    ds = tl.permute(ds, (0, 2, 1, 3))
+    ds = tl.reshape(ds, (BQI * BKI, P * P))
+    pair = tl.arange(0, BQI * BKI)
+    row_bin = pair // BKI - pair % BKI + row_shift
+    col = tl.arange(0, P * P)
+    col_bin = col // P - col % P + col_shift
+    by_col = tl.dot(ds, (col_bin[:, None] == tl.arange(0, BT_COLS)[None, :]).to(tl.float32), input_precision="tf32x3")
+    rows = tl.arange(0, BT_ROWS)
+    return tl.dot((rows[:, None] == row_bin[None, :]).to(tl.float32), by_col, input_precision="tf32x3")
+
+
+@triton.jit
+def delta_kernel(O, DO, DELTA, s_ob, s_oh, s_on, s_db, s_dh, s_dn, H, N, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """delta = rowsum(dO * O) per query (the softmax backward's correction term), for O and dO of
+    (B, H, N tokens, HEAD_DIM) with strides (s_*b, s_*h, s_*n, 1); DELTA is (B*H, N)."""
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
+    b_idx, h = bh // H, bh % H
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = n < N
+    o = load_rows(O + b_idx * s_ob + h * s_oh, n * s_on, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
+    do = load_rows(DO + b_idx * s_db + h * s_dh, n * s_dn, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
+    tl.store(DELTA + bh * N + n, tl.sum(o * do, 1), mask=valid)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def delta(o, do):
+    """rowsum(dO * O) of (B, H, N, D) tensors with unit stride along D: (B, H, N) float32."""
+    B, H, N, D = o.shape
+    out = new_output((B, H, N), dtype=torch.float32, device=o.device)
+    BLOCK_N = 64
+    delta_kernel[(triton.cdiv(N, BLOCK_N), B * H)](
+        o, do, out, *o.stride()[:3], *do.stride()[:3], H, N,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=BLOCK_N,
+    )
+    return out
+
+
+_TUNED = {}
+
+
+def tuned_launch(name, key, candidates, launch):
+    """Run ``launch(*candidate)`` with the fastest of ``candidates`` (tile shapes and warps) for ``key``, measured
+    on the first call and cached for the process; candidates that need more shared memory than the GPU has are
+    skipped. The interpreter takes the first candidate."""
+    if (name, key) not in _TUNED:
+        if interpreting() or len(candidates) == 1:
+            _TUNED[name, key] = candidates[0]
+        else:
+            timings = {}
+            for config in candidates:
+                try:
+                    timings[config] = triton.testing.do_bench(lambda: launch(*config))
+                except OutOfResources:
+                    continue
+            if not timings:
+                raise RuntimeError(f"No tile shape of the triton backend's {name} kernel fits this GPU for {key}.")
+            _TUNED[name, key] = min(timings, key=timings.get)
+    return launch(*_TUNED[name, key])
+
+
+def dot_precision(dtype):
+    """Float32 products follow torch's TF32 switch: TF32, or else three TF32 products (about float32's
+    accuracy, still on tensor cores). Half-precision products ignore the setting."""
+    return "tf32x3" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+
+
+def check_device(dtype=None, device=None, batch_heads=1):
+    """Raise ``ValueError`` with one sentence if the kernels cannot run on ``device`` with ``dtype`` (each checked
+    where given) or take ``batch_heads`` (B x heads) programs along a grid axis."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"The triton backend takes float32, float16 or bfloat16 inputs, got {dtype}.")
+    if device is not None and device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"The triton backend runs on CUDA GPUs (or on the CPU under TRITON_INTERPRET=1, for tests), but the "
+            f"inputs are on {device}; use backend 'sliding_chunk' there."
+        )
+    if device is not None and device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
+        raise ValueError("The triton backend needs a GPU of compute capability 8.0 or newer for bfloat16; use float16.")
+    if batch_heads > 65535:
+        raise ValueError(f"The triton backend takes at most 65535 batch x heads, got {batch_heads}.")

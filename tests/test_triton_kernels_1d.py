@@ -1,0 +1,190 @@
+"""The 1D Triton kernels (``backend="triton"`` of local_attention_1d) against the reference, run by Triton's CPU
+interpreter (tests/conftest.py), or on a CUDA GPU with ``TRITON_INTERPRET=0 python -m pytest
+tests/test_triton_kernels_1d.py``.
+
+Interpreted kernels are slow, so problems are small (16 channels, sequences of a few tiles); every output buffer
+a kernel writes is filled with NaN first (``poisoned_triton_outputs`` in conftest.py).
+"""
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given, seed
+from hypothesis import strategies as st
+
+pytest.importorskip("triton", reason="the triton package is not installed; the triton backend cannot run here")
+
+from vil.ops import default_backend, local_attention_1d  # noqa: E402
+from vil_kernels import flash, local_attention_1d as kernels  # noqa: E402
+from test_local_attention_1d import CASES, make_inputs as make_local_inputs  # noqa: E402
+from test_fuzz import fuzz_settings  # noqa: E402
+from test_triton_kernels import _interpreter_multiplies_bfloat16, assert_close_in_dtype  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("poisoned_triton_outputs")
+DEVICE = torch.device("cpu" if flash.interpreting() or not torch.cuda.is_available() else "cuda")
+
+
+def make_inputs(L, w, G, rel, glob, mask, B=2, H=2, D=16, dtype=torch.float32, seed=0):
+    inputs, padding = make_local_inputs(L, w, G, rel, glob, mask, B=B, H=H, D=D, dtype=dtype, seed=seed)
+    inputs = {n: None if t is None else t.detach().to(DEVICE).requires_grad_() for n, t in inputs.items()}
+    return inputs, None if padding is None else padding.to(DEVICE)
+
+
+def run(backend, inputs, padding, w, dilation=1, causal=False):
+    out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], w, dilation=dilation, causal=causal,
+                             key_padding_mask=padding, global_k=inputs["global_k"], global_v=inputs["global_v"],
+                             rel_bias=inputs["rel_bias"], global_bias=inputs["global_bias"], backend=backend)
+    leaves = [t for t in inputs.values() if t is not None]
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    return out, torch.autograd.grad(out, leaves, upstream)
+
+
+def assert_matches_reference(inputs, padding, w, dilation=1, causal=False, tolerance=2e-5):
+    """Output and every gradient of the kernels against the reference, computed in float64."""
+    wide = {n: None if t is None else t.detach().double().requires_grad_() for n, t in inputs.items()}
+    expected, expected_grads = run("reference", wide, padding, w, dilation, causal)
+    out, grads = run("triton", inputs, padding, w, dilation, causal)
+    assert_close_in_dtype(inputs, (out, *grads), (expected, *expected_grads), tolerance)
+    return out, grads
+
+
+@pytest.mark.parametrize("L,w,dilation,causal,G,rel,glob,mask", CASES)
+def test_matches_reference(L, w, dilation, causal, G, rel, glob, mask):
+    # The op's 1D grid: w 1..64, sequences shorter and longer than the window and than a tile, dilations 1..3 and
+    # per head, causal, 0..2 global keys, both bias tables, masked keys and a fully masked sequence.
+    inputs, padding = make_inputs(L, w, G, rel, glob, mask)
+    out, grads = assert_matches_reference(inputs, padding, w, dilation, causal)
+    if mask == "row" and not G:
+        assert not out[-1].any() and not grads[0][-1].any()  # no key: zeros and zero gradients
+
+
+@seed(20261124)
+@fuzz_settings(8)
+@given(B=st.integers(1, 2), L=st.integers(1, 200), w=st.integers(1, 70), dilations=st.lists(st.integers(1, 5), min_size=2, max_size=2),
+       causal=st.booleans(), G=st.integers(0, 20), rel=st.booleans(), glob=st.booleans(),
+       mask=st.sampled_from([None, "random", "row"]))
+def test_random_requests_match_reference(B, L, w, dilations, causal, G, rel, glob, mask):
+    inputs, padding = make_inputs(L, w, G, rel, glob, mask, B=B, H=2, seed=L * 100 + w)
+    assert_matches_reference(inputs, padding, w, tuple(dilations), causal)
+
+
+@pytest.mark.parametrize("shape", kernels.TILE_SHAPES[1:])
+def test_every_tile_shape(monkeypatch, shape):
+    # The interpreter runs the first candidate; tuning on a GPU may pick any other (each with its own bias bins).
+    monkeypatch.setattr(kernels, "TILE_SHAPES", (shape,))
+    inputs, padding = make_inputs(300, 40, 1, True, True, "random", B=1, H=2)
+    assert_matches_reference(inputs, padding, 40, dilation=(1, 2))
+
+
+def test_many_global_keys_several_tiles_per_program_and_strided_inputs(monkeypatch):
+    # 20 global keys: two blocks of BLOCK_G; one dQ program for all of a head's tiles (its bias sums span them);
+    # q, k, v as views of Longformer's (B, L, 3, heads, D) projection.
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 1)
+    inputs, padding = make_inputs(200, 9, 20, True, True, "random", B=2, H=2)
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 200, 3, 2, 16, generator=gen).to(DEVICE).requires_grad_()
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    inputs.update(q=q, k=k, v=v)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    assert_matches_reference(inputs, padding, 9, causal=True)
+
+
+def test_dilations_beyond_the_sequence():
+    # A dilation of 40 over 7 positions leaves each query its own key (and the global one): one program per
+    # position, not per empty residue class.
+    inputs, padding = make_inputs(7, 2, 1, True, True, None, B=1, H=2)
+    assert_matches_reference(inputs, padding, 2, dilation=(40, 3))
+    assert kernels.lattice_tiles(7, kernels._fitted((40, 3), 7), 64) == 7
+
+
+def test_the_widest_window():
+    inputs, padding = make_inputs(700, kernels.MAX_WINDOW, 1, True, False, None, B=1, H=1)
+    assert_matches_reference(inputs, padding, kernels.MAX_WINDOW, dilation=1)
+
+
+def test_tiles_read_no_key_outside_their_band():
+    # Values past position 600 are NaN: a tile that read a key block beyond its band would turn its outputs NaN
+    # (0 * NaN), so the queries whose tiles end well before it must come out as the reference computes them
+    # without the NaN (it multiplies every value, so it gets the values zeroed there).
+    inputs, _ = make_inputs(1024, 8, 0, False, False, None, B=1, H=1)
+    q, k, v = (inputs[n].detach().double() for n in "qkv")
+    expected = local_attention_1d(q, k, v, 8, backend="reference")
+    with torch.no_grad():
+        inputs["v"][:, :, 600:] = float("nan")
+    out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], 8, backend="triton")
+    torch.testing.assert_close(out[:, :, :448].double(), expected[:, :, :448], rtol=2e-5, atol=2e-5)
+    assert out[:, :, 600:].isnan().all()
+
+
+@pytest.mark.parametrize("D", [24, 128])
+def test_head_dims(D):
+    # 24 is not a power of two: the kernels mask the channels past it.
+    inputs, padding = make_inputs(40, 5, 1, True, True, "random", B=1, H=1, D=D)
+    assert_matches_reference(inputs, padding, 5)
+
+
+def test_float16_and_float32_bias_tables():
+    inputs, padding = make_inputs(70, 6, 1, True, True, "random", dtype=torch.float16)
+    assert_matches_reference(inputs, padding, 6, dilation=2, tolerance=1e-2)
+    # Float32 parameters next to float16 activations, as under autocast: gradients come back in float32.
+    inputs["rel_bias"] = inputs["rel_bias"].detach().float().requires_grad_()
+    inputs["global_bias"] = inputs["global_bias"].detach().float().requires_grad_()
+    _, grads = run("triton", inputs, padding, 6)
+    assert grads[-2].dtype == torch.float32 and grads[-1].dtype == torch.float32
+
+
+def test_bfloat16():
+    if not _interpreter_multiplies_bfloat16():
+        pytest.skip("this Triton interpreter computes tl.dot on bfloat16 operands wrongly (a 16x16 probe fails)")
+    inputs, padding = make_inputs(70, 6, 1, True, True, "random", dtype=torch.bfloat16)
+    assert_matches_reference(inputs, padding, 6, causal=True, tolerance=3e-2)
+
+
+def test_products_are_counted_by_the_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    inputs, padding = make_inputs(150, 5, 1, False, False, None, B=1, H=1)
+    with FlopCounterMode(display=False) as counter:
+        out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], 5, global_k=inputs["global_k"],
+                                 global_v=inputs["global_v"], backend="triton")
+    # Tiles of 64 queries at 0, 64, 128 read key blocks of 64 from 16 (w rounded up to the bias bins' 16) before
+    # them to 5 after their last query: -16..111, 48..175 and 112..175, and the global key.
+    pairs = 64 * (128 + 1) + 64 * (128 + 1) + 64 * (64 + 1)
+    assert counter.get_total_flops() == 2 * 2 * pairs * 16
+    with FlopCounterMode(display=False) as counter:
+        out.sum().backward()
+    assert counter.get_total_flops() == 5 * 2 * pairs * 16
+
+
+def test_the_default_backend_is_never_triton_where_it_cannot_run():
+    assert default_backend(torch.device("cpu"), torch.float32, dims=1) != "triton"
+    assert default_backend(torch.device("cuda"), torch.float64, dims=1) != "triton"
+
+
+# --- Bad input: one plain sentence each. ---
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(D=8), "The triton backend takes head_dim 16..128 for 1D windows, got 8."),
+        (dict(D=136), "The triton backend takes head_dim 16..128 for 1D windows, got 136."),
+        (dict(dtype=torch.float64), "The triton backend takes float32, float16 or bfloat16 inputs, got torch.float64."),
+        (dict(w=513), "The triton backend takes 1D windows 1..512, got 513."),
+    ],
+)
+def test_unsupported_inputs_are_one_sentence(change, message):
+    w = change.pop("w", 2)
+    inputs, padding = make_inputs(4, w, 0, True, False, None, B=1, H=1, **change)  # a bias table keeps w as given
+    with pytest.raises(ValueError) as err:
+        run("triton", inputs, padding, w)
+    assert str(err.value) == message
+
+
+def test_cpu_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("cpu"))
+    inputs, padding = make_inputs(8, 2, 0, False, False, None, B=1, H=1)
+    with pytest.raises(ValueError, match=r"runs on CUDA GPUs \(or on the CPU under TRITON_INTERPRET=1, for tests\), "
+                                         r"but the inputs are on cpu; use backend 'sliding_chunk' there\.$"):
+        run("triton", inputs, padding, 2)
