@@ -251,3 +251,16 @@ def test_an_enormous_window_or_dilation_covers_the_sequence():
     dense = torch.softmax(q @ k.transpose(-1, -2) * 4 ** -0.5, dim=-1) @ v
     torch.testing.assert_close(local_attention_1d(q, k, v, 10**9), dense, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(local_attention_1d(q, k, v, 1, dilation=50), v, rtol=1e-4, atol=1e-5)  # only itself
+
+
+def assert_products_counted(attend, pairs, head_dim):
+    """torch's flop counter sees the two products over ``pairs`` scores of a forward ``attend()`` and the five of
+    its backward (as a backend registers them, ``vil/ops/operators.py``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        out = attend()
+    assert counter.get_total_flops() == 2 * 2 * pairs * head_dim
+    with FlopCounterMode(display=False) as counter:
+        out.sum().backward()
+    assert counter.get_total_flops() == 5 * 2 * pairs * head_dim

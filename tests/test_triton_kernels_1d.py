@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the triton package is not installed; the t
 
 from vil.ops import default_backend, local_attention_1d  # noqa: E402
 from vil_kernels import flash, local_attention_1d as kernels  # noqa: E402
-from test_local_attention_1d import CASES, make_inputs as make_local_inputs  # noqa: E402
+from test_local_attention_1d import CASES, assert_products_counted, make_inputs as make_local_inputs  # noqa: E402
 from test_fuzz import fuzz_settings  # noqa: E402
 from test_triton_kernels import _interpreter_multiplies_bfloat16, assert_close_in_dtype  # noqa: E402
 
@@ -142,19 +142,12 @@ def test_bfloat16():
 
 
 def test_products_are_counted_by_the_flop_counter():
-    from torch.utils.flop_counter import FlopCounterMode
-
     inputs, padding = make_inputs(150, 5, 1, False, False, None, B=1, H=1)
-    with FlopCounterMode(display=False) as counter:
-        out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], 5, global_k=inputs["global_k"],
-                                 global_v=inputs["global_v"], backend="triton")
     # Tiles of 64 queries at 0, 64, 128 read key blocks of 64 from 16 (w rounded up to the bias bins' 16) before
     # them to 5 after their last query: -16..111, 48..175 and 112..175, and the global key.
     pairs = 64 * (128 + 1) + 64 * (128 + 1) + 64 * (64 + 1)
-    assert counter.get_total_flops() == 2 * 2 * pairs * 16
-    with FlopCounterMode(display=False) as counter:
-        out.sum().backward()
-    assert counter.get_total_flops() == 5 * 2 * pairs * 16
+    assert_products_counted(lambda: local_attention_1d(inputs["q"], inputs["k"], inputs["v"], 5, global_k=inputs["global_k"],
+                                                       global_v=inputs["global_v"], backend="triton"), pairs, 16)
 
 
 def test_the_default_backend_is_never_triton_where_it_cannot_run():
