@@ -336,6 +336,23 @@ def lattice_tiles(length, dilations, tile):
     return max(d * triton.cdiv(triton.cdiv(length, d), tile) for d in set(dilations))
 
 
+def scored_pairs(length, window, dilations, causal, num_global):
+    """The (query, key) scores the forward computes per batch entry, over all heads: every query of a tile
+    against the key blocks :func:`_key_range` gives it and the global keys, for the interpreter's tile shape (a
+    tuned shape differs by a few percent)."""
+    tile, block, _ = TILE_SHAPES[0]
+    before = bias_bins(tile, block, window)[1]
+    pairs = 0
+    for d in _fitted(dilations, length):
+        for residue in range(d):
+            n = (length - 1 - residue) // d + 1  # the residue's lattice length
+            for t0 in range(0, n, tile):
+                first = t0 - before + max(0, before - t0) // block * block
+                stop = min(t0 + tile + (0 if causal else window), n)
+                pairs += tile * (triton.cdiv(max(stop - first, 0), block) * block + num_global)
+    return pairs
+
+
 def _fitted(dilations, length):
     """Dilations of at most L: beyond it a query's only window key is itself either way (and the bias row is that
     of offset 0), while a larger one would launch a program per empty residue class."""

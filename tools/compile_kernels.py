@@ -59,7 +59,7 @@ def variants(args):
             (1, "bfloat16", 64, 256, 0), (1, "float16", 128, 512, 1), (1, "float32", 24, 7, 0)]
 
 
-def _jobs_2d(dtype, head_dim, window, exact, first_tile):
+def _jobs_2d(head_dim, window, exact, first_tile):
     """(kernel, tile shape or None, warps, constants) of the 2D kernels, every candidate tile shape."""
     geo = kernel_geometry(14, 14, window, exact, 0, 1, "cpu")
     base = dict(W=window, C=geo.chunk, P=geo.chunk_pad, DIL=1, EXACT=exact, N_OFF=geo.num_slots, HEAD_DIM=head_dim,
@@ -71,7 +71,7 @@ def _jobs_2d(dtype, head_dim, window, exact, first_tile):
             yield kernel, shape, kernels.num_warps(shape[0], geo.chunk_pad), dict(base, BQI=shape[0], BKI=shape[1])
 
 
-def _jobs_1d(dtype, head_dim, window, causal, first_tile):
+def _jobs_1d(head_dim, window, causal, first_tile):
     """The same for the 1D kernels (the delta pass is the 2D kernels')."""
     base = dict(W=window, CAUSAL=bool(causal), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                 BLOCK_G=kernels_1d.BLOCK_G, BLOCK_N=kernels_1d.BLOCK_N, HAS_GLOBAL=True, HAS_REL_BIAS=True,
@@ -89,7 +89,7 @@ def compile_variant(arch, dims, dtype, head_dim, window, option, first_tile=Fals
     shared bytes)."""
     precision = "tf32x3" if dtype == "float32" else "tf32"
     target = GPUTarget("cuda", arch, 32)
-    jobs = (_jobs_1d if dims == 1 else _jobs_2d)(dtype, head_dim, window, option, first_tile)
+    jobs = (_jobs_1d if dims == 1 else _jobs_2d)(head_dim, window, option, first_tile)
     for kernel, shape, warps, constants in jobs:
         constants = dict(constants, DOT_PRECISION=precision)
         constants = {name: value for name, value in constants.items() if name in kernel.arg_names}

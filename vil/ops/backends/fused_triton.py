@@ -105,23 +105,7 @@ def _scored_pairs(q, num_global, window, exact, mode, dilation):
 
 
 def _scored_pairs_1d(q, num_global, window, dilations, causal):
-    """The (query, key) scores per batch, over all heads: every query of a tile against the key blocks it reads
-    (those of the interpreter's tile shape; a tuned shape differs by a few percent) and the global keys."""
-    kernels = _kernels(1)
-    L = q.shape[2]
-    tile, block, _ = kernels.TILE_SHAPES[0]
-    before = kernels.bias_bins(tile, block, window)[1]
-    pairs = 0
-    for d in dilations:
-        for r in range(min(d, L)):
-            n = -(-(L - r) // d)  # the length of residue class r
-            t0 = torch.arange(0, n, tile)
-            first = t0 - before
-            first = first + (-first).clamp(min=0) // block * block
-            stop = (t0 + tile + (0 if causal else window)).clamp(max=n)
-            blocks = (stop - first).clamp(min=0).add(block - 1).div(block, rounding_mode="floor")
-            pairs += int((tile * (blocks * block + num_global)).sum())
-    return pairs
+    return _kernels(1).scored_pairs(q.shape[2], window, dilations, causal, num_global)
 
 
 operators.register_2d("triton", _forward_2d, _backward_2d, _scored_pairs)
