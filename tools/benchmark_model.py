@@ -10,6 +10,8 @@ on a GPU; on the CPU the rise of the resident set during the first training step
 ``--compile`` and ``--timm NAME`` add a second table: training and inference images/s of the model, of the model
 under ``torch.compile`` (Inductor, after its compilation, whose time is printed) and of timm's model ``NAME``, in
 one process, in alternating rounds (``--rounds``), best round of each, with each one's ratio to the eager model.
+``--profile`` then also prints, for each of them, where two training steps spend their time (``torch.profiler``,
+the operators with the most time of their own).
 """
 
 import argparse
@@ -32,6 +34,7 @@ def main():
     parser.add_argument("--compile", action="store_true", help="also time the model under torch.compile")
     parser.add_argument("--timm", default=None, help="also time this timm model (e.g. swin_tiny_patch4_window7_224)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the side-by-side comparison")
+    parser.add_argument("--profile", action="store_true", help="with --compile or --timm: profile two training steps of each")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args()
     cfg = load_cfg(args.config_file, args.opts)
@@ -117,6 +120,15 @@ def compare(args, model, steps, timed, device):
     print("|---|---|---|---|---|")
     for name, (train, infer) in best.items():
         print(f"| {name} | {train:.1f} | {infer:.1f} | {train / best['eager'][0]:.2f}x | {infer / best['eager'][1]:.2f}x |")
+    if args.profile:
+        from torch.profiler import profile
+
+        for name, (train_step, _) in contenders.items():
+            with profile() as prof:
+                train_step()
+                train_step()
+            print(f"\n{name}, two training steps:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48))
 
 
 if __name__ == "__main__":
