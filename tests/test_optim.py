@@ -38,8 +38,32 @@ def qhm_by_hand(p, grads, lr, beta, nu, wd):
     return p
 
 
+def adam_by_hand(p, grads, lr, beta1, beta2, eps, wd, decoupled):
+    """Adam as its paper writes it, with bias correction; weight decay decoupled (AdamW) or added to the
+    gradient (L2)."""
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        if decoupled:
+            p = p * (1 - lr * wd)
+        else:
+            g = g + wd * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps)
+    return p
+
+
+def sgd_by_hand(p, grads, lr, momentum, wd):
+    buffer = None
+    for g in grads:
+        g = g + wd * p
+        buffer = g if buffer is None else momentum * buffer + g
+        p = p - lr * buffer
+    return p
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_every_optimizer_takes_steps(name):
+def test_every_optimizer_takes_its_textbook_steps(name):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     start = model.weight.detach().clone()
@@ -50,8 +74,25 @@ def test_every_optimizer_takes_steps(name):
         model.weight.grad, model.bias.grad = g.clone(), torch.zeros(3)
         optimizer.step()
     assert not torch.allclose(model.weight, start)
-    if name == "qhm":
-        torch.testing.assert_close(model.weight.detach(), qhm_by_hand(start, grads, 0.1, 0.9, 0.7, 0.05))
+    adam = cfg.OPTIM.ADAM
+    expected = {
+        "qhm": lambda: qhm_by_hand(start, grads, 0.1, 0.9, 0.7, 0.05),
+        "sgd": lambda: sgd_by_hand(start, grads, 0.1, 0.9, 0.05),
+        "adamw": lambda: adam_by_hand(start, grads, 0.1, adam.BETA1, adam.BETA2, adam.EPS, 0.05, decoupled=True),
+        "adam": lambda: adam_by_hand(start, grads, 0.1, adam.BETA1, adam.BETA2, adam.EPS, 0.05, decoupled=False),
+    }
+    if name in expected:
+        torch.testing.assert_close(model.weight.detach(), expected[name]())
+    # torch's fused kernels where it has them (CPU and CUDA): the update above, in one kernel
+    assert all(group.get("fused") is (True if name in ("adamw", "adam", "sgd") else None) for group in optimizer.param_groups)
+
+
+def test_the_optimizer_says_once_where_torch_has_no_fused_kernels(caplog):
+    with caplog.at_level("INFO", logger="vil"):
+        optimizer = build_optimizer(cfg_with("OPTIM.OPT", "adamw"), torch.nn.Linear(4, 3, device="meta"))
+    assert all(group["fused"] is None for group in optimizer.param_groups)
+    assert caplog.messages == ["Parameters on meta: the optimizer runs torch's default implementation, not its fused one "
+                               "(CPU and CUDA floating point only)."]
 
 
 def test_layer_decay_gives_each_block_its_rate():

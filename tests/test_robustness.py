@@ -376,3 +376,21 @@ def test_an_arch_string_with_fields_left_out_is_logged_as_resolved(caplog):
         _log_resolved_arch(cfg)
     assert ("MODEL.VIT.MSVIT.ARCH resolves to l1,h1,d16,n1,s1,g1,p2,f7,a1_l2,h2,d32,n1,s1,g1,p2,f7,a1_l3,h2,d32,n1,s1,g1,p2,f7,a1 "
             "(the fields it leaves out take the original release's defaults).") in caplog.text
+
+
+def test_a_checkpoint_written_without_fused_optimizer_kernels_resumes_to_the_uninterrupted_weights(data, tmp_path):
+    """Checkpoints written before the optimizer ran torch's fused kernels say ``fused: None`` in their groups and
+    keep their step counts as the default implementation does; a resume runs the fused kernels all the same."""
+    straight = tmp_path / "straight"
+    train(tiny_cfg(data, straight))
+    checkpoint = read_checkpoint(str(straight / "checkpoint_epoch1.pth"))
+    for group in checkpoint["optimizer"]["param_groups"]:
+        assert group["fused"] is True
+        group["fused"] = None
+    out = tmp_path / "old"
+    out.mkdir()
+    torch.save(checkpoint, out / "checkpoint_last.pth")
+    train(tiny_cfg(data, out))
+    resumed = read_checkpoint(str(out / "checkpoint_last.pth"))
+    assert all(group["fused"] is True for group in resumed["optimizer"]["param_groups"])
+    assert_same_weights(final_weights(straight), final_weights(out))

@@ -5,7 +5,9 @@
 
 FLOPs are counted by ``torch.utils.flop_counter`` for one 224x224 (``INPUT.IMAGE_SIZE``) image, forward, as
 multiply-adds (the convention of the paper's 1.43G / 5.12G). Peak memory: ``torch.cuda.max_memory_allocated``
-on a GPU; on the CPU the rise of the resident set during the first training step.
+on a GPU; on the CPU the rise of the resident set during the first training step. A training step is the
+model's forward and backward and a step of the optimizer ``tools/train.py`` builds from the config (``OPTIM``;
+torch's fused AdamW for the presets).
 
 ``--compile`` and ``--timm NAME`` add a second table: training and inference images/s of the model, of the model
 under ``torch.compile`` (Inductor, after its compilation, whose time is printed) and of timm's model ``NAME``, in
@@ -22,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vil.config import load_cfg
 from vil.models import build_model
+from vil.optim import build_optimizer
 from vil.profiling import PeakMemory
 
 
@@ -57,9 +60,10 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def steps(net):
-        """(training step, inference step) of ``net``, with its own optimizer."""
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    def steps(net, module=None):
+        """(training step, inference step) of ``net`` (``module`` under ``torch.compile``), with its own
+        optimizer, the one ``tools/train.py`` builds from the config."""
+        optimizer = build_optimizer(cfg, module or net)
 
         def train_step():
             net.train()
@@ -101,7 +105,7 @@ def compare(args, model, steps, timed, device):
     """The side-by-side table of the module docstring."""
     contenders = {"eager": steps(model)}
     if args.compile:
-        compiled = steps(torch.compile(model))
+        compiled = steps(torch.compile(model), model)
         start = time.perf_counter()
         for step in compiled:  # compiles the training and the inference graph
             step()

@@ -1,6 +1,7 @@
 """The optimizer and the learning-rate schedule, built from the config as the original release did, and the
 weights' moving average (MODEL.EMA)."""
 
+import logging
 import warnings
 
 import torch
@@ -10,6 +11,8 @@ from timm.scheduler import CosineLRScheduler, PolyLRScheduler, StepLRScheduler
 from timm.utils import ModelEmaV3
 
 OPTIMIZERS = ("adamw", "sgd", "qhm", "adam", "lamb")
+
+log = logging.getLogger("vil")
 
 # qhoptim calls an overload of Tensor.add_ that torch deprecates; the result is the same.
 warnings.filterwarnings("ignore", message="This overload of add_ is deprecated", category=UserWarning, module="qhoptim")
@@ -42,21 +45,37 @@ def parameter_groups(model, cfg):
 def build_optimizer(cfg, model):
     """``OPTIM.OPT``: ``adamw`` (decoupled weight decay), ``adam`` (L2), ``lamb`` (timm's), each with betas and
     eps from ``OPTIM.ADAM``; ``sgd`` (momentum ``OPTIM.MOM``, L2); ``qhm`` (quasi-hyperbolic momentum from
-    qhoptim: momentum ``OPTIM.MOM``, nu ``OPTIM.NU``, L2 added to the gradient as the original did)."""
+    qhoptim: momentum ``OPTIM.MOM``, nu ``OPTIM.NU``, L2 added to the gradient as the original did).
+
+    torch's AdamW, Adam and SGD run their fused implementation (one kernel over all parameters; on the CPU
+    torch's default is a loop over the parameters, 3x slower for ViL-Tiny's AdamW step): same update, to
+    rounding."""
     groups = parameter_groups(model, cfg)
     optim, adam = cfg.OPTIM, cfg.OPTIM.ADAM
     betas = (adam.BETA1, adam.BETA2)
+    fused = _fused_kernels_apply(model)
     if optim.OPT == "adamw":
-        return torch.optim.AdamW(groups, lr=optim.LR, betas=betas, eps=adam.EPS)
+        return torch.optim.AdamW(groups, lr=optim.LR, betas=betas, eps=adam.EPS, fused=fused)
     if optim.OPT == "adam":
-        return torch.optim.Adam(groups, lr=optim.LR, betas=betas, eps=adam.EPS)
+        return torch.optim.Adam(groups, lr=optim.LR, betas=betas, eps=adam.EPS, fused=fused)
     if optim.OPT == "lamb":
         return Lamb(groups, lr=optim.LR, betas=betas, eps=adam.EPS)
     if optim.OPT == "sgd":
-        return torch.optim.SGD(groups, lr=optim.LR, momentum=optim.MOM)
+        return torch.optim.SGD(groups, lr=optim.LR, momentum=optim.MOM, fused=fused)
     if optim.OPT == "qhm":
         return QHM(groups, lr=optim.LR, momentum=optim.MOM, nu=optim.NU)
     raise ValueError(f"OPTIM.OPT {optim.OPT!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
+
+
+def _fused_kernels_apply(model):
+    """True where torch has fused optimizer kernels for every parameter (floating point, on the CPU or CUDA);
+    otherwise None, torch's default, said once."""
+    devices = {p.device.type for p in model.parameters()}
+    if devices <= {"cpu", "cuda"} and all(p.is_floating_point() for p in model.parameters()):
+        return True
+    log.info(f"Parameters on {', '.join(sorted(devices))}: the optimizer runs torch's default implementation, "
+             "not its fused one (CPU and CUDA floating point only).")
+    return None
 
 
 def build_scheduler(cfg, optimizer, steps_per_epoch):

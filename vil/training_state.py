@@ -19,6 +19,7 @@ import re
 import shutil
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from .checkpoint import load_model_state, model_state, read_checkpoint, save_checkpoint
@@ -155,6 +156,11 @@ def restore(run, checkpoint, path):
     for group, fresh in zip(run.optimizer.param_groups, settings):
         group.update(fresh)
         group["lr_scale"] = fresh.get("lr_scale", 1.0) * run.lr_drop
+        if group.get("fused"):  # a checkpoint written without fused kernels keeps its step counts on the CPU
+            for param in group["params"]:
+                state = run.optimizer.state.get(param, {})
+                if "step" in state:
+                    state["step"] = state["step"].to(dtype=torch.float32, device=param.device)
     if checkpoint.get("scaler"):
         run.scaler.load_state_dict(checkpoint["scaler"])
     if run.ema is not None and checkpoint.get("ema"):
