@@ -19,7 +19,6 @@ import re
 import shutil
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from .checkpoint import load_model_state, model_state, read_checkpoint, save_checkpoint
@@ -149,18 +148,16 @@ def restore(run, checkpoint, path):
     settings = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
     load_model_state(run.model, model_state(checkpoint, path), path)
     try:
-        run.optimizer.load_state_dict(checkpoint["optimizer"])
+        # The run's settings replace the saved ones before loading, so that torch places the state for them
+        # (the step counts of fused kernels, say, which a checkpoint written without them keeps on the CPU).
+        saved = checkpoint["optimizer"]["param_groups"]
+        groups = [{**group, **fresh} for group, fresh in zip(saved, settings)] + saved[len(settings):]
+        run.optimizer.load_state_dict({**checkpoint["optimizer"], "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"The optimizer state in {path} does not fit this run's optimizer ({str(e).rstrip('.')}); choose another OUTPUT_DIR for a new run.") from None
     run.lr_drop = float(checkpoint.get("lr_drop", 1.0))
     for group, fresh in zip(run.optimizer.param_groups, settings):
-        group.update(fresh)
         group["lr_scale"] = fresh.get("lr_scale", 1.0) * run.lr_drop
-        if group.get("fused"):  # a checkpoint written without fused kernels keeps its step counts on the CPU
-            for param in group["params"]:
-                state = run.optimizer.state.get(param, {})
-                if "step" in state:
-                    state["step"] = state["step"].to(dtype=torch.float32, device=param.device)
     if checkpoint.get("scaler"):
         run.scaler.load_state_dict(checkpoint["scaler"])
     if run.ema is not None and checkpoint.get("ema"):
