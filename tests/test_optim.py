@@ -7,7 +7,7 @@ import torch
 
 from vil.config import load_cfg
 from vil.models import PRESETS, MsViT
-from vil.optim import OPTIMIZERS, ModelEma, build_optimizer, build_scheduler, drop_learning_rate
+from vil.optim import OPTIMIZERS, build_optimizer, build_scheduler, drop_learning_rate, model_ema
 
 
 def cfg_with(*overrides):
@@ -197,7 +197,7 @@ def test_moving_average_takes_each_shared_weight_once_and_copies_the_random_feat
     for attention in ("longformer", "performer"):
         torch.manual_seed(0)
         model = MsViT(arch, img_size=32, num_classes=2, attention=attention)
-        ema = ModelEma(model, decay=0.75)
+        ema = model_ema(model, decay=0.75)
         before = {k: v.clone() for k, v in ema.module.state_dict().items()}
         with torch.no_grad():
             for p in model.parameters():

@@ -38,7 +38,7 @@ from .files import FolderLock, atomic_write, check_writable_file, check_writable
 from .models import arch_string, build_model, parse_arch, pretrained_checkpoint
 from .models.attention import LongformerAttention
 from .models.convert import fit_to_model
-from .optim import ModelEma, build_optimizer, build_scheduler, drop_learning_rate
+from .optim import build_optimizer, build_scheduler, drop_learning_rate, model_ema
 from .runtime import Runtime, seed_everything
 from .shards import ShardDataset
 from .training_state import (
@@ -294,7 +294,7 @@ def _build_run(cfg, runtime, lock, starts_fresh):
     return Run(
         cfg=cfg, runtime=runtime, model=model, net=_training_net(model, cfg, runtime),
         optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer, batches_per_epoch // accum), scaler=scaler,
-        ema=ModelEma(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None, criterion=build_loss(cfg, mixup),
+        ema=model_ema(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None, criterion=build_loss(cfg, mixup),
         mixup=mixup, amp=amp, memory_format=layout, train_set=train_set, test_set=test_set, batch=batch, lock=lock,
     )
 

@@ -114,26 +114,14 @@ def drop_learning_rate(optimizer, factor):
         group["lr"] /= factor
 
 
-class ModelEma(ModelEmaV3):
-    """timm's ``ModelEmaV3``, with two changes to its update for these models:
+def model_ema(model, decay):
+    """timm's ``ModelEmaV3`` averaging the parameters and copying the buffers (``exclude_buffers``), as these models
+    need:
 
-    - each tensor is averaged once. A model whose modules share weights (``SHARE_W``: ``query_global`` is
-      ``query``; linformer's ``SHARE_KV``) lists a shared tensor under each of its names, and timm's update
-      averages it once per name (at decay d, a shared weight then moves as if at decay d^2);
+    - each tensor is averaged once: ``model.parameters()`` lists a shared weight once (``SHARE_W``:
+      ``query_global`` is ``query``; linformer's ``SHARE_KV``), where averaging over the state dict would take it
+      once per name (at decay d, a shared weight would then move as if at decay d^2);
     - buffers are copied, not averaged: the only floating-point ones are the performer's random features, a draw
       that the model replaces, not a statistic.
     """
-
-    @torch.no_grad()
-    def apply_update_(self, model, decay):
-        averaged = set()
-        pairs = zip(self.module.state_dict(keep_vars=True).values(), model.state_dict(keep_vars=True).values())
-        for ema_value, value in pairs:
-            if id(ema_value) in averaged:
-                continue
-            averaged.add(id(ema_value))
-            value = value.detach().to(ema_value.device)
-            if isinstance(ema_value, torch.nn.Parameter) and ema_value.is_floating_point():
-                ema_value.lerp_(value, 1.0 - decay)
-            else:
-                ema_value.copy_(value)
+    return ModelEmaV3(model, decay=decay, exclude_buffers=True)
