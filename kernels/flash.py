@@ -15,6 +15,9 @@ from triton.runtime.errors import OutOfResources
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOG2E = 1.4426950408889634
+DELTA_BLOCK_N = 64  # queries per program of the delta pass
+# Programs a backward pass with partial sums aims for: enough to fill a GPU, few enough that the sums stay small.
+TARGET_PROGRAMS = 2048
 
 
 def interpreting():
@@ -98,6 +101,18 @@ def softmax_grad(s, lse, delta, do, v, row_valid, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def key_major_grads(s_t, lse, delta, do, q, v, col_valid, DOT_PRECISION: tl.constexpr):
+    """The contributions of a (keys, queries) block of base-2 scores to the keys' dK (before the scale) and dV:
+    :func:`softmax_grad` transposed, so that the products with Q and dO need no transposed copies; zero for
+    invalid query columns."""
+    p_t = tl.where(col_valid[None, :], tl.exp2(s_t - lse[None, :]), 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    return tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION), dv
+
+
+@triton.jit
 def offset_sums(ds, row_shift, col_shift, P: tl.constexpr, BQI: tl.constexpr, BKI: tl.constexpr,
                 BT_ROWS: tl.constexpr, BT_COLS: tl.constexpr):
     """Sums of a (BQI*P, BKI*P) block of score gradients per relative offset, for tokens laid out in rows of P
@@ -140,12 +155,23 @@ def delta(o, do):
     """rowsum(dO * O) of (B, H, N, D) tensors with unit stride along D: (B, H, N) float32."""
     B, H, N, D = o.shape
     out = new_output((B, H, N), dtype=torch.float32, device=o.device)
-    BLOCK_N = 64
-    delta_kernel[(triton.cdiv(N, BLOCK_N), B * H)](
+    delta_kernel[(triton.cdiv(N, DELTA_BLOCK_N), B * H)](
         o, do, out, *o.stride()[:3], *do.stride()[:3], H, N,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=BLOCK_N,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=DELTA_BLOCK_N,
     )
     return out
+
+
+def program_split(items, other_programs):
+    """``(items per program, programs)`` for ``items`` shared out over programs that run beside
+    ``other_programs`` others each: about ``TARGET_PROGRAMS`` in all."""
+    per_program = min(items, triton.cdiv(items * other_programs, TARGET_PROGRAMS))
+    return per_program, triton.cdiv(items, per_program)
+
+
+def global_strides(gk, gv):
+    """The (batch, head, key) strides of the global keys and values, zeros without them."""
+    return (*gk.stride()[:3], *gv.stride()[:3]) if gk is not None else (0,) * 6
 
 
 _TUNED = {}

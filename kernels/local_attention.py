@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from . import flash
-from .flash import (LOG2E, global_scores, initial_softmax_state, load_globals, load_rows, offset_sums,
-                    online_softmax_step, softmax_grad, softmax_result, store_rows)
+from .flash import (LOG2E, global_scores, initial_softmax_state, key_major_grads, load_globals, load_rows,
+                    offset_sums, online_softmax_step, softmax_grad, softmax_result, store_rows)
 
 HEAD_DIMS = (16, 32, 48, 64, 96, 128)
 MAX_WINDOW = 16
@@ -179,11 +179,9 @@ def _bwd_dkdv_kernel(
                 # Key-major (keys, queries) tiles: the products with Q and dO need no transposed copies.
                 s_t = _local_scores(k, q, k_row, k_col, q_row, q_col, q_valid, -a, -b, rel_bias, qk_scale, W, C,
                                     EXACT, HAS_REL_BIAS, DOT_PRECISION, KEY_MAJOR=True)
-                p_t = tl.where(q_valid[None, :], tl.exp2(s_t - lse[None, :]), 0.0)
-                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                ds_t = p_t * (dp_t - delta[None, :])
-                dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+                dk_part, dv_part = key_major_grads(s_t, lse, delta, do, q, v, q_valid, DOT_PRECISION)
+                dk += dk_part
+                dv += dv_part
 
     base = bh * X * Y * HEAD_DIM
     _store_tile(DK + base, Y * HEAD_DIM, HEAD_DIM, kx, ky, k_valid, dk * scale, HEAD_DIM, BLOCK_D)
@@ -337,7 +335,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
             q, k, v, gk if G else dummy, gv if G else dummy, dummy if rel_bias is None else rel_bias,
             dummy if global_bias is None else global_bias, geo.neighbours, geo.offsets, o, lse,
             *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
-            *(gk.stride()[:3] if G else (0, 0, 0)), *(gv.stride()[:3] if G else (0, 0, 0)),
+            *flash.global_strides(gk, gv),
             H, X, Y, geo.chunk_cols, geo.num_chunks, G, scale * LOG2E,
             W=geo.window, C=geo.chunk, P=geo.chunk_pad, DIL=geo.dilation, EXACT=geo.exact, N_OFF=geo.num_slots,
             HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
@@ -382,10 +380,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
 
     def launch_dq(bq, bk, warps):
         tiles = geo.tiles(bq)
-        # Enough programs to fill a GPU; each adds up its batch entries, which bounds the partial sums' size.
-        groups = min(B, max(1, -(-2048 // (tiles * H))))
-        per_program = -(-B // groups)
-        groups = -(-B // per_program)
+        per_program, groups = flash.program_split(B, tiles * H)  # each program adds up its batch entries
         dgk = flash.new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
         dgv = flash.new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
         dgb = flash.new_output((groups, H, tiles, BLOCK_G), dtype=torch.float32, device=q.device) if global_bias is not None else dummy
@@ -395,7 +390,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
             dummy if global_bias is None else global_bias, lse, delta, geo.neighbours, geo.offsets,
             dq, dgk, dgv, dgb, drb,
             *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do),
-            *(gk.stride()[:3] if G else (0, 0, 0)), *(gv.stride()[:3] if G else (0, 0, 0)),
+            *flash.global_strides(gk, gv),
             B, H, X, Y, geo.chunk_cols, geo.num_chunks, G, per_program, scale * LOG2E, scale,
             BLOCK_G=BLOCK_G, BT=BT, HAS_GLOBAL=G > 0, HAS_GLOBAL_BIAS=global_bias is not None,
             BQI=bq, BKI=bk, num_warps=warps, **common,

@@ -24,16 +24,13 @@ import triton
 import triton.language as tl
 
 from . import flash
-from .flash import (LOG2E, global_scores, initial_softmax_state, load_globals, load_rows, offset_sums,
-                    online_softmax_step, softmax_grad, softmax_result, store_rows)
+from .flash import (LOG2E, global_scores, initial_softmax_state, key_major_grads, load_globals, load_rows,
+                    offset_sums, online_softmax_step, softmax_grad, softmax_result, store_rows)
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 MAX_WINDOW = 512
 # Candidate (query tile, key block, warps) per program; the interpreter takes the first.
 TILE_SHAPES = ((64, 64, 4), (128, 64, 8), (64, 32, 4), (128, 128, 8), (32, 32, 4))
-# Programs the dQ and global-gradient passes aim for: enough to fill a GPU, few enough that their partial sums
-# stay small.
-TARGET_PROGRAMS = 2048
 BLOCK_G = 16  # global keys per block
 BLOCK_N = 64  # queries per step of the global-gradient pass
 
@@ -202,11 +199,9 @@ def _bwd_dkdv_kernel(
         # Key-major (keys, queries) blocks: the products with Q and dO need no transposed copies.
         s_t = _band_scores(k, q, u, t, k_valid, q_valid, rel_bias, qk_scale, W, CAUSAL, HAS_REL_BIAS, DOT_PRECISION,
                            KEY_MAJOR=True)
-        p_t = tl.where(q_valid[None, :], tl.exp2(s_t - lse[None, :]), 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        dk_part, dv_part = key_major_grads(s_t, lse, delta, do, q, v, q_valid, DOT_PRECISION)
+        dk += dk_part
+        dv += dv_part
 
     store_rows(DK + b_idx * s_gb + h * s_gh, k_pos * s_gl, (u >= 0) & (u < length), dk * scale, HEAD_DIM, BLOCK_D)
     store_rows(DV + b_idx * s_gb + h * s_gh, k_pos * s_gl, (u >= 0) & (u < length), dv, HEAD_DIM, BLOCK_D)
@@ -368,10 +363,6 @@ def _strides3(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _globals_strides(gk, gv):
-    return (*gk.stride()[:3], *gv.stride()[:3]) if gk is not None else (0,) * 6
-
-
 def _mask(key_padding_mask, q):
     return q.new_empty(0, dtype=torch.uint8) if key_padding_mask is None else key_padding_mask.contiguous().view(torch.uint8)
 
@@ -386,14 +377,15 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = flash.new_output((B, H, L), dtype=torch.float32, device=q.device)
     dummy = q.new_empty(0)
+    mask = _mask(key_padding_mask, q)
+    table = _dilation_table(dilations, q.device)
     key = (window, D, q.dtype, causal, G > 0, rel_bias is not None, key_padding_mask is not None)
 
     def launch(bm, bn, warps):
         _fwd_kernel[(lattice_tiles(L, dilations, bm), B * H)](
             q, k, v, gk if G else dummy, gv if G else dummy, dummy if rel_bias is None else rel_bias,
-            dummy if global_bias is None else global_bias, _mask(key_padding_mask, q),
-            _dilation_table(dilations, q.device), o, lse,
-            *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), *_globals_strides(gk, gv),
+            dummy if global_bias is None else global_bias, mask, table, o, lse,
+            *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), *flash.global_strides(gk, gv),
             H, L, G, scale * LOG2E,
             W=window, BEFORE=bias_bins(bm, bn, window)[1], CAUSAL=causal, HEAD_DIM=D,
             BLOCK_D=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, HAS_GLOBAL=G > 0, HAS_REL_BIAS=rel_bias is not None,
@@ -436,9 +428,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
 
     def launch_dq(bm, bn, warps):
         kb, before, bt_rows, bt_cols = bias_bins(bm, bn, window)
-        tiles = lattice_tiles(L, dilations, bm)
-        per_program = min(tiles, triton.cdiv(tiles * B * H, TARGET_PROGRAMS))
-        programs = triton.cdiv(tiles, per_program)
+        per_program, programs = flash.program_split(lattice_tiles(L, dilations, bm), B * H)
         parts = dummy
         if rel_bias is not None:
             parts = flash.new_output((B * H, programs, bt_rows, bt_cols), dtype=torch.float32, device=q.device)
@@ -446,7 +436,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
             q, k, v, gk if G else dummy, gv if G else dummy, do, rel, dummy if global_bias is None else global_bias,
             mask, table, lse, delta, grads["dq"], parts,
             *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(grads["dq"]),
-            *_globals_strides(gk, gv), H, L, G, per_program, scale * LOG2E, scale,
+            *flash.global_strides(gk, gv), H, L, G, per_program, scale * LOG2E, scale,
             BEFORE=before, BLOCK_G=BLOCK_G, HAS_GLOBAL=G > 0, HAS_GLOBAL_BIAS=global_bias is not None, BM=bm, BN=bn,
             KB=kb, BT_ROWS=bt_rows, BT_COLS=bt_cols, num_warps=warps, **common,
         )
@@ -477,15 +467,14 @@ def _global_gradients(q, gk, gv, do, global_bias, lse, delta, scale):
     B, H, L, D = q.shape
     G = gk.shape[2]
     blocks = triton.cdiv(G, BLOCK_G)
-    segments = max(1, min(triton.cdiv(L, BLOCK_N), triton.cdiv(TARGET_PROGRAMS, B * H * blocks)))
-    segment = triton.cdiv(triton.cdiv(L, segments), BLOCK_N) * BLOCK_N
-    segments = triton.cdiv(L, segment)
+    per_program, segments = flash.program_split(triton.cdiv(L, BLOCK_N), B * H * blocks)
+    segment = per_program * BLOCK_N
     dgk = flash.new_output((segments, B * H, G, D), dtype=torch.float32, device=q.device)
     dgv = flash.new_output((segments, B * H, G, D), dtype=torch.float32, device=q.device)
     dgb = flash.new_output((segments, B * H, G), dtype=torch.float32, device=q.device) if global_bias is not None else q.new_empty(0)
     _bwd_global_kernel[(segments, B * H, blocks)](
         q, gk, gv, do, q.new_empty(0) if global_bias is None else global_bias, lse, delta, dgk, dgv, dgb,
-        *_strides3(q), *_strides3(do), *gk.stride()[:3], *gv.stride()[:3],
+        *_strides3(q), *_strides3(do), *flash.global_strides(gk, gv),
         H, L, G, segment, scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, HAS_GLOBAL_BIAS=global_bias is not None,
         BLOCK_N=BLOCK_N, DOT_PRECISION=flash.dot_precision(q.dtype), num_warps=4,

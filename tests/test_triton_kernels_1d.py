@@ -80,7 +80,7 @@ def test_every_tile_shape(monkeypatch, shape):
 def test_many_global_keys_several_tiles_per_program_and_strided_inputs(monkeypatch):
     # 20 global keys: two blocks of BLOCK_G; one dQ program for all of a head's tiles (its bias sums span them);
     # q, k, v as views of Longformer's (B, L, 3, heads, D) projection.
-    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 1)
+    monkeypatch.setattr(flash, "TARGET_PROGRAMS", 1)
     inputs, padding = make_inputs(200, 9, 20, True, True, "random", B=2, H=2)
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(2, 200, 3, 2, 16, generator=gen).to(DEVICE).requires_grad_()

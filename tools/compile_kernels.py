@@ -64,15 +64,14 @@ def _jobs_2d(head_dim, window, exact, first_tile):
     geo = kernel_geometry(14, 14, window, exact, 0, 1, "cpu")
     base = dict(W=window, C=geo.chunk, P=geo.chunk_pad, DIL=1, EXACT=exact, N_OFF=geo.num_slots, HEAD_DIM=head_dim,
                 BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_G=16, BT=max(16, triton.next_power_of_2(4 * window - 1)),
-                HAS_GLOBAL=True, HAS_REL_BIAS=True, HAS_GLOBAL_BIAS=True, BLOCK_N=64)
-    yield flash.delta_kernel, None, 4, base
+                HAS_GLOBAL=True, HAS_REL_BIAS=True, HAS_GLOBAL_BIAS=True)
     for shape in kernels._tile_shapes(geo.chunk_pad)[: 1 if first_tile else None]:
         for kernel in (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel):
             yield kernel, shape, kernels.num_warps(shape[0], geo.chunk_pad), dict(base, BQI=shape[0], BKI=shape[1])
 
 
 def _jobs_1d(head_dim, window, causal, first_tile):
-    """The same for the 1D kernels (the delta pass is the 2D kernels')."""
+    """The same for the 1D kernels."""
     base = dict(W=window, CAUSAL=bool(causal), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                 BLOCK_G=kernels_1d.BLOCK_G, BLOCK_N=kernels_1d.BLOCK_N, HAS_GLOBAL=True, HAS_REL_BIAS=True,
                 HAS_GLOBAL_BIAS=True, HAS_MASK=True)
@@ -89,7 +88,9 @@ def compile_variant(arch, dims, dtype, head_dim, window, option, first_tile=Fals
     shared bytes)."""
     precision = "tf32x3" if dtype == "float32" else "tf32"
     target = GPUTarget("cuda", arch, 32)
-    jobs = (_jobs_1d if dims == 1 else _jobs_2d)(head_dim, window, option, first_tile)
+    delta = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=flash.DELTA_BLOCK_N)
+    jobs = itertools.chain([(flash.delta_kernel, None, 4, delta)],
+                           (_jobs_1d if dims == 1 else _jobs_2d)(head_dim, window, option, first_tile))
     for kernel, shape, warps, constants in jobs:
         constants = dict(constants, DOT_PRECISION=precision)
         constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
