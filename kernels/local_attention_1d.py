@@ -6,8 +6,8 @@ softmax. The positions ``r, r + d, r + 2d, ...`` of one residue ``r`` form a seq
 on which the window is the undilated one; kernels work in lattice indices ``t`` (position ``r + d*t``). One
 program handles a tile of ``BM`` consecutive lattice queries and loops over key blocks of ``BN`` from ``t0 - W``
 to ``t0 + BM - 1 + W`` (``t0 + BM - 1`` when causal) with an online softmax, after the global keys: its work grows
-as ``L x W``, never ``L^2``. Key blocks start at multiples of ``KB`` from the tile, so that a block's relative
-offsets fall into fixed bins for the bias gradient (``flash.offset_sums``).
+as ``L x W``, never ``L^2``. In the dQ pass key blocks start at multiples of ``KB`` from the tile, so that a
+block's relative offsets fall into fixed bins for the bias gradient (``flash.offset_sums``).
 
 Forward: one pass, saves the output and the base-2 log-sum-exp. Backward, by recomputation:
 ``flash.delta_kernel`` (rowsum(dO * O)); ``_bwd_dkdv_kernel`` (key-centric: a key block against the queries
@@ -65,9 +65,9 @@ def _rows(first, residue, dilation, length, MASK, mask_row, ROWS: tl.constexpr, 
 @triton.jit
 def _key_range(t0, length, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, BEFORE: tl.constexpr,
                CAUSAL: tl.constexpr):
-    """First and end lattice index of the key blocks a query tile from ``t0`` reads: from ``t0 - BEFORE``
-    (``BEFORE >= W``, a multiple of the bias bins' width) in steps of BN, skipping blocks wholly before the
-    sequence, to the tile's last query's last key. An empty range for a tile past the lattice."""
+    """First and end lattice index of the key blocks a query tile from ``t0`` reads: from ``t0 - BEFORE`` (W; in
+    the dQ pass W rounded up to a multiple of the bias bins' width) in steps of BN, skipping blocks wholly before
+    the sequence, to the tile's last query's last key. An empty range for a tile past the lattice."""
     first = t0 - BEFORE
     first += tl.maximum(0, -first // BN) * BN
     if CAUSAL:
@@ -336,13 +336,12 @@ def scored_pairs(length, window, dilations, causal, num_global):
     against the key blocks :func:`_key_range` gives it and the global keys, for the interpreter's tile shape (a
     tuned shape differs by a few percent)."""
     tile, block, _ = TILE_SHAPES[0]
-    before = bias_bins(tile, block, window)[1]
     pairs = 0
     for d in _fitted(dilations, length):
         for residue in range(d):
             n = (length - 1 - residue) // d + 1  # the residue's lattice length
             for t0 in range(0, n, tile):
-                first = t0 - before + max(0, before - t0) // block * block
+                first = t0 - window + max(0, window - t0) // block * block
                 stop = min(t0 + tile + (0 if causal else window), n)
                 pairs += tile * (triton.cdiv(max(stop - first, 0), block) * block + num_global)
     return pairs
@@ -387,7 +386,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
             dummy if global_bias is None else global_bias, mask, table, o, lse,
             *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), *flash.global_strides(gk, gv),
             H, L, G, scale * LOG2E,
-            W=window, BEFORE=bias_bins(bm, bn, window)[1], CAUSAL=causal, HEAD_DIM=D,
+            W=window, BEFORE=window, CAUSAL=causal, HEAD_DIM=D,
             BLOCK_D=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, HAS_GLOBAL=G > 0, HAS_REL_BIAS=rel_bias is not None,
             HAS_GLOBAL_BIAS=global_bias is not None, HAS_MASK=key_padding_mask is not None, BM=bm, BN=bn,
             DOT_PRECISION=flash.dot_precision(q.dtype), num_warps=warps,

@@ -143,8 +143,8 @@ def test_bfloat16():
 
 def test_products_are_counted_by_the_flop_counter():
     inputs, padding = make_inputs(150, 5, 1, False, False, None, B=1, H=1)
-    # Tiles of 64 queries at 0, 64, 128 read key blocks of 64 from 16 (w rounded up to the bias bins' 16) before
-    # them to 5 after their last query: -16..111, 48..175 and 112..175, and the global key.
+    # Tiles of 64 queries at 0, 64, 128 read key blocks of 64 from 5 (w) before them to 5 after their last query:
+    # -5..122, 59..186 and 123..186, and the global key.
     pairs = 64 * (128 + 1) + 64 * (128 + 1) + 64 * (64 + 1)
     assert_products_counted(lambda: local_attention_1d(inputs["q"], inputs["k"], inputs["v"], 5, global_k=inputs["global_k"],
                                                        global_v=inputs["global_v"], backend="triton"), pairs, 16)
