@@ -7,6 +7,7 @@ they are added), so the softmax uses ``exp2`` and the saved log-sum-exp is in ba
 """
 
 import os
+from functools import partial
 
 import torch
 import triton
@@ -44,8 +45,11 @@ def load_rows(base, row_offsets, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.cons
 @triton.jit
 def store_rows(base, row_offsets, valid, value, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
-    tl.store(base + row_offsets[:, None] + d[None, :], value.to(base.dtype.element_ty),
-             mask=valid[:, None] & (d[None, :] < HEAD_DIM))
+    tl.store(
+        base + row_offsets[:, None] + d[None, :],
+        value.to(base.dtype.element_ty),
+        mask=valid[:, None] & (d[None, :] < HEAD_DIM),
+    )
 
 
 @triton.jit
@@ -56,8 +60,9 @@ def load_globals(base, stride_g, G, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexp
 
 
 @triton.jit
-def global_scores(q, gk, global_bias, G, qk_scale, BLOCK_G: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def global_scores(
+    q, gk, global_bias, G, qk_scale, BLOCK_G: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     """Base-2 scores of the queries against a block of global keys: (queries, BLOCK_G), -inf past G."""
     g = tl.arange(0, BLOCK_G)
     s = tl.dot(q, tl.trans(gk), input_precision=DOT_PRECISION) * qk_scale
@@ -113,8 +118,16 @@ def key_major_grads(s_t, lse, delta, do, q, v, col_valid, DOT_PRECISION: tl.cons
 
 
 @triton.jit
-def offset_sums(ds, row_shift, col_shift, P: tl.constexpr, BQI: tl.constexpr, BKI: tl.constexpr,
-                BT_ROWS: tl.constexpr, BT_COLS: tl.constexpr):
+def offset_sums(
+    ds,
+    row_shift,
+    col_shift,
+    P: tl.constexpr,
+    BQI: tl.constexpr,
+    BKI: tl.constexpr,
+    BT_ROWS: tl.constexpr,
+    BT_COLS: tl.constexpr,
+):
     """Sums of a (BQI*P, BKI*P) block of score gradients per relative offset, for tokens laid out in rows of P
     (token t at row ``t // P``, column ``t % P``): entry (r, c) of the (BT_ROWS, BT_COLS) result adds up the pairs
     with ``query row - key row + row_shift == r`` and ``query column - key column + col_shift == c`` (others are
@@ -133,15 +146,29 @@ def offset_sums(ds, row_shift, col_shift, P: tl.constexpr, BQI: tl.constexpr, BK
 
 
 @triton.jit
-def delta_kernel(O, DO, DELTA, s_ob, s_oh, s_on, s_db, s_dh, s_dn, H, N, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+def delta_kernel(
+    Out,
+    DO,
+    DELTA,
+    s_ob,
+    s_oh,
+    s_on,
+    s_db,
+    s_dh,
+    s_dn,
+    H,
+    N,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """delta = rowsum(dO * O) per query (the softmax backward's correction term), for O and dO of
     (B, H, N tokens, HEAD_DIM) with strides (s_*b, s_*h, s_*n, 1); DELTA is (B*H, N)."""
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
     b_idx, h = bh // H, bh % H
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = n < N
-    o = load_rows(O + b_idx * s_ob + h * s_oh, n * s_on, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
+    o = load_rows(Out + b_idx * s_ob + h * s_oh, n * s_on, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
     do = load_rows(DO + b_idx * s_db + h * s_dh, n * s_dn, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
     tl.store(DELTA + bh * N + n, tl.sum(o * do, 1), mask=valid)
 
@@ -156,8 +183,16 @@ def delta(o, do):
     B, H, N, D = o.shape
     out = new_output((B, H, N), dtype=torch.float32, device=o.device)
     delta_kernel[(triton.cdiv(N, DELTA_BLOCK_N), B * H)](
-        o, do, out, *o.stride()[:3], *do.stride()[:3], H, N,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=DELTA_BLOCK_N,
+        o,
+        do,
+        out,
+        *o.stride()[:3],
+        *do.stride()[:3],
+        H,
+        N,
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_N=DELTA_BLOCK_N,
     )
     return out
 
@@ -188,7 +223,7 @@ def tuned_launch(name, key, candidates, launch):
             timings = {}
             for config in candidates:
                 try:
-                    timings[config] = triton.testing.do_bench(lambda: launch(*config))
+                    timings[config] = triton.testing.do_bench(partial(launch, *config))
                 except OutOfResources:
                     continue
             if not timings:
@@ -213,7 +248,12 @@ def check_device(dtype=None, device=None, batch_heads=1):
             f"The triton backend runs on CUDA GPUs (or on the CPU under TRITON_INTERPRET=1, for tests), but the "
             f"inputs are on {device}; use backend 'sliding_chunk' there."
         )
-    if device is not None and device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
+    if (
+        device is not None
+        and device.type == "cuda"
+        and dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(device) < (8, 0)
+    ):
         raise ValueError("The triton backend needs a GPU of compute capability 8.0 or newer for bfloat16; use float16.")
     if batch_heads > 65535:
         raise ValueError(f"The triton backend takes at most 65535 batch x heads, got {batch_heads}.")

@@ -13,8 +13,8 @@ key-centric backward uses. Relative offsets for the bias are taken "as if neighb
 ``qi - ki - a * C`` for in-chunk rows and the chunk offset ``a``.
 
 SW_EXACT 1 uses chunks of ``C = P`` tokens, whose 3x3 neighbours cover every ``(2W+1)^2`` window of a chunk's
-queries, and masks by distance. Dilation ``DIL`` (SW_EXACT 1 only) runs the same on each of the ``DIL^2`` sub-lattices of
-positions with equal row and column residues modulo ``DIL``; all indices are lattice indices.
+queries, and masks by distance. Dilation ``DIL`` (SW_EXACT 1 only) runs the same on each of the ``DIL^2``
+sub-lattices of positions with equal row and column residues modulo ``DIL``; all indices are lattice indices.
 
 Forward: one pass, saves the output and the base-2 log-sum-exp. Backward, by recomputation:
 ``flash.delta_kernel`` (rowsum(dO * O)), ``_bwd_dkdv_kernel`` (key-centric: loops over the query chunks that see a
@@ -30,8 +30,19 @@ import triton
 import triton.language as tl
 
 from . import flash
-from .flash import (LOG2E, global_scores, initial_softmax_state, key_major_grads, load_globals, load_rows,
-                    offset_sums, online_softmax_step, softmax_grad, softmax_result, store_rows)
+from .flash import (
+    LOG2E,
+    global_scores,
+    initial_softmax_state,
+    key_major_grads,
+    load_globals,
+    load_rows,
+    offset_sums,
+    online_softmax_step,
+    softmax_grad,
+    softmax_result,
+    store_rows,
+)
 
 HEAD_DIMS = (16, 32, 48, 64, 96, 128)
 MAX_WINDOW = 16
@@ -58,8 +69,9 @@ def _neighbour(TABLE, OFFSETS, chunk, o, N_OFF: tl.constexpr):
 
 
 @triton.jit
-def _tile(chunk, first_row, res_i, res_j, X, Y, MY, C: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr,
-          DIL: tl.constexpr):
+def _tile(
+    chunk, first_row, res_i, res_j, X, Y, MY, C: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, DIL: tl.constexpr
+):
     """The ``ROWS x P`` tokens from row ``first_row`` of lattice chunk ``chunk``: in-chunk row and column, map row
     and column, and whether the token exists."""
     t = tl.arange(0, ROWS * P)
@@ -81,9 +93,25 @@ def _store_tile(base, stride_x, stride_y, x, y, valid, value, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_scale, W: tl.constexpr,
-                  C: tl.constexpr, EXACT: tl.constexpr, HAS_REL_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  KEY_MAJOR: tl.constexpr = False):
+def _local_scores(
+    q,
+    k,
+    q_row,
+    q_col,
+    k_row,
+    k_col,
+    k_valid,
+    a,
+    b,
+    rel_bias,
+    qk_scale,
+    W: tl.constexpr,
+    C: tl.constexpr,
+    EXACT: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KEY_MAJOR: tl.constexpr = False,
+):
     """Base-2 scores of a query tile against a key tile of the neighbour chunk at offset (a, b):
     (queries, keys), -inf where the key is not in the query's window. With KEY_MAJOR, the caller passes the
     key tile as ``q`` and the query tile as ``k`` (positions likewise, offset negated) and gets (keys, queries)."""
@@ -103,14 +131,61 @@ def _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, GK, GV, REL_BIAS, GLOBAL_BIAS, NEIGHBOURS, OFFSETS, O, LSE,
-    s_qb, s_qh, s_qx, s_qy, s_kb, s_kh, s_kx, s_ky, s_vb, s_vh, s_vx, s_vy, s_ob, s_oh, s_ox, s_oy,
-    s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg,
-    H, X, Y, MY, N_CHUNKS, G, qk_scale,
-    W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, EXACT: tl.constexpr, N_OFF: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    HAS_GLOBAL: tl.constexpr, HAS_REL_BIAS: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
-    BQI: tl.constexpr, BKI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    GK,
+    GV,
+    REL_BIAS,
+    GLOBAL_BIAS,
+    NEIGHBOURS,
+    OFFSETS,
+    Out,
+    LSE,
+    s_qb,
+    s_qh,
+    s_qx,
+    s_qy,
+    s_kb,
+    s_kh,
+    s_kx,
+    s_ky,
+    s_vb,
+    s_vh,
+    s_vx,
+    s_vy,
+    s_ob,
+    s_oh,
+    s_ox,
+    s_oy,
+    s_gkb,
+    s_gkh,
+    s_gkg,
+    s_gvb,
+    s_gvh,
+    s_gvg,
+    H,
+    X,
+    Y,
+    MY,
+    N_CHUNKS,
+    G,
+    qk_scale,
+    W: tl.constexpr,
+    C: tl.constexpr,
+    P: tl.constexpr,
+    DIL: tl.constexpr,
+    EXACT: tl.constexpr,
+    N_OFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    HAS_GLOBAL_BIAS: tl.constexpr,
+    BQI: tl.constexpr,
+    BKI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
@@ -135,23 +210,79 @@ def _fwd_kernel(
                 k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
                 k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
                 v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-                s = _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_scale, W, C, EXACT,
-                                  HAS_REL_BIAS, DOT_PRECISION)
+                s = _local_scores(
+                    q,
+                    k,
+                    q_row,
+                    q_col,
+                    k_row,
+                    k_col,
+                    k_valid,
+                    a,
+                    b,
+                    rel_bias,
+                    qk_scale,
+                    W,
+                    C,
+                    EXACT,
+                    HAS_REL_BIAS,
+                    DOT_PRECISION,
+                )
                 m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     out, lse = softmax_result(m_i, l_i, acc)
-    _store_tile(O + b_idx * s_ob + h * s_oh, s_ox, s_oy, qx, qy, q_valid, out, HEAD_DIM, BLOCK_D)
+    _store_tile(Out + b_idx * s_ob + h * s_oh, s_ox, s_oy, qx, qy, q_valid, out, HEAD_DIM, BLOCK_D)
     tl.store(LSE + bh * X * Y + qx * Y + qy, lse, mask=q_valid)
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, REL_BIAS, LSE, DELTA, NEIGHBOURS_T, OFFSETS, DK, DV,
-    s_qb, s_qh, s_qx, s_qy, s_kb, s_kh, s_kx, s_ky, s_vb, s_vh, s_vx, s_vy, s_db, s_dh, s_dx, s_dy,
-    H, X, Y, MY, N_CHUNKS, qk_scale, scale,
-    W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, EXACT: tl.constexpr, N_OFF: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_REL_BIAS: tl.constexpr,
-    BQI: tl.constexpr, BKI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    REL_BIAS,
+    LSE,
+    DELTA,
+    NEIGHBOURS_T,
+    OFFSETS,
+    DK,
+    DV,
+    s_qb,
+    s_qh,
+    s_qx,
+    s_qy,
+    s_kb,
+    s_kh,
+    s_kx,
+    s_ky,
+    s_vb,
+    s_vh,
+    s_vx,
+    s_vy,
+    s_db,
+    s_dh,
+    s_dx,
+    s_dy,
+    H,
+    X,
+    Y,
+    MY,
+    N_CHUNKS,
+    qk_scale,
+    scale,
+    W: tl.constexpr,
+    C: tl.constexpr,
+    P: tl.constexpr,
+    DIL: tl.constexpr,
+    EXACT: tl.constexpr,
+    N_OFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    BQI: tl.constexpr,
+    BKI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dK and dV of a key tile: a loop over the query chunks that see its chunk (the transposed table).
     DK and DV are contiguous."""
@@ -177,8 +308,25 @@ def _bwd_dkdv_kernel(
                 lse = tl.load(LSE + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
                 delta = tl.load(DELTA + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
                 # Key-major (keys, queries) tiles: the products with Q and dO need no transposed copies.
-                s_t = _local_scores(k, q, k_row, k_col, q_row, q_col, q_valid, -a, -b, rel_bias, qk_scale, W, C,
-                                    EXACT, HAS_REL_BIAS, DOT_PRECISION, KEY_MAJOR=True)
+                s_t = _local_scores(
+                    k,
+                    q,
+                    k_row,
+                    k_col,
+                    q_row,
+                    q_col,
+                    q_valid,
+                    -a,
+                    -b,
+                    rel_bias,
+                    qk_scale,
+                    W,
+                    C,
+                    EXACT,
+                    HAS_REL_BIAS,
+                    DOT_PRECISION,
+                    KEY_MAJOR=True,
+                )
                 dk_part, dv_part = key_major_grads(s_t, lse, delta, do, q, v, q_valid, DOT_PRECISION)
                 dk += dk_part
                 dv += dv_part
@@ -190,15 +338,71 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, GK, GV, DO, REL_BIAS, GLOBAL_BIAS, LSE, DELTA, NEIGHBOURS, OFFSETS,
-    DQ, DGK_PART, DGV_PART, DGB_PART, DRB_PART,
-    s_qb, s_qh, s_qx, s_qy, s_kb, s_kh, s_kx, s_ky, s_vb, s_vh, s_vx, s_vy, s_db, s_dh, s_dx, s_dy,
-    s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg,
-    B, H, X, Y, MY, N_CHUNKS, G, BATCH_PER_PROGRAM, qk_scale, scale,
-    W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, EXACT: tl.constexpr, N_OFF: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BT: tl.constexpr,
-    HAS_GLOBAL: tl.constexpr, HAS_REL_BIAS: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
-    BQI: tl.constexpr, BKI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    GK,
+    GV,
+    DO,
+    REL_BIAS,
+    GLOBAL_BIAS,
+    LSE,
+    DELTA,
+    NEIGHBOURS,
+    OFFSETS,
+    DQ,
+    DGK_PART,
+    DGV_PART,
+    DGB_PART,
+    DRB_PART,
+    s_qb,
+    s_qh,
+    s_qx,
+    s_qy,
+    s_kb,
+    s_kh,
+    s_kx,
+    s_ky,
+    s_vb,
+    s_vh,
+    s_vx,
+    s_vy,
+    s_db,
+    s_dh,
+    s_dx,
+    s_dy,
+    s_gkb,
+    s_gkh,
+    s_gkg,
+    s_gvb,
+    s_gvh,
+    s_gvg,
+    B,
+    H,
+    X,
+    Y,
+    MY,
+    N_CHUNKS,
+    G,
+    BATCH_PER_PROGRAM,
+    qk_scale,
+    scale,
+    W: tl.constexpr,
+    C: tl.constexpr,
+    P: tl.constexpr,
+    DIL: tl.constexpr,
+    EXACT: tl.constexpr,
+    N_OFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BT: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    HAS_GLOBAL_BIAS: tl.constexpr,
+    BQI: tl.constexpr,
+    BKI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dQ of a query tile for BATCH_PER_PROGRAM batch entries, plus this program's partial sums:
     DGK_PART/DGV_PART (B, H, tiles, G, HEAD_DIM) per batch entry, DGB_PART (groups, H, tiles, BLOCK_G) and
@@ -243,17 +447,38 @@ def _bwd_dq_kernel(
                 key_chunk, a, b = _neighbour(NEIGHBOURS, OFFSETS, chunk, o, N_OFF)
                 if key_chunk >= 0:
                     for kb in tl.static_range(P // BKI):
-                        k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
+                        k_row, k_col, kx, ky, k_valid = _tile(
+                            key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL
+                        )
                         k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
                         v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-                        s = _local_scores(q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_scale, W, C,
-                                          EXACT, HAS_REL_BIAS, DOT_PRECISION)
+                        s = _local_scores(
+                            q,
+                            k,
+                            q_row,
+                            q_col,
+                            k_row,
+                            k_col,
+                            k_valid,
+                            a,
+                            b,
+                            rel_bias,
+                            qk_scale,
+                            W,
+                            C,
+                            EXACT,
+                            HAS_REL_BIAS,
+                            DOT_PRECISION,
+                        )
                         p, ds = softmax_grad(s, lse, delta, do, v, q_valid, DOT_PRECISION)
                         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
                         if HAS_REL_BIAS:  # the (4W-1)^2 table as (row offset, column offset) bins
-                            drb += offset_sums(ds, first_row - kb * BKI - a * C + 2 * W - 1, -b * C + 2 * W - 1,
-                                               P, BQI, BKI, BT, BT)
-            _store_tile(DQ + bh * X * Y * HEAD_DIM, Y * HEAD_DIM, HEAD_DIM, qx, qy, q_valid, dq * scale, HEAD_DIM, BLOCK_D)
+                            drb += offset_sums(
+                                ds, first_row - kb * BKI - a * C + 2 * W - 1, -b * C + 2 * W - 1, P, BQI, BKI, BT, BT
+                            )
+            _store_tile(
+                DQ + bh * X * Y * HEAD_DIM, Y * HEAD_DIM, HEAD_DIM, qx, qy, q_valid, dq * scale, HEAD_DIM, BLOCK_D
+            )
 
     slot = (group * H + h) * n_tiles + tile
     if HAS_GLOBAL_BIAS:
@@ -332,15 +557,45 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
 
     def launch(bq, bk, warps):
         _fwd_kernel[(geo.tiles(bq), B * H)](
-            q, k, v, gk if G else dummy, gv if G else dummy, dummy if rel_bias is None else rel_bias,
-            dummy if global_bias is None else global_bias, geo.neighbours, geo.offsets, o, lse,
-            *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
+            q,
+            k,
+            v,
+            gk if G else dummy,
+            gv if G else dummy,
+            dummy if rel_bias is None else rel_bias,
+            dummy if global_bias is None else global_bias,
+            geo.neighbours,
+            geo.offsets,
+            o,
+            lse,
+            *_strides4(q),
+            *_strides4(k),
+            *_strides4(v),
+            *_strides4(o),
             *flash.global_strides(gk, gv),
-            H, X, Y, geo.chunk_cols, geo.num_chunks, G, scale * LOG2E,
-            W=geo.window, C=geo.chunk, P=geo.chunk_pad, DIL=geo.dilation, EXACT=geo.exact, N_OFF=geo.num_slots,
-            HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
-            HAS_GLOBAL=G > 0, HAS_REL_BIAS=rel_bias is not None, HAS_GLOBAL_BIAS=global_bias is not None,
-            BQI=bq, BKI=bk, DOT_PRECISION=flash.dot_precision(q.dtype), num_warps=warps,
+            H,
+            X,
+            Y,
+            geo.chunk_cols,
+            geo.num_chunks,
+            G,
+            scale * LOG2E,
+            W=geo.window,
+            C=geo.chunk,
+            P=geo.chunk_pad,
+            DIL=geo.dilation,
+            EXACT=geo.exact,
+            N_OFF=geo.num_slots,
+            HEAD_DIM=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_G=max(16, triton.next_power_of_2(G)),
+            HAS_GLOBAL=G > 0,
+            HAS_REL_BIAS=rel_bias is not None,
+            HAS_GLOBAL_BIAS=global_bias is not None,
+            BQI=bq,
+            BKI=bk,
+            DOT_PRECISION=flash.dot_precision(q.dtype),
+            num_warps=warps,
         )
 
     flash.tuned_launch("forward", key, _candidates(geo.chunk_pad), launch)
@@ -355,8 +610,18 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
     BT = max(16, triton.next_power_of_2(4 * geo.window - 1))
     dummy = q.new_empty(0)
     precision = flash.dot_precision(q.dtype)
-    common = dict(W=geo.window, C=geo.chunk, P=geo.chunk_pad, DIL=geo.dilation, EXACT=geo.exact, N_OFF=geo.num_slots,
-                  HEAD_DIM=D, BLOCK_D=BLOCK_D, HAS_REL_BIAS=rel_bias is not None, DOT_PRECISION=precision)
+    common = dict(
+        W=geo.window,
+        C=geo.chunk,
+        P=geo.chunk_pad,
+        DIL=geo.dilation,
+        EXACT=geo.exact,
+        N_OFF=geo.num_slots,
+        HEAD_DIM=D,
+        BLOCK_D=BLOCK_D,
+        HAS_REL_BIAS=rel_bias is not None,
+        DOT_PRECISION=precision,
+    )
     key = (geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
     rel = dummy if rel_bias is None else rel_bias
 
@@ -367,10 +632,32 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
 
     def launch_dkdv(bq, bk, warps):
         _bwd_dkdv_kernel[(geo.tiles(bk), B * H)](
-            q, k, v, do, rel, lse, delta, geo.neighbours_t, geo.offsets, dk, dv,
-            *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do),
-            H, X, Y, geo.chunk_cols, geo.num_chunks, scale * LOG2E, scale,
-            BQI=bq, BKI=bk, num_warps=warps, **common,
+            q,
+            k,
+            v,
+            do,
+            rel,
+            lse,
+            delta,
+            geo.neighbours_t,
+            geo.offsets,
+            dk,
+            dv,
+            *_strides4(q),
+            *_strides4(k),
+            *_strides4(v),
+            *_strides4(do),
+            H,
+            X,
+            Y,
+            geo.chunk_cols,
+            geo.num_chunks,
+            scale * LOG2E,
+            scale,
+            BQI=bq,
+            BKI=bk,
+            num_warps=warps,
+            **common,
         )
 
     flash.tuned_launch("backward_dkdv", key, _candidates(geo.chunk_pad), launch_dkdv)
@@ -383,17 +670,57 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
         per_program, groups = flash.program_split(B, tiles * H)  # each program adds up its batch entries
         dgk = flash.new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
         dgv = flash.new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
-        dgb = flash.new_output((groups, H, tiles, BLOCK_G), dtype=torch.float32, device=q.device) if global_bias is not None else dummy
-        drb = flash.new_output((groups, H, tiles, BT, BT), dtype=torch.float32, device=q.device) if rel_bias is not None else dummy
+        dgb = (
+            flash.new_output((groups, H, tiles, BLOCK_G), dtype=torch.float32, device=q.device)
+            if global_bias is not None
+            else dummy
+        )
+        drb = (
+            flash.new_output((groups, H, tiles, BT, BT), dtype=torch.float32, device=q.device)
+            if rel_bias is not None
+            else dummy
+        )
         _bwd_dq_kernel[(tiles, H, groups)](
-            q, k, v, gk if G else dummy, gv if G else dummy, do, rel,
-            dummy if global_bias is None else global_bias, lse, delta, geo.neighbours, geo.offsets,
-            dq, dgk, dgv, dgb, drb,
-            *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do),
+            q,
+            k,
+            v,
+            gk if G else dummy,
+            gv if G else dummy,
+            do,
+            rel,
+            dummy if global_bias is None else global_bias,
+            lse,
+            delta,
+            geo.neighbours,
+            geo.offsets,
+            dq,
+            dgk,
+            dgv,
+            dgb,
+            drb,
+            *_strides4(q),
+            *_strides4(k),
+            *_strides4(v),
+            *_strides4(do),
             *flash.global_strides(gk, gv),
-            B, H, X, Y, geo.chunk_cols, geo.num_chunks, G, per_program, scale * LOG2E, scale,
-            BLOCK_G=BLOCK_G, BT=BT, HAS_GLOBAL=G > 0, HAS_GLOBAL_BIAS=global_bias is not None,
-            BQI=bq, BKI=bk, num_warps=warps, **common,
+            B,
+            H,
+            X,
+            Y,
+            geo.chunk_cols,
+            geo.num_chunks,
+            G,
+            per_program,
+            scale * LOG2E,
+            scale,
+            BLOCK_G=BLOCK_G,
+            BT=BT,
+            HAS_GLOBAL=G > 0,
+            HAS_GLOBAL_BIAS=global_bias is not None,
+            BQI=bq,
+            BKI=bk,
+            num_warps=warps,
+            **common,
         )
         result.update(dgk=dgk, dgv=dgv, dgb=dgb, drb=drb)
 

@@ -24,8 +24,19 @@ import triton
 import triton.language as tl
 
 from . import flash
-from .flash import (LOG2E, global_scores, initial_softmax_state, key_major_grads, load_globals, load_rows,
-                    offset_sums, online_softmax_step, softmax_grad, softmax_result, store_rows)
+from .flash import (
+    LOG2E,
+    global_scores,
+    initial_softmax_state,
+    key_major_grads,
+    load_globals,
+    load_rows,
+    offset_sums,
+    online_softmax_step,
+    softmax_grad,
+    softmax_result,
+    store_rows,
+)
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 MAX_WINDOW = 512
@@ -63,8 +74,9 @@ def _rows(first, residue, dilation, length, MASK, mask_row, ROWS: tl.constexpr, 
 
 
 @triton.jit
-def _key_range(t0, length, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, BEFORE: tl.constexpr,
-               CAUSAL: tl.constexpr):
+def _key_range(
+    t0, length, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, BEFORE: tl.constexpr, CAUSAL: tl.constexpr
+):
     """First and end lattice index of the key blocks a query tile from ``t0`` reads: from ``t0 - BEFORE`` (W; in
     the dQ pass W rounded up to a multiple of the bias bins' width) in steps of BN, skipping blocks wholly before
     the sequence, to the tile's last query's last key. An empty range for a tile past the lattice."""
@@ -79,8 +91,21 @@ def _key_range(t0, length, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, 
 
 
 @triton.jit
-def _band_scores(x, y, x_t, y_t, x_valid, y_valid, rel_bias, qk_scale, W: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_REL_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_MAJOR: tl.constexpr = False):
+def _band_scores(
+    x,
+    y,
+    x_t,
+    y_t,
+    x_valid,
+    y_valid,
+    rel_bias,
+    qk_scale,
+    W: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KEY_MAJOR: tl.constexpr = False,
+):
     """Base-2 scores of query rows ``x`` (lattice indices ``x_t``) against key rows ``y``: (queries, keys), -inf
     where the key is not in the query's band. With KEY_MAJOR the caller passes the keys as ``x`` and the queries
     as ``y`` and gets (keys, queries)."""
@@ -100,9 +125,28 @@ def _band_scores(x, y, x_t, y_t, x_valid, y_valid, rel_bias, qk_scale, W: tl.con
 
 
 @triton.jit
-def _global_block(GK, GV, GLOBAL_BIAS, b_idx, h, g0, s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg, q, G, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _global_block(
+    GK,
+    GV,
+    GLOBAL_BIAS,
+    b_idx,
+    h,
+    g0,
+    s_gkb,
+    s_gkh,
+    s_gkg,
+    s_gvb,
+    s_gvh,
+    s_gvg,
+    q,
+    G,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_GLOBAL_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """The global keys ``g0 .. g0 + BLOCK_G - 1`` of (b_idx, h): keys, values, and the base-2 scores of q against
     them."""
     gk = load_globals(GK + b_idx * s_gkb + h * s_gkh + g0 * s_gkg, s_gkg, G - g0, HEAD_DIM, BLOCK_D, BLOCK_G)
@@ -112,10 +156,37 @@ def _global_block(GK, GV, GLOBAL_BIAS, b_idx, h, g0, s_gkb, s_gkh, s_gkg, s_gvb,
 
 
 @triton.jit
-def _key_block(K, V, MASK, start, residue, dilation, length, b_idx, h, L, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-               q, t, q_valid, rel_bias, qk_scale, W: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, HAS_REL_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BN: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+def _key_block(
+    K,
+    V,
+    MASK,
+    start,
+    residue,
+    dilation,
+    length,
+    b_idx,
+    h,
+    L,
+    s_kb,
+    s_kh,
+    s_kl,
+    s_vb,
+    s_vh,
+    s_vl,
+    q,
+    t,
+    q_valid,
+    rel_bias,
+    qk_scale,
+    W: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """The BN keys from lattice index ``start``: keys, values, and the base-2 scores of the query tile against
     them."""
     u, k_pos, k_valid = _rows(start, residue, dilation, length, MASK, b_idx * L, BN, HAS_MASK)
@@ -127,13 +198,52 @@ def _key_block(K, V, MASK, start, residue, dilation, length, b_idx, h, L, s_kb, 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, GK, GV, REL_BIAS, GLOBAL_BIAS, MASK, DILATIONS, O, LSE,
-    s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
-    s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg,
-    H, L, G, qk_scale,
-    W: tl.constexpr, BEFORE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_REL_BIAS: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
-    HAS_MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    GK,
+    GV,
+    REL_BIAS,
+    GLOBAL_BIAS,
+    MASK,
+    DILATIONS,
+    Out,
+    LSE,
+    s_qb,
+    s_qh,
+    s_ql,
+    s_kb,
+    s_kh,
+    s_kl,
+    s_vb,
+    s_vh,
+    s_vl,
+    s_ob,
+    s_oh,
+    s_ol,
+    s_gkb,
+    s_gkh,
+    s_gkg,
+    s_gvb,
+    s_gvh,
+    s_gvg,
+    H,
+    L,
+    G,
+    qk_scale,
+    W: tl.constexpr,
+    BEFORE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    HAS_GLOBAL_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: B*H slices can pass 2^31 elements
     b_idx, h = bh // H, bh % H
@@ -146,29 +256,110 @@ def _fwd_kernel(
     m_i, l_i, acc = initial_softmax_state(BM, BLOCK_D)
     if HAS_GLOBAL:
         for g0 in range(0, G, BLOCK_G):
-            gk, gv, s_g = _global_block(GK, GV, GLOBAL_BIAS, b_idx, h, g0, s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg, q, G,
-                                        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
+            gk, gv, s_g = _global_block(
+                GK,
+                GV,
+                GLOBAL_BIAS,
+                b_idx,
+                h,
+                g0,
+                s_gkb,
+                s_gkh,
+                s_gkg,
+                s_gvb,
+                s_gvh,
+                s_gvg,
+                q,
+                G,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_G,
+                HAS_GLOBAL_BIAS,
+                DOT_PRECISION,
+            )
             m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s_g, gv, DOT_PRECISION)
 
     first, stop = _key_range(t0, length, BM, BN, W, BEFORE, CAUSAL)
     for start in range(first, stop, BN):
-        k, v, s = _key_block(K, V, MASK, start, residue, dilation, length, b_idx, h, L, s_kb, s_kh, s_kl, s_vb, s_vh,
-                             s_vl, q, t, q_valid, rel_bias, qk_scale, W, CAUSAL, HEAD_DIM, BLOCK_D, HAS_REL_BIAS,
-                             HAS_MASK, BN, DOT_PRECISION)
+        k, v, s = _key_block(
+            K,
+            V,
+            MASK,
+            start,
+            residue,
+            dilation,
+            length,
+            b_idx,
+            h,
+            L,
+            s_kb,
+            s_kh,
+            s_kl,
+            s_vb,
+            s_vh,
+            s_vl,
+            q,
+            t,
+            q_valid,
+            rel_bias,
+            qk_scale,
+            W,
+            CAUSAL,
+            HEAD_DIM,
+            BLOCK_D,
+            HAS_REL_BIAS,
+            HAS_MASK,
+            BN,
+            DOT_PRECISION,
+        )
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     out, lse = softmax_result(m_i, l_i, acc)
-    store_rows(O + b_idx * s_ob + h * s_oh, q_pos * s_ol, q_valid, out, HEAD_DIM, BLOCK_D)
+    store_rows(Out + b_idx * s_ob + h * s_oh, q_pos * s_ol, q_valid, out, HEAD_DIM, BLOCK_D)
     tl.store(LSE + bh * L + q_pos, lse, mask=q_valid)
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, REL_BIAS, MASK, DILATIONS, LSE, DELTA, DK, DV,
-    s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_db, s_dh, s_dl, s_gb, s_gh, s_gl,
-    H, L, qk_scale, scale,
-    W: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_REL_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    REL_BIAS,
+    MASK,
+    DILATIONS,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    s_qb,
+    s_qh,
+    s_ql,
+    s_kb,
+    s_kh,
+    s_kl,
+    s_vb,
+    s_vh,
+    s_vl,
+    s_db,
+    s_dh,
+    s_dl,
+    s_gb,
+    s_gh,
+    s_gl,
+    H,
+    L,
+    qk_scale,
+    scale,
+    W: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """dK and dV of a block of BN keys: a loop over the query tiles whose band holds one of its keys. DK and DV
@@ -197,8 +388,9 @@ def _bwd_dkdv_kernel(
         lse = tl.load(LSE + bh * L + q_pos, mask=q_valid, other=0.0)
         delta = tl.load(DELTA + bh * L + q_pos, mask=q_valid, other=0.0)
         # Key-major (keys, queries) blocks: the products with Q and dO need no transposed copies.
-        s_t = _band_scores(k, q, u, t, k_valid, q_valid, rel_bias, qk_scale, W, CAUSAL, HAS_REL_BIAS, DOT_PRECISION,
-                           KEY_MAJOR=True)
+        s_t = _band_scores(
+            k, q, u, t, k_valid, q_valid, rel_bias, qk_scale, W, CAUSAL, HAS_REL_BIAS, DOT_PRECISION, KEY_MAJOR=True
+        )
         dk_part, dv_part = key_major_grads(s_t, lse, delta, do, q, v, q_valid, DOT_PRECISION)
         dk += dk_part
         dv += dv_part
@@ -209,14 +401,63 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, GK, GV, DO, REL_BIAS, GLOBAL_BIAS, MASK, DILATIONS, LSE, DELTA, DQ, DRB_PART,
-    s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_db, s_dh, s_dl, s_gb, s_gh, s_gl,
-    s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg,
-    H, L, G, TILES_PER_PROGRAM, qk_scale, scale,
-    W: tl.constexpr, BEFORE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_REL_BIAS: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
-    HAS_MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, BT_ROWS: tl.constexpr,
-    BT_COLS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    GK,
+    GV,
+    DO,
+    REL_BIAS,
+    GLOBAL_BIAS,
+    MASK,
+    DILATIONS,
+    LSE,
+    DELTA,
+    DQ,
+    DRB_PART,
+    s_qb,
+    s_qh,
+    s_ql,
+    s_kb,
+    s_kh,
+    s_kl,
+    s_vb,
+    s_vh,
+    s_vl,
+    s_db,
+    s_dh,
+    s_dl,
+    s_gb,
+    s_gh,
+    s_gl,
+    s_gkb,
+    s_gkh,
+    s_gkg,
+    s_gvb,
+    s_gvh,
+    s_gvg,
+    H,
+    L,
+    G,
+    TILES_PER_PROGRAM,
+    qk_scale,
+    scale,
+    W: tl.constexpr,
+    BEFORE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    HAS_GLOBAL_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    KB: tl.constexpr,
+    BT_ROWS: tl.constexpr,
+    BT_COLS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dQ of TILES_PER_PROGRAM consecutive query tiles, and their sums of the score gradients per relative
     offset: DRB_PART (B*H, programs, BT_ROWS, BT_COLS), bins (query row - key row + BEFORE // KB, query column
@@ -239,21 +480,70 @@ def _bwd_dq_kernel(
         dq = tl.zeros([BM, BLOCK_D], tl.float32)
         if HAS_GLOBAL:
             for g0 in range(0, G, BLOCK_G):
-                gk, gv, s_g = _global_block(GK, GV, GLOBAL_BIAS, b_idx, h, g0, s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg,
-                                            q, G, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
+                gk, gv, s_g = _global_block(
+                    GK,
+                    GV,
+                    GLOBAL_BIAS,
+                    b_idx,
+                    h,
+                    g0,
+                    s_gkb,
+                    s_gkh,
+                    s_gkg,
+                    s_gvb,
+                    s_gvh,
+                    s_gvg,
+                    q,
+                    G,
+                    qk_scale,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    BLOCK_G,
+                    HAS_GLOBAL_BIAS,
+                    DOT_PRECISION,
+                )
                 p_g, ds_g = softmax_grad(s_g, lse, delta, do, gv, q_valid, DOT_PRECISION)
                 dq += tl.dot(ds_g.to(gk.dtype), gk, input_precision=DOT_PRECISION)
 
         first, stop = _key_range(t0, length, BM, BN, W, BEFORE, CAUSAL)
         for start in range(first, stop, BN):
-            k, v, s = _key_block(K, V, MASK, start, residue, dilation, length, b_idx, h, L, s_kb, s_kh, s_kl, s_vb,
-                                 s_vh, s_vl, q, t, q_valid, rel_bias, qk_scale, W, CAUSAL, HEAD_DIM, BLOCK_D,
-                                 HAS_REL_BIAS, HAS_MASK, BN, DOT_PRECISION)
+            k, v, s = _key_block(
+                K,
+                V,
+                MASK,
+                start,
+                residue,
+                dilation,
+                length,
+                b_idx,
+                h,
+                L,
+                s_kb,
+                s_kh,
+                s_kl,
+                s_vb,
+                s_vh,
+                s_vl,
+                q,
+                t,
+                q_valid,
+                rel_bias,
+                qk_scale,
+                W,
+                CAUSAL,
+                HEAD_DIM,
+                BLOCK_D,
+                HAS_REL_BIAS,
+                HAS_MASK,
+                BN,
+                DOT_PRECISION,
+            )
             p, ds = softmax_grad(s, lse, delta, do, v, q_valid, DOT_PRECISION)
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
             if HAS_REL_BIAS:  # the key block starts (start - t0) // KB rows of KB after the tile
-                drb += offset_sums(ds, BEFORE // KB - (start - t0) // KB, KB - 1, KB, BM // KB, BN // KB, BT_ROWS,
-                                   BT_COLS)
+                drb += offset_sums(
+                    ds, BEFORE // KB - (start - t0) // KB, KB - 1, KB, BM // KB, BN // KB, BT_ROWS, BT_COLS
+                )
         store_rows(DQ + b_idx * s_gb + h * s_gh, q_pos * s_gl, q_valid, dq * scale, HEAD_DIM, BLOCK_D)
 
     if HAS_REL_BIAS:
@@ -265,11 +555,39 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_global_kernel(
-    Q, GK, GV, DO, GLOBAL_BIAS, LSE, DELTA, DGK_PART, DGV_PART, DGB_PART,
-    s_qb, s_qh, s_ql, s_db, s_dh, s_dl, s_gkb, s_gkh, s_gkg, s_gvb, s_gvh, s_gvg,
-    H, L, G, SEGMENT, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, HAS_GLOBAL_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    GK,
+    GV,
+    DO,
+    GLOBAL_BIAS,
+    LSE,
+    DELTA,
+    DGK_PART,
+    DGV_PART,
+    DGB_PART,
+    s_qb,
+    s_qh,
+    s_ql,
+    s_db,
+    s_dh,
+    s_dl,
+    s_gkb,
+    s_gkh,
+    s_gkg,
+    s_gvb,
+    s_gvh,
+    s_gvg,
+    H,
+    L,
+    G,
+    SEGMENT,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_GLOBAL_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """The global keys', values' and bias's gradients of BLOCK_G global keys, summed over the SEGMENT positions
     of one segment of the sequence (dilation plays no part: every query sees every global key): DGK_PART and
@@ -363,7 +681,11 @@ def _strides3(t):
 
 
 def _mask(key_padding_mask, q):
-    return q.new_empty(0, dtype=torch.uint8) if key_padding_mask is None else key_padding_mask.contiguous().view(torch.uint8)
+    return (
+        q.new_empty(0, dtype=torch.uint8)
+        if key_padding_mask is None
+        else key_padding_mask.contiguous().view(torch.uint8)
+    )
 
 
 def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations, window, causal, scale):
@@ -382,14 +704,40 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
 
     def launch(bm, bn, warps):
         _fwd_kernel[(lattice_tiles(L, dilations, bm), B * H)](
-            q, k, v, gk if G else dummy, gv if G else dummy, dummy if rel_bias is None else rel_bias,
-            dummy if global_bias is None else global_bias, mask, table, o, lse,
-            *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), *flash.global_strides(gk, gv),
-            H, L, G, scale * LOG2E,
-            W=window, BEFORE=window, CAUSAL=causal, HEAD_DIM=D,
-            BLOCK_D=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, HAS_GLOBAL=G > 0, HAS_REL_BIAS=rel_bias is not None,
-            HAS_GLOBAL_BIAS=global_bias is not None, HAS_MASK=key_padding_mask is not None, BM=bm, BN=bn,
-            DOT_PRECISION=flash.dot_precision(q.dtype), num_warps=warps,
+            q,
+            k,
+            v,
+            gk if G else dummy,
+            gv if G else dummy,
+            dummy if rel_bias is None else rel_bias,
+            dummy if global_bias is None else global_bias,
+            mask,
+            table,
+            o,
+            lse,
+            *_strides3(q),
+            *_strides3(k),
+            *_strides3(v),
+            *_strides3(o),
+            *flash.global_strides(gk, gv),
+            H,
+            L,
+            G,
+            scale * LOG2E,
+            W=window,
+            BEFORE=window,
+            CAUSAL=causal,
+            HEAD_DIM=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_G=BLOCK_G,
+            HAS_GLOBAL=G > 0,
+            HAS_REL_BIAS=rel_bias is not None,
+            HAS_GLOBAL_BIAS=global_bias is not None,
+            HAS_MASK=key_padding_mask is not None,
+            BM=bm,
+            BN=bn,
+            DOT_PRECISION=flash.dot_precision(q.dtype),
+            num_warps=warps,
         )
 
     flash.tuned_launch("forward_1d", key, TILE_SHAPES, launch)
@@ -404,21 +752,54 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
     dummy = q.new_empty(0)
     mask = _mask(key_padding_mask, q)
     table = _dilation_table(dilations, q.device)
-    common = dict(W=window, CAUSAL=causal, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                  HAS_REL_BIAS=rel_bias is not None, HAS_MASK=key_padding_mask is not None,
-                  DOT_PRECISION=flash.dot_precision(q.dtype))
+    common = dict(
+        W=window,
+        CAUSAL=causal,
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        HAS_REL_BIAS=rel_bias is not None,
+        HAS_MASK=key_padding_mask is not None,
+        DOT_PRECISION=flash.dot_precision(q.dtype),
+    )
     key = (window, D, q.dtype, causal, G > 0, rel_bias is not None, key_padding_mask is not None)
     rel = dummy if rel_bias is None else rel_bias
     delta = flash.delta(o, do)
-    grads = dict(dq=flash.new_output(q.shape, dtype=q.dtype, device=q.device),
-                 dk=flash.new_output(k.shape, dtype=k.dtype, device=k.device),
-                 dv=flash.new_output(v.shape, dtype=v.dtype, device=v.device), dgk=None, dgv=None, drb=None, dgb=None)
+    grads = dict(
+        dq=flash.new_output(q.shape, dtype=q.dtype, device=q.device),
+        dk=flash.new_output(k.shape, dtype=k.dtype, device=k.device),
+        dv=flash.new_output(v.shape, dtype=v.dtype, device=v.device),
+        dgk=None,
+        dgv=None,
+        drb=None,
+        dgb=None,
+    )
 
     def launch_dkdv(bm, bn, warps):
         _bwd_dkdv_kernel[(lattice_tiles(L, dilations, bn), B * H)](
-            q, k, v, do, rel, mask, table, lse, delta, grads["dk"], grads["dv"],
-            *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(grads["dk"]),
-            H, L, scale * LOG2E, scale, BM=bm, BN=bn, num_warps=warps, **common,
+            q,
+            k,
+            v,
+            do,
+            rel,
+            mask,
+            table,
+            lse,
+            delta,
+            grads["dk"],
+            grads["dv"],
+            *_strides3(q),
+            *_strides3(k),
+            *_strides3(v),
+            *_strides3(do),
+            *_strides3(grads["dk"]),
+            H,
+            L,
+            scale * LOG2E,
+            scale,
+            BM=bm,
+            BN=bn,
+            num_warps=warps,
+            **common,
         )
 
     flash.tuned_launch("backward_dkdv_1d", key, TILE_SHAPES, launch_dkdv)
@@ -432,12 +813,43 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
         if rel_bias is not None:
             parts = flash.new_output((B * H, programs, bt_rows, bt_cols), dtype=torch.float32, device=q.device)
         _bwd_dq_kernel[(programs, B * H)](
-            q, k, v, gk if G else dummy, gv if G else dummy, do, rel, dummy if global_bias is None else global_bias,
-            mask, table, lse, delta, grads["dq"], parts,
-            *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(grads["dq"]),
-            *flash.global_strides(gk, gv), H, L, G, per_program, scale * LOG2E, scale,
-            BEFORE=before, BLOCK_G=BLOCK_G, HAS_GLOBAL=G > 0, HAS_GLOBAL_BIAS=global_bias is not None, BM=bm, BN=bn,
-            KB=kb, BT_ROWS=bt_rows, BT_COLS=bt_cols, num_warps=warps, **common,
+            q,
+            k,
+            v,
+            gk if G else dummy,
+            gv if G else dummy,
+            do,
+            rel,
+            dummy if global_bias is None else global_bias,
+            mask,
+            table,
+            lse,
+            delta,
+            grads["dq"],
+            parts,
+            *_strides3(q),
+            *_strides3(k),
+            *_strides3(v),
+            *_strides3(do),
+            *_strides3(grads["dq"]),
+            *flash.global_strides(gk, gv),
+            H,
+            L,
+            G,
+            per_program,
+            scale * LOG2E,
+            scale,
+            BEFORE=before,
+            BLOCK_G=BLOCK_G,
+            HAS_GLOBAL=G > 0,
+            HAS_GLOBAL_BIAS=global_bias is not None,
+            BM=bm,
+            BN=bn,
+            KB=kb,
+            BT_ROWS=bt_rows,
+            BT_COLS=bt_cols,
+            num_warps=warps,
+            **common,
         )
         bias_sums.update(parts=parts, kb=kb, before=before)
 
@@ -470,13 +882,37 @@ def _global_gradients(q, gk, gv, do, global_bias, lse, delta, scale):
     segment = per_program * BLOCK_N
     dgk = flash.new_output((segments, B * H, G, D), dtype=torch.float32, device=q.device)
     dgv = flash.new_output((segments, B * H, G, D), dtype=torch.float32, device=q.device)
-    dgb = flash.new_output((segments, B * H, G), dtype=torch.float32, device=q.device) if global_bias is not None else q.new_empty(0)
+    dgb = (
+        flash.new_output((segments, B * H, G), dtype=torch.float32, device=q.device)
+        if global_bias is not None
+        else q.new_empty(0)
+    )
     _bwd_global_kernel[(segments, B * H, blocks)](
-        q, gk, gv, do, q.new_empty(0) if global_bias is None else global_bias, lse, delta, dgk, dgv, dgb,
-        *_strides3(q), *_strides3(do), *flash.global_strides(gk, gv),
-        H, L, G, segment, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, HAS_GLOBAL_BIAS=global_bias is not None,
-        BLOCK_N=BLOCK_N, DOT_PRECISION=flash.dot_precision(q.dtype), num_warps=4,
+        q,
+        gk,
+        gv,
+        do,
+        q.new_empty(0) if global_bias is None else global_bias,
+        lse,
+        delta,
+        dgk,
+        dgv,
+        dgb,
+        *_strides3(q),
+        *_strides3(do),
+        *flash.global_strides(gk, gv),
+        H,
+        L,
+        G,
+        segment,
+        scale * LOG2E,
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_G=BLOCK_G,
+        HAS_GLOBAL_BIAS=global_bias is not None,
+        BLOCK_N=BLOCK_N,
+        DOT_PRECISION=flash.dot_precision(q.dtype),
+        num_warps=4,
     )
     grads = dict(dgk=(dgk.sum(0) * scale).view(B, H, G, D).to(gk.dtype), dgv=dgv.sum(0).view(B, H, G, D).to(gv.dtype))
     if global_bias is not None:
@@ -488,7 +924,9 @@ def check_supported(head_dim, window, dtype=None, device=None, batch_heads=1):
     """Raise ``ValueError`` with one sentence if the 1D kernels cannot take these inputs (``dtype`` and ``device``
     are checked where given)."""
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"The triton backend takes head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM} for 1D windows, got {head_dim}.")
+        raise ValueError(
+            f"The triton backend takes head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM} for 1D windows, got {head_dim}."
+        )
     if window > MAX_WINDOW:
         raise ValueError(f"The triton backend takes 1D windows 1..{MAX_WINDOW}, got {window}.")
     flash.check_device(dtype, device, batch_heads)

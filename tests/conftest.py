@@ -57,8 +57,18 @@ class _PatchLanguageOncePerLaunch:
         interpreter.GridExecutor.__call__ = lambda executor, *args, **kwargs: launch(executor, *args, **kwargs)
 
 
-if interpreter is not None and all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+if interpreter is not None and all(
+    hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")
+):
     _PatchLanguageOncePerLaunch().install()
+
+
+@pytest.fixture
+def data(tmp_path):
+    """An image folder of two classes, 6 training and 6 evaluation images each, and one unreadable training image."""
+    from test_data import make_folder  # imports vil, which must come after TRITON_INTERPRET is set
+
+    return make_folder(tmp_path / "data", per_class=6)
 
 
 @pytest.fixture
@@ -66,6 +76,7 @@ def poisoned_triton_outputs(monkeypatch):
     """Every buffer the Triton kernels write starts as NaN (or the smallest integer), so that an element a kernel
     fails to write fails its test; the tile-shape tuning cache starts empty."""
     import torch
+
     from vil_kernels import flash
 
     def poisoned(*shape, dtype=None, device=None):

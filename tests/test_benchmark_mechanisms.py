@@ -10,16 +10,26 @@ import subprocess
 
 import pytest
 import torch
+from tool_runner import load_tool
 from torch.utils.flop_counter import FlopCounterMode
 
-from tool_runner import load_tool
 from vil.models import MsViT, arch_string, parse_arch, stage_map_sizes
 
 PNG = b"\x89PNG\r\n\x1a\n"
 # What the original release reports (ImageNet top-1, %), as the table must say.
-TOP1 = {"full/all": "81.9", "longformer/all": "", "longformer/partial": "82.0", "linformer/all": "81.0",
-        "linformer/partial": "81.8", "srformer/all": "79.9", "srformer/partial": "81.6", "performer/all": "78.7",
-        "performer/partial": "81.7", "global/all": "79.0", "global/partial": "81.4"}
+TOP1 = {
+    "full/all": "81.9",
+    "longformer/all": "",
+    "longformer/partial": "82.0",
+    "linformer/all": "81.0",
+    "linformer/partial": "81.8",
+    "srformer/all": "79.9",
+    "srformer/partial": "81.6",
+    "performer/all": "78.7",
+    "performer/partial": "81.7",
+    "global/all": "79.0",
+    "global/partial": "81.4",
+}
 
 
 def narrow(arch):
@@ -62,23 +72,30 @@ def full_attention_gmacs(arch, size):
         model(torch.randn(1, 3, size, size))
     others = sum(flops for op, flops in counter.get_flop_counts()["Global"].items() if "attention" not in str(op))
     specs = parse_arch(arch)
-    attention = sum(2 * (rows * cols + s.num_global) ** 2 * s.dim * s.depth
-                    for s, (rows, cols) in zip(specs, stage_map_sizes(specs, (size, size))))
+    attention = sum(
+        2 * (rows * cols + s.num_global) ** 2 * s.dim * s.depth
+        for s, (rows, cols) in zip(specs, stage_map_sizes(specs, (size, size)))
+    )
     return (others / 2 + attention) / 1e9
 
 
 def test_study_end_to_end(tool, tmp_path, monkeypatch, capsys):
     workers = in_process_workers(tool, monkeypatch)
     prefix = tmp_path / "study"
-    tool.main(["--sizes", "128", "32", "--repeats", "1", "--markdown", str(tmp_path / "study.md"), "--plot", str(prefix)])
+    tool.main(
+        ["--sizes", "128", "32", "--repeats", "1", "--markdown", str(tmp_path / "study.md"), "--plot", str(prefix)]
+    )
     assert [w[w.index("--repeats") + 1] for w in workers] == ["1", "1"]  # one fresh worker per size
     assert [json.loads(w[3])[1] for w in workers] == [32, 128]
 
     text = (tmp_path / "study.md").read_text()
     printed = capsys.readouterr().out
     assert text.startswith("Machine: ") and all(line in printed for line in text.splitlines()[1:])
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
-             if line.startswith(("| 32x32 ", "| 128x128 "))]
+    cells = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith(("| 32x32 ", "| 128x128 "))
+    ]
     names = list(TOP1)
     assert [(c[0], f"{c[2]}/{c[3]}") for c in cells] == [(f"{s}x{s}", n) for s in (32, 128) for n in names]
     assert all(c[1] == str((s // 4) ** 2) for c, s in zip(cells, [32] * 11 + [128] * 11))  # stage-1 tokens
@@ -86,19 +103,28 @@ def test_study_end_to_end(tool, tmp_path, monkeypatch, capsys):
     rows = {(c[0], f"{c[2]}/{c[3]}"): c for c in cells}
     for placement in ("all", "partial"):  # stage 1's 8x8 map reduced by 8 leaves one position
         refusal = rows["32x32", f"srformer/{placement}"][4]
-        assert refusal == ("refused: Spatial-reduction attention in stage 1 reduces its 8x8 map by 8 to 1x1, and its "
-                           "instance norm needs at least 2 positions"), refusal
+        assert refusal == (
+            "refused: Spatial-reduction attention in stage 1 reduces its 8x8 map by 8 to 1x1, and its "
+            "instance norm needs at least 2 positions"
+        ), refusal
     measured = {key: [float(x) for x in c[4:9]] for key, c in rows.items() if not c[4].startswith("refused")}
     assert len(measured) == 20 and all(value > 0 for numbers in measured.values() for value in numbers)
 
     gmacs = {key: numbers[1] for key, numbers in measured.items()}
-    assert gmacs["128x128", "full/all"] == pytest.approx(full_attention_gmacs(tool.MODELS["full/all"][0], 128), abs=6e-4)
+    assert gmacs["128x128", "full/all"] == pytest.approx(
+        full_attention_gmacs(tool.MODELS["full/all"][0], 128), abs=6e-4
+    )
     # Past 256 tokens linformer's 256 projected keys are fewer than full attention's, ViL's windows fewer still.
     assert gmacs["128x128", "longformer/all"] < gmacs["128x128", "linformer/all"] < gmacs["128x128", "full/all"]
 
-    growth = {f"{c[0]}/{c[1]}": c[2:] for c in ([x.strip() for x in line.strip("|").split("|")]
-                                                for line in text.split("Growth of each cost")[1].splitlines()
-                                                if line.startswith("| ") and "mechanism" not in line)}
+    growth = {
+        f"{c[0]}/{c[1]}": c[2:]
+        for c in (
+            [x.strip() for x in line.strip("|").split("|")]
+            for line in text.split("Growth of each cost")[1].splitlines()
+            if line.startswith("| ") and "mechanism" not in line
+        )
+    }
     assert list(growth) == names and all(growth[n][0] == TOP1[n] for n in names)
     for name in names:
         if name.startswith("srformer"):  # measured at one size only
@@ -106,7 +132,9 @@ def test_study_end_to_end(tool, tmp_path, monkeypatch, capsys):
             continue
         assert growth[name][1] == "32 and 128"
         training, forward, memory, flops = (float(x) for x in growth[name][2:])
-        assert memory > 0 and flops == pytest.approx(math.log(gmacs["128x128", name] / gmacs["32x32", name], 16), abs=0.01)
+        assert memory > 0 and flops == pytest.approx(
+            math.log(gmacs["128x128", name] / gmacs["32x32", name], 16), abs=0.01
+        )
     # Full attention's work grows fastest, faster than the tokens; the other mechanisms' keys per query are bounded.
     flops = {name: float(growth[name][-1]) for name in names if not name.startswith("srformer")}
     assert max(flops, key=flops.get) == "full/all" and flops["full/all"] > 1.2, flops
@@ -119,11 +147,14 @@ def test_study_end_to_end(tool, tmp_path, monkeypatch, capsys):
 
 def test_skips_and_failures(tool, monkeypatch):
     """No model is built here: the time guard and a dying worker answer in the table."""
+
     def point(step):  # forward s, training step s, MiB, GMACs, M parameters
         return 0.01, step, 10.0, 0.1, 1.0
 
-    history = {224: {"full/all": point(1.0), "linformer/all": point(1.0)},
-               448: {"full/all": point(8.0), "linformer/all": "failed"}}
+    history = {
+        224: {"full/all": point(1.0), "linformer/all": point(1.0)},
+        448: {"full/all": point(8.0), "linformer/all": "failed"},
+    }
     # full: 8x the time for 4x the tokens, exponent 1.5 -> 8 * 2.25^1.5 at 672; linformer, measured once: quadratic.
     assert tool.estimated_step(history, "full/all", 672) == pytest.approx(8 * 2.25**1.5)
     assert tool.estimated_step(history, "linformer/all", 672) == pytest.approx(1.0 * 9**2)
@@ -148,7 +179,10 @@ def test_skips_and_failures(tool, monkeypatch):
     assert results["performer/all"] == "failed: RuntimeError: not enough memory"
     assert results["global/all"] == point(2.0)
     assert calls[0] == ["full/all", "performer/all", "global/all"] and sorted(map(tuple, calls[1:])) == [
-        ("full/all",), ("global/all",), ("performer/all",)]
+        ("full/all",),
+        ("global/all",),
+        ("performer/all",),
+    ]
 
     monkeypatch.setattr(tool.subprocess, "run", lambda argv, **kwargs: subprocess.CompletedProcess(argv, -9, "", ""))
     killed = "failed: worker killed by signal SIGKILL (out of memory?)"

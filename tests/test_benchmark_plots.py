@@ -13,7 +13,9 @@ def test_plot_study_draws_time_and_memory(tmp_path, monkeypatch):
     import matplotlib.axes
 
     real_plot = matplotlib.axes.Axes.plot
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, *a, **k: drawn.append((a, k)) or real_plot(self, *a, **k))
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "plot", lambda self, *a, **k: drawn.append((a, k)) or real_plot(self, *a, **k)
+    )
     tool.plot_study(study, str(tmp_path / "study"), "title")
     for what in ("time", "memory"):
         data = (tmp_path / f"study_{what}.png").read_bytes()
@@ -48,16 +50,40 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(tool.subprocess, "run", in_process)
     monkeypatch.setattr(tool, "default_backend", lambda device, dtype, dims: f"picked for {dims}D")
-    argv = ["--dim", "1", "--sizes", "64", "128", "--heads", "2", "--head-dim", "8", "--window", "8", "--repeats", "1",
-            "--causal", "--backends", "sliding_chunk", "loop", "chunks"]
+    argv = [
+        "--dim",
+        "1",
+        "--sizes",
+        "64",
+        "128",
+        "--heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--window",
+        "8",
+        "--repeats",
+        "1",
+        "--causal",
+        "--backends",
+        "sliding_chunk",
+        "loop",
+        "chunks",
+    ]
     tool.main(argv + ["--markdown", str(tmp_path / "study.md"), "--plot", str(tmp_path / "study")])
     table = (tmp_path / "study.md").read_text().splitlines()
     assert "2 heads x 8, sequences, w=8 on each side, dilation 1, causal, 0 global" in table[1]
-    assert table[1].endswith("backend=None picks 'picked for 1D'") and table[3].startswith("| length | backend | time (ms) |")
+    assert table[1].endswith("backend=None picks 'picked for 1D'") and table[3].startswith(
+        "| length | backend | time (ms) |"
+    )
     rows = [line.split(" | ") for line in table if line.startswith("| 64 ") or line.startswith("| 128 ")]
-    assert [(r[0], r[1]) for r in rows] == [(f"| {n}", b) for n in (64, 128) for b in (tool.SDPA, "sliding_chunk", "loop", "chunks")]
+    assert [(r[0], r[1]) for r in rows] == [
+        (f"| {n}", b) for n in (64, 128) for b in (tool.SDPA, "sliding_chunk", "loop", "chunks")
+    ]
     assert all(float(r[2]) > 0 and float(r[3]) >= 0 and r[5].endswith("x") for r in rows), rows
-    assert len(workers) == 2 and all("--causal" in w and w[w.index("--dilation") + 1] == "1" and "--exact" not in w for w in workers)
+    assert len(workers) == 2 and all(
+        "--causal" in w and w[w.index("--dilation") + 1] == "1" and "--exact" not in w for w in workers
+    )
     for what in ("time", "memory"):
         assert (tmp_path / f"study_{what}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "64: fastest local backend" in capsys.readouterr().out

@@ -4,8 +4,8 @@ Compiled results are held against eager ones; eager ones are held against the na
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from tool_runner import ROOT, run_tool
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vil.export import export_program, onnx_outputs
 from vil.models import MsViT
@@ -66,8 +66,14 @@ def test_random_neighbour_training_draws_in_the_compiled_graph():
     (aot_eager takes it from the same generator as eager, so the same seed gives the same result)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = MsViT("l1,h2,d32,n2,s1,g1,p4,f2,a0_l2,h2,d32,n1,s0,g0,p2,f2,a0_l3,h2,d32,n1,s0,g0,p2,f2,a0", img_size=32, num_classes=5, attn_backend="fused_cpu",
-                  drop_path_rate=0.0, mode=2)
+    model = MsViT(
+        "l1,h2,d32,n2,s1,g1,p4,f2,a0_l2,h2,d32,n1,s0,g0,p2,f2,a0_l3,h2,d32,n1,s0,g0,p2,f2,a0",
+        img_size=32,
+        num_classes=5,
+        attn_backend="fused_cpu",
+        drop_path_rate=0.0,
+        mode=2,
+    )
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
     x = torch.randn(2, 3, 32, 32)
     results = []
@@ -88,8 +94,11 @@ def test_a_drawn_neighbour_is_refused_by_the_onnx_exporter(monkeypatch):
 
     monkeypatch.setattr(operators, "exporting_to_onnx", lambda: True)
     q = torch.randn(1, 1, 4, 4, 8)
-    with pytest.raises(ValueError, match=r"^A neighbour chunk drawn at random \(MODE > 0 in training\) cannot be "
-                                         r"exported to ONNX; export the model in evaluation mode \(model.eval\(\)\).$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^A neighbour chunk drawn at random \(MODE > 0 in training\) cannot be "
+        r"exported to ONNX; export the model in evaluation mode \(model.eval\(\)\).$",
+    ):
         operators.attention_2d("unfold", q, q, q, None, None, None, None, 2, 0, torch.tensor(3), 1, 1.0)
 
 
@@ -121,8 +130,20 @@ def test_fake_tensor_forward_2d(backend):
     with FakeTensorMode():
         q, k, v = (torch.randn(2, 2, 5, 7, 16) for _ in range(3))
         gk, gv = (torch.randn(2, 2, 1, 16) for _ in range(2))
-        run = lambda: local_attention_2d(q, k, v, 2, global_k=gk, global_v=gv, rel_bias=torch.randn(2, 49),  # noqa: E731
-                                         global_bias=torch.randn(2, 1), backend=backend)
+
+        def run():
+            return local_attention_2d(
+                q,
+                k,
+                v,
+                2,
+                global_k=gk,
+                global_v=gv,
+                rel_bias=torch.randn(2, 49),
+                global_bias=torch.randn(2, 1),
+                backend=backend,
+            )
+
         if not _runs_on_the_cpu(backend):
             with pytest.raises(ValueError, match=f"The {backend} backend runs on cuda tensors, but q is on cpu"):
                 run()
@@ -136,8 +157,16 @@ def test_fake_tensor_forward_1d(backend):
     with FakeTensorMode():
         q, k, v = (torch.randn(2, 2, 11, 16) for _ in range(3))
         mask = torch.zeros(2, 11, dtype=torch.bool)
-        out = local_attention_1d(q, k, v, 2, dilation=2 if _BACKENDS[backend].dilation(1) else 1, key_padding_mask=mask,
-                                 rel_bias=torch.randn(2, 5), backend=backend)
+        out = local_attention_1d(
+            q,
+            k,
+            v,
+            2,
+            dilation=2 if _BACKENDS[backend].dilation(1) else 1,
+            key_padding_mask=mask,
+            rel_bias=torch.randn(2, 5),
+            backend=backend,
+        )
     assert out.shape == q.shape
 
 
@@ -170,9 +199,12 @@ def test_every_backend_compiles_with_fullgraph_2d(backend):
     torch._dynamo.reset()
     torch.manual_seed(0)
     _compiled_matches_eager(
-        lambda q, k, v, gk, gv, bias: local_attention_2d(q, k, v, 2, global_k=gk, global_v=gv, rel_bias=bias,
-                                                         backend=backend),
-        _leaves((2, 2, 5, 7, 16), (2, 2, 5, 7, 16), (2, 2, 5, 7, 16), (2, 2, 1, 16), (2, 2, 1, 16), (2, 49)), backend)
+        lambda q, k, v, gk, gv, bias: local_attention_2d(
+            q, k, v, 2, global_k=gk, global_v=gv, rel_bias=bias, backend=backend
+        ),
+        _leaves((2, 2, 5, 7, 16), (2, 2, 5, 7, 16), (2, 2, 5, 7, 16), (2, 2, 1, 16), (2, 2, 1, 16), (2, 49)),
+        backend,
+    )
 
 
 @pytest.mark.parametrize("backend", ALL_1D)
@@ -183,9 +215,12 @@ def test_every_backend_compiles_with_fullgraph_1d(backend):
     mask[1, -3:] = True
     dilation = [1, 2] if _BACKENDS[backend].dilation(1) else 1
     _compiled_matches_eager(
-        lambda q, k, v, bias: local_attention_1d(q, k, v, 2, dilation=dilation, key_padding_mask=mask, rel_bias=bias,
-                                                 backend=backend),
-        _leaves((2, 2, 11, 16), (2, 2, 11, 16), (2, 2, 11, 16), (2, 5)), backend)  # head_dim 16: triton's least
+        lambda q, k, v, bias: local_attention_1d(
+            q, k, v, 2, dilation=dilation, key_padding_mask=mask, rel_bias=bias, backend=backend
+        ),
+        _leaves((2, 2, 11, 16), (2, 2, 11, 16), (2, 2, 11, 16), (2, 5)),
+        backend,
+    )  # head_dim 16: triton's least
 
 
 def test_legacy_onnx_exporter_records_the_attention(tmp_path):
@@ -205,8 +240,17 @@ def test_legacy_onnx_exporter_records_the_attention(tmp_path):
 
 
 def test_export_onnx_tool_writes_and_checks_a_file(tmp_path):
-    status, printed, _ = run_tool("export_onnx", "--config-file", ROOT / "configs" / "vil_digits.yaml",
-                                  "--output", tmp_path / "small.onnx", "MODEL.VIT.MSVIT.ARCH", ONNX_ARCH, "INPUT.IMAGE_SIZE", "32")
+    status, printed, _ = run_tool(
+        "export_onnx",
+        "--config-file",
+        ROOT / "configs" / "vil_digits.yaml",
+        "--output",
+        tmp_path / "small.onnx",
+        "MODEL.VIT.MSVIT.ARCH",
+        ONNX_ARCH,
+        "INPUT.IMAGE_SIZE",
+        "32",
+    )
     assert status == 0
     assert (tmp_path / "small.onnx").stat().st_size > 0
     assert "32x32: largest difference" in printed and "48x64: largest difference" in printed

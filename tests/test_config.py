@@ -66,21 +66,30 @@ def test_unknown_keys_name_the_key(tmp_path):
         load_cfg(path)
     with pytest.raises(ValueError, match="KEY VALUE pairs"):
         load_cfg(overrides=["OPTIM.LR"])
-    with pytest.raises(ValueError, match=r"^In the overrides, INPUT.IMAGE_SIZE is 'big', but it must be an integer \(its default is 224\)\.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^In the overrides, INPUT.IMAGE_SIZE is 'big', but it must be an integer \(its default is 224\)\.$",
+    ):
         load_cfg(overrides=["INPUT.IMAGE_SIZE", "big"])
 
 
-@pytest.mark.parametrize("text, message", [
-    ("MODEL:\n  ARCH: [msvit\n", r"^Not valid YAML in \S+bad.yaml at line 3 \("),
-    ("- MODEL\n- OPTIM\n", r"^Expected a mapping of config keys \(like 'MODEL: \.\.\.'\) in \S+bad.yaml, not a list\.$"),
-    ("MODEL: 5\n", r"MODEL is 5, but it is a section of keys \(like 'MODEL: \{ARCH: \.\.\.\}'\)\.$"),
-    ("OPTIM:\n  LR: None\n", r"OPTIM.LR is None, but it must be a number \(its default is 1.0\)\.$"),
-    ("OPTIM:\n  LR: .inf\n", r"^OPTIM.LR is inf, but it must be a finite learning rate >= 0\.$"),
-    ("DATALOADER:\n  BSZ: 0\n", r"^DATALOADER.BSZ is 0, but it must be a positive batch size"),
-    ("DATALOADER:\n  BSZ: -8\n", r"^DATALOADER.BSZ is -8, but it must be a positive batch size"),
-    ("AMP:\n  DTYPE: fp8\n", r"^AMP.DTYPE is 'fp8', but it must be 'bfloat16' or 'float16'\.$"),
-    ("INPUT:\n  CROP_PCT: 0.0\n", r"^INPUT.CROP_PCT is 0.0, but it must be a fraction in \(0, 1\]\.$"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("MODEL:\n  ARCH: [msvit\n", r"^Not valid YAML in \S+bad.yaml at line 3 \("),
+        (
+            "- MODEL\n- OPTIM\n",
+            r"^Expected a mapping of config keys \(like 'MODEL: \.\.\.'\) in \S+bad.yaml, not a list\.$",
+        ),
+        ("MODEL: 5\n", r"MODEL is 5, but it is a section of keys \(like 'MODEL: \{ARCH: \.\.\.\}'\)\.$"),
+        ("OPTIM:\n  LR: None\n", r"OPTIM.LR is None, but it must be a number \(its default is 1.0\)\.$"),
+        ("OPTIM:\n  LR: .inf\n", r"^OPTIM.LR is inf, but it must be a finite learning rate >= 0\.$"),
+        ("DATALOADER:\n  BSZ: 0\n", r"^DATALOADER.BSZ is 0, but it must be a positive batch size"),
+        ("DATALOADER:\n  BSZ: -8\n", r"^DATALOADER.BSZ is -8, but it must be a positive batch size"),
+        ("AMP:\n  DTYPE: fp8\n", r"^AMP.DTYPE is 'fp8', but it must be 'bfloat16' or 'float16'\.$"),
+        ("INPUT:\n  CROP_PCT: 0.0\n", r"^INPUT.CROP_PCT is 0.0, but it must be a fraction in \(0, 1\]\.$"),
+    ],
+)
 def test_malformed_config_files_are_one_sentence(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -128,8 +137,10 @@ def test_every_config_key_is_read_or_declared_for_compatibility():
 
     def is_read(key):
         # A name read counts for the key it ends, when it ends no other key (a bare EPS must be unambiguous).
-        return any((key == name or key.endswith("." + name)) and sum(k == name or k.endswith("." + name) for k in keys) == 1
-                   for name in read)
+        return any(
+            (key == name or key.endswith("." + name)) and sum(k == name or k.endswith("." + name) for k in keys) == 1
+            for name in read
+        )
 
     unread = [k for k in keys if not is_read(k) and k not in COMPATIBILITY_KEYS]
     assert unread == [], f"config keys nothing reads (use them, or declare them in COMPATIBILITY_KEYS): {unread}"

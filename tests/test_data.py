@@ -96,7 +96,9 @@ def test_digits_split_is_disjoint_stratified_and_fixed():
 
 
 def test_mixup_and_loss_follow_the_config(tmp_path):
-    cfg = cfg_for(tmp_path, "AUG.MIXUP_PROB", "1.0", "AUG.MIXUP", "0.8", "AUG.MIXCUT", "1.0", "LOSS.LABEL_SMOOTHING", "0.1")
+    cfg = cfg_for(
+        tmp_path, "AUG.MIXUP_PROB", "1.0", "AUG.MIXUP", "0.8", "AUG.MIXCUT", "1.0", "LOSS.LABEL_SMOOTHING", "0.1"
+    )
     mixup = build_mixup(cfg)
     images, targets = mixup(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 1, 0]))
     assert targets.shape == (4, 2) and torch.allclose(targets.sum(1), torch.ones(4))
@@ -112,8 +114,13 @@ def test_a_subset_of_classes_is_labelled_in_the_order_given(tmp_path):
     cfg = cfg_for(root, "DATA.CLASSES", "['cat', 'ant']")
     dataset = build_dataset(cfg, train=True)
     assert dataset.classes == ["cat", "ant"]
-    assert sorted((path.split("/")[-2], label) for path, label in dataset.samples) == [("ant", 1)] * 3 + [("cat", 0)] * 3
-    with pytest.raises(ValueError, match=r"DATA.CLASSES names \['cow'\], which are not classes of .*; its classes are \['ant', 'bee', 'cat'\]"):
+    assert (
+        sorted((path.split("/")[-2], label) for path, label in dataset.samples) == [("ant", 1)] * 3 + [("cat", 0)] * 3
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"DATA.CLASSES names \['cow'\], which are not classes of .*; its classes are \['ant', 'bee', 'cat'\]",
+    ):
         build_dataset(cfg_for(root, "DATA.CLASSES", "['cow', 'ant']"), train=True)
     digits = DigitsDataset(train=False, classes=["3", "0"])
     everything = DigitsDataset(train=False)
@@ -130,10 +137,16 @@ def test_training_transforms_follow_the_original_choices(tmp_path):
     assert finetune.transforms[0].size == 40 and finetune.transforms[1].size == (32, 32)  # 32 / 0.8
     image = Image.new("RGB", (50, 40))
     assert finetune(image).shape == (3, 32, 32)
-    with_train_aug = build_transform(cfg_for(root, "FINETUNE.FINETUNE", "True", "FINETUNE.USE_TRAIN_AUG", "True"), train=True)
+    with_train_aug = build_transform(
+        cfg_for(root, "FINETUNE.FINETUNE", "True", "FINETUNE.USE_TRAIN_AUG", "True"), train=True
+    )
     assert type(with_train_aug.transforms[0]).__name__ == "RandomResizedCropAndInterpolation"
-    plain = build_transform(cfg_for(root, "AUG.COLOR_JITTER", "[0.4, 0.4, 0.4, 0.1, 0.8]", "AUG.GRAY_SCALE", "0.2",
-                                    "AUG.GAUSSIAN_BLUR", "0.1"), train=True)
+    plain = build_transform(
+        cfg_for(
+            root, "AUG.COLOR_JITTER", "[0.4, 0.4, 0.4, 0.1, 0.8]", "AUG.GRAY_SCALE", "0.2", "AUG.GAUSSIAN_BLUR", "0.1"
+        ),
+        train=True,
+    )
     text = repr(plain)
     assert "ColorJitter" in text and "p=0.8" in text and "RandomGrayscale(p=0.2)" in text and "GaussianBlur" in text
     assert "ColorJitter" not in repr(build_transform(cfg_for(root), train=True))  # the default probability is 0

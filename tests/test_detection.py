@@ -103,7 +103,9 @@ def test_multi_scale_features_options():
     assert plain.out_channels_list == [48, 96, 192, 384]
     tokens = {}
     for spec in plain.stage_specs:
-        getattr(plain, f"layer{spec.index}").register_forward_hook(lambda m, i, out, k=spec.index: tokens.__setitem__(k, out[0]))
+        getattr(plain, f"layer{spec.index}").register_forward_hook(
+            lambda m, i, out, k=spec.index: tokens.__setitem__(k, out[0])
+        )
     x = torch.randn(2, 3, 70, 90)
     with torch.no_grad():
         maps, with_norm, with_average = plain(x), normed(x), averaged(x)
@@ -142,7 +144,10 @@ def test_mask_rcnn_trains_and_detects_on_odd_image_sizes():
     backbone = build_fpn_backbone("vil_tiny", trainable_stages=3)
     model = MaskRCNN(backbone, num_classes=3, min_size=320, max_size=480)
     images = [torch.rand(3, 333, 457), torch.rand(3, 400, 300)]
-    targets = [_target(333, 457, [[10, 20, 200, 150], [220, 100, 440, 320]], [1, 2]), _target(400, 300, [[30, 40, 250, 380]], [2])]
+    targets = [
+        _target(333, 457, [[10, 20, 200, 150], [220, 100, 440, 320]], [1, 2]),
+        _target(400, 300, [[30, 40, 250, 380]], [2]),
+    ]
     model.train()
     losses = model(images, targets)
     assert set(losses) == {"loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"}
@@ -150,7 +155,12 @@ def test_mask_rcnn_trains_and_detects_on_odd_image_sizes():
     sum(losses.values()).backward()
     body = backbone.body
     assert body.layer1[0].proj.weight.grad is None  # frozen
-    for name in ("layer2.0.proj.weight", "layer2.1.attn.query.weight", "layer3.1.attn.qkv.weight", "layer4.0.proj.weight"):
+    for name in (
+        "layer2.0.proj.weight",
+        "layer2.1.attn.query.weight",
+        "layer3.1.attn.qkv.weight",
+        "layer4.0.proj.weight",
+    ):
         grad = body.get_parameter(name).grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
     model.eval()
@@ -166,7 +176,9 @@ def test_mask_rcnn_trains_and_detects_on_odd_image_sizes():
 def test_faster_rcnn_and_retinanet_take_the_backbone():
     torch.manual_seed(0)
     images = [torch.rand(3, 161, 203)]
-    faster = FasterRCNN(build_fpn_backbone("vil_tiny_rpb", img_size=64), num_classes=4, min_size=160, max_size=256).eval()
+    faster = FasterRCNN(
+        build_fpn_backbone("vil_tiny_rpb", img_size=64), num_classes=4, min_size=160, max_size=256
+    ).eval()
     retina_backbone = build_fpn_backbone("vil_tiny", out_indices=(1, 2, 3), extra_blocks=LastLevelP6P7(256, 256))
     retina = RetinaNet(retina_backbone, num_classes=4, min_size=160, max_size=256).eval()
     with torch.no_grad():
@@ -194,14 +206,21 @@ def test_fpn_backbone_from_a_config_and_a_classification_checkpoint(tmp_path):
 
 def test_bad_backbone_input(tmp_path):
     backbone = build_fpn_backbone("vil_tiny", img_size=64)
-    with pytest.raises(ValueError, match="Images of 20x64 are smaller than the model's total stride 32 .* at least 32x32"):
+    with pytest.raises(
+        ValueError, match="Images of 20x64 are smaller than the model's total stride 32 .* at least 32x32"
+    ):
         backbone(torch.randn(1, 3, 20, 64))
-    with pytest.raises(ValueError, match=r"Stage indices \[0, 7\] are out of range for a model with 4 stages; use indices 0..3"):
+    with pytest.raises(
+        ValueError, match=r"Stage indices \[0, 7\] are out of range for a model with 4 stages; use indices 0..3"
+    ):
         build_fpn_backbone("vil_tiny", out_indices=(0, 7))
     with pytest.raises(ValueError, match="trainable_stages 5 is out of range; use 0 to 4"):
         build_fpn_backbone("vil_tiny", trainable_stages=5)
     with pytest.raises(ValueError, match="'vil_huge' is neither a ViL preset"):
         build_fpn_backbone("vil_huge")
     save_checkpoint(tmp_path / "small.pth", MsViT(PRESETS["vil_small"], img_size=64))
-    with pytest.raises(ValueError, match=r"does not fit this model's architecture: .*mis-shaped \(checkpoint vs model\): layer1.0.cls_token \(1, 1, 96\) vs \(1, 1, 48\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer1.0.cls_token \(1, 1, 96\) vs \(1, 1, 48\)",
+    ):
         build_fpn_backbone("vil_tiny", img_size=64, checkpoint=tmp_path / "small.pth")

@@ -10,19 +10,23 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from test_train import assert_same_weights, final_weights, straight_and_resumed
+from tool_runner import run_tool
 from torch.utils.flop_counter import FlopCounterMode
 
 from vil.checkpoint import read_checkpoint
-from vil.engine import load_weights
-from vil.export import export_program
 from vil.config import load_cfg
 from vil.detection import ViLBackbone
-from vil.models import COMPARISONS, MsViT, build_model
-from vil.models.efficient_attention import (FavorFeatures, LinformerAttention, PerformerAttention,
-                                            SpatialReductionAttention, orthogonal_random_features)
-
-from test_train import assert_same_weights, data, final_weights, straight_and_resumed  # noqa: F401  (data: a fixture)
-from tool_runner import run_tool
+from vil.engine import load_weights
+from vil.export import export_program
+from vil.models import COMPARISONS, build_model
+from vil.models.efficient_attention import (
+    FavorFeatures,
+    LinformerAttention,
+    PerformerAttention,
+    SpatialReductionAttention,
+    orthogonal_random_features,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +79,7 @@ def plain_performer(layer, x):
     tensor; out = phi(q)(phi(K)^T V) / (phi(q) . sum_j phi(k_j))."""
     d = x.shape[-1]
     qkv = x @ layer.qkv.weight.t() + layer.qkv.bias
-    q, k, v = (heads(qkv[..., i * d:(i + 1) * d], layer.heads) for i in range(3))
+    q, k, v = (heads(qkv[..., i * d : (i + 1) * d], layer.heads) for i in range(3))
     W = layer.fast_attention.projection_matrix
     m, D = W.shape
     c = D**-0.25
@@ -154,16 +158,36 @@ def test_orthogonal_random_features():
 
 
 def tiny_cfg(attn_type, *overrides):
-    return load_cfg(overrides=["MODEL.VIT.MSVIT.ARCH", ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "5",
-                               "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type, *overrides])
+    return load_cfg(
+        overrides=[
+            "MODEL.VIT.MSVIT.ARCH",
+            ARCH,
+            "INPUT.IMAGE_SIZE",
+            "32",
+            "DATA.NUM_CLASSES",
+            "5",
+            "MODEL.VIT.MSVIT.ATTN_TYPE",
+            attn_type,
+            *overrides,
+        ]
+    )
 
 
 ORIGINAL_KEYS = {  # parameter and buffer names of the original release, stage 1's attention
-    "linformer": {"layer1.1.attn.query.weight", "layer1.1.attn.kv.bias", "layer1.1.attn.proj.weight",
-                  "layer1.1.attn.proj_k", "layer1.1.attn.proj_v"},
+    "linformer": {
+        "layer1.1.attn.query.weight",
+        "layer1.1.attn.kv.bias",
+        "layer1.1.attn.proj.weight",
+        "layer1.1.attn.proj_k",
+        "layer1.1.attn.proj_v",
+    },
     "srformer": {"layer1.1.attn.query.weight", "layer1.1.attn.kv.weight", "layer1.1.attn.proj_sr.weight"},
-    "performer": {"layer1.1.attn.qkv.weight", "layer1.1.attn.proj.bias", "layer1.1.attn.fast_attention.projection_matrix",
-                  "calls_since_last_redraw"},
+    "performer": {
+        "layer1.1.attn.qkv.weight",
+        "layer1.1.attn.proj.bias",
+        "layer1.1.attn.fast_attention.projection_matrix",
+        "calls_since_last_redraw",
+    },
 }
 
 
@@ -191,9 +215,12 @@ def test_original_checkpoints_load_and_give_the_same_outputs(attn_type, tmp_path
 def test_share_kv_false_gives_two_linformer_parameters():
     shared = build_model(tiny_cfg("linformer"))
     separate = build_model(tiny_cfg("linformer", "MODEL.VIT.MSVIT.SHARE_KV", "False"))
-    count = lambda m: sum(p.numel() for p in m.parameters())
     extra = separate.layer1[1].attn.proj_v.numel() + separate.layer2[1].attn.proj_v.numel()
-    assert count(separate) == count(shared) + extra
+    assert _parameter_count(separate) == _parameter_count(shared) + extra
+
+
+def _parameter_count(model):
+    return sum(p.numel() for p in model.parameters())
 
 
 def test_only_global_belongs_to_longformer_attention():
@@ -307,8 +334,14 @@ def test_performer_trains_with_double_backward():
     assert torch.autograd.gradgradcheck(lambda t: layer(t, 2, 2), (x,), fast_mode=True)
 
 
-PUBLISHED_MILLIONS = {"vil_small_full": 24.6, "vil_small_linformer": 26.3, "vil_small_linformer_partial": 25.8,
-                      "vil_small_srformer64": 52.9, "vil_small_srformer32": 31.1, "vil_small_srformer32_partial": 26.4}
+PUBLISHED_MILLIONS = {
+    "vil_small_full": 24.6,
+    "vil_small_linformer": 26.3,
+    "vil_small_linformer_partial": 25.8,
+    "vil_small_srformer64": 52.9,
+    "vil_small_srformer32": 31.1,
+    "vil_small_srformer32_partial": 26.4,
+}
 
 
 def test_comparison_variants_are_registered_as_published():
@@ -351,9 +384,25 @@ def test_digits_demo_trains_with_one_override(attn_type, tmp_path):
     writes its checkpoint; the model in it is the asked-for mechanism, and it learned (the loss fell). Three of the
     ten classes keep it short."""
     out = tmp_path / attn_type
-    status, printed, _ = run_tool("train", "--config-file", ROOT / "configs" / "vil_digits.yaml",
-                                  "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type, "OPTIM.EPOCHS", "1", "DATA.CLASSES", "['0', '1', '2']",
-                                  "DATA.NUM_CLASSES", "3", "DATALOADER.BSZ", "16", "LOG_FREQ", "2", "OUTPUT_DIR", out)
+    status, printed, _ = run_tool(
+        "train",
+        "--config-file",
+        ROOT / "configs" / "vil_digits.yaml",
+        "MODEL.VIT.MSVIT.ATTN_TYPE",
+        attn_type,
+        "OPTIM.EPOCHS",
+        "1",
+        "DATA.CLASSES",
+        "['0', '1', '2']",
+        "DATA.NUM_CLASSES",
+        "3",
+        "DATALOADER.BSZ",
+        "16",
+        "LOG_FREQ",
+        "2",
+        "OUTPUT_DIR",
+        out,
+    )
     assert status == 0
     state = read_checkpoint(str(out / "checkpoint_last.pth"))["net"]
     assert ORIGINAL_KEYS[attn_type] <= set(state)

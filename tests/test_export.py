@@ -38,9 +38,14 @@ def assert_same_maps(backbone, source, x):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("fmt,container,prefix", [
-    ("torchvision", "model", "backbone.body."), ("detectron2", "model", "backbone.bottom_up."), ("mmdet", "state_dict", "backbone."),
-])
+@pytest.mark.parametrize(
+    "fmt,container,prefix",
+    [
+        ("torchvision", "model", "backbone.body."),
+        ("detectron2", "model", "backbone.bottom_up."),
+        ("mmdet", "state_dict", "backbone."),
+    ],
+)
 def test_round_trip_reproduces_the_stage_outputs(tmp_path, fmt, container, prefix):
     source = classification_model(PRESETS["vil_tiny_rpb"])
     own_checkpoint(tmp_path / "cls.pth", source)
@@ -53,11 +58,13 @@ def test_round_trip_reproduces_the_stage_outputs(tmp_path, fmt, container, prefi
     assert info == {"arch": PRESETS["vil_tiny_rpb"], "image_size": [64, 64]}
     # Loaded the way each framework would: strip its prefix, load strictly into the backbone.
     backbone = ViLBackbone(info["arch"], img_size=64, level_norm=False).eval()
-    backbone.load_state_dict({k[len(prefix):]: v for k, v in keys.items()})
+    backbone.load_state_dict({k[len(prefix) :]: v for k, v in keys.items()})
     x = torch.randn(2, 3, 96, 80)
     assert_same_maps(backbone, source, x)
     # And through the backbone builder.
-    built = build_fpn_backbone("vil_tiny_rpb", img_size=64, level_norm=False, checkpoint=tmp_path / "out.pth").body.eval()
+    built = build_fpn_backbone(
+        "vil_tiny_rpb", img_size=64, level_norm=False, checkpoint=tmp_path / "out.pth"
+    ).body.eval()
     assert_same_maps(built, source, x)
 
 
@@ -67,8 +74,19 @@ def test_original_release_checkpoint_with_arch_and_resized_tables(tmp_path):
     for name in ("vil_tiny", "vil_tiny_rpb"):
         source = classification_model(PRESETS[name])
         torch.save(original_release_checkpoint(source.state_dict()), tmp_path / "orig.pth")
-        export_backbone.main([str(tmp_path / "orig.pth"), str(tmp_path / "out.pth"), "--format", "detectron2", "--arch", name,
-                              "--new-image-size", "96", "128"])
+        export_backbone.main(
+            [
+                str(tmp_path / "orig.pth"),
+                str(tmp_path / "out.pth"),
+                "--format",
+                "detectron2",
+                "--arch",
+                name,
+                "--new-image-size",
+                "96",
+                "128",
+            ]
+        )
         exported = torch.load(tmp_path / "out.pth", weights_only=True)
         assert exported["vil"]["image_size"] == [96, 128]
         backbone = ViLBackbone(PRESETS[name], img_size=(96, 128), level_norm=False).eval()
@@ -82,7 +100,9 @@ def test_full_attention_to_local_where_the_window_covers_the_map(tmp_path, name)
     layers attend to exactly the keys full attention did, with the same biases: the same outputs."""
     source = classification_model(PRESETS[name])
     own_checkpoint(tmp_path / "cls.pth", source)
-    export_backbone.main([str(tmp_path / "cls.pth"), str(tmp_path / "out.pth"), "--format", "mmdet", "--full-attention-to-local"])
+    export_backbone.main(
+        [str(tmp_path / "cls.pth"), str(tmp_path / "out.pth"), "--format", "mmdet", "--full-attention-to-local"]
+    )
     exported = torch.load(tmp_path / "out.pth", weights_only=True)
     arch = exported["meta"]["vil"]["arch"]
     assert all(spec.local for spec in parse_arch(arch))
@@ -94,7 +114,9 @@ def test_full_attention_to_local_where_the_window_covers_the_map(tmp_path, name)
     backbone.load_state_dict(state)
     assert_same_maps(backbone, source, torch.randn(2, 3, 64, 64))
     # The backbone builder converts a classification checkpoint the same way.
-    built = build_fpn_backbone(name, img_size=64, level_norm=False, full_attention_to_local=True, checkpoint=tmp_path / "cls.pth")
+    built = build_fpn_backbone(
+        name, img_size=64, level_norm=False, full_attention_to_local=True, checkpoint=tmp_path / "cls.pth"
+    )
     for key, value in built.body.state_dict().items():
         torch.testing.assert_close(value, state[key], msg=key)
 
@@ -104,8 +126,18 @@ def test_number_of_global_tokens(tmp_path, init):
     arch = PRESETS["vil_tiny_rpb"].replace("g1", "g2")
     source = classification_model(arch)
     own_checkpoint(tmp_path / "cls.pth", source)
-    export_backbone.main([str(tmp_path / "cls.pth"), str(tmp_path / "out.pth"), "--format", "torchvision", "--num-global", "3",
-                          "--global-init", init])
+    export_backbone.main(
+        [
+            str(tmp_path / "cls.pth"),
+            str(tmp_path / "out.pth"),
+            "--format",
+            "torchvision",
+            "--num-global",
+            "3",
+            "--global-init",
+            init,
+        ]
+    )
     exported = torch.load(tmp_path / "out.pth", weights_only=True)
     new_arch = exported["vil"]["arch"]
     assert [s.num_global for s in parse_arch(new_arch)] == [3, 3, 3, 0]
@@ -124,7 +156,9 @@ def test_number_of_global_tokens(tmp_path, init):
     ViLBackbone(new_arch, img_size=64).load_state_dict(state, strict=False)
     build_fpn_backbone(new_arch, img_size=64, checkpoint=tmp_path / "out.pth")  # strict apart from the new level norms
     # No global tokens at all.
-    export_backbone.main([str(tmp_path / "cls.pth"), str(tmp_path / "none.pth"), "--format", "torchvision", "--num-global", "0"])
+    export_backbone.main(
+        [str(tmp_path / "cls.pth"), str(tmp_path / "none.pth"), "--format", "torchvision", "--num-global", "0"]
+    )
     none = torch.load(tmp_path / "none.pth", weights_only=True)
     build_fpn_backbone(none["vil"]["arch"], img_size=64, checkpoint=tmp_path / "none.pth")
 
@@ -139,7 +173,11 @@ def test_bad_export_requests(tmp_path, capsys):
     torch.save(original_release_checkpoint(source.state_dict()), tmp_path / "orig.pth")
     with pytest.raises(SystemExit) as exit_info:
         export_backbone.main([str(tmp_path / "orig.pth"), str(tmp_path / "out.pth"), "--format", "mmdet"])
-    assert "does not say which architecture it holds; give --arch (a preset or arch string) or --config-file" in str(exit_info.value)
+    assert "does not say which architecture it holds; give --arch (a preset or arch string) or --config-file" in str(
+        exit_info.value
+    )
     assert not (tmp_path / "out.pth").exists()
-    with pytest.raises(ValueError, match="Export format 'onnx' does not exist; use one of torchvision, detectron2, mmdet"):
+    with pytest.raises(
+        ValueError, match="Export format 'onnx' does not exist; use one of torchvision, detectron2, mmdet"
+    ):
         export_state({}, "onnx", PRESETS["vil_tiny"], (224, 224))

@@ -7,15 +7,14 @@ import sys
 
 import pytest
 import torch
+from test_data import make_folder
+from test_train import ROOT, TINY_ARCH, tiny_cfg
 
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
 from vil.engine import evaluate_checkpoint, load_weights, train
 from vil.models import MsViT
 from vil.models.convert import resize_tables
-
-from test_data import make_folder
-from test_train import ROOT, TINY_ARCH, tiny_cfg
 
 # The original release's recipes (../shared/reference/original-recipes.md), as its YAML files wrote them.
 IMAGENET_RECIPE = """
@@ -94,9 +93,26 @@ def recipe_cfg(tmp_path, recipe, *overrides):
     path = tmp_path / "recipe.yaml"
     path.write_text(recipe)
     # What the original gave on the command line (arch, data, output), and what keeps the run to one step.
-    return load_cfg(path, ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "DATA.PATH", str(make_folder(tmp_path / "data", per_class=6)),
-                           "DATA.NUM_CLASSES", "2", "OUTPUT_DIR", str(tmp_path / "out"), "DATALOADER.WORKERS", "0",
-                           "DATALOADER.BSZ", "12", "OPTIM.EPOCHS", "1", *overrides])
+    return load_cfg(
+        path,
+        [
+            "MODEL.VIT.MSVIT.ARCH",
+            TINY_ARCH,
+            "DATA.PATH",
+            str(make_folder(tmp_path / "data", per_class=6)),
+            "DATA.NUM_CLASSES",
+            "2",
+            "OUTPUT_DIR",
+            str(tmp_path / "out"),
+            "DATALOADER.WORKERS",
+            "0",
+            "DATALOADER.BSZ",
+            "12",
+            "OPTIM.EPOCHS",
+            "1",
+            *overrides,
+        ],
+    )
 
 
 def test_imagenet_recipe_trains_one_step(tmp_path):
@@ -111,13 +127,18 @@ def test_imagenet_recipe_trains_one_step(tmp_path):
 
 def test_finetune_recipe_starts_from_an_original_checkpoint_of_a_smaller_size(tmp_path):
     source = original_checkpoint(tmp_path / "vil_224.pth", img_size=32, num_classes=7)
-    cfg = recipe_cfg(tmp_path, FINETUNE_RECIPE, "INPUT.IMAGE_SIZE", "48", "MODEL.MODEL_PATH", str(tmp_path / "vil_224.pth"))
+    cfg = recipe_cfg(
+        tmp_path, FINETUNE_RECIPE, "INPUT.IMAGE_SIZE", "48", "MODEL.MODEL_PATH", str(tmp_path / "vil_224.pth")
+    )
     train(cfg)
     out = tmp_path / "out"
     checkpoint = read_checkpoint(str(out / "checkpoint_last.pth"))
     assert checkpoint["step"] == 1
     log = (out / "log.txt").read_text()
-    assert f"Checkpoint {tmp_path / 'vil_224.pth'} has a classifier for 7 classes: this run trains a new one for DATA.NUM_CLASSES 2." in log
+    assert (
+        f"Checkpoint {tmp_path / 'vil_224.pth'} has a classifier for 7 classes: "
+        "this run trains a new one for DATA.NUM_CLASSES 2." in log
+    )
     # One qhm step at the warmup's first rate (0.01 * 0.002) barely moves the weights: they are the
     # checkpoint's, with the position tables resized from 32 to 48.
     expected = resize_tables(source.state_dict(), source.stage_specs, (32, 32), (48, 48))
@@ -132,8 +153,22 @@ def test_finetune_at_another_size_and_class_count_then_resume_never_reads_model_
     data = make_folder(tmp_path / "data", per_class=6)
     original_checkpoint(tmp_path / "start.pth", img_size=24, num_classes=10)
     out = tmp_path / "run"
-    overrides = ["MODEL.MODEL_PATH", str(tmp_path / "start.pth"), "ONLY_SAVE_LAST", "1", "LOG_FREQ", "1",
-                 "SOLVER.DETECT_ANOMALY", "True", "OPTIM.OPT", "qhm", "OPTIM.NU", "0.7", "OPTIM.TEST_FREQ", "500"]
+    overrides = [
+        "MODEL.MODEL_PATH",
+        str(tmp_path / "start.pth"),
+        "ONLY_SAVE_LAST",
+        "1",
+        "LOG_FREQ",
+        "1",
+        "SOLVER.DETECT_ANOMALY",
+        "True",
+        "OPTIM.OPT",
+        "qhm",
+        "OPTIM.NU",
+        "0.7",
+        "OPTIM.TEST_FREQ",
+        "500",
+    ]
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1", *overrides))
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["net"]["head.weight"].shape == (2, 32)
     (tmp_path / "start.pth").unlink()  # a resume that read it again would fail
@@ -154,8 +189,16 @@ def test_start_from_the_ema_copy(tmp_path):
     ema = MsViT(TINY_ARCH, img_size=32, num_classes=2).state_dict()
     original_checkpoint(tmp_path / "with_ema.pth", img_size=32, num_classes=2, ema=ema)
     model = MsViT(TINY_ARCH, img_size=32, num_classes=2)
-    common = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "2",
-              "MODEL.MODEL_PATH", str(tmp_path / "with_ema.pth")]
+    common = [
+        "MODEL.VIT.MSVIT.ARCH",
+        TINY_ARCH,
+        "INPUT.IMAGE_SIZE",
+        "32",
+        "DATA.NUM_CLASSES",
+        "2",
+        "MODEL.MODEL_PATH",
+        str(tmp_path / "with_ema.pth"),
+    ]
     load_weights(model, load_cfg(overrides=[*common, "MODEL.LOAD_EMA", "True"]))
     for key, value in model.state_dict().items():
         assert torch.equal(value, ema[key]), key
@@ -169,27 +212,63 @@ def test_model_path_is_looked_up_under_data_dir_and_other_architectures_are_refu
     original_checkpoint(tmp_path / "weights" / "tiny.pth", img_size=32, num_classes=2)
     common = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "2"]
     model = MsViT(TINY_ARCH, img_size=32, num_classes=2)
-    found = load_weights(model, load_cfg(overrides=[*common, "DATA.DATA_DIR", str(tmp_path / "weights"), "MODEL.MODEL_PATH", "tiny.pth"]))
+    found = load_weights(
+        model, load_cfg(overrides=[*common, "DATA.DATA_DIR", str(tmp_path / "weights"), "MODEL.MODEL_PATH", "tiny.pth"])
+    )
     assert found == str(tmp_path / "weights" / "tiny.pth")
     with pytest.raises(FileNotFoundError, match=r"Checkpoint other.pth does not exist \(nor under DATA.DATA_DIR"):
         load_weights(model, load_cfg(overrides=[*common, "MODEL.MODEL_PATH", "other.pth"]))
     wider = TINY_ARCH.replace("d16", "d24")
-    with pytest.raises(ValueError, match=r"tiny.pth does not fit this model's architecture: .*mis-shaped .*layer1.0.proj.weight"):
-        load_weights(MsViT(wider, img_size=32, num_classes=2),
-                     load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "tiny.pth")]))
+    with pytest.raises(
+        ValueError, match=r"tiny.pth does not fit this model's architecture: .*mis-shaped .*layer1.0.proj.weight"
+    ):
+        load_weights(
+            MsViT(wider, img_size=32, num_classes=2),
+            load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "tiny.pth")]),
+        )
     with pytest.raises(ValueError, match=r"has a classifier for 2 classes, not one for the DATA.NUM_CLASSES 3 classes"):
-        load_weights(MsViT(TINY_ARCH, img_size=32, num_classes=3),
-                     load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "tiny.pth")]))
+        load_weights(
+            MsViT(TINY_ARCH, img_size=32, num_classes=3),
+            load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "tiny.pth")]),
+        )
 
 
 def test_evaluate_true_makes_train_py_evaluate_model_path(tmp_path):
     data = make_folder(tmp_path / "data", per_class=6)
     original_checkpoint(tmp_path / "tiny.pth", img_size=32, num_classes=2)
-    overrides = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data), "DATA.NUM_CLASSES", "2",
-                 "MODEL.MODEL_PATH", str(tmp_path / "tiny.pth"), "OUTPUT_DIR", str(tmp_path / "eval"), "OUTPUT_PERCLASS_ACC", "True"]
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"),
-                           *overrides, "EVALUATE", "True", "MODEL.PRETRAINED", "True"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    overrides = [
+        "MODEL.VIT.MSVIT.ARCH",
+        TINY_ARCH,
+        "INPUT.IMAGE_SIZE",
+        "32",
+        "DATA.PATH",
+        str(data),
+        "DATA.NUM_CLASSES",
+        "2",
+        "MODEL.MODEL_PATH",
+        str(tmp_path / "tiny.pth"),
+        "OUTPUT_DIR",
+        str(tmp_path / "eval"),
+        "OUTPUT_PERCLASS_ACC",
+        "True",
+    ]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "train.py"),
+            "--config-file",
+            str(ROOT / "configs" / "vil_tiny.yaml"),
+            *overrides,
+            "EVALUATE",
+            "True",
+            "MODEL.PRETRAINED",
+            "True",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("MODEL.PRETRAINED True is ignored") == 1
     assert not (tmp_path / "eval" / "checkpoint_last.pth").exists()  # evaluated, not trained

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from test_local_attention_1d import assert_products_counted
 
 from vil.ops import local_attention_1d
-
-from test_local_attention_1d import assert_products_counted
 
 
 def make_inputs(L, w, G=0, rel=False, glob_bias=False, B=2, H=3, D=8, dtype=torch.float64, seed=0):
@@ -30,8 +29,15 @@ def random_mask(B, L, seed=1):
 
 def run(backend, inputs, w, **options):
     """The output and the gradients of every input under one random upstream gradient."""
-    out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], w, backend=backend,
-                             **{name: t for name, t in inputs.items() if name not in ("q", "k", "v")}, **options)
+    out = local_attention_1d(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        w,
+        backend=backend,
+        **{name: t for name, t in inputs.items() if name not in ("q", "k", "v")},
+        **options,
+    )
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
     return out, torch.autograd.grad(out, list(inputs.values()), upstream)
 
@@ -41,7 +47,7 @@ def assert_matches_reference(inputs, w, rtol=1e-7, atol=1e-9, **options):
     out, grads = run("fused_cpu", inputs, w, **options)
     torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
     for name, got, want in zip(inputs, grads, expected_grads):
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, name=name: f"grad of {name}: {m}")
     return out, grads
 
 
@@ -85,7 +91,9 @@ def test_bfloat16_is_computed_in_float32():
     out, _ = run("fused_cpu", inputs, 4, dilation=2)
     assert out.dtype == torch.bfloat16
     wide = {name: t.detach().float() for name, t in inputs.items()}
-    expected = local_attention_1d(wide.pop("q"), wide.pop("k"), wide.pop("v"), 4, dilation=2, backend="reference", **wide)
+    expected = local_attention_1d(
+        wide.pop("q"), wide.pop("k"), wide.pop("v"), 4, dilation=2, backend="reference", **wide
+    )
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
@@ -95,8 +103,16 @@ def test_gradcheck():
 
     def fn(*tensors):
         named = dict(zip(inputs, tensors))
-        return local_attention_1d(named.pop("q"), named.pop("k"), named.pop("v"), 2, dilation=(1, 2),
-                                  key_padding_mask=mask, backend="fused_cpu", **named)
+        return local_attention_1d(
+            named.pop("q"),
+            named.pop("k"),
+            named.pop("v"),
+            2,
+            dilation=(1, 2),
+            key_padding_mask=mask,
+            backend="fused_cpu",
+            **named,
+        )
 
     assert torch.autograd.gradcheck(fn, tuple(inputs.values()))
 
@@ -108,8 +124,19 @@ def test_products_are_counted_by_the_flop_counter():
     inputs = make_inputs(40, 2, G=1, B=1, H=1, dtype=torch.float32)
     # Blocks of 16 queries (w = 2) at 0, 16, 32 score the key spans 0..17, 14..33 and 30..39, and the global key.
     pairs = 16 * (18 + 1) + 16 * (20 + 1) + 8 * (10 + 1)
-    assert_products_counted(lambda: local_attention_1d(inputs["q"], inputs["k"], inputs["v"], 2, global_k=inputs["global_k"],
-                                                       global_v=inputs["global_v"], backend="fused_cpu"), pairs, 8)
+    assert_products_counted(
+        lambda: local_attention_1d(
+            inputs["q"],
+            inputs["k"],
+            inputs["v"],
+            2,
+            global_k=inputs["global_k"],
+            global_v=inputs["global_v"],
+            backend="fused_cpu",
+        ),
+        pairs,
+        8,
+    )
 
 
 def test_refuses_other_devices():

@@ -13,20 +13,24 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from PIL import Image
+from test_train import tiny_cfg
 
 import vil.engine as engine
 from vil.config import config_items, get_cfg
 from vil.engine import train
 from vil.ops import local_attention_2d
 
-from test_train import tiny_cfg
-
 EXAMPLES = int(os.environ.get("VIL_FUZZ_EXAMPLES", 0))
 
 
 def fuzz_settings(examples):
-    return settings(max_examples=EXAMPLES or examples, deadline=None, derandomize=not EXAMPLES, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    return settings(
+        max_examples=EXAMPLES or examples,
+        deadline=None,
+        derandomize=not EXAMPLES,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
 
 
 def assert_one_sentence(error):
@@ -158,25 +162,42 @@ def test_random_config_overrides_train_a_step_or_stop_with_one_sentence(tmp_path
 
 # Random local-attention requests.
 
-CPU_BACKENDS = ("reference", "sliding_chunk", "sliding_chunk_autograd", "fused_cpu", "unfold", "unfold_nnf", "chunk_rows", "flex")
+CPU_BACKENDS = (
+    "reference",
+    "sliding_chunk",
+    "sliding_chunk_autograd",
+    "fused_cpu",
+    "unfold",
+    "unfold_nnf",
+    "chunk_rows",
+    "flex",
+)
 
 
 @seed(20261123)
 @fuzz_settings(150)
 @given(
     shape=st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(1, 7), st.integers(1, 7), st.integers(1, 6)),
-    window=st.integers(1, 9), exact=st.sampled_from([-1, 0, 1]), mode=st.integers(-1, 8), dilation=st.integers(1, 9),
-    num_global=st.integers(0, 2), with_bias=st.booleans(), backend=st.sampled_from(CPU_BACKENDS),
+    window=st.integers(1, 9),
+    exact=st.sampled_from([-1, 0, 1]),
+    mode=st.integers(-1, 8),
+    dilation=st.integers(1, 9),
+    num_global=st.integers(0, 2),
+    with_bias=st.booleans(),
+    backend=st.sampled_from(CPU_BACKENDS),
 )
-def test_random_local_attention_requests_match_the_reference_or_are_refused(shape, window, exact, mode, dilation, num_global,
-                                                                           with_bias, backend):
+def test_random_local_attention_requests_match_the_reference_or_are_refused(
+    shape, window, exact, mode, dilation, num_global, with_bias, backend
+):
     B, H, X, Y, D = shape
     generator = torch.Generator().manual_seed(X * 100 + Y * 10 + D)
     q, k, v = (torch.randn(B, H, X, Y, D, generator=generator) for _ in range(3))
     extra = {}
     if num_global:
-        extra.update(global_k=torch.randn(B, H, num_global, D, generator=generator),
-                     global_v=torch.randn(B, H, num_global, D, generator=generator))
+        extra.update(
+            global_k=torch.randn(B, H, num_global, D, generator=generator),
+            global_v=torch.randn(B, H, num_global, D, generator=generator),
+        )
     if with_bias:
         extra["rel_bias"] = torch.randn(H, (4 * window - 1) ** 2, generator=generator)
     options = dict(exact=exact, mode=mode, dilation=dilation, **extra)

@@ -27,6 +27,7 @@ def box(r0, r1, c0, c1):
 
 # --- The oracle itself, against windows worked out by hand from the spec. ---
 
+
 def test_reference_window_zero_padding():
     # 6x6 map, w=2: chunks are 2x2, a 3x3 grid of them. Query (2, 3) is in chunk (1, 1): sees everything.
     assert visible(6, 6, 2, 0, 0, (2, 3)) == box(0, 6, 0, 6)
@@ -128,7 +129,16 @@ def test_reference_matches_dense_softmax_by_hand():
 # --- Every backend against the reference. ---
 
 WINDOWS = [(1, 0), (0, 0), (-1, 0)] + [(exact, mode) for exact in (0, -1) for mode in [-1] + list(range(1, 9))]
-SHAPES = [(13, 17, 3), (8, 8, 4), (5, 6, 1), (7, 9, 2), (9, 11, 7), (4, 10, 3), (2, 9, 3), (5, 4, 7)]  # last: one chunk along an axis; map smaller than w
+SHAPES = [
+    (13, 17, 3),
+    (8, 8, 4),
+    (5, 6, 1),
+    (7, 9, 2),
+    (9, 11, 7),
+    (4, 10, 3),
+    (2, 9, 3),
+    (5, 4, 7),
+]  # last: one chunk along an axis; map smaller than w
 
 
 def make_inputs(X, Y, w, G, rel, glob_bias, B=2, H=2, D=4, dtype=torch.float64, seed=0, device="cpu"):
@@ -147,8 +157,17 @@ def make_inputs(X, Y, w, G, rel, glob_bias, B=2, H=2, D=4, dtype=torch.float64, 
 
 def run(backend, inputs, window, exact, mode, grad_seed=1):
     out = local_attention_2d(
-        inputs["q"], inputs["k"], inputs["v"], window, exact=exact, mode=mode, global_k=inputs["global_k"],
-        global_v=inputs["global_v"], rel_bias=inputs["rel_bias"], global_bias=inputs["global_bias"], backend=backend,
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        window,
+        exact=exact,
+        mode=mode,
+        global_k=inputs["global_k"],
+        global_v=inputs["global_v"],
+        rel_bias=inputs["rel_bias"],
+        global_bias=inputs["global_bias"],
+        backend=backend,
     )
     leaves = [t for t in inputs.values() if t is not None]
     upstream = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(grad_seed))
@@ -186,7 +205,9 @@ def test_gradcheck(backend, exact, mode):
 
     def fn(*tensors):
         kw = dict(zip(names, tensors))
-        return local_attention_2d(kw.pop("q"), kw.pop("k"), kw.pop("v"), 2, exact=exact, mode=mode, backend=backend, **kw)
+        return local_attention_2d(
+            kw.pop("q"), kw.pop("k"), kw.pop("v"), 2, exact=exact, mode=mode, backend=backend, **kw
+        )
 
     assert torch.autograd.gradcheck(fn, tuple(inputs.values()), fast_mode=True)  # random projections of the Jacobian
 
@@ -194,10 +215,26 @@ def test_gradcheck(backend, exact, mode):
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_float32_and_explicit_scale(backend):
     inputs = make_inputs(14, 14, 7, 1, rel=True, glob_bias=True, dtype=torch.float32, D=8)
-    expected = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 7, global_k=inputs["global_k"],
-                                  global_v=inputs["global_v"], scale=0.3, backend="reference")
-    out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 7, global_k=inputs["global_k"],
-                             global_v=inputs["global_v"], scale=0.3, backend=backend)
+    expected = local_attention_2d(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        7,
+        global_k=inputs["global_k"],
+        global_v=inputs["global_v"],
+        scale=0.3,
+        backend="reference",
+    )
+    out = local_attention_2d(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        7,
+        global_k=inputs["global_k"],
+        global_v=inputs["global_v"],
+        scale=0.3,
+        backend=backend,
+    )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -241,8 +278,16 @@ def test_dilation_runs_per_sub_lattice(backend):
         leaves = [t for t in inputs.values() if t is not None]
         outs = []
         for name in ("reference", backend):
-            out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], w, exact=1, dilation=d, backend=name,
-                                     **{k: v for k, v in inputs.items() if k not in "qkv"})
+            out = local_attention_2d(
+                inputs["q"],
+                inputs["k"],
+                inputs["v"],
+                w,
+                exact=1,
+                dilation=d,
+                backend=name,
+                **{k: v for k, v in inputs.items() if k not in "qkv"},
+            )
             outs.append((out, torch.autograd.grad(out.square().sum(), leaves)))
         torch.testing.assert_close(outs[1][0], outs[0][0])
         for got, want in zip(outs[1][1], outs[0][1]):
@@ -268,22 +313,29 @@ def test_flex_forward_matches_reference(exact, mode):
 def test_flex_dilated_forward_matches_reference():
     inputs = make_inputs(9, 8, 1, 1, rel=True, glob_bias=True, dtype=torch.float32, D=16)
     with torch.no_grad():
-        torch.testing.assert_close(run_forward("flex", inputs, 1, 1, 0, dilation=2)[0],
-                                   run_forward("reference", inputs, 1, 1, 0, dilation=2)[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            run_forward("flex", inputs, 1, 1, 0, dilation=2)[0],
+            run_forward("reference", inputs, 1, 1, 0, dilation=2)[0],
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 def run_forward(backend, inputs, window, exact, mode, dilation=1):
     kw = {name: t for name, t in inputs.items() if name not in ("q", "k", "v")}
-    return local_attention_2d(inputs["q"], inputs["k"], inputs["v"], window, exact=exact, mode=mode,
-                              dilation=dilation, backend=backend, **kw), kw
+    return local_attention_2d(
+        inputs["q"], inputs["k"], inputs["v"], window, exact=exact, mode=mode, dilation=dilation, backend=backend, **kw
+    ), kw
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's FlexAttention has no backward on the CPU")
 @pytest.mark.parametrize("exact,mode", [(1, 0), (0, 0), (-1, 0), (0, 3), (-1, -1)])
 def test_flex_gradients_match_reference_on_cuda(exact, mode):
     for (X, Y, w), G in itertools.product(SHAPES[:4], (0, 1)):
-        inputs = {n: None if t is None else t.detach().float().cuda().requires_grad_()
-                  for n, t in make_inputs(X, Y, w, G, rel=True, glob_bias=True, D=16).items()}
+        inputs = {
+            n: None if t is None else t.detach().float().cuda().requires_grad_()
+            for n, t in make_inputs(X, Y, w, G, rel=True, glob_bias=True, D=16).items()
+        }
         expected, expected_grads = run("reference", inputs, w, exact, mode)
         out, grads = run("flex", inputs, w, exact, mode)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
@@ -293,8 +345,11 @@ def test_flex_gradients_match_reference_on_cuda(exact, mode):
 
 def test_flex_refuses_to_train_on_the_cpu():
     inputs = make_inputs(6, 6, 2, 1, rel=True, glob_bias=True, dtype=torch.float32, D=16)
-    with pytest.raises(ValueError, match=r"^The flex backend cannot train on the CPU \(it has no backward there\); "
-                                         r"backends that can: sliding_chunk, [a-z_, ]*fused_cpu, [a-z_, ]*reference\.$") as err:
+    with pytest.raises(
+        ValueError,
+        match=r"^The flex backend cannot train on the CPU \(it has no backward there\); "
+        r"backends that can: sliding_chunk, [a-z_, ]*fused_cpu, [a-z_, ]*reference\.$",
+    ) as err:
         run("flex", inputs, 2, 0, 0)
     assert "flex" not in str(err.value).split(";")[1]
 
@@ -314,8 +369,10 @@ def test_default_falls_back_to_sliding_chunk_with_one_warning(monkeypatch, caplo
         assert default_backend(CPU, torch.float32) == "sliding_chunk"
         assert default_backend(CPU, torch.float64) == "sliding_chunk"
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings == ["The fused_cpu backend could not build its C++ kernel (no compiler). Using sliding_chunk on the "
-                        "CPU instead, about 2x slower."]
+    assert warnings == [
+        "The fused_cpu backend could not build its C++ kernel (no compiler). Using sliding_chunk on the "
+        "CPU instead, about 2x slower."
+    ]
     assert default_backend(torch.device("meta"), torch.float32) == "sliding_chunk"
 
 
@@ -339,9 +396,11 @@ def test_fused_cpu_build_failure_is_one_sentence_and_not_retried(monkeypatch, fo
         raise RuntimeError("Ninja is required to load C++ extensions\n(more lines)")
 
     monkeypatch.setattr(cpp_extension, "load", broken_load)
-    message = (r"^The fused_cpu backend could not build its C\+\+ kernel \(Ninja is required to load C\+\+ "
-               r"extensions\); it needs a C\+\+ compiler and the ninja package, or choose another backend such as "
-               r"sliding_chunk\.$")
+    message = (
+        r"^The fused_cpu backend could not build its C\+\+ kernel \(Ninja is required to load C\+\+ "
+        r"extensions\); it needs a C\+\+ compiler and the ninja package, or choose another backend such as "
+        r"sliding_chunk\.$"
+    )
     for _ in range(2):
         with pytest.raises(ValueError, match=message):
             forget_fused_cpu_build.check_fused_cpu()
@@ -352,7 +411,7 @@ def test_fused_cpu_build_failure_is_one_sentence_and_not_retried(monkeypatch, fo
 def test_fused_cpu_gradients_are_not_differentiated_again():
     inputs = make_inputs(4, 4, 2, 0, rel=False, glob_bias=False)
     out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="fused_cpu")
-    grad_q, = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)  # dL/dout needs a graph
+    (grad_q,) = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)  # dL/dout needs a graph
     with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         grad_q.sum().backward()
 
@@ -376,9 +435,12 @@ def test_fused_cpu_products_are_counted_by_the_flop_counter():
 
 def test_fused_cpu_refuses_other_devices():
     q, k, v = (torch.empty(1, 1, 4, 4, 8, device="meta") for _ in range(3))
-    with pytest.raises(ValueError, match=r"^The fused_cpu backend runs on cpu tensors, but q is on meta; backends that "
-                                         r"run there: sliding_chunk, sliding_chunk_autograd, unfold, unfold_nnf, "
-                                         r"chunk_rows, reference\.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^The fused_cpu backend runs on cpu tensors, but q is on meta; backends that "
+        r"run there: sliding_chunk, sliding_chunk_autograd, unfold, unfold_nnf, "
+        r"chunk_rows, reference\.$",
+    ):
         local_attention_2d(q, k, v, 2, backend="fused_cpu")
 
 
@@ -395,6 +457,7 @@ def test_fused_cpu_many_threads_and_uneven_chunks():
 
 # --- Bad input: one plain sentence each. ---
 
+
 def _qkv(shape=(1, 2, 4, 4, 8), **kw):
     return [torch.randn(*shape, **kw) for _ in range(3)]
 
@@ -405,10 +468,16 @@ def _qkv(shape=(1, 2, 4, 4, 8), **kw):
         (dict(window=0), "window must be a positive integer"),
         (dict(exact=2), "exact (SW_EXACT) must be 1, 0 or -1"),
         (dict(mode=9), "mode (MODE) must be 0, -1 or one of 1..8, got 9"),
-        (dict(exact=1, mode=2), "mode (MODE) 2 needs chunked windows (SW_EXACT 0 or -1); the exact window (SW_EXACT 1) takes mode 0 only"),
+        (
+            dict(exact=1, mode=2),
+            "mode (MODE) 2 needs chunked windows (SW_EXACT 0 or -1); the exact window (SW_EXACT 1) takes mode 0 only",
+        ),
         (dict(backend="nope"), "Unknown local attention backend 'nope'; available: sliding_chunk"),
         (dict(global_k=torch.randn(1, 2, 1, 8)), "global_k and global_v go together"),
-        (dict(global_k=torch.randn(1, 2, 1, 4), global_v=torch.randn(1, 2, 1, 4)), "global_k must have shape (B, heads, G, head_dim)"),
+        (
+            dict(global_k=torch.randn(1, 2, 1, 4), global_v=torch.randn(1, 2, 1, 4)),
+            "global_k must have shape (B, heads, G, head_dim)",
+        ),
         (dict(rel_bias=torch.randn(2, 10)), "rel_bias must have shape (heads, (4w-1)**2) = (2, 49)"),
         (dict(global_bias=torch.randn(2, 1)), "global_bias needs global_k and global_v"),
         (dict(dilation=2), "dilation 2 needs the exact window (SW_EXACT 1); chunked windows take dilation 1"),
@@ -485,7 +554,7 @@ def test_a_dilation_beyond_the_map_leaves_each_query_with_itself_and_the_global_
     gk, gv = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
     out = local_attention_2d(q, k, v, 1, exact=1, dilation=5, global_k=gk, global_v=gv, backend=backend)
     # By hand: the softmax over two keys, the query's own and the global one.
-    scale = 8 ** -0.5
+    scale = 8**-0.5
     own, glob = (q * k).sum(-1) * scale, (q * gk[:, :, None]).sum(-1) * scale
     weight = torch.sigmoid(own - glob)[..., None]
     torch.testing.assert_close(out, weight * v + (1 - weight) * gv[:, :, None], rtol=1e-4, atol=1e-5)
@@ -496,17 +565,35 @@ def test_an_enormous_window_is_the_whole_map(exact):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 3, 4) for _ in range(3))
     out = local_attention_2d(q, k, v, 10**9, exact=exact)
-    dense = torch.softmax(torch.einsum("bhxyd,bhijd->bhxyij", q, k).flatten(-2) * 4 ** -0.5, dim=-1)
+    dense = torch.softmax(torch.einsum("bhxyd,bhijd->bhxyij", q, k).flatten(-2) * 4**-0.5, dim=-1)
     torch.testing.assert_close(out, torch.einsum("bhxyn,bhnd->bhxyd", dense, v.flatten(2, 3)), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda q: local_attention_2d(q.tolist(), q, q, 1), r"^q must be a torch.Tensor, got a list; convert it with torch.as_tensor\.$"),
-    (lambda q: local_attention_2d(q, q.numpy(), q, 1), r"^k must be a torch.Tensor, got a ndarray; convert it with torch.as_tensor\.$"),
-    (lambda q: local_attention_2d(q, q, q, 1, scale="0.5"), r"^scale must be a number \(or None for head_dim \*\* -0.5\), got '0.5'\.$"),
-    (lambda q: local_attention_2d(q[..., :0], q[..., :0], q[..., :0], 1), r"^q has head_dim 0 \(shape \(1, 1, 3, 3, 0\)\); attention needs"),
-    (lambda q: local_attention_2d(*(q.to("meta"),) * 3, 1), r"^q is on the meta device, which holds no values to attend over"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda q: local_attention_2d(q.tolist(), q, q, 1),
+            r"^q must be a torch.Tensor, got a list; convert it with torch.as_tensor\.$",
+        ),
+        (
+            lambda q: local_attention_2d(q, q.numpy(), q, 1),
+            r"^k must be a torch.Tensor, got a ndarray; convert it with torch.as_tensor\.$",
+        ),
+        (
+            lambda q: local_attention_2d(q, q, q, 1, scale="0.5"),
+            r"^scale must be a number \(or None for head_dim \*\* -0.5\), got '0.5'\.$",
+        ),
+        (
+            lambda q: local_attention_2d(q[..., :0], q[..., :0], q[..., :0], 1),
+            r"^q has head_dim 0 \(shape \(1, 1, 3, 3, 0\)\); attention needs",
+        ),
+        (
+            lambda q: local_attention_2d(*(q.to("meta"),) * 3, 1),
+            r"^q is on the meta device, which holds no values to attend over",
+        ),
+    ],
+)
 def test_odd_inputs_are_one_sentence(call, message):
     with pytest.raises(ValueError, match=message):
         call(torch.randn(1, 1, 3, 3, 4))
@@ -516,4 +603,6 @@ def test_a_numpy_scale_is_a_number():
     import numpy as np
 
     q = torch.randn(1, 1, 3, 3, 4)
-    torch.testing.assert_close(local_attention_2d(q, q, q, 1, scale=np.float32(0.5)), local_attention_2d(q, q, q, 1, scale=0.5))
+    torch.testing.assert_close(
+        local_attention_2d(q, q, q, 1, scale=np.float32(0.5)), local_attention_2d(q, q, q, 1, scale=0.5)
+    )

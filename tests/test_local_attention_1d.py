@@ -15,6 +15,7 @@ TRAINING = [b for b in available_backends(1) if b not in ("reference", "flex", "
 
 # --- The oracle itself, against bands worked out by hand. ---
 
+
 def visible(length, window, dilation, causal, query):
     allowed, _ = band_pairs(length, window, (dilation,), causal, CPU)
     return set(allowed[0, query].nonzero().flatten().tolist())
@@ -43,8 +44,18 @@ def test_reference_matches_softmax_by_hand():
     rel, gb = torch.randn(1, 2 * w + 1, dtype=torch.float64), torch.randn(1, 1, dtype=torch.float64)
     padding = torch.zeros(1, L, dtype=torch.bool)
     padding[0, 5] = True
-    out = local_attention_1d(q, k, v, w, key_padding_mask=padding, global_k=gk, global_v=gv, rel_bias=rel,
-                             global_bias=gb, backend="reference")
+    out = local_attention_1d(
+        q,
+        k,
+        v,
+        w,
+        key_padding_mask=padding,
+        global_k=gk,
+        global_v=gv,
+        rel_bias=rel,
+        global_bias=gb,
+        backend="reference",
+    )
     i, scale = 4, D**-0.5
     scores = [float(q[0, 0, i] @ gk[0, 0, 0]) * scale + float(gb[0, 0])]
     values = [gv[0, 0, 0]]
@@ -98,9 +109,20 @@ def make_inputs(L, w, G, rel, glob_bias, mask, B=2, H=2, D=4, dtype=torch.float6
 
 
 def run(backend, inputs, padding, w, dilation=1, causal=False, grads=True):
-    out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], w, dilation=dilation, causal=causal,
-                             key_padding_mask=padding, global_k=inputs["global_k"], global_v=inputs["global_v"],
-                             rel_bias=inputs["rel_bias"], global_bias=inputs["global_bias"], backend=backend)
+    out = local_attention_1d(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        w,
+        dilation=dilation,
+        causal=causal,
+        key_padding_mask=padding,
+        global_k=inputs["global_k"],
+        global_v=inputs["global_v"],
+        rel_bias=inputs["rel_bias"],
+        global_bias=inputs["global_bias"],
+        backend=backend,
+    )
     if not grads:
         return out, ()
     leaves = [t for t in inputs.values() if t is not None]
@@ -118,7 +140,7 @@ def test_backend_matches_reference(backend, L, w, dilation, causal, G, rel, glob
     out, grads = run(backend, inputs, padding, w, dilation, causal)
     names = ["output"] + [n for n, t in inputs.items() if t is not None]
     for name, got, want in zip(names, (out, *grads), (expected, *expected_grads)):
-        torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
     if mask == "row" and not G:
         assert not out[-1].any() and not grads[0][-1].any()  # no key: zeros and zero gradients
 
@@ -152,7 +174,9 @@ def test_gradcheck(backend):
     def fn(*tensors):
         return run(backend, dict(zip(names, tensors)), padding, 2, dilation, False, grads=False)[0]
 
-    assert torch.autograd.gradcheck(fn, tuple(inputs[n] for n in names), fast_mode=True)  # random projections of the Jacobian
+    assert torch.autograd.gradcheck(
+        fn, tuple(inputs[n] for n in names), fast_mode=True
+    )  # random projections of the Jacobian
 
 
 @pytest.mark.parametrize("backend", ["sliding_chunk", "chunks"])
@@ -186,11 +210,14 @@ def test_empty_batch():
 def test_default_backend():
     assert default_backend(CPU, torch.float32, dims=1) == "fused_cpu"
     q = torch.randn(1, 2, 30, 4, dtype=torch.float64)
-    torch.testing.assert_close(local_attention_1d(q, q, q, 4, dilation=(1, 2)),
-                               local_attention_1d(q, q, q, 4, dilation=(1, 2), backend="reference"))
+    torch.testing.assert_close(
+        local_attention_1d(q, q, q, 4, dilation=(1, 2)),
+        local_attention_1d(q, q, q, 4, dilation=(1, 2), backend="reference"),
+    )
 
 
 # --- Bad input: one plain sentence each. ---
+
 
 def _qkv(shape=(2, 2, 10, 4)):
     return [torch.randn(*shape) for _ in range(3)]
@@ -203,20 +230,29 @@ def _qkv(shape=(2, 2, 10, 4)):
         (dict(shape=(2, 10, 4)), "q must have shape (B, heads, L, head_dim), got (2, 10, 4)."),
         (dict(shape=(2, 2, 0, 4)), "q has length 0; local_attention_1d needs a sequence of at least one position."),
         (dict(k_shape=(2, 2, 9, 4)), "k must have the shape of q (2, 2, 10, 4), got (2, 2, 9, 4)."),
-        (dict(dilation=2, backend="chunks"), "The chunks backend computes undilated windows only; backends with "
-                                             "dilation: sliding_chunk, triton, fused_cpu, flex, loop, reference."),
+        (
+            dict(dilation=2, backend="chunks"),
+            "The chunks backend computes undilated windows only; backends with "
+            "dilation: sliding_chunk, triton, fused_cpu, flex, loop, reference.",
+        ),
         (dict(dilation=0), "dilation must be a positive integer or one positive integer per head, got 0."),
         (dict(dilation=[1, 2, 3]), "dilation must be one int or one int per head (2), got 3 values."),
-        (dict(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
-         "key_padding_mask must be a bool tensor of shape (B, L) = (2, 10), got torch.bool of shape (2, 9)."),
-        (dict(key_padding_mask=torch.zeros(2, 10)),
-         "key_padding_mask must be a bool tensor of shape (B, L) = (2, 10), got torch.float32 of shape (2, 10)."),
+        (
+            dict(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
+            "key_padding_mask must be a bool tensor of shape (B, L) = (2, 10), got torch.bool of shape (2, 9).",
+        ),
+        (
+            dict(key_padding_mask=torch.zeros(2, 10)),
+            "key_padding_mask must be a bool tensor of shape (B, L) = (2, 10), got torch.float32 of shape (2, 10).",
+        ),
         (dict(rel_bias=torch.randn(2, 49)), "rel_bias must have shape (heads, 2w+1) = (2, 7), got (2, 49)."),
         (dict(causal=1), "causal must be True or False, got 1."),
         (dict(backend="unfold"), "The unfold backend does not compute 1D windows; 1D backends: "),
         (dict(backend="nope"), "Unknown local attention backend 'nope'; available: "),
-        (dict(backend="flex", grad=True), "The flex backend cannot train on the CPU (it has no backward there); "
-                                          "backends that can: "),
+        (
+            dict(backend="flex", grad=True),
+            "The flex backend cannot train on the CPU (it has no backward there); backends that can: ",
+        ),
     ],
 )
 def test_bad_arguments_are_one_sentence(change, message):
@@ -233,13 +269,19 @@ def test_bad_arguments_are_one_sentence(change, message):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda q: local_attention_1d(q.tolist(), q, q, 1), r"^q must be a torch.Tensor, got a list"),
-    (lambda q: local_attention_1d(q, q, q, 1, key_padding_mask=[[False] * 6]), r"^key_padding_mask must be a torch.Tensor, got a list"),
-    (lambda q: local_attention_1d(q, q, q, 1, scale="0.5"), r"^scale must be a number"),
-    (lambda q: local_attention_1d(q[..., :0], q[..., :0], q[..., :0], 1), r"^q has head_dim 0"),
-    (lambda q: local_attention_1d(*(q.to("meta"),) * 3, 1), r"^q is on the meta device"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda q: local_attention_1d(q.tolist(), q, q, 1), r"^q must be a torch.Tensor, got a list"),
+        (
+            lambda q: local_attention_1d(q, q, q, 1, key_padding_mask=[[False] * 6]),
+            r"^key_padding_mask must be a torch.Tensor, got a list",
+        ),
+        (lambda q: local_attention_1d(q, q, q, 1, scale="0.5"), r"^scale must be a number"),
+        (lambda q: local_attention_1d(q[..., :0], q[..., :0], q[..., :0], 1), r"^q has head_dim 0"),
+        (lambda q: local_attention_1d(*(q.to("meta"),) * 3, 1), r"^q is on the meta device"),
+    ],
+)
 def test_odd_inputs_are_one_sentence(call, message):
     with pytest.raises(ValueError, match=message):
         call(torch.randn(1, 2, 6, 4))
@@ -248,7 +290,7 @@ def test_odd_inputs_are_one_sentence(call, message):
 def test_an_enormous_window_or_dilation_covers_the_sequence():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
-    dense = torch.softmax(q @ k.transpose(-1, -2) * 4 ** -0.5, dim=-1) @ v
+    dense = torch.softmax(q @ k.transpose(-1, -2) * 4**-0.5, dim=-1) @ v
     torch.testing.assert_close(local_attention_1d(q, k, v, 10**9), dense, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(local_attention_1d(q, k, v, 1, dilation=50), v, rtol=1e-4, atol=1e-5)  # only itself
 

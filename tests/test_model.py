@@ -15,8 +15,12 @@ from vil.ops.backends.reference import window_pairs
 ROOT = Path(__file__).resolve().parents[1]
 ORIGINAL_LAYOUTS = ROOT.parent / "shared" / "reference" / "original-release-state-dicts.txt"
 PAPER_PARAMETERS = {  # millions, as published; Tiny and Small exactly
-    "vil_tiny": 6_707_080, "vil_small": 24_635_752, "vil_medium_deep": 39.7, "vil_medium_wide": 39.8,
-    "vil_base_deep": 55.7, "vil_base_wide": 79.0,
+    "vil_tiny": 6_707_080,
+    "vil_small": 24_635_752,
+    "vil_medium_deep": 39.7,
+    "vil_medium_wide": 39.8,
+    "vil_base_deep": 55.7,
+    "vil_base_wide": 79.0,
 }
 
 
@@ -39,7 +43,9 @@ def original_layouts():
     if not ORIGINAL_LAYOUTS.exists():
         pytest.skip(f"the original release's state-dict listing is not beside this checkout ({ORIGINAL_LAYOUTS})")
     text = ORIGINAL_LAYOUTS.read_text()
-    parts = re.split(r"^### (ViL-[^\n]*?) MODEL\.VIT\.MSVIT\.ARCH=(\S+)[^\n]*\n### parameters: (\d+)\n", text, flags=re.M)
+    parts = re.split(
+        r"^### (ViL-[^\n]*?) MODEL\.VIT\.MSVIT\.ARCH=(\S+)[^\n]*\n### parameters: (\d+)\n", text, flags=re.M
+    )
     for i in range(1, len(parts), 4):
         title, arch, params, body = parts[i : i + 4]
         shapes = {}
@@ -89,14 +95,22 @@ def naive_longformer(attn, x, nx, ny, mode):
     qg = heads(attn.query_global(x[:, :G])) * D**-0.5
     gscores = qg @ kg.transpose(-1, -2)
     if attn.rpe:
-        gscores = gscores + torch.cat([attn.g2g_relative_position_bias, attn.g2l_relative_position_bias[0][:, :, None].expand(H, G, N - G)], -1)
+        gscores = gscores + torch.cat(
+            [attn.g2g_relative_position_bias, attn.g2l_relative_position_bias[0][:, :, None].expand(H, G, N - G)], -1
+        )
     gout = attn.proj_global((torch.softmax(gscores, -1) @ vg).transpose(1, 2).reshape(B, G, C))
     return torch.cat([gout, out], dim=1)
 
 
 @pytest.mark.parametrize(
     "G,rpe,exact,mode,share_w",
-    [(1, True, 0, 0, True), (2, True, -1, 0, False), (1, False, 1, 0, True), (0, True, 0, -1, True), (2, False, 0, 6, False)],
+    [
+        (1, True, 0, 0, True),
+        (2, True, -1, 0, False),
+        (1, False, 1, 0, True),
+        (0, True, 0, -1, True),
+        (2, False, 0, 6, False),
+    ],
 )
 def test_longformer_attention_matches_the_spec_densely(G, rpe, exact, mode, share_w):
     torch.manual_seed(0)
@@ -140,12 +154,22 @@ def test_full_attention_relative_bias_by_hand():
 
 
 def tiny_cfg(*overrides):
-    return load_cfg(ROOT / "configs" / "vil_tiny.yaml", ["INPUT.IMAGE_SIZE", "64", "DATA.NUM_CLASSES", "10", *overrides])
+    return load_cfg(
+        ROOT / "configs" / "vil_tiny.yaml", ["INPUT.IMAGE_SIZE", "64", "DATA.NUM_CLASSES", "10", *overrides]
+    )
 
 
 @pytest.mark.parametrize(
-    "attn_type", ["longformer", "longformerauto", "longformer_unfold", "longformer_unfold_nnf", "longformer_chunk_rows", "longformer_flex",
-                  "longformer_fused_cpu"]
+    "attn_type",
+    [
+        "longformer",
+        "longformerauto",
+        "longformer_unfold",
+        "longformer_unfold_nnf",
+        "longformer_chunk_rows",
+        "longformer_flex",
+        "longformer_fused_cpu",
+    ],
 )
 def test_every_attn_type_gives_the_logits_of_longformerhand(attn_type):
     # longformer_triton: tests/test_triton_kernels.py
@@ -239,6 +263,7 @@ def test_no_weight_decay_names():
 
 # --- Bad input: one plain sentence each. ---
 
+
 @pytest.mark.parametrize(
     "arch,message",
     [
@@ -263,12 +288,24 @@ def test_bad_arch_strings(arch, message):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"), "Unknown MODEL.VIT.MSVIT.ATTN_TYPE 'longformer_magic'; known: longformer, full, longformerhand"),
-        (("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), "mode (MODE) 3 needs chunked windows (SW_EXACT 0 or -1)"),
+        (
+            ("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"),
+            "Unknown MODEL.VIT.MSVIT.ATTN_TYPE 'longformer_magic'; known: longformer, full, longformerhand",
+        ),
+        (
+            ("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"),
+            "mode (MODE) 3 needs chunked windows (SW_EXACT 0 or -1)",
+        ),
         (("INPUT.IMAGE_SIZE", "16"), "Image size 16 is smaller than the model's total stride 32"),
-        (("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.ARCH", "l1,g0,d48,h1_l2,g0_l3,g0"), "ONLY_GLOBAL needs global tokens"),
+        (
+            ("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.ARCH", "l1,g0,d48,h1_l2,g0_l3,g0"),
+            "ONLY_GLOBAL needs global tokens",
+        ),
         (("MODEL.ARCH", "resnet50"), "MODEL.ARCH 'resnet50' is not a model of this project"),
-        (("MODEL.VIT.MSVIT.ATTN_TYPE", "full", "MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), "mode (MODE) 3 needs chunked windows"),
+        (
+            ("MODEL.VIT.MSVIT.ATTN_TYPE", "full", "MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"),
+            "mode (MODE) 3 needs chunked windows",
+        ),
         (("MODEL.VIT.MSVIT.SW_EXACT", "7"), "exact (SW_EXACT) must be 1, 0 or -1, got 7"),
     ],
 )
@@ -298,8 +335,11 @@ def test_three_stage_model_and_drop_path_schedule():
     arch = "l1,h2,d32,n2,s1,g1,p4,f3,a1_l2,h2,d64,n1,s1,g2,p2,f3,a0_l3,h4,d64,n1,s0,g1,p2,f3,a1"
     model = MsViT(arch, img_size=32, num_classes=4, drop_path_rate=0.3)
     assert not hasattr(model, "layer4")
-    rates = [m.drop_path.drop_prob if hasattr(m.drop_path, "drop_prob") else 0.0
-             for stage in (model.layer1, model.layer2, model.layer3) for m in stage[1:]]
+    rates = [
+        m.drop_path.drop_prob if hasattr(m.drop_path, "drop_prob") else 0.0
+        for stage in (model.layer1, model.layer2, model.layer3)
+        for m in stage[1:]
+    ]
     # linspace(0, 0.3, 4 layers), both blocks of a layer share its rate
     expected = [0.0, 0.0, 0.1, 0.1, 0.2, 0.2, 0.3, 0.3]
     assert rates == pytest.approx(expected)
@@ -315,7 +355,9 @@ def test_kernels_package_is_importable_under_its_own_name():
 @pytest.mark.parametrize("attn_type", ["longformerhand", "longformerauto"])
 def test_relative_bias_model_trains_under_bfloat16_autocast(attn_type):
     torch.manual_seed(0)
-    model = build_model(tiny_cfg("MODEL.VIT.MSVIT.ARCH", PRESETS["vil_tiny_rpb"], "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type))
+    model = build_model(
+        tiny_cfg("MODEL.VIT.MSVIT.ARCH", PRESETS["vil_tiny_rpb"], "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type)
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(torch.randn(2, 3, 64, 64)).float().logsumexp(-1).mean()
     loss.backward()
@@ -347,6 +389,11 @@ def test_patch_embedding_drops_the_remainder_as_the_original_or_pads():
     torch.testing.assert_close(model(x), model(x[:, :, :32, :32]), rtol=0, atol=0)
     padded = MsViT(arch, img_size=34, num_classes=3, dynamic_img_pad=True).eval()
     assert padded.layer1[0].x_pos_embed.shape == (1, 9, 8)  # ceil(34 / 4)
-    torch.testing.assert_close(padded(x[:, :, :34, :34]), padded(torch.nn.functional.pad(x[:, :, :34, :34], (0, 2, 0, 2))))
-    assert build_model(load_cfg(overrides=["MODEL.VIT.MSVIT.ARCH", arch, "INPUT.IMAGE_SIZE", "34",
-                                           "MODEL.VIT.DYNAMIC_IMG_PAD", "True"])).dynamic_img_pad
+    torch.testing.assert_close(
+        padded(x[:, :, :34, :34]), padded(torch.nn.functional.pad(x[:, :, :34, :34], (0, 2, 0, 2)))
+    )
+    assert build_model(
+        load_cfg(
+            overrides=["MODEL.VIT.MSVIT.ARCH", arch, "INPUT.IMAGE_SIZE", "34", "MODEL.VIT.DYNAMIC_IMG_PAD", "True"]
+        )
+    ).dynamic_img_pad

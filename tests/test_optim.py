@@ -84,15 +84,19 @@ def test_every_optimizer_takes_its_textbook_steps(name):
     if name in expected:
         torch.testing.assert_close(model.weight.detach(), expected[name]())
     # torch's fused kernels where it has them (CPU and CUDA): the update above, in one kernel
-    assert all(group.get("fused") is (True if name in ("adamw", "adam", "sgd") else None) for group in optimizer.param_groups)
+    assert all(
+        group.get("fused") is (True if name in ("adamw", "adam", "sgd") else None) for group in optimizer.param_groups
+    )
 
 
 def test_the_optimizer_says_once_where_torch_has_no_fused_kernels(caplog):
     with caplog.at_level("INFO", logger="vil"):
         optimizer = build_optimizer(cfg_with("OPTIM.OPT", "adamw"), torch.nn.Linear(4, 3, device="meta"))
     assert all(group["fused"] is None for group in optimizer.param_groups)
-    assert caplog.messages == ["Parameters on meta: the optimizer runs torch's default implementation, not its fused one "
-                               "(CPU and CUDA floating point only)."]
+    assert caplog.messages == [
+        "Parameters on meta: the optimizer runs torch's default implementation, not its fused one "
+        "(CPU and CUDA floating point only)."
+    ]
 
 
 def test_layer_decay_gives_each_block_its_rate():
@@ -101,7 +105,9 @@ def test_layer_decay_gives_each_block_its_rate():
     optimizer = build_optimizer(cfg, model)
     # The model's blocks in order: the first patch embedding, then every block of every stage (patch
     # embeddings of later stages included; the final norm goes with the last block), then the classifier.
-    order = [f"layer{s}.{b}." for s, depth in ((1, 1), (2, 1), (3, 9), (4, 1)) for b in range(2 * depth + 1)] + ["head."]
+    order = [f"layer{s}.{b}." for s, depth in ((1, 1), (2, 1), (3, 9), (4, 1)) for b in range(2 * depth + 1)] + [
+        "head."
+    ]
     last = len(order) - 1
     order[-2:-1] = [("layer4.2.", "norm.")]  # one entry: the last block and the final norm
     names = {id(p): n for n, p in model.named_parameters()}
@@ -133,7 +139,16 @@ def lrs(cfg, steps_per_epoch):
 
 
 def test_warmup_then_cosine_per_step():
-    cfg = cfg_with("SOLVER.LR_POLICY", "cosine", "SOLVER.WARMUP_EPOCHS", "2.0", "SOLVER.WARMUP_FACTOR", "0.1", "SOLVER.MIN_LR", "1e-5")
+    cfg = cfg_with(
+        "SOLVER.LR_POLICY",
+        "cosine",
+        "SOLVER.WARMUP_EPOCHS",
+        "2.0",
+        "SOLVER.WARMUP_FACTOR",
+        "0.1",
+        "SOLVER.MIN_LR",
+        "1e-5",
+    )
     values = lrs(cfg, steps_per_epoch=5)  # 10 warmup steps, then 40 cosine steps
     assert values[0] == pytest.approx(1e-4)
     assert values[5] == pytest.approx(1e-4 + 5 * (1e-3 - 1e-4) / 10)
@@ -144,9 +159,23 @@ def test_warmup_then_cosine_per_step():
 
 def test_linear_policy_and_epoch_based_schedule():
     linear = lrs(cfg_with("SOLVER.LR_POLICY", "linear", "SOLVER.WARMUP_EPOCHS", "0.0", "SOLVER.MIN_LR", "1e-5"), 4)
-    assert linear[0] == pytest.approx(1e-3) and linear[20] == pytest.approx(1e-5 + (1e-3 - 1e-5) / 2) and linear[40] == pytest.approx(1e-5)
-    cfg = cfg_with("SOLVER.LR_POLICY", "cosine", "SOLVER.EPOCH_BASED_SCHEDULE", "True", "SOLVER.WARMUP_EPOCHS", "2.0",
-                   "SOLVER.WARMUP_FACTOR", "0.1", "SOLVER.MIN_LR", "0.0")
+    assert (
+        linear[0] == pytest.approx(1e-3)
+        and linear[20] == pytest.approx(1e-5 + (1e-3 - 1e-5) / 2)
+        and linear[40] == pytest.approx(1e-5)
+    )
+    cfg = cfg_with(
+        "SOLVER.LR_POLICY",
+        "cosine",
+        "SOLVER.EPOCH_BASED_SCHEDULE",
+        "True",
+        "SOLVER.WARMUP_EPOCHS",
+        "2.0",
+        "SOLVER.WARMUP_FACTOR",
+        "0.1",
+        "SOLVER.MIN_LR",
+        "0.0",
+    )
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.OPTIM.LR)
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch=5)
     for epoch in range(10):
@@ -155,12 +184,16 @@ def test_linear_policy_and_epoch_based_schedule():
         for step in range(5):  # step_update does nothing: the rate holds for the whole epoch
             scheduler.step_update(epoch * 5 + step)
             rates.add(optimizer.param_groups[0]["lr"])
-        expected = 1e-4 + epoch * (1e-3 - 1e-4) / 2 if epoch < 2 else 0.5 * 1e-3 * (1 + math.cos(math.pi * (epoch - 2) / 8))
+        expected = (
+            1e-4 + epoch * (1e-3 - 1e-4) / 2 if epoch < 2 else 0.5 * 1e-3 * (1 + math.cos(math.pi * (epoch - 2) / 8))
+        )
         assert len(rates) == 1 and rates.pop() == pytest.approx(expected), epoch
 
 
 def test_val_drop_divides_the_schedule_for_the_rest_of_the_run():
-    cfg = cfg_with("SOLVER.LR_POLICY", "cosine", "SOLVER.WARMUP_EPOCHS", "0.0", "SOLVER.MIN_LR", "0.0", "OPTIM.OPT", "sgd")
+    cfg = cfg_with(
+        "SOLVER.LR_POLICY", "cosine", "SOLVER.WARMUP_EPOCHS", "0.0", "SOLVER.MIN_LR", "0.0", "OPTIM.OPT", "sgd"
+    )
     optimizer = build_optimizer(cfg, torch.nn.Linear(2, 2))
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch=4)
     drop_learning_rate(optimizer, 10.0)
@@ -173,7 +206,19 @@ def test_val_drop_divides_the_schedule_for_the_rest_of_the_run():
 
 
 def test_step_and_constant_policies():
-    step = lrs(cfg_with("SOLVER.LR_POLICY", "step", "SOLVER.WARMUP_EPOCHS", "0.0", "OPTIM.DROP_FREQ", "4", "OPTIM.DROP_FACTOR", "10.0"), 2)
+    step = lrs(
+        cfg_with(
+            "SOLVER.LR_POLICY",
+            "step",
+            "SOLVER.WARMUP_EPOCHS",
+            "0.0",
+            "OPTIM.DROP_FREQ",
+            "4",
+            "OPTIM.DROP_FACTOR",
+            "10.0",
+        ),
+        2,
+    )
     assert step[0] == pytest.approx(1e-3) and step[7] == pytest.approx(1e-3)
     assert step[8] == pytest.approx(1e-4) and step[16] == pytest.approx(1e-5)
     constant = lrs(cfg_with("SOLVER.WARMUP_EPOCHS", "1.0", "SOLVER.WARMUP_FACTOR", "0.5"), 4)
@@ -182,7 +227,9 @@ def test_step_and_constant_policies():
 
 def test_unknown_optimizer_and_policy_are_one_sentence():
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="OPTIM.OPT 'rmsprop' is not supported; use one of adamw, sgd, qhm, adam, lamb."):
+    with pytest.raises(
+        ValueError, match="OPTIM.OPT 'rmsprop' is not supported; use one of adamw, sgd, qhm, adam, lamb."
+    ):
         build_optimizer(cfg_with("OPTIM.OPT", "rmsprop"), model)
     with pytest.raises(ValueError, match="SOLVER.LR_POLICY 'poly' is not supported"):
         build_scheduler(cfg_with("SOLVER.LR_POLICY", "poly"), build_optimizer(cfg_with(), model), 3)

@@ -16,15 +16,28 @@ def run(*argv, cwd):
 
 
 def test_a_wheel_in_a_fresh_environment_trains_the_digits_demo_from_outside_the_repository(tmp_path):
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", ROOT,
-        cwd=tmp_path)
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        tmp_path / "dist",
+        ROOT,
+        cwd=tmp_path,
+    )
     (wheel,) = (tmp_path / "dist").glob("vil-*.whl")
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
     # The dependencies come from this environment (a path line only: its editable install of vil is not loaded).
     site = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path).stdout.strip()
-    here = run(sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path).stdout.strip()
+    here = run(
+        sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path
+    ).stdout.strip()
     (tmp_path / site / "dependencies.pth").write_text(here + "\n")
     run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", wheel, cwd=tmp_path)
 
@@ -33,8 +46,18 @@ def test_a_wheel_in_a_fresh_environment_trains_the_digits_demo_from_outside_the_
         assert (venv / "bin" / script).is_file(), script
     # One epoch of the digits demo (two of its classes), by preset name; the repository is nowhere on the path.
     # longformerhand: the C++ kernel's build is tested elsewhere.
-    overrides = ["OPTIM.EPOCHS", "1", "DATA.CLASSES", "['0', '1']", "DATA.NUM_CLASSES", "2", "OUTPUT_DIR", tmp_path / "run",
-                 "MODEL.VIT.MSVIT.ATTN_TYPE", "longformerhand"]
+    overrides = [
+        "OPTIM.EPOCHS",
+        "1",
+        "DATA.CLASSES",
+        "['0', '1']",
+        "DATA.NUM_CLASSES",
+        "2",
+        "OUTPUT_DIR",
+        tmp_path / "run",
+        "MODEL.VIT.MSVIT.ATTN_TYPE",
+        "longformerhand",
+    ]
     run(venv / "bin" / "vil-train", "--config-file", "vil_digits", *overrides, cwd=tmp_path)
     assert "epoch 1/1: loss" in (tmp_path / "run" / "log.txt").read_text()
 
@@ -44,10 +67,14 @@ def test_python_m_vil_names_its_commands_and_presets_load_by_name(capsys):
     from vil.config import load_cfg, preset_config_files
 
     assert set(preset_config_files()) >= {"vil_tiny", "vil_small", "vil_digits", "vil_medium_deep", "vil_base_wide"}
-    assert load_cfg("vil_small").MODEL.VIT.MSVIT.ARCH == load_cfg(ROOT / "configs" / "vil_small.yaml").MODEL.VIT.MSVIT.ARCH
+    assert (
+        load_cfg("vil_small").MODEL.VIT.MSVIT.ARCH == load_cfg(ROOT / "configs" / "vil_small.yaml").MODEL.VIT.MSVIT.ARCH
+    )
     import pytest
 
-    with pytest.raises(ValueError, match=r"^vil_smal is neither a config file nor a preset; give a YAML file or one of "):
+    with pytest.raises(
+        ValueError, match=r"^vil_smal is neither a config file nor a preset; give a YAML file or one of "
+    ):
         load_cfg("vil_smal")
     with pytest.raises(SystemExit, match=r"^error: unknown command 'fit'; use python -m vil \{train,eval,export,"):
         main(["fit"])

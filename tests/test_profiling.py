@@ -25,9 +25,26 @@ def test_benchmark_model_compares_with_a_timm_model_and_profiles_both():
     from tool_runner import ROOT, run_tool
 
     arch = "l1,h1,d16,n1,s1,g1,p4,f2,a0_l2,h1,d16,n1,s0,g1,p2,f2,a0_l3,h1,d16,n1,s0,g1,p2,f2,a0"
-    status, out, err = run_tool("benchmark_model", "--config-file", ROOT / "configs/vil_tiny.yaml", "--batch", "2", "--steps", "1",
-                                "--rounds", "1", "--timm", "resnet10t", "--profile", "INPUT.IMAGE_SIZE", "32",
-                                "MODEL.VIT.MSVIT.ARCH", arch, "DATA.NUM_CLASSES", "3")
+    status, out, err = run_tool(
+        "benchmark_model",
+        "--config-file",
+        ROOT / "configs/vil_tiny.yaml",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--rounds",
+        "1",
+        "--timm",
+        "resnet10t",
+        "--profile",
+        "INPUT.IMAGE_SIZE",
+        "32",
+        "MODEL.VIT.MSVIT.ARCH",
+        arch,
+        "DATA.NUM_CLASSES",
+        "3",
+    )
     assert status == 0, err
     assert "| eager |" in out and "| timm resnet10t |" in out
     # One profile per contender, each listing the operators that took the time: the products among them.

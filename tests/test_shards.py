@@ -4,7 +4,6 @@ once an epoch, damaged samples skipped and counted."""
 import re
 
 import pytest
-import torch
 from test_data import make_folder
 from test_train import tiny_cfg
 from tool_runner import run_tool
@@ -79,18 +78,27 @@ def test_training_on_shards_skips_and_counts_a_damaged_sample(shards, tmp_path):
 
 
 def test_bad_shard_requests_are_one_sentence(shards, tmp_path):
-    with pytest.raises(ValueError, match=r"is not a folder of shards with its index.json .*; write one with python tools/make_shards.py\.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"is not a folder of shards with its index.json .*; write one with python tools/make_shards.py\.$",
+    ):
         ShardDataset(tmp_path)
     with pytest.raises(ValueError, match=r"^DATA.CLASSES picks classes of image folders"):
         train(tiny_cfg(shards, tmp_path / "o", "DATA.FORMAT", "shards", "DATA.CLASSES", "['cat', 'dog']"))
-    with pytest.raises(ValueError, match=r"^AUG.REPEATED_AUG repeats samples of image folders; .*set AUG.REPEATED_AUG False\.$"):
+    with pytest.raises(
+        ValueError, match=r"^AUG.REPEATED_AUG repeats samples of image folders; .*set AUG.REPEATED_AUG False\.$"
+    ):
         train(tiny_cfg(shards, tmp_path / "o2", "DATA.FORMAT", "shards", "AUG.REPEATED_AUG", "True"))
     (shards / "train" / "shard-000003.tar").unlink()
-    with pytest.raises(ValueError, match=r"lists 1 shards that are not in .*, e\.g\. shard-000003\.tar; write the split again"):
+    with pytest.raises(
+        ValueError, match=r"lists 1 shards that are not in .*, e\.g\. shard-000003\.tar; write the split again"
+    ):
         ShardDataset(shards / "train")
     status, _, stderr = run_tool("make_shards", tmp_path / "folder", shards)
     assert status == 1 and stderr.startswith(f"error: {shards / 'train'} exists; remove it or choose another")
     status, _, stderr = run_tool("make_shards", tmp_path / "folder", tmp_path / "new", "--per-shard", "0")
     assert status == 1 and stderr.startswith("error: --per-shard must be a positive number of samples, got 0.")
     status, _, stderr = run_tool("make_shards", shards / "train", tmp_path / "new")
-    assert status == 1 and stderr.startswith(f"error: {shards / 'train'} has neither train/ nor val/; give the DATA.PATH")
+    assert status == 1 and stderr.startswith(
+        f"error: {shards / 'train'} has neither train/ nor val/; give the DATA.PATH"
+    )

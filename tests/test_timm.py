@@ -46,7 +46,9 @@ def test_timm_model_conventions(name):
 
         final, maps = model.forward_intermediates(x)
         torch.testing.assert_close(final, tokens)
-        assert [m.shape[1:] for m in maps] == [(info["num_chs"], 64 // info["reduction"], 96 // info["reduction"]) for info in model.feature_info]
+        assert [m.shape[1:] for m in maps] == [
+            (info["num_chs"], 64 // info["reduction"], 96 // info["reduction"]) for info in model.feature_info
+        ]
         assert [info["reduction"] for info in model.feature_info] == [4, 8, 16, 32]
         # The last map is the last stage's tokens before the final norm.
         torch.testing.assert_close(model.norm(maps[-1].permute(0, 2, 3, 1)), tokens)
@@ -65,7 +67,9 @@ def test_timm_model_conventions(name):
     with torch.no_grad():
         maps = features(x)
     assert features.feature_info.channels() == [model.feature_info[i]["num_chs"] for i in (0, 2)]
-    assert [m.shape for m in maps] == [(2, c, 64 // r, 96 // r) for c, r in zip(features.feature_info.channels(), (4, 16))]
+    assert [m.shape for m in maps] == [
+        (2, c, 64 // r, 96 // r) for c, r in zip(features.feature_info.channels(), (4, 16))
+    ]
 
     groups = group_parameters(model, model.group_matcher())
     assert sum(len(g) for g in groups.values()) == len(list(model.parameters()))
@@ -73,7 +77,9 @@ def test_timm_model_conventions(name):
     # The final norm joins the last block (timm's (99999,)); the head, matched by nothing, comes last.
     assert list(groups.values())[-2][-2:] == ["norm.weight", "norm.bias"]
     assert list(groups.values())[-1] == ["head.weight", "head.bias"]
-    assert "layer1.0.cls_token" in model.no_weight_decay() and "layer1.1.attn.query.weight" not in model.no_weight_decay()
+    assert (
+        "layer1.0.cls_token" in model.no_weight_decay() and "layer1.1.attn.query.weight" not in model.no_weight_decay()
+    )
 
 
 @pytest.mark.parametrize("name", ["vil_tiny", "vil_tiny_rpb"])
@@ -106,7 +112,10 @@ def test_features_only(name):
         maps = features(x)
         expected = full.forward_intermediates(x, indices=[1, 3], intermediates_only=True)
     # The original's patch embeddings drop what does not fill a patch: floor(75 / 8) x floor(100 / 8), ...
-    assert [m.shape for m in maps] == [(1, full.feature_info[1]["num_chs"], 9, 12), (1, full.feature_info[3]["num_chs"], 2, 3)]
+    assert [m.shape for m in maps] == [
+        (1, full.feature_info[1]["num_chs"], 9, 12),
+        (1, full.feature_info[3]["num_chs"], 2, 3),
+    ]
     for got, want in zip(maps, expected):
         torch.testing.assert_close(got, want)
     # The pruned model keeps only what the features need.
@@ -129,7 +138,9 @@ def test_original_release_checkpoint_through_pretrained_cfg_overlay(tmp_path):
             larger = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, img_size=96).eval()
             y = torch.randn(1, 3, 96, 96)
             torch.testing.assert_close(larger(y), source(y))
-            head_less = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, img_size=64, num_classes=0).eval()
+            head_less = timm.create_model(
+                name, pretrained=True, pretrained_cfg_overlay=overlay, img_size=64, num_classes=0
+            ).eval()
             torch.testing.assert_close(head_less(x), source.forward_head(source.forward_features(x), pre_logits=True))
 
 
@@ -177,13 +188,18 @@ def test_hook_and_fx_feature_extractors_return_the_maps(feature_cls):
 
 
 def test_feature_options_this_model_does_not_have():
-    with pytest.raises(ValueError, match="output_stride 16 is not available: this architecture's stages have fixed "
-                                         "strides .*, so its output stride is 32; leave output_stride out"):
+    with pytest.raises(
+        ValueError,
+        match="output_stride 16 is not available: this architecture's stages have fixed "
+        "strides .*, so its output stride is 32; leave output_stride out",
+    ):
         timm.create_model("vil_tiny", features_only=True, output_stride=16)
     assert timm.create_model("vil_tiny", output_stride=32).total_stride == 32
     with pytest.raises(ValueError, match="feature_cls 'list' does not give this model's maps .*; use 'getter' "):
         timm.create_model("vil_tiny", features_only=True, feature_cls="list")
-    with pytest.raises(ValueError, match="feature_cls 'hook' returns NCHW maps; for output_fmt 'NHWC' use feature_cls 'getter'"):
+    with pytest.raises(
+        ValueError, match="feature_cls 'hook' returns NCHW maps; for output_fmt 'NHWC' use feature_cls 'getter'"
+    ):
         timm.create_model("vil_tiny", features_only=True, feature_cls="hook", output_fmt="NHWC")
     with pytest.raises(ValueError, match="output_fmt 'NCL' is not a layout of feature maps; use 'NCHW' or 'NHWC'"):
         timm.create_model("vil_tiny", features_only=True, output_fmt="NCL")
@@ -192,7 +208,9 @@ def test_feature_options_this_model_does_not_have():
 
 
 def test_out_indices_out_of_range():
-    with pytest.raises(ValueError, match=r"Stage indices \[1, 4\] are out of range for a model with 4 stages; use indices 0..3"):
+    with pytest.raises(
+        ValueError, match=r"Stage indices \[1, 4\] are out of range for a model with 4 stages; use indices 0..3"
+    ):
         timm.create_model("vil_tiny", features_only=True, out_indices=(1, 4))
     model = timm.create_model("vil_tiny")
     with pytest.raises(ValueError, match="Asked for the last 5 stages of a model with 4; ask for 1 to 4"):
@@ -201,14 +219,21 @@ def test_out_indices_out_of_range():
 
 def test_checkpoint_of_another_architecture(tmp_path):
     torch.save({"net": timm.create_model("vil_small_rpb", img_size=64).state_dict()}, tmp_path / "small.pth")
-    with pytest.raises(ValueError, match=r"Checkpoint pretrained_cfg file does not fit this model's architecture: .*"
-                                         r"mis-shaped \(checkpoint vs model\): layer1.0.cls_token \(1, 1, 96\) vs \(1, 1, 48\)"):
-        timm.create_model("vil_tiny_rpb", pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "small.pth")))
+    with pytest.raises(
+        ValueError,
+        match=r"Checkpoint pretrained_cfg file does not fit this model's architecture: .*"
+        r"mis-shaped \(checkpoint vs model\): layer1.0.cls_token \(1, 1, 96\) vs \(1, 1, 48\)",
+    ):
+        timm.create_model(
+            "vil_tiny_rpb", pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "small.pth"))
+        )
 
 
 def test_bad_pooling():
     model = timm.create_model("vil_tiny")
-    with pytest.raises(ValueError, match="global_pool 'token' needs global tokens in the last stage, which has g0; use 'avg'"):
+    with pytest.raises(
+        ValueError, match="global_pool 'token' needs global tokens in the last stage, which has g0; use 'avg'"
+    ):
         model.reset_classifier(0, "token")
     with pytest.raises(ValueError, match="global_pool 'max' is not a pooling of this model; use 'token', 'avg' or ''"):
         model.reset_classifier(0, "max")
@@ -216,7 +241,7 @@ def test_bad_pooling():
 
 # What timm's train.py does with --model NAME: it builds the model through the registry with its own keyword
 # arguments (None ones are dropped by create_model), resolves the data config from the pretrained_cfg, trains.
-TIMM_TRAIN_STAND_IN = '''
+TIMM_TRAIN_STAND_IN = """
 import argparse, sys, timm, torch
 from timm.data import resolve_data_config
 parser = argparse.ArgumentParser()
@@ -231,7 +256,7 @@ config = resolve_data_config({}, model=model)
 logits = model(torch.randn(2, *config["input_size"][:1], args.img_size, args.img_size))
 logits.sum().backward()
 print(sys.argv[0].endswith("train.py"), type(model).__name__, tuple(logits.shape), config["interpolation"])
-'''
+"""
 
 
 def test_timm_train_py_runs_with_vil_models(tmp_path):
@@ -243,9 +268,23 @@ def test_timm_train_py_runs_with_vil_models(tmp_path):
     from tool_runner import ROOT, run_tool
 
     (tmp_path / "train.py").write_text(TIMM_TRAIN_STAND_IN)
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "timm_train.py"), str(tmp_path / "train.py"),
-                           "--model", "vil_tiny", "--num-classes", "3", "--img-size", "64"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "timm_train.py"),
+            str(tmp_path / "train.py"),
+            "--model",
+            "vil_tiny",
+            "--num-classes",
+            "3",
+            "--img-size",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[-2] == "True MsViT (2, 3) bicubic"
     status, _, stderr = run_tool("timm_train", tmp_path / "missing" / "train.py", "--model", "vil_tiny")
@@ -262,8 +301,14 @@ def test_pretrained_tags_download_once_into_the_hub_cache_under_their_own_names(
     from vil.engine import resolve_model_path
 
     monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
-    assert {"vil_tiny.in1k", "vil_tiny_rpb.in1k", "vil_small.in1k", "vil_small_rpb.in1k",
-            "vil_medium_deep.in22k_ft_in1k_384", "vil_base_wide.in22k"} <= set(timm.list_pretrained("vil*"))
+    assert {
+        "vil_tiny.in1k",
+        "vil_tiny_rpb.in1k",
+        "vil_small.in1k",
+        "vil_small_rpb.in1k",
+        "vil_medium_deep.in22k_ft_in1k_384",
+        "vil_base_wide.in22k",
+    } <= set(timm.list_pretrained("vil*"))
     torch.manual_seed(0)
     x = torch.randn(2, 3, 64, 64)
     for name in ("vil_tiny", "vil_tiny_rpb"):
@@ -271,9 +316,12 @@ def test_pretrained_tags_download_once_into_the_hub_cache_under_their_own_names(
         (tmp_path / name).mkdir()
         path = tmp_path / name / "model_best.pth"
         torch.save(original_release_checkpoint(source.state_dict()), path)
-        tagged = timm.create_model(f"{name}.in1k", pretrained=True, pretrained_cfg_overlay=dict(url=path.as_uri()),
-                                   img_size=64).eval()
-        direct = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), img_size=64).eval()
+        tagged = timm.create_model(
+            f"{name}.in1k", pretrained=True, pretrained_cfg_overlay=dict(url=path.as_uri()), img_size=64
+        ).eval()
+        direct = timm.create_model(
+            name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), img_size=64
+        ).eval()
         with torch.no_grad():
             torch.testing.assert_close(tagged(x), direct(x), rtol=0, atol=0)
         assert (tmp_path / "hub" / "checkpoints" / f"{name}.in1k.pth").read_bytes() == path.read_bytes()
@@ -281,11 +329,16 @@ def test_pretrained_tags_download_once_into_the_hub_cache_under_their_own_names(
     assert cached == str(tmp_path / "hub" / "checkpoints" / "vil_tiny_rpb.in1k.pth")
     from vil.checkpoint import download_checkpoint
 
-    with pytest.raises(ValueError, match=r"^Cannot download file:///nowhere/model_best.pth \(.*\); download it by hand "
-                                         r"and give its path instead\.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Cannot download file:///nowhere/model_best.pth \(.*\); download it by hand "
+        r"and give its path instead\.$",
+    ):
         download_checkpoint("file:///nowhere/model_best.pth", "vil_small.in1k.pth")
     assert not (tmp_path / "hub" / "checkpoints" / "vil_small.in1k.pth").exists()
-    with pytest.raises(FileNotFoundError, match=r"Checkpoint vil_tiny.in9k does not exist .*and is not a pretrained tag"):
+    with pytest.raises(
+        FileNotFoundError, match=r"Checkpoint vil_tiny.in9k does not exist .*and is not a pretrained tag"
+    ):
         resolve_model_path(load_cfg(overrides=["MODEL.MODEL_PATH", "vil_tiny.in9k"]))
     # A tag's model is built for the tag's image size (and class count).
     model = timm.create_model("vil_medium_deep.in22k_ft_in1k_384")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_data import make_folder
+from tool_runner import run_tool
 
 import vil.engine as engine
 import vil.training_state as training_state
@@ -16,28 +18,40 @@ from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
 from vil.engine import train
 
-from test_data import make_folder
-from tool_runner import run_tool
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ARCH = "l1,h1,d16,n1,s1,g1,p4,f2,a1_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g1,p2,f2,a1"
 
 
 def tiny_overrides(data, out, *overrides):
     return [
-        "MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data), "DATA.NUM_CLASSES", "2",
-        "DATALOADER.BSZ", "4", "OPTIM.EPOCHS", "2", "OPTIM.LR", "1e-3", "SOLVER.LR_POLICY", "cosine",
-        "SOLVER.WARMUP_EPOCHS", "0.5", "MODEL.VIT.DROP_PATH", "0.1", "OUTPUT_DIR", str(out), *overrides,
+        "MODEL.VIT.MSVIT.ARCH",
+        TINY_ARCH,
+        "INPUT.IMAGE_SIZE",
+        "32",
+        "DATA.PATH",
+        str(data),
+        "DATA.NUM_CLASSES",
+        "2",
+        "DATALOADER.BSZ",
+        "4",
+        "OPTIM.EPOCHS",
+        "2",
+        "OPTIM.LR",
+        "1e-3",
+        "SOLVER.LR_POLICY",
+        "cosine",
+        "SOLVER.WARMUP_EPOCHS",
+        "0.5",
+        "MODEL.VIT.DROP_PATH",
+        "0.1",
+        "OUTPUT_DIR",
+        str(out),
+        *overrides,
     ]
 
 
 def tiny_cfg(data, out, *overrides):
     return load_cfg(overrides=tiny_overrides(data, out, *overrides))
-
-
-@pytest.fixture
-def data(tmp_path):
-    return make_folder(tmp_path / "data", per_class=6)
 
 
 def final_weights(out):
@@ -60,8 +74,10 @@ def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_pa
     assert "epoch 2/2: loss" in text and "top1" in text and "images_per_s" in text
     assert re.search(r"epoch 1/2: .*; ETA \d:\d\d:\d\d\n", text) and re.search(r"epoch 2/2: .*; ETA 0:00:00\n", text)
     number = r"[-+0-9.e]+"
-    step_line = re.compile(rf" step (\d+): loss {number}, lr {number}, images_per_s {number}, data_s {number}, "
-                           rf"step_s {number}, max_memory_mib {number}\n")
+    step_line = re.compile(
+        rf" step (\d+): loss {number}, lr {number}, images_per_s {number}, data_s {number}, "
+        rf"step_s {number}, max_memory_mib {number}\n"
+    )
     steps = read_checkpoint(str(out / "checkpoint_last.pth"))["step"]
     assert [int(n) for n in step_line.findall(text)] == list(range(2, steps + 1, 2))  # every LOG_FREQ steps
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -70,7 +86,9 @@ def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_pa
     for name in ("loss", "lr", "images_per_s", "data_s", "step_s", "max_memory_mib"):
         assert [e.step for e in events.Scalars(f"train/{name}")] == list(range(2, steps + 1, 2)), name
     assert [e.step for e in events.Scalars("top1")] == [1, 2]
-    assert "skipped 1 unreadable images" in text and re.search(r"Skipped unreadable image \S*broken\.JPEG \(cannot identify", text)
+    assert "skipped 1 unreadable images" in text and re.search(
+        r"Skipped unreadable image \S*broken\.JPEG \(cannot identify", text
+    )
     state = read_checkpoint(str(out / "checkpoint_last.pth"))
     assert state["epoch"] == 2 and {"optimizer", "lr_drop", "rng", "step", "config"} <= state.keys()
     assert load_cfg(out / "config.yaml").OPTIM.EPOCHS == 2
@@ -118,23 +136,56 @@ def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, m
 
 
 def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp_path):
-    out, resumed = straight_and_resumed(data, tmp_path, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.5")
+    out, resumed = straight_and_resumed(
+        data, tmp_path, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.5"
+    )
     text = (out / "log.txt").read_text()
     assert "Epoch 2: random-shift training ends" in text and "Epoch 1: random-shift" not in text
     assert "Epoch 2: random-shift training ends" in (resumed / "log.txt").read_text()
     assert_same_weights(final_weights(out), final_weights(resumed))
 
 
-
 def torchrun_two_processes(data, out, *overrides):
     """One epoch of tools/train.py in two processes on the CPU (gloo)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    overrides = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data), "DATA.NUM_CLASSES", "2",
-                 "DATALOADER.BSZ", "4", "DATALOADER.WORKERS", "0", "OPTIM.EPOCHS", "1", "OUTPUT_DIR", str(out), *overrides]
+    overrides = [
+        "MODEL.VIT.MSVIT.ARCH",
+        TINY_ARCH,
+        "INPUT.IMAGE_SIZE",
+        "32",
+        "DATA.PATH",
+        str(data),
+        "DATA.NUM_CLASSES",
+        "2",
+        "DATALOADER.BSZ",
+        "4",
+        "DATALOADER.WORKERS",
+        "0",
+        "OPTIM.EPOCHS",
+        "1",
+        "OUTPUT_DIR",
+        str(out),
+        *overrides,
+    ]
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-         str(ROOT / "tools" / "train.py"), "--config-file", str(ROOT / "configs" / "vil_tiny.yaml"), *overrides],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29531",
+            str(ROOT / "tools" / "train.py"),
+            "--config-file",
+            str(ROOT / "configs" / "vil_tiny.yaml"),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -159,19 +210,31 @@ def test_torchrun_two_processes_on_shards_each_read_their_own(tmp_path):
     out = tmp_path / "ddp"
     torchrun_two_processes(tmp_path / "shards", out, "DATA.FORMAT", "shards")
     text = (out / "log.txt").read_text()
-    assert "12 training and 12 evaluation images, 2 process(es)" in text and "All 2 processes hold identical weights." in text
+    assert (
+        "12 training and 12 evaluation images, 2 process(es)" in text
+        and "All 2 processes hold identical weights." in text
+    )
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3
 
 
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["OPTIM.LRR", "0.1"], "error: Unknown config key OPTIM.LRR: it is not one of the keys defined in vil/config.py (in the overrides)."),
-        (["DATA.PATH", "/nonexistent"], "error: No images found in /nonexistent/train: the data must be ImageNet-style folders"),
+        (
+            ["OPTIM.LRR", "0.1"],
+            "error: Unknown config key OPTIM.LRR: "
+            "it is not one of the keys defined in vil/config.py (in the overrides).",
+        ),
+        (
+            ["DATA.PATH", "/nonexistent"],
+            "error: No images found in /nonexistent/train: the data must be ImageNet-style folders",
+        ),
     ],
 )
 def test_config_typo_and_missing_data_are_one_sentence(args, message, tmp_path):
-    status, _, stderr = run_tool("train", "--config-file", ROOT / "configs" / "vil_tiny.yaml", "OUTPUT_DIR", tmp_path / "o", *args)
+    status, _, stderr = run_tool(
+        "train", "--config-file", ROOT / "configs" / "vil_tiny.yaml", "OUTPUT_DIR", tmp_path / "o", *args
+    )
     assert status == 1
     assert stderr.strip().splitlines()[-1].startswith(message)
     assert "Traceback" not in stderr
@@ -198,8 +261,12 @@ def test_nan_loss_stops_before_the_last_good_checkpoint_is_overwritten(data, tmp
     # epoch 2, batch 2 (3 batches an epoch)
     break_loss(monkeypatch, 5, lambda criterion, logits, targets: criterion(logits, targets) * float("nan"))
     out = tmp_path / "nan"
-    with pytest.raises(FloatingPointError, match=r"^Training stops before optimizer step 5: the loss became nan at epoch 2, batch 2; "
-                       r"\S+checkpoint_last.pth keeps optimizer step 3 \(the end of epoch 1\), the newest state whose loss and gradients were finite"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"^Training stops before optimizer step 5: the loss became nan at epoch 2, batch 2; "
+        r"\S+checkpoint_last.pth keeps optimizer step 3 \(the end of epoch 1\), "
+        r"the newest state whose loss and gradients were finite",
+    ):
         train(tiny_cfg(data, out))
     assert (out / "checkpoint_last.pth").read_bytes() == (out / "checkpoint_epoch1.pth").read_bytes()
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["epoch"] == 1
@@ -210,12 +277,25 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
     net = read_checkpoint(str(out / "model_best.pth"))["net"]
     torch.save({"net": {f"module.{k}": v for k, v in net.items()}, "arch": "msvit"}, tmp_path / "original.pth")
-    common = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.PATH", str(data),
-              "DATA.NUM_CLASSES", "2", "DATALOADER.WORKERS", "0", "OUTPUT_DIR", str(tmp_path / "eval")]
+    common = [
+        "MODEL.VIT.MSVIT.ARCH",
+        TINY_ARCH,
+        "INPUT.IMAGE_SIZE",
+        "32",
+        "DATA.PATH",
+        str(data),
+        "DATA.NUM_CLASSES",
+        "2",
+        "DATALOADER.WORKERS",
+        "0",
+        "OUTPUT_DIR",
+        str(tmp_path / "eval"),
+    ]
     lines = []
     for checkpoint in (out / "model_best.pth", tmp_path / "original.pth"):
-        status, stdout, stderr = run_tool("eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common,
-                                          "MODEL.MODEL_PATH", checkpoint)
+        status, stdout, stderr = run_tool(
+            "eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common, "MODEL.MODEL_PATH", checkpoint
+        )
         assert status == 0, stderr[-2000:]
         lines.append(stdout.strip().splitlines()[-1])
     assert lines[0] == lines[1]
@@ -223,7 +303,10 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert f"top-1 {result['top1']:.2f} top-5 {result['top5']:.2f}" == lines[0] and result["images"] == 12
     status, _, stderr = run_tool("eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common)
-    assert status == 1 and stderr.strip() == "error: Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth."
+    assert (
+        status == 1
+        and stderr.strip() == "error: Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth."
+    )
 
 
 def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
@@ -239,21 +322,48 @@ def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
 
 
 def test_gradient_clipping_bounds_each_update(data, tmp_path):
-    common = ("MODEL.VIT.DROP_PATH", "0.0", "OPTIM.EPOCHS", "1", "OPTIM.OPT", "sgd", "OPTIM.MOM", "0.0",
-              "OPTIM.WD", "0.0", "SOLVER.WARMUP_EPOCHS", "0.0", "OPTIM.LR", "0.1")
+    common = (
+        "MODEL.VIT.DROP_PATH",
+        "0.0",
+        "OPTIM.EPOCHS",
+        "1",
+        "OPTIM.OPT",
+        "sgd",
+        "OPTIM.MOM",
+        "0.0",
+        "OPTIM.WD",
+        "0.0",
+        "SOLVER.WARMUP_EPOCHS",
+        "0.0",
+        "OPTIM.LR",
+        "0.1",
+    )
     train(tiny_cfg(data, tmp_path / "clipped", *common, "OPTIM.CLIP_GRAD", "1e-3"))
     start = read_checkpoint(str(tmp_path / "clipped" / "checkpoint_epoch1.pth"))  # after 3 steps of lr <= 0.1
     from vil.models import MsViT
 
     torch.manual_seed(0)
     initial = MsViT(TINY_ARCH, img_size=32, num_classes=2).state_dict()
-    moved = torch.sqrt(sum(((start["net"][k] - initial[k]) ** 2).sum() for k in initial if initial[k].is_floating_point()))
+    moved = torch.sqrt(
+        sum(((start["net"][k] - initial[k]) ** 2).sum() for k in initial if initial[k].is_floating_point())
+    )
     assert moved <= 3 * 0.1 * 1e-3 * 1.001  # three SGD steps, each of norm at most lr * max_norm
 
 
 def test_ema_weights_are_kept_and_differ_from_the_model(data, tmp_path):
     # Relative position bias: its models carry integer index buffers, which the average must leave alone.
-    train(tiny_cfg(data, tmp_path / "ema", "MODEL.EMA", "True", "MODEL.EMA_DECAY", "0.5", "MODEL.VIT.MSVIT.ARCH", TINY_ARCH.replace("a1", "a0")))
+    train(
+        tiny_cfg(
+            data,
+            tmp_path / "ema",
+            "MODEL.EMA",
+            "True",
+            "MODEL.EMA_DECAY",
+            "0.5",
+            "MODEL.VIT.MSVIT.ARCH",
+            TINY_ARCH.replace("a1", "a0"),
+        )
+    )
     state = read_checkpoint(str(tmp_path / "ema" / "checkpoint_last.pth"))
     assert state["ema"].keys() == state["net"].keys()
     assert any(not torch.equal(state["ema"][k], state["net"][k]) for k in state["net"])

@@ -12,11 +12,13 @@ import torch
 
 pytest.importorskip("triton", reason="the triton package is not installed; the triton backend cannot run here")
 
+from test_local_attention import make_inputs as make_local_inputs  # noqa: E402
+
 from vil.config import load_cfg  # noqa: E402
 from vil.models import build_model  # noqa: E402
 from vil.ops import local_attention_2d  # noqa: E402
-from vil_kernels import flash, local_attention as kernels  # noqa: E402
-from test_local_attention import make_inputs as make_local_inputs  # noqa: E402
+from vil_kernels import flash  # noqa: E402
+from vil_kernels import local_attention as kernels
 
 DEVICE = torch.device("cpu" if flash.interpreting() or not torch.cuda.is_available() else "cuda")
 
@@ -58,8 +60,9 @@ def make_inputs(X, Y, w, G, rel, glob, B=1, H=2, D=16, dtype=torch.float32, seed
 
 def run(backend, inputs, w, exact=0, mode=0, dilation=1):
     kw = {name: t for name, t in inputs.items() if name not in ("q", "k", "v")}
-    out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], w, exact=exact, mode=mode, dilation=dilation,
-                             backend=backend, **kw)
+    out = local_attention_2d(
+        inputs["q"], inputs["k"], inputs["v"], w, exact=exact, mode=mode, dilation=dilation, backend=backend, **kw
+    )
     leaves = [t for t in inputs.values() if t is not None]
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
     return out, torch.autograd.grad(out, leaves, upstream)
@@ -81,7 +84,9 @@ def assert_close_in_dtype(inputs, results, expected, tolerance):
     for name, got, want in zip(names, results, expected):
         if name != "output":
             assert got.dtype == inputs[name].dtype
-        torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            got.double(), want, rtol=tolerance, atol=tolerance, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("X,Y,w,exact,mode,G,rel,glob,dilation", CASES)
@@ -167,8 +172,21 @@ def test_bias_tables_of_float32_under_half_inputs():
 
 def _tiny_cfg(attn_type):
     arch = "l1,h2,d32,n1,s1,g1,p4,f3,a0_l2,h1,d32,n1,s1,g1,p2,f2,a0_l3,h1,d32,n1,s0,g1,p2,f2,a0"
-    return load_cfg(None, ["MODEL.VIT.MSVIT.ARCH", arch, "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type,
-                           "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "5", "MODEL.VIT.DROP_PATH", "0.0"])
+    return load_cfg(
+        None,
+        [
+            "MODEL.VIT.MSVIT.ARCH",
+            arch,
+            "MODEL.VIT.MSVIT.ATTN_TYPE",
+            attn_type,
+            "INPUT.IMAGE_SIZE",
+            "32",
+            "DATA.NUM_CLASSES",
+            "5",
+            "MODEL.VIT.DROP_PATH",
+            "0.0",
+        ],
+    )
 
 
 @pytest.mark.parametrize("attn_type", ["longformer_triton", "longformer_cuda"])
@@ -186,6 +204,7 @@ def test_model_gives_the_logits_of_longformerhand(attn_type):
 
 
 # --- Bad input: one plain sentence each. ---
+
 
 @pytest.mark.parametrize(
     "change,message",
@@ -206,8 +225,11 @@ def test_unsupported_inputs_are_one_sentence(change, message):
 def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(flash, "interpreting", lambda: False)
     monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"runs on CUDA GPUs \(or on the CPU under TRITON_INTERPRET=1, for tests\), "
-                                         r"but the inputs are on cpu; use backend 'sliding_chunk' there\.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"runs on CUDA GPUs \(or on the CPU under TRITON_INTERPRET=1, for tests\), "
+        r"but the inputs are on cpu; use backend 'sliding_chunk' there\.$",
+    ):
         run("triton", make_inputs(4, 4, 2, 0, False, False), 2)
 
 
@@ -231,7 +253,8 @@ def test_kernels_compile_for_a_gpu():
     done = subprocess.run(tool + ["--variant", "bfloat16,32,7,0"], capture_output=True, text=True, env=env, cwd=root)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("| sm_90 | 2D |") == 1 + 3 * len(kernels._tile_shapes(8))
-    done = subprocess.run(tool + ["--variant-1d", "bfloat16,64,256,0", "--first-tile"], capture_output=True, text=True,
-                          env=env, cwd=root)
+    done = subprocess.run(
+        tool + ["--variant-1d", "bfloat16,64,256,0", "--first-tile"], capture_output=True, text=True, env=env, cwd=root
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("| sm_90 | 1D |") == 2 + 3  # the delta and global-key passes, and one per tile shape

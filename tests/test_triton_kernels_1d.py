@@ -15,11 +15,14 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="the triton package is not installed; the triton backend cannot run here")
 
-from vil.ops import default_backend, local_attention_1d  # noqa: E402
-from vil_kernels import flash, local_attention_1d as kernels  # noqa: E402
-from test_local_attention_1d import CASES, assert_products_counted, make_inputs as make_local_inputs  # noqa: E402
 from test_fuzz import fuzz_settings  # noqa: E402
+from test_local_attention_1d import CASES, assert_products_counted  # noqa: E402
+from test_local_attention_1d import make_inputs as make_local_inputs
 from test_triton_kernels import _interpreter_multiplies_bfloat16, assert_close_in_dtype  # noqa: E402
+
+from vil.ops import default_backend, local_attention_1d  # noqa: E402
+from vil_kernels import flash  # noqa: E402
+from vil_kernels import local_attention_1d as kernels
 
 pytestmark = pytest.mark.usefixtures("poisoned_triton_outputs")
 DEVICE = torch.device("cpu" if flash.interpreting() or not torch.cuda.is_available() else "cuda")
@@ -32,9 +35,20 @@ def make_inputs(L, w, G, rel, glob, mask, B=2, H=2, D=16, dtype=torch.float32, s
 
 
 def run(backend, inputs, padding, w, dilation=1, causal=False):
-    out = local_attention_1d(inputs["q"], inputs["k"], inputs["v"], w, dilation=dilation, causal=causal,
-                             key_padding_mask=padding, global_k=inputs["global_k"], global_v=inputs["global_v"],
-                             rel_bias=inputs["rel_bias"], global_bias=inputs["global_bias"], backend=backend)
+    out = local_attention_1d(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        w,
+        dilation=dilation,
+        causal=causal,
+        key_padding_mask=padding,
+        global_k=inputs["global_k"],
+        global_v=inputs["global_v"],
+        rel_bias=inputs["rel_bias"],
+        global_bias=inputs["global_bias"],
+        backend=backend,
+    )
     leaves = [t for t in inputs.values() if t is not None]
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
     return out, torch.autograd.grad(out, leaves, upstream)
@@ -61,9 +75,17 @@ def test_matches_reference(L, w, dilation, causal, G, rel, glob, mask):
 
 @seed(20261124)
 @fuzz_settings(8)
-@given(B=st.integers(1, 2), L=st.integers(1, 200), w=st.integers(1, 70), dilations=st.lists(st.integers(1, 5), min_size=2, max_size=2),
-       causal=st.booleans(), G=st.integers(0, 20), rel=st.booleans(), glob=st.booleans(),
-       mask=st.sampled_from([None, "random", "row"]))
+@given(
+    B=st.integers(1, 2),
+    L=st.integers(1, 200),
+    w=st.integers(1, 70),
+    dilations=st.lists(st.integers(1, 5), min_size=2, max_size=2),
+    causal=st.booleans(),
+    G=st.integers(0, 20),
+    rel=st.booleans(),
+    glob=st.booleans(),
+    mask=st.sampled_from([None, "random", "row"]),
+)
 def test_random_requests_match_reference(B, L, w, dilations, causal, G, rel, glob, mask):
     inputs, padding = make_inputs(L, w, G, rel, glob, mask, B=B, H=2, seed=L * 100 + w)
     assert_matches_reference(inputs, padding, w, tuple(dilations), causal)
@@ -146,8 +168,19 @@ def test_products_are_counted_by_the_flop_counter():
     # Tiles of 64 queries at 0, 64, 128 read key blocks of 64 from 5 (w) before them to 5 after their last query:
     # -5..122, 59..186 and 123..186, and the global key.
     pairs = 64 * (128 + 1) + 64 * (128 + 1) + 64 * (64 + 1)
-    assert_products_counted(lambda: local_attention_1d(inputs["q"], inputs["k"], inputs["v"], 5, global_k=inputs["global_k"],
-                                                       global_v=inputs["global_v"], backend="triton"), pairs, 16)
+    assert_products_counted(
+        lambda: local_attention_1d(
+            inputs["q"],
+            inputs["k"],
+            inputs["v"],
+            5,
+            global_k=inputs["global_k"],
+            global_v=inputs["global_v"],
+            backend="triton",
+        ),
+        pairs,
+        16,
+    )
 
 
 def test_the_default_backend_is_never_triton_where_it_cannot_run():
@@ -156,6 +189,7 @@ def test_the_default_backend_is_never_triton_where_it_cannot_run():
 
 
 # --- Bad input: one plain sentence each. ---
+
 
 @pytest.mark.parametrize(
     "change,message",
@@ -178,6 +212,9 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(flash, "interpreting", lambda: False)
     monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("cpu"))
     inputs, padding = make_inputs(8, 2, 0, False, False, None, B=1, H=1)
-    with pytest.raises(ValueError, match=r"runs on CUDA GPUs \(or on the CPU under TRITON_INTERPRET=1, for tests\), "
-                                         r"but the inputs are on cpu; use backend 'sliding_chunk' there\.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"runs on CUDA GPUs \(or on the CPU under TRITON_INTERPRET=1, for tests\), "
+        r"but the inputs are on cpu; use backend 'sliding_chunk' there\.$",
+    ):
         run("triton", inputs, padding, 2)

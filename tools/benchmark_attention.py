@@ -26,9 +26,9 @@ per backend, as the original paper's implementation study): ``PREFIX_time.png`` 
 x 64, a window of 256 keys on each side, no global keys (``--num-global``), ``--dilation`` and ``--causal``
 (full attention then gets ``is_causal=True``); the sizes are sequence lengths, 1024 to 32768 by default. The
 default backends are ``fused_cpu``, ``sliding_chunk``, ``chunks`` and ``loop`` on the CPU; ``triton``, ``flex``,
-``sliding_chunk`` and ``chunks`` on CUDA. On the CPU, full attention and ``loop``
-are skipped above 16384 and 2048 tokens and ``reference`` above 4096; ``chunks`` is skipped with a dilation. The plots put
-time and peak memory against the sequence length, as Figure 1 of the Longformer paper.
+``sliding_chunk`` and ``chunks`` on CUDA. On the CPU, full attention and ``loop`` are skipped above 16384 and 2048
+tokens and ``reference`` above 4096; ``chunks`` is skipped with a dilation. The plots put time and peak memory
+against the sequence length, as Figure 1 of the Longformer paper.
 
     python tools/benchmark_attention.py --dim 1 --markdown docs/study_1d.md --plot docs/study_1d
     python tools/benchmark_attention.py --dim 1 --causal --markdown docs/study_1d_causal.md --plot docs/study_1d_causal
@@ -47,6 +47,7 @@ import platform
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -64,25 +65,46 @@ UNFOLD_MAX_BYTES = 6 * 2**30  # the unfold backends keep the unfolded keys and v
 # --steady-malloc: blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap, which is never trimmed.
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 DEFAULT_BACKENDS = {  # (dim, device); those not in available_backends(dim) are left out
-    (2, "cpu"): ["fused_cpu", "sliding_chunk", "sliding_chunk_autograd", "chunk_rows", "unfold", "unfold_nnf", "reference"],
+    (2, "cpu"): [
+        "fused_cpu",
+        "sliding_chunk",
+        "sliding_chunk_autograd",
+        "chunk_rows",
+        "unfold",
+        "unfold_nnf",
+        "reference",
+    ],
     (2, "cuda"): ["triton", "flex", "sliding_chunk"],
     (1, "cpu"): ["fused_cpu", "sliding_chunk", "chunks", "loop"],
     (1, "cuda"): ["triton", "flex", "sliding_chunk", "chunks"],
 }
 DEFAULTS = {  # per dim, for the options left out; 2: ViL-Small's first stage, 1: Longformer's settings
     2: dict(sizes=[28, 56, 84], batch=4, heads=3, head_dim=32, window=7, num_global=1, exact=0),
-    1: dict(sizes=[1024, 2048, 4096, 8192, 16384, 32768], batch=1, heads=12, head_dim=64, window=256, num_global=0,
-            dilation=1),
+    1: dict(
+        sizes=[1024, 2048, 4096, 8192, 16384, 32768],
+        batch=1,
+        heads=12,
+        head_dim=64,
+        window=256,
+        num_global=0,
+        dilation=1,
+    ),
 }
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dim", type=int, default=2, choices=[1, 2], help="2: maps (local_attention_2d), 1: sequences")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--sizes", type=int, nargs="+", help="feature-map sides (default 28 56 84) or, with --dim 1, "
-                   "sequence lengths (default 1024 to 32768)")
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        help="feature-map sides (default 28 56 84) or, with --dim 1, sequence lengths (default 1024 to 32768)",
+    )
     p.add_argument("--backends", nargs="+", help="local attention backends (default: those for the device)")
     p.add_argument("--batch", type=int, help="default 4; 1 with --dim 1")
     p.add_argument("--heads", type=int, help="default 3; 12 with --dim 1")
@@ -94,8 +116,11 @@ def parse_args(argv=None):
     p.add_argument("--causal", action="store_true", help="keys at or before the query only; --dim 1 only")
     p.add_argument("--rel-bias", action="store_true", help="add a relative position bias table")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--steady-malloc", action="store_true",
-                   help="glibc keeps the memory it frees (below 32 MiB a block) for reuse, as jemalloc and tcmalloc do")
+    p.add_argument(
+        "--steady-malloc",
+        action="store_true",
+        help="glibc keeps the memory it frees (below 32 MiB a block) for reuse, as jemalloc and tcmalloc do",
+    )
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png and PREFIX_memory.png")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure the backends at one size, print JSON
@@ -213,9 +238,17 @@ def run_size(args, backends, size):
     measured = [name for name, reason in results.items() if reason is None]
     if not measured:
         return results
-    options = {"--dim": args.dim, "--device": args.device, "--dtype": args.dtype, "--batch": args.batch,
-               "--heads": args.heads, "--head-dim": args.head_dim, "--window": args.window,
-               "--num-global": args.num_global, "--repeats": args.repeats}
+    options = {
+        "--dim": args.dim,
+        "--device": args.device,
+        "--dtype": args.dtype,
+        "--batch": args.batch,
+        "--heads": args.heads,
+        "--head-dim": args.head_dim,
+        "--window": args.window,
+        "--num-global": args.num_global,
+        "--repeats": args.repeats,
+    }
     options.update({"--exact": args.exact} if args.dim == 2 else {"--dilation": args.dilation})
     flags = [flag for flag, on in (("--rel-bias", args.rel_bias), ("--causal", args.causal)) if on]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([measured, size])]
@@ -259,8 +292,10 @@ def main(argv=None):
     if args.dim == 2:
         geometry = f"w={args.window}, {args.num_global} global, SW_EXACT {args.exact}, "
     else:
-        geometry = (f"sequences, w={args.window} on each side, dilation {args.dilation}, "
-                    f"{'causal, ' if args.causal else ''}{args.num_global} global, ")
+        geometry = (
+            f"sequences, w={args.window} on each side, dilation {args.dilation}, "
+            f"{'causal, ' if args.causal else ''}{args.num_global} global, "
+        )
     lines = [
         f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}",
         f"One layer, forward+backward: batch {args.batch}, {args.heads} heads x {args.head_dim}, {geometry}"
@@ -283,25 +318,38 @@ def main(argv=None):
                 row = f"| {point} | {name} | {result} | | | | |"
             else:
                 speedup = f"{sdpa[0] / result[0]:.2f}x" if not isinstance(sdpa, str) else ""
-                row = f"| {point} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {result[3]:.1f} | {speedup} | {result[2]:.2f} |"
+                row = (
+                    f"| {point} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {result[3]:.1f} | {speedup} "
+                    f"| {result[2]:.2f} |"
+                )
                 if name not in (SDPA, "reference") and (best_local is None or result[0] < best_local[1][0]):
                     best_local = (name, result)
             lines.append(row)
             print(row, flush=True)
         if best_local and not isinstance(sdpa, str):
-            summary.append(f"{point}: fastest local backend {best_local[0]} is {sdpa[0] / best_local[1][0]:.2f}x faster than SDPA")
+            summary.append(
+                f"{point}: fastest local backend {best_local[0]} is {sdpa[0] / best_local[1][0]:.2f}x faster than SDPA"
+            )
         chunked = results.get("sliding_chunk")
         for name in ("fused_cpu", "chunk_rows"):  # the two that save no scores for the backward
             lean = results.get(name)
             if all(isinstance(r, tuple) for r in (lean, chunked, sdpa)):
-                summary.append(f"{point}: {name}'s peak memory is {lean[1] / chunked[1]:.2f}x sliding_chunk's and "
-                               f"{lean[1] / sdpa[1]:.2f}x SDPA's; its working memory {lean[3] / chunked[3]:.2f}x and {lean[3] / sdpa[3]:.2f}x")
+                summary.append(
+                    f"{point}: {name}'s peak memory is {lean[1] / chunked[1]:.2f}x sliding_chunk's and "
+                    f"{lean[1] / sdpa[1]:.2f}x SDPA's; its working memory {lean[3] / chunked[3]:.2f}x and "
+                    f"{lean[3] / sdpa[3]:.2f}x"
+                )
         fused = results.get("triton")
         if isinstance(fused, tuple):
-            others = [f"{result[0] / fused[0]:.2f}x {name}" for name, result in results.items()
-                      if name != "triton" and isinstance(result, tuple)]
-            summary.append(f"{point}: triton's speed-up over {', '.join(others)}; its memory is {fused[2]:.2f}x "
-                           f"the inputs, outputs and gradients")
+            others = [
+                f"{result[0] / fused[0]:.2f}x {name}"
+                for name, result in results.items()
+                if name != "triton" and isinstance(result, tuple)
+            ]
+            summary.append(
+                f"{point}: triton's speed-up over {', '.join(others)}; its memory is {fused[2]:.2f}x "
+                f"the inputs, outputs and gradients"
+            )
     lines += [""] + summary
     print("\n" + "\n".join(summary))
     if args.markdown:
@@ -323,8 +371,11 @@ def plot_study(study, prefix, title, dim=2):
     for column, what, unit in ((0, "time", "forward + backward time (ms)"), (1, "memory", "peak memory (MiB)")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name in backends:
-            points = [(size, results[name][column] * (1e3 if column == 0 else 1))
-                      for size, results in sorted(study.items()) if isinstance(results.get(name), tuple)]
+            points = [
+                (size, results[name][column] * (1e3 if column == 0 else 1))
+                for size, results in sorted(study.items())
+                if isinstance(results.get(name), tuple)
+            ]
             if points:
                 ax.plot(*zip(*points), marker="o", label=name)
         ax.set_xscale("log")
@@ -336,7 +387,7 @@ def plot_study(study, prefix, title, dim=2):
         ax.set_title(title, fontsize=7, wrap=True)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        atomic_write(f"{prefix}_{what}.png", lambda f: fig.savefig(f, format="png", dpi=110))
+        atomic_write(f"{prefix}_{what}.png", partial(fig.savefig, format="png", dpi=110))
         plt.close(fig)
 
 

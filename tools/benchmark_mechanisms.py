@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -81,31 +82,59 @@ MODELS = {
 }
 # ImageNet-1k top-1 (%) the original release reports for these models at 224x224: those of its published
 # checkpoints (PRETRAINED), and of the global-memory models, which it did not publish; None: not reported.
-RELEASE_TOP1 = {name: PRETRAINED[f"{tag}.in1k"][1] for name, tag in {
-    "full/all": "vil_small_full", "longformer/partial": "vil_small", "linformer/all": "vil_small_linformer",
-    "linformer/partial": "vil_small_linformer_partial", "srformer/all": "vil_small_srformer32",
-    "srformer/partial": "vil_small_srformer32_partial", "performer/all": "vil_small_performer",
-    "performer/partial": "vil_small_performer_partial",
-}.items()} | {"longformer/all": None, "global/all": 79.0, "global/partial": 81.4}
-RELEASE_NOTE = ("The release also reports srformer/64 (ratios 16, 8, 4, 2 in all four stages): "
-                f"{PRETRAINED['vil_small_srformer64.in1k'][1]}.")
+RELEASE_TOP1 = {
+    name: PRETRAINED[f"{tag}.in1k"][1]
+    for name, tag in {
+        "full/all": "vil_small_full",
+        "longformer/partial": "vil_small",
+        "linformer/all": "vil_small_linformer",
+        "linformer/partial": "vil_small_linformer_partial",
+        "srformer/all": "vil_small_srformer32",
+        "srformer/partial": "vil_small_srformer32_partial",
+        "performer/all": "vil_small_performer",
+        "performer/partial": "vil_small_performer_partial",
+    }.items()
+} | {"longformer/all": None, "global/all": 79.0, "global/partial": 81.4}
+RELEASE_NOTE = (
+    "The release also reports srformer/64 (ratios 16, 8, 4, 2 in all four stages): "
+    f"{PRETRAINED['vil_small_srformer64.in1k'][1]}."
+)
 NUM_CLASSES = 1000
 # A measured point: (forward s, training step s, training peak MiB, forward GMACs of one image, parameters in M).
 FORWARD, TRAIN, MEMORY, GMACS, PARAMS = range(5)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--sizes", type=int, nargs="+", default=[224, 448, 672, 896], help="image sides (default 224 448 672 896)")
-    p.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS), choices=MECHANISMS, metavar="MECHANISM",
-                   help=f"some of {', '.join(MECHANISMS)} (default: all)")
-    p.add_argument("--placements", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS,
-                   help="all: the mechanism in all four stages; partial: in stages 1-2, full attention after")
+    p.add_argument(
+        "--sizes", type=int, nargs="+", default=[224, 448, 672, 896], help="image sides (default 224 448 672 896)"
+    )
+    p.add_argument(
+        "--mechanisms",
+        nargs="+",
+        default=list(MECHANISMS),
+        choices=MECHANISMS,
+        metavar="MECHANISM",
+        help=f"some of {', '.join(MECHANISMS)} (default: all)",
+    )
+    p.add_argument(
+        "--placements",
+        nargs="+",
+        default=list(PLACEMENTS),
+        choices=PLACEMENTS,
+        help="all: the mechanism in all four stages; partial: in stages 1-2, full attention after",
+    )
     p.add_argument("--batch", type=int, default=1, help="images a step (default 1; GMACs are for one image)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3); each time is the best round")
-    p.add_argument("--max-step-seconds", type=float, default=20.0,
-                   help="skip a point whose training step is estimated to take longer (default 20; 0: no limit)")
+    p.add_argument(
+        "--max-step-seconds",
+        type=float,
+        default=20.0,
+        help="skip a point whose training step is estimated to take longer (default 20; 0: no limit)",
+    )
     p.add_argument("--markdown", help="also write the tables to this file")
     p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png, PREFIX_memory.png and PREFIX_flops.png")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure some models at one size, print JSON
@@ -118,8 +147,11 @@ def parse_args(argv=None):
 
 def model_names(mechanisms, placements):
     """The ``MODELS`` keys of these mechanisms and placements; full attention's one model stands for both."""
-    return [name for name in MODELS if name.split("/")[0] in mechanisms
-            and (name.split("/")[1] in placements or name.startswith("full/"))]
+    return [
+        name
+        for name in MODELS
+        if name.split("/")[0] in mechanisms and (name.split("/")[1] in placements or name.startswith("full/"))
+    ]
 
 
 def stage1_tokens(name, size):
@@ -154,6 +186,7 @@ def prepare(name, size, args):
             step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
+
         return run
 
     @synced
@@ -223,8 +256,18 @@ def growth(name, smaller, larger):
 
 def run_worker(names, size, args):
     """Measure ``names`` at ``size`` in a fresh process: ``{name: tuple or reason}``, or why the process died."""
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([names, size]), "--device", args.device,
-            "--batch", str(args.batch), "--repeats", str(args.repeats)]
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        json.dumps([names, size]),
+        "--device",
+        args.device,
+        "--batch",
+        str(args.batch),
+        "--repeats",
+        str(args.repeats),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode:
         if done.returncode < 0:
@@ -242,8 +285,9 @@ def run_size(args, names, size, history):
     for name in names:
         estimate = estimated_step(history, name, size)
         if args.max_step_seconds and estimate is not None and estimate > args.max_step_seconds:
-            results[name] = (f"skipped: training step estimated at {estimate:.0f} s > "
-                             f"--max-step-seconds {args.max_step_seconds:g}")
+            results[name] = (
+                f"skipped: training step estimated at {estimate:.0f} s > --max-step-seconds {args.max_step_seconds:g}"
+            )
     measured = [name for name in names if name not in results]
     if measured:
         answers = run_worker(measured, size, args)
@@ -265,8 +309,11 @@ def top1(name):
 
 def tables(study, names):
     """The markdown rows of the study (``{size: {name: tuple or reason}}``) and of the growth exponents."""
-    rows = ["| image | tokens (stage 1) | mechanism | placement | params (M) | GMACs | forward (ms) | training step (ms) | "
-            "training peak memory (MiB) | release top-1 (%) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| image | tokens (stage 1) | mechanism | placement | params (M) | GMACs | forward (ms) | training step (ms) | "
+        "training peak memory (MiB) | release top-1 (%) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for size, results in study.items():
         for name, r in results.items():
             mechanism, placement = name.split("/")
@@ -274,23 +321,33 @@ def tables(study, names):
             if isinstance(r, str):
                 rows.append(f"{head} {r} | | | | | {top1(name)} |")
             else:
-                rows.append(f"{head} {r[PARAMS]:.2f} | {r[GMACS]:.4g} | {r[FORWARD] * 1e3:.1f} | {r[TRAIN] * 1e3:.1f} | "
-                            f"{r[MEMORY]:.1f} | {top1(name)} |")
-    growth_rows = ["| mechanism | placement | release top-1 (%) | between | training time exponent | "
-                   "forward time exponent | memory exponent | GMACs exponent |", "|---|---|---|---|---|---|---|---|"]
+                rows.append(
+                    f"{head} {r[PARAMS]:.2f} | {r[GMACS]:.4g} | {r[FORWARD] * 1e3:.1f} | {r[TRAIN] * 1e3:.1f} | "
+                    f"{r[MEMORY]:.1f} | {top1(name)} |"
+                )
+    growth_rows = [
+        "| mechanism | placement | release top-1 (%) | between | training time exponent | "
+        "forward time exponent | memory exponent | GMACs exponent |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name in names:
         points = [(size, r[name]) for size, r in study.items() if isinstance(r.get(name), tuple)]
         cells = ["", "", "", "", ""]
         if len(points) > 1:
             (small, a), (large, b) = points[-2:]
-            cells = [f"{small} and {large}"] + [f"{growth(name, (small, a[i]), (large, b[i])):.2f}" if a[i] > 0 and b[i] > 0
-                                                else "" for i in (TRAIN, FORWARD, MEMORY, GMACS)]
+            cells = [f"{small} and {large}"] + [
+                f"{growth(name, (small, a[i]), (large, b[i])):.2f}" if a[i] > 0 and b[i] > 0 else ""
+                for i in (TRAIN, FORWARD, MEMORY, GMACS)
+            ]
         growth_rows.append(f"| {' | '.join(name.split('/'))} | {top1(name)} | {' | '.join(cells)} |")
     return rows, growth_rows
 
 
-PLOTS = (("time", TRAIN, "training step (s)"), ("memory", MEMORY, "training peak memory (MiB)"),
-         ("flops", GMACS, "forward GMACs per image"))
+PLOTS = (
+    ("time", TRAIN, "training step (s)"),
+    ("memory", MEMORY, "training peak memory (MiB)"),
+    ("flops", GMACS, "forward GMACs per image"),
+)
 
 
 def plot_study(study, prefix, title):
@@ -308,19 +365,27 @@ def plot_study(study, prefix, title):
     for what, column, label in PLOTS:
         fig, ax = plt.subplots(figsize=(7.5, 5), layout="tight")
         for name in names:
-            measured = [(size, study[size][name][column]) for size in sizes
-                        if isinstance(study[size].get(name), tuple) and study[size][name][column] > 0]
+            measured = [
+                (size, study[size][name][column])
+                for size in sizes
+                if isinstance(study[size].get(name), tuple) and study[size][name][column] > 0
+            ]
             if not measured:
                 continue
             mechanism, placement = name.split("/")
-            ax.plot(*zip(*measured), marker="o", color=colours[mechanism], label=name,
-                    linestyle="--" if placement == "partial" else "-")
+            ax.plot(
+                *zip(*measured),
+                marker="o",
+                color=colours[mechanism],
+                label=name,
+                linestyle="--" if placement == "partial" else "-",
+            )
         ax.set(xscale="log", yscale="log", xlabel="image side (pixels)", ylabel=label)
         ax.set_xticks(sizes, [str(size) for size in sizes])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_title(title, fontsize=7, wrap=True)
         ax.legend(fontsize=7, ncol=2)
-        atomic_write(f"{prefix}_{what}.png", lambda f: fig.savefig(f, format="png", dpi=110))
+        atomic_write(f"{prefix}_{what}.png", partial(fig.savefig, format="png", dpi=110))
         plt.close(fig)
 
 
@@ -333,10 +398,15 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda was asked for, but torch sees no CUDA device here.")
     names = model_names(args.mechanisms, args.placements)
-    limit = f"points over {args.max_step_seconds:g} s a training step skipped" if args.max_step_seconds else "no time limit"
-    lines = [f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}",
-             f"ViL-Small-sized models, batch {args.batch}, float32 on {args.device}; best of {args.repeats} rounds; "
-             f"{limit}; GMACs: forward, one image", ""]
+    limit = (
+        f"points over {args.max_step_seconds:g} s a training step skipped" if args.max_step_seconds else "no time limit"
+    )
+    lines = [
+        f"Machine: {machine()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}",
+        f"ViL-Small-sized models, batch {args.batch}, float32 on {args.device}; best of {args.repeats} rounds; "
+        f"{limit}; GMACs: forward, one image",
+        "",
+    ]
     print("\n".join(lines), flush=True)
     study = {}
     for size in args.sizes:
@@ -344,8 +414,16 @@ def main(argv=None):
         rows, _ = tables({size: study[size]}, names)
         print("\n".join(rows[2:] if size != args.sizes[0] else rows), flush=True)
     rows, growth_rows = tables(study, names)
-    tail = ["", "Growth of each cost with the token count between the two largest sizes measured "
-            "(log cost ratio / log token ratio: 1 linear, 2 quadratic):", ""] + growth_rows + ["", RELEASE_NOTE]
+    tail = (
+        [
+            "",
+            "Growth of each cost with the token count between the two largest sizes measured "
+            "(log cost ratio / log token ratio: 1 linear, 2 quadratic):",
+            "",
+        ]
+        + growth_rows
+        + ["", RELEASE_NOTE]
+    )
     print("\n".join(tail))
     lines += rows + tail
     if args.markdown:

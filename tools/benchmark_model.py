@@ -1,7 +1,8 @@
 """Training and inference speed, peak memory, parameters and FLOPs of a model, on the CPU or a GPU.
 
     python tools/benchmark_model.py --config-file configs/vil_small.yaml [--batch 8] [--device cuda] [KEY VALUE ...]
-    python tools/benchmark_model.py --config-file configs/vil_tiny.yaml --batch 4 --compile [--timm swin_tiny_patch4_window7_224]
+    python tools/benchmark_model.py --config-file configs/vil_tiny.yaml --batch 4 --compile \
+        [--timm swin_tiny_patch4_window7_224]
 
 FLOPs are counted by ``torch.utils.flop_counter`` for one 224x224 (``INPUT.IMAGE_SIZE``) image, forward, as
 multiply-adds (the convention of the paper's 1.43G / 5.12G). Peak memory: ``torch.cuda.max_memory_allocated``
@@ -37,7 +38,9 @@ def main():
     parser.add_argument("--compile", action="store_true", help="also time the model under torch.compile")
     parser.add_argument("--timm", default=None, help="also time this timm model (e.g. swin_tiny_patch4_window7_224)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the side-by-side comparison")
-    parser.add_argument("--profile", action="store_true", help="with --compile or --timm: profile two training steps of each")
+    parser.add_argument(
+        "--profile", action="store_true", help="with --compile or --timm: profile two training steps of each"
+    )
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args()
     cfg = load_cfg(args.config_file, args.opts)
@@ -93,10 +96,15 @@ def main():
     with PeakMemory(device) as peak:
         train_step()
     train_speed, infer_speed = timed(train_step), timed(infer_step)
-    print(f"| model | ATTN_TYPE | device | batch | params | GMACs | train img/s | infer img/s | train peak memory (MiB) |")
-    print(f"|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.config_file} | {cfg.MODEL.VIT.MSVIT.ATTN_TYPE} | {args.device} | {args.batch} | {params / 1e6:.2f}M | {macs / 1e9:.2f} | "
-          f"{train_speed:.1f} | {infer_speed:.1f} | {peak.mib:.0f} |")
+    print(
+        "| model | ATTN_TYPE | device | batch | params | GMACs | train img/s | infer img/s | train peak memory (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {args.config_file} | {cfg.MODEL.VIT.MSVIT.ATTN_TYPE} | {args.device} | {args.batch} | {params / 1e6:.2f}M "
+        f"| {macs / 1e9:.2f} | "
+        f"{train_speed:.1f} | {infer_speed:.1f} | {peak.mib:.0f} |"
+    )
     if args.compile or args.timm:
         compare(args, model, steps, timed, device)
 
@@ -120,10 +128,16 @@ def compare(args, model, steps, timed, device):
         for name, pair in contenders.items():
             for i, step in enumerate(pair):
                 best[name][i] = max(best[name][i], timed(step))
-    print(f"\n| {args.batch} images, best of {args.rounds} alternating rounds | train img/s | infer img/s | train vs eager | infer vs eager |")
+    print(
+        f"\n| {args.batch} images, best of {args.rounds} alternating rounds | train img/s | infer img/s "
+        "| train vs eager | infer vs eager |"
+    )
     print("|---|---|---|---|---|")
     for name, (train, infer) in best.items():
-        print(f"| {name} | {train:.1f} | {infer:.1f} | {train / best['eager'][0]:.2f}x | {infer / best['eager'][1]:.2f}x |")
+        print(
+            f"| {name} | {train:.1f} | {infer:.1f} | {train / best['eager'][0]:.2f}x "
+            f"| {infer / best['eager'][1]:.2f}x |"
+        )
     if args.profile:
         from torch.profiler import profile
 

@@ -28,12 +28,37 @@ STEPS = {
 def run_step(config, out, overrides):
     """Train, then evaluate the last checkpoint; returns (seconds, top-1, top-5)."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train.py"), "--config-file", config, "OUTPUT_DIR", out,
-                    *overrides], check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "train.py"),
+            "--config-file",
+            config,
+            "OUTPUT_DIR",
+            out,
+            *overrides,
+        ],
+        check=True,
+        cwd=ROOT,
+        stderr=subprocess.DEVNULL,
+    )
     seconds = time.perf_counter() - start
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "eval.py"), "--config-file", config,
-                           "MODEL.MODEL_PATH", os.path.join(out, "checkpoint_last.pth"), "OUTPUT_DIR", out],
-                          check=True, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "eval.py"),
+            "--config-file",
+            config,
+            "MODEL.MODEL_PATH",
+            os.path.join(out, "checkpoint_last.pth"),
+            "OUTPUT_DIR",
+            out,
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     _, top1, _, top5 = done.stdout.strip().splitlines()[-1].split()
     return seconds, float(top1), float(top5)
 
@@ -42,7 +67,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
-    print("| seed | step | training time (s) | held-out top-1 | top-5 | passes |\n|---|---|---|---|---|---|", flush=True)
+    print(
+        "| seed | step | training time (s) | held-out top-1 | top-5 | passes |\n|---|---|---|---|---|---|", flush=True
+    )
     failed = False
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as folder:
@@ -54,7 +81,10 @@ def main():
                 seconds, top1, top5 = run_step(config, os.path.join(folder, step), overrides)
                 passes = top1 >= top1_bar and seconds <= seconds_bar
                 failed |= not passes
-                print(f"| {seed} | {step} | {seconds:.0f} | {top1:.2f} | {top5:.2f} | {'yes' if passes else 'no'} |", flush=True)
+                print(
+                    f"| {seed} | {step} | {seconds:.0f} | {top1:.2f} | {top5:.2f} | {'yes' if passes else 'no'} |",
+                    flush=True,
+                )
     sys.exit(1 if failed else 0)
 
 

@@ -22,12 +22,24 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from vil.ops.backends.fused_triton import kernel_geometry  # noqa: E402
-from vil_kernels import flash, local_attention as kernels, local_attention_1d as kernels_1d  # noqa: E402
+from vil_kernels import flash  # noqa: E402
+from vil_kernels import local_attention as kernels
+from vil_kernels import local_attention_1d as kernels_1d
 
-POINTERS = {"LSE": "fp32", "DELTA": "fp32", "NEIGHBOURS": "i32", "NEIGHBOURS_T": "i32", "OFFSETS": "i32",
-            "DGK_PART": "fp32", "DGV_PART": "fp32", "DGB_PART": "fp32", "DRB_PART": "fp32", "MASK": "u8",
-            "DILATIONS": "i32"}
-TENSORS = {"Q", "K", "V", "GK", "GV", "O", "DO", "DQ", "DK", "DV", "REL_BIAS", "GLOBAL_BIAS"}
+POINTERS = {
+    "LSE": "fp32",
+    "DELTA": "fp32",
+    "NEIGHBOURS": "i32",
+    "NEIGHBOURS_T": "i32",
+    "OFFSETS": "i32",
+    "DGK_PART": "fp32",
+    "DGV_PART": "fp32",
+    "DGB_PART": "fp32",
+    "DRB_PART": "fp32",
+    "MASK": "u8",
+    "DILATIONS": "i32",
+}
+TENSORS = {"Q", "K", "V", "GK", "GV", "Out", "DO", "DQ", "DK", "DV", "REL_BIAS", "GLOBAL_BIAS"}
 FLOATS = {"qk_scale", "scale"}
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
@@ -50,21 +62,43 @@ def variants(args):
     """(dims, dtype, head_dim, window, exact or causal) to compile; each with globals, both bias tables and (1D)
     the key padding mask."""
     if args.all:
-        return (list(itertools.product([2], DTYPES, kernels.HEAD_DIMS, (3, 7, 12), (0, 1)))
-                + list(itertools.product([1], DTYPES, (16, 32, 64, 128), (7, 256, 512), (0, 1))))
+        return list(itertools.product([2], DTYPES, kernels.HEAD_DIMS, (3, 7, 12), (0, 1))) + list(
+            itertools.product([1], DTYPES, (16, 32, 64, 128), (7, 256, 512), (0, 1))
+        )
     if args.variant or args.variant_1d:
-        return [(dims, dtype, int(d), int(w), int(e)) for dims, given in ((2, args.variant), (1, args.variant_1d))
-                for dtype, d, w, e in (v.split(",") for v in given or [])]
-    return [(2, "bfloat16", 32, 7, 0), (2, "float16", 64, 7, 1), (2, "float32", 48, 3, -1),
-            (1, "bfloat16", 64, 256, 0), (1, "float16", 128, 512, 1), (1, "float32", 24, 7, 0)]
+        return [
+            (dims, dtype, int(d), int(w), int(e))
+            for dims, given in ((2, args.variant), (1, args.variant_1d))
+            for dtype, d, w, e in (v.split(",") for v in given or [])
+        ]
+    return [
+        (2, "bfloat16", 32, 7, 0),
+        (2, "float16", 64, 7, 1),
+        (2, "float32", 48, 3, -1),
+        (1, "bfloat16", 64, 256, 0),
+        (1, "float16", 128, 512, 1),
+        (1, "float32", 24, 7, 0),
+    ]
 
 
 def _jobs_2d(head_dim, window, exact, first_tile):
     """(kernel, tile shape or None, warps, constants) of the 2D kernels, every candidate tile shape."""
     geo = kernel_geometry(14, 14, window, exact, 0, 1, "cpu")
-    base = dict(W=window, C=geo.chunk, P=geo.chunk_pad, DIL=1, EXACT=exact, N_OFF=geo.num_slots, HEAD_DIM=head_dim,
-                BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_G=16, BT=max(16, triton.next_power_of_2(4 * window - 1)),
-                HAS_GLOBAL=True, HAS_REL_BIAS=True, HAS_GLOBAL_BIAS=True)
+    base = dict(
+        W=window,
+        C=geo.chunk,
+        P=geo.chunk_pad,
+        DIL=1,
+        EXACT=exact,
+        N_OFF=geo.num_slots,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_G=16,
+        BT=max(16, triton.next_power_of_2(4 * window - 1)),
+        HAS_GLOBAL=True,
+        HAS_REL_BIAS=True,
+        HAS_GLOBAL_BIAS=True,
+    )
     for shape in kernels._tile_shapes(geo.chunk_pad)[: 1 if first_tile else None]:
         for kernel in (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel):
             yield kernel, shape, kernels.num_warps(shape[0], geo.chunk_pad), dict(base, BQI=shape[0], BKI=shape[1])
@@ -72,9 +106,18 @@ def _jobs_2d(head_dim, window, exact, first_tile):
 
 def _jobs_1d(head_dim, window, causal, first_tile):
     """The same for the 1D kernels."""
-    base = dict(W=window, CAUSAL=bool(causal), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                BLOCK_G=kernels_1d.BLOCK_G, BLOCK_N=kernels_1d.BLOCK_N, HAS_GLOBAL=True, HAS_REL_BIAS=True,
-                HAS_GLOBAL_BIAS=True, HAS_MASK=True)
+    base = dict(
+        W=window,
+        CAUSAL=bool(causal),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_G=kernels_1d.BLOCK_G,
+        BLOCK_N=kernels_1d.BLOCK_N,
+        HAS_GLOBAL=True,
+        HAS_REL_BIAS=True,
+        HAS_GLOBAL_BIAS=True,
+        HAS_MASK=True,
+    )
     yield kernels_1d._bwd_global_kernel, None, 4, base
     for bm, bn, warps in kernels_1d.TILE_SHAPES[: 1 if first_tile else None]:
         kb, before, bt_rows, bt_cols = kernels_1d.bias_bins(bm, bn, window)
@@ -89,27 +132,34 @@ def compile_variant(arch, dims, dtype, head_dim, window, option, first_tile=Fals
     precision = "tf32x3" if dtype == "float32" else "tf32"
     target = GPUTarget("cuda", arch, 32)
     delta = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=flash.DELTA_BLOCK_N)
-    jobs = itertools.chain([(flash.delta_kernel, None, 4, delta)],
-                           (_jobs_1d if dims == 1 else _jobs_2d)(head_dim, window, option, first_tile))
+    jobs = itertools.chain(
+        [(flash.delta_kernel, None, 4, delta)],
+        (_jobs_1d if dims == 1 else _jobs_2d)(head_dim, window, option, first_tile),
+    )
     for kernel, shape, warps, constants in jobs:
         constants = dict(constants, DOT_PRECISION=precision)
         constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
-        source = triton.compiler.ASTSource(fn=kernel, signature=signature(kernel, constants, DTYPES[dtype]),
-                                           constexprs=constants)
+        source = triton.compiler.ASTSource(
+            fn=kernel, signature=signature(kernel, constants, DTYPES[dtype]), constexprs=constants
+        )
         compiled = triton.compile(source, target=target, options={"num_warps": warps})
         yield kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, shape, compiled.metadata.shared
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities, e.g. 80 90")
     p.add_argument("--all", action="store_true", help="every dtype, head dim and chunk tile size")
     p.add_argument("--variant", nargs="+", help="2D: dtype,head_dim,window,exact, e.g. bfloat16,32,7,0")
     p.add_argument("--variant-1d", nargs="+", help="1D: dtype,head_dim,window,causal, e.g. bfloat16,64,256,0")
     p.add_argument("--first-tile", action="store_true", help="only the first candidate tile shape (the interpreter's)")
     args = p.parse_args(argv)
-    print("| arch | windows | dtype | head_dim | w | SW_EXACT (2D) / causal (1D) | kernel | tile (2D: query rows, key "
-          "rows; 1D: queries, keys) | shared memory (KiB) |")
+    print(
+        "| arch | windows | dtype | head_dim | w | SW_EXACT (2D) / causal (1D) | kernel | tile (2D: query rows, key "
+        "rows; 1D: queries, keys) | shared memory (KiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     failures = 0
     for arch, (dims, dtype, head_dim, window, option) in itertools.product(args.arch, variants(args)):

@@ -16,9 +16,9 @@ import sys
 import torch
 
 from vil.checkpoint import read_checkpoint
-from vil.files import atomic_write, check_writable_file
 from vil.config import load_cfg
 from vil.detection import EXPORT_FORMATS, checkpoint_image_size, export_state, stored_config
+from vil.files import atomic_write, check_writable_file
 from vil.models import PRESETS, arch_string, parse_arch
 from vil.models.convert import GLOBAL_INITS, convert_classification_state
 
@@ -27,16 +27,29 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("input", help="classification checkpoint")
     parser.add_argument("output", help="backbone checkpoint to write")
-    parser.add_argument("--format", required=True, choices=list(EXPORT_FORMATS), help="the detection framework's layout")
+    parser.add_argument(
+        "--format", required=True, choices=list(EXPORT_FORMATS), help="the detection framework's layout"
+    )
     parser.add_argument("--arch", help="preset name or arch string of IN (default: the config stored in IN)")
     parser.add_argument("--config-file", help="the YAML config IN was trained with (its arch and image size)")
-    parser.add_argument("--image-size", type=int, nargs="+", help="image size IN was trained for, N or H W (default: from IN)")
-    parser.add_argument("--full-attention-to-local", action="store_true",
-                        help="turn full-attention stages into longformer stages (qkv split into query/kv and their _global twins)")
+    parser.add_argument(
+        "--image-size", type=int, nargs="+", help="image size IN was trained for, N or H W (default: from IN)"
+    )
+    parser.add_argument(
+        "--full-attention-to-local",
+        action="store_true",
+        help="turn full-attention stages into longformer stages (qkv split into query/kv and their _global twins)",
+    )
     parser.add_argument("--num-global", type=int, help="global tokens per stage that has them (0 removes them)")
-    parser.add_argument("--global-init", choices=GLOBAL_INITS, default="copy",
-                        help="new global tokens: the learned ones repeated (copy) or their mean (average)")
-    parser.add_argument("--new-image-size", type=int, nargs="+", help="resize the position tables for images of N or H W")
+    parser.add_argument(
+        "--global-init",
+        choices=GLOBAL_INITS,
+        default="copy",
+        help="new global tokens: the learned ones repeated (copy) or their mean (average)",
+    )
+    parser.add_argument(
+        "--new-image-size", type=int, nargs="+", help="resize the position tables for images of N or H W"
+    )
     return parser.parse_args(argv)
 
 
@@ -60,9 +73,17 @@ def source_model(args, checkpoint):
     if args.arch:
         arch = PRESETS.get(args.arch, args.arch)
     if arch is None:
-        raise ValueError(f"{args.input} does not say which architecture it holds; give --arch (a preset or arch string) or --config-file.")
+        raise ValueError(
+            f"{args.input} does not say which architecture it holds; "
+            "give --arch (a preset or arch string) or --config-file."
+        )
     arch = arch_string(parse_arch(arch))
-    size = _size(args.image_size, "--image-size") or size or checkpoint_image_size(checkpoint, arch, args.input) or (224, 224)
+    size = (
+        _size(args.image_size, "--image-size")
+        or size
+        or checkpoint_image_size(checkpoint, arch, args.input)
+        or (224, 224)
+    )
     return arch, size
 
 
@@ -73,8 +94,13 @@ def main(argv=None):
         checkpoint = read_checkpoint(args.input)
         arch, size = source_model(args, checkpoint)
         state, specs, new_size = convert_classification_state(
-            checkpoint, arch, size, full_attention_to_local=args.full_attention_to_local, num_global=args.num_global,
-            global_init=args.global_init, new_image_size=_size(args.new_image_size, "--new-image-size"),
+            checkpoint,
+            arch,
+            size,
+            full_attention_to_local=args.full_attention_to_local,
+            num_global=args.num_global,
+            global_init=args.global_init,
+            new_image_size=_size(args.new_image_size, "--new-image-size"),
         )
         new_arch = arch_string(specs)
         exported = export_state(state, args.format, new_arch, new_size)

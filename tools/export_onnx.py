@@ -23,7 +23,9 @@ TOLERANCE = 1e-4
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config-file", required=True, help="a YAML file, or a preset's name (vil_tiny, vil_small, ...)")
+    parser.add_argument(
+        "--config-file", required=True, help="a YAML file, or a preset's name (vil_tiny, vil_small, ...)"
+    )
     parser.add_argument("--output", required=True, help="the ONNX file to write")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args(argv)

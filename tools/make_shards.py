@@ -34,12 +34,12 @@ def write_split(source, output, per_shard, shuffle_seed=None):
     for start in range(0, len(samples), per_shard):
         name = f"shard-{start // per_shard:06d}.tar"
         with wds.TarWriter(os.path.join(partial, name)) as tar:
-            for number, (path, target) in enumerate(samples[start:start + per_shard], start):
+            for number, (path, target) in enumerate(samples[start : start + per_shard], start):
                 with open(path, "rb") as f:
                     image = f.read()
                 suffix = os.path.splitext(path)[1].lstrip(".").lower() or "jpg"
                 tar.write({"__key__": f"{number:09d}", suffix: image, "cls": str(target).encode()})
-        counts[name] = len(samples[start:start + per_shard])
+        counts[name] = len(samples[start : start + per_shard])
     write_index(partial, folder.classes, counts)
     os.rename(partial, output)
     return len(counts), len(samples)
@@ -57,14 +57,20 @@ def main(argv=None):
             raise ValueError(f"--per-shard must be a positive number of samples, got {args.per_shard}.")
         splits = [s for s in ("train", "val") if os.path.isdir(os.path.join(args.source, s))]
         if not splits:
-            raise ValueError(f"{args.source} has neither train/ nor val/; give the DATA.PATH of ImageNet-style folders.")
+            raise ValueError(
+                f"{args.source} has neither train/ nor val/; give the DATA.PATH of ImageNet-style folders."
+            )
         for split in splits:
             target = os.path.join(args.output, split)
             if os.path.exists(target):
                 raise ValueError(f"{target} exists; remove it or choose another output folder.")
         for split in splits:
-            shards, samples = write_split(os.path.join(args.source, split), os.path.join(args.output, split),
-                                          args.per_shard, args.seed if split == "train" else None)
+            shards, samples = write_split(
+                os.path.join(args.source, split),
+                os.path.join(args.output, split),
+                args.per_shard,
+                args.seed if split == "train" else None,
+            )
             print(f"{split}: {samples} images in {shards} shards under {os.path.join(args.output, split)}", flush=True)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")

@@ -16,12 +16,16 @@ import vil  # noqa: F401  (registers vil_tiny, vil_small, ... with timm)
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv or not argv[0].endswith(".py"):
-        sys.exit("error: Give the path of timm's train.py first, then its arguments: "
-                 "python tools/timm_train.py path/to/timm/train.py --model vil_tiny DATA_DIR.")
+        sys.exit(
+            "error: Give the path of timm's train.py first, then its arguments: "
+            "python tools/timm_train.py path/to/timm/train.py --model vil_tiny DATA_DIR."
+        )
     script = argv[0]
     if not os.path.isfile(script):
-        sys.exit(f"error: {script} is not a file; give the path of train.py in a clone of timm "
-                 "(github.com/huggingface/pytorch-image-models).")
+        sys.exit(
+            f"error: {script} is not a file; give the path of train.py in a clone of timm "
+            "(github.com/huggingface/pytorch-image-models)."
+        )
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python would, for the script's own imports
     runpy.run_path(script, run_name="__main__")

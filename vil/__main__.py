@@ -5,16 +5,25 @@ import importlib
 import sys
 
 # command -> module of vil_tools (the tools/ folder)
-COMMANDS = {"train": "train", "eval": "eval", "export": "export_backbone", "export-onnx": "export_onnx",
-            "benchmark": "benchmark_model", "make-shards": "make_shards", "timm-train": "timm_train"}
+COMMANDS = {
+    "train": "train",
+    "eval": "eval",
+    "export": "export_backbone",
+    "export-onnx": "export_onnx",
+    "benchmark": "benchmark_model",
+    "make-shards": "make_shards",
+    "timm-train": "timm_train",
+}
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         given = f"unknown command {argv[0]!r}" if argv else "no command given"
-        sys.exit(f"error: {given}; use python -m vil {{{','.join(COMMANDS)}}} [arguments], e.g. "
-                 "python -m vil train --config-file vil_tiny DATA.PATH /data/imagenet.")
+        sys.exit(
+            f"error: {given}; use python -m vil {{{','.join(COMMANDS)}}} [arguments], e.g. "
+            "python -m vil train --config-file vil_tiny DATA.PATH /data/imagenet."
+        )
     tool = importlib.import_module(f"vil_tools.{COMMANDS[argv[0]]}")
     sys.argv = [f"vil {argv[0]}", *argv[1:]]
     tool.main()

@@ -32,8 +32,9 @@ def download_checkpoint(url, file_name):
         try:
             torch.hub.download_url_to_file(url, path, progress=True)  # to a temporary file, then renamed
         except OSError as e:  # URLError and HTTPError are OSErrors
-            raise ValueError(f"Cannot download {url} ({getattr(e, 'reason', e)}); download it by hand and give "
-                             "its path instead.") from None
+            raise ValueError(
+                f"Cannot download {url} ({getattr(e, 'reason', e)}); download it by hand and give its path instead."
+            ) from None
     return path
 
 
@@ -42,12 +43,17 @@ def read_checkpoint(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if os.path.getsize(path) == 0:
-        raise ValueError(f"{path} is empty (0 bytes), not a checkpoint; its write was interrupted, or it is the wrong file.")
+        raise ValueError(
+            f"{path} is empty (0 bytes), not a checkpoint; its write was interrupted, or it is the wrong file."
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         detail = next(iter(str(e).splitlines()), "")
-        raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors ({type(e).__name__}{': ' + detail if detail else ''}).") from None
+        raise ValueError(
+            f"{path} is not a readable PyTorch checkpoint of tensors "
+            f"({type(e).__name__}{': ' + detail if detail else ''})."
+        ) from None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
     return checkpoint
@@ -61,7 +67,10 @@ def ema_state(checkpoint, path="checkpoint"):
     """The EMA weights of a checkpoint dict, as :func:`model_state` returns model weights."""
     ema = next((checkpoint[k] for k in _EMA_KEYS if isinstance(checkpoint.get(k), dict)), None)
     if ema is None:
-        raise ValueError(f"{path} holds no EMA weights (it was trained without MODEL.EMA); set MODEL.LOAD_EMA False to use its model weights.")
+        raise ValueError(
+            f"{path} holds no EMA weights (it was trained without MODEL.EMA); "
+            "set MODEL.LOAD_EMA False to use its model weights."
+        )
     return model_state(ema, path)
 
 
@@ -106,11 +115,19 @@ def check_fits(state, model, path, may_miss=()):
     expected = model.state_dict()
     missing = [k for k in expected if k not in state and not k.startswith(tuple(may_miss))]
     unexpected = [k for k in state if k not in expected]
-    mis_shaped = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    mis_shaped = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
     if missing or unexpected or mis_shaped:
         problems = [
             f"{len(items)} {what}: {_sample(items)}"
-            for what, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped (checkpoint vs model)", mis_shaped))
+            for what, items in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("mis-shaped (checkpoint vs model)", mis_shaped),
+            )
             if items
         ]
         raise ValueError(f"Checkpoint {path} does not fit this model's architecture: " + "; ".join(problems) + ".")

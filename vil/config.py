@@ -55,7 +55,9 @@ _C.DATA.NUM_CLASSES = 1000
 _C.DATA.TARGETMAP = ""
 _C.DATA.PATH = "./datasets"
 _C.DATA.DATA_DIR = "./data"  # MODEL.MODEL_PATH is looked up here when it is not a file by itself
-_C.DATA.FORMAT = "folder"  # "folder": DATA.PATH/{train,val}/<class>/<image>; "shards": tar shards (tools/make_shards.py)
+_C.DATA.FORMAT = (
+    "folder"  # "folder": DATA.PATH/{train,val}/<class>/<image>; "shards": tar shards (tools/make_shards.py)
+)
 _C.DATA.CLASSES = []  # a subset of the classes (folder names; "0".."9" for digits), labelled in this order
 
 _C.LOSS = CN()
@@ -105,7 +107,9 @@ _C.SOLVER.USE_LARC = False
 _C.MODEL = CN()
 _C.MODEL.ARCH = "msvit"
 _C.MODEL.NONLINEARITY = "celu"
-_C.MODEL.MODEL_PATH = ""  # training: the weights to start from (fine-tuning); EVALUATE and tools/eval.py: the checkpoint
+_C.MODEL.MODEL_PATH = (
+    ""  # training: the weights to start from (fine-tuning); EVALUATE and tools/eval.py: the checkpoint
+)
 _C.MODEL.LOAD_EMA = False  # take MODEL.MODEL_PATH's EMA weights instead of its model weights
 _C.MODEL.PRETRAINED = False
 _C.MODEL.FREEZE_CONV_BODY_AT = -1
@@ -125,7 +129,8 @@ _C.MODEL.VIT.DYNAMIC_IMG_PAD = False
 _C.MODEL.VIT.MSVIT = CN()
 # Stages separated by "_", fields "<letter><int>" separated by ","; see vil/models/arch.py. Default: ViL-Small.
 _C.MODEL.VIT.MSVIT.ARCH = (
-    "l1,h3,d96,n1,s1,g1,p4,f7,a1_l2,h3,d192,n2,s1,g1,p2,f7,a1_l3,h6,d384,n8,s0,g1,p2,f7,a1_l4,h12,d768,n1,s0,g0,p2,f7,a1"
+    "l1,h3,d96,n1,s1,g1,p4,f7,a1_l2,h3,d192,n2,s1,g1,p2,f7,a1_l3,h6,d384,n8,s0,g1,p2,f7,a1_"
+    "l4,h12,d768,n1,s0,g0,p2,f7,a1"
 )
 _C.MODEL.VIT.MSVIT.SHARE_W = True
 _C.MODEL.VIT.MSVIT.ATTN_TYPE = "longformerhand"
@@ -183,11 +188,16 @@ def compatibility_warnings(cfg):
     for key, role in COMPATIBILITY_KEYS.items():
         value, default = config_value(cfg, key), config_value(defaults, key)
         if value != default:
-            sentences.append(f"{key} {value!r} is ignored: this key only lets the original release's YAML files load (there: {role}).")
+            sentences.append(
+                f"{key} {value!r} is ignored: this key only lets the original release's YAML files load "
+                f"(there: {role})."
+            )
     return sentences
 
 
-def warn_compatibility_keys(cfg, log=logging.getLogger("vil")):
+def warn_compatibility_keys(cfg, log=None):
+    """Log :func:`compatibility_warnings` (to the ``vil`` logger unless ``log`` is given)."""
+    log = log or logging.getLogger("vil")
     for sentence in compatibility_warnings(cfg):
         log.warning(sentence)
 
@@ -230,7 +240,9 @@ def load_cfg(config_file=None, overrides=()):
         merge_yaml(cfg, text, str(config_file))
     if overrides:
         if len(overrides) % 2:
-            raise ValueError(f"Config overrides come in KEY VALUE pairs; got an odd number of items: {list(overrides)}.")
+            raise ValueError(
+                f"Config overrides come in KEY VALUE pairs; got an odd number of items: {list(overrides)}."
+            )
         for key, value in zip(overrides[0::2], overrides[1::2]):
             _set(cfg, str(key), CN._decode_cfg_value(value), "the overrides")
     check_values(cfg)
@@ -255,8 +267,9 @@ def _config_path(config_file):
         return config_file
     presets = preset_config_files()
     if name not in presets:
-        raise ValueError(f"{name} is neither a config file nor a preset; give a YAML file or one of "
-                         f"{', '.join(presets)}.")
+        raise ValueError(
+            f"{name} is neither a config file nor a preset; give a YAML file or one of {', '.join(presets)}."
+        )
     return presets[name]
 
 
@@ -279,11 +292,15 @@ def merge_yaml(cfg, text, source):
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
-        raise ValueError(f"Not valid YAML in {source}{line} ({getattr(e, 'problem', None) or type(e).__name__}).") from None
+        raise ValueError(
+            f"Not valid YAML in {source}{line} ({getattr(e, 'problem', None) or type(e).__name__})."
+        ) from None
     if tree is None:
         return
     if not isinstance(tree, dict):
-        raise ValueError(f"Expected a mapping of config keys (like 'MODEL: ...') in {source}, not a {type(tree).__name__}.")
+        raise ValueError(
+            f"Expected a mapping of config keys (like 'MODEL: ...') in {source}, not a {type(tree).__name__}."
+        )
     for key, value in _flatten(tree, cfg, source):
         _set(cfg, key, CN._decode_cfg_value(value), source)
 
@@ -295,7 +312,10 @@ def _flatten(tree, node, source, prefix=""):
         default = node.get(name) if isinstance(name, str) else None
         if isinstance(default, CN):
             if not isinstance(value, dict):
-                raise ValueError(f"In {source}, {key} is {_shown(value)}, but it is a section of keys (like '{key}: {{{next(iter(default), 'KEY')}: ...}}').")
+                raise ValueError(
+                    f"In {source}, {key} is {_shown(value)}, but it is a section of keys "
+                    f"(like '{key}: {{{next(iter(default), 'KEY')}: ...}}')."
+                )
             yield from _flatten(value, default, source, prefix=f"{key}.")
         else:
             yield key, value
@@ -308,15 +328,21 @@ def _set(cfg, key, value, source):
     for part in sections:
         node = node.get(part) if isinstance(node, CN) else None
         if not isinstance(node, CN):
-            raise ValueError(f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source}).")
+            raise ValueError(
+                f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source})."
+            )
     if name not in node:
         if not node.is_new_allowed():
-            raise ValueError(f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source}).")
+            raise ValueError(
+                f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source})."
+            )
         node[name] = value
         return
     default = node[name]
     if isinstance(default, CN):
-        raise ValueError(f"In {source}, {key} is {_shown(value)}, but it is a section of keys; set its keys ({key}.KEY) instead.")
+        raise ValueError(
+            f"In {source}, {key} is {_shown(value)}, but it is a section of keys; set its keys ({key}.KEY) instead."
+        )
     node[name] = _coerced(value, default, key, source)
 
 
@@ -330,7 +356,14 @@ def _coerced(value, default, key, source):
         return float(value)
     elif type(value) is type(default):
         return value
-    kind = {bool: "True or False", int: "an integer", float: "a number", str: "a string", list: "a list", tuple: "a list"}.get(type(default), type(default).__name__)
+    kind = {
+        bool: "True or False",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        tuple: "a list",
+    }.get(type(default), type(default).__name__)
     raise ValueError(f"In {source}, {key} is {_shown(value)}, but it must be {kind} (its default is {default!r}).")
 
 
@@ -343,8 +376,14 @@ def _shown(value):
 _RULES = {
     "INPUT.IMAGE_SIZE": (lambda v: v >= 1, "a positive number of pixels"),
     "INPUT.CROP_PCT": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
-    "INPUT.MEAN": (lambda v: len(v) == 3 and all(isinstance(x, (int, float)) for x in v), "three numbers, one per channel"),
-    "INPUT.STD": (lambda v: len(v) == 3 and all(isinstance(x, (int, float)) and x > 0 for x in v), "three positive numbers, one per channel"),
+    "INPUT.MEAN": (
+        lambda v: len(v) == 3 and all(isinstance(x, (int, float)) for x in v),
+        "three numbers, one per channel",
+    ),
+    "INPUT.STD": (
+        lambda v: len(v) == 3 and all(isinstance(x, (int, float)) and x > 0 for x in v),
+        "three positive numbers, one per channel",
+    ),
     "AMP.DTYPE": (lambda v: v in ("bfloat16", "float16"), "'bfloat16' or 'float16'"),
     "AMP.MEMORY_FORMAT": (lambda v: v in ("nchw", "nhwc"), "'nchw' or 'nhwc'"),
     "DATA.NUM_CLASSES": (lambda v: v >= 1, "a positive number of classes"),
@@ -385,7 +424,9 @@ def check_values(cfg, source=None):
         except (TypeError, ValueError):
             fine = False
         if not fine:
-            raise ValueError(f"{'In ' + source + ', ' if source else ''}{key} is {_shown(value)}, but it must be {expected}.")
+            raise ValueError(
+                f"{'In ' + source + ', ' if source else ''}{key} is {_shown(value)}, but it must be {expected}."
+            )
 
 
 def config_from_command_line(description, argv=None):
@@ -393,7 +434,9 @@ def config_from_command_line(description, argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config-file", required=True, help="a YAML file, or a preset's name (vil_tiny, vil_small, ...)")
+    parser.add_argument(
+        "--config-file", required=True, help="a YAML file, or a preset's name (vil_tiny, vil_small, ...)"
+    )
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args(argv)
     return load_cfg(args.config_file, args.opts)

@@ -95,7 +95,9 @@ def _checked_subset(chosen, found, where):
     """``chosen`` (DATA.CLASSES) when every name in it is one of ``found`` and none repeats; else one sentence."""
     unknown = [name for name in chosen if name not in found]
     if unknown:
-        raise ValueError(f"DATA.CLASSES names {unknown}, which are not classes of {where}; its classes are {sorted(found)}.")
+        raise ValueError(
+            f"DATA.CLASSES names {unknown}, which are not classes of {where}; its classes are {sorted(found)}."
+        )
     if len(set(chosen)) != len(chosen):
         raise ValueError(f"DATA.CLASSES {list(chosen)} names a class twice; name each class once.")
     return chosen
@@ -133,7 +135,9 @@ def build_transform(cfg, train):
 
     The horizontal flip has probability ``AUG.TIMM_AUG.HFLIP`` (0.5 unless set)."""
     if cfg.INPUT.INTERPOLATION not in _INTERPOLATIONS:
-        raise ValueError(f"INPUT.INTERPOLATION {cfg.INPUT.INTERPOLATION} is not a PIL code this project knows; use 0, 2 or 3.")
+        raise ValueError(
+            f"INPUT.INTERPOLATION {cfg.INPUT.INTERPOLATION} is not a PIL code this project knows; use 0, 2 or 3."
+        )
     size, interpolation = cfg.INPUT.IMAGE_SIZE, _INTERPOLATIONS[cfg.INPUT.INTERPOLATION]
     common = dict(input_size=size, interpolation=interpolation, mean=tuple(cfg.INPUT.MEAN), std=tuple(cfg.INPUT.STD))
     timm_aug, aug = cfg.AUG.TIMM_AUG, cfg.AUG
@@ -141,27 +145,50 @@ def build_transform(cfg, train):
     if not train:
         return create_transform(is_training=False, crop_pct=cfg.INPUT.CROP_PCT, **common)
     if timm_aug.USE_TRANSFORM:
-        return _posterize_any_bits(create_transform(
-            is_training=True, scale=tuple(aug.SCALE), ratio=tuple(aug.RATIO), hflip=hflip, vflip=timm_aug.get("VFLIP", 0.0),
-            color_jitter=timm_aug.get("COLOR_JITTER", 0.4), auto_augment=timm_aug.get("AUTO_AUGMENT", None),
-            re_prob=timm_aug.get("RE_PROB", 0.0), re_mode=timm_aug.get("RE_MODE", "pixel"), re_count=timm_aug.get("RE_COUNT", 1),
-            **common,
-        ))
+        return _posterize_any_bits(
+            create_transform(
+                is_training=True,
+                scale=tuple(aug.SCALE),
+                ratio=tuple(aug.RATIO),
+                hflip=hflip,
+                vflip=timm_aug.get("VFLIP", 0.0),
+                color_jitter=timm_aug.get("COLOR_JITTER", 0.4),
+                auto_augment=timm_aug.get("AUTO_AUGMENT", None),
+                re_prob=timm_aug.get("RE_PROB", 0.0),
+                re_mode=timm_aug.get("RE_MODE", "pixel"),
+                re_count=timm_aug.get("RE_COUNT", 1),
+                **common,
+            )
+        )
     if cfg.FINETUNE.FINETUNE and not cfg.FINETUNE.USE_TRAIN_AUG:
-        return transforms.Compose([
-            transforms.Resize(int(size / cfg.INPUT.CROP_PCT), interpolation=transforms.InterpolationMode(interpolation)),
-            transforms.RandomCrop(size),
-            transforms.RandomHorizontalFlip(hflip),
-            transforms.ToTensor(),
-            transforms.Normalize(cfg.INPUT.MEAN, cfg.INPUT.STD),
-        ])
+        return transforms.Compose(
+            [
+                transforms.Resize(
+                    int(size / cfg.INPUT.CROP_PCT), interpolation=transforms.InterpolationMode(interpolation)
+                ),
+                transforms.RandomCrop(size),
+                transforms.RandomHorizontalFlip(hflip),
+                transforms.ToTensor(),
+                transforms.Normalize(cfg.INPUT.MEAN, cfg.INPUT.STD),
+            ]
+        )
     if len(aug.COLOR_JITTER) != 5:
-        raise ValueError(f"AUG.COLOR_JITTER {list(aug.COLOR_JITTER)} must hold 5 numbers: brightness, contrast, saturation, hue, probability.")
+        raise ValueError(
+            f"AUG.COLOR_JITTER {list(aug.COLOR_JITTER)} must hold 5 numbers: "
+            "brightness, contrast, saturation, hue, probability."
+        )
     jitter_prob = aug.COLOR_JITTER[4]
     return create_transform(
-        is_training=True, scale=tuple(aug.SCALE), ratio=tuple(aug.RATIO), hflip=hflip, vflip=0.0,
-        color_jitter=tuple(aug.COLOR_JITTER[:4]) if jitter_prob > 0 else None, color_jitter_prob=jitter_prob,
-        grayscale_prob=aug.GRAY_SCALE, gaussian_blur_prob=aug.GAUSSIAN_BLUR, **common,
+        is_training=True,
+        scale=tuple(aug.SCALE),
+        ratio=tuple(aug.RATIO),
+        hflip=hflip,
+        vflip=0.0,
+        color_jitter=tuple(aug.COLOR_JITTER[:4]) if jitter_prob > 0 else None,
+        color_jitter_prob=jitter_prob,
+        grayscale_prob=aug.GRAY_SCALE,
+        gaussian_blur_prob=aug.GAUSSIAN_BLUR,
+        **common,
     )
 
 
@@ -193,8 +220,10 @@ def build_dataset(cfg, train):
         dataset = DigitsDataset(train, transform, classes=chosen)
     elif cfg.DATA.FORMAT == "shards":
         if chosen:
-            raise ValueError("DATA.CLASSES picks classes of image folders; shards hold their classes' labels, so write "
-                             "shards of the classes wanted (tools/make_shards.py) and leave DATA.CLASSES empty.")
+            raise ValueError(
+                "DATA.CLASSES picks classes of image folders; shards hold their classes' labels, so write "
+                "shards of the classes wanted (tools/make_shards.py) and leave DATA.CLASSES empty."
+            )
         from .shards import ShardDataset  # here: vil.shards imports this file
 
         dataset = ShardDataset(os.path.join(cfg.DATA.PATH, "train" if train else "val"), transform)
@@ -208,7 +237,10 @@ def build_dataset(cfg, train):
         dataset = SkippingImageFolder(root, transform, classes=chosen)
     classes = len(dataset.classes)
     if classes != cfg.DATA.NUM_CLASSES:
-        raise ValueError(f"The {'training' if train else 'evaluation'} data has {classes} classes but DATA.NUM_CLASSES is {cfg.DATA.NUM_CLASSES}; set DATA.NUM_CLASSES {classes}.")
+        raise ValueError(
+            f"The {'training' if train else 'evaluation'} data has {classes} classes but DATA.NUM_CLASSES is "
+            f"{cfg.DATA.NUM_CLASSES}; set DATA.NUM_CLASSES {classes}."
+        )
     return dataset
 
 

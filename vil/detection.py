@@ -42,17 +42,31 @@ class ViLBackbone(MsViT):
             unlike the classification model, which drops the remainder as the original release did).
     """
 
-    def __init__(self, arch, out_indices=(0, 1, 2, 3), level_norm=True, global_tokens="drop", frozen_stages=0,
-                 dynamic_img_pad=True, **kwargs):
+    def __init__(
+        self,
+        arch,
+        out_indices=(0, 1, 2, 3),
+        level_norm=True,
+        global_tokens="drop",
+        frozen_stages=0,
+        dynamic_img_pad=True,
+        **kwargs,
+    ):
         super().__init__(arch, num_classes=0, dynamic_img_pad=dynamic_img_pad, **kwargs)
         if global_tokens not in GLOBAL_TOKENS:
-            raise ValueError(f"global_tokens {global_tokens!r} is not an option; use one of {', '.join(GLOBAL_TOKENS)}.")
+            raise ValueError(
+                f"global_tokens {global_tokens!r} is not an option; use one of {', '.join(GLOBAL_TOKENS)}."
+            )
         self.out_indices = self.prune_intermediate_layers(out_indices, prune_norm=True)
         self.global_tokens = global_tokens
         self.out_channels_list = [self.feature_info[i]["num_chs"] for i in self.out_indices]
-        self.level_norms = nn.ModuleList(LayerNorm2d(c) if level_norm else nn.Identity() for c in self.out_channels_list)
+        self.level_norms = nn.ModuleList(
+            LayerNorm2d(c) if level_norm else nn.Identity() for c in self.out_channels_list
+        )
         if not 0 <= frozen_stages <= len(self.stage_specs):
-            raise ValueError(f"frozen_stages {frozen_stages} is out of range; this backbone has {len(self.stage_specs)} stages.")
+            raise ValueError(
+                f"frozen_stages {frozen_stages} is out of range; this backbone has {len(self.stage_specs)} stages."
+            )
         self.frozen_stages = frozen_stages
         for stage in self._frozen():
             stage.requires_grad_(False)
@@ -83,7 +97,9 @@ class ViLWithFPN(nn.Module):
     def __init__(self, body, out_channels=256, extra_blocks=None):
         super().__init__()
         self.body = body
-        self.fpn = FeaturePyramidNetwork(body.out_channels_list, out_channels, extra_blocks=extra_blocks or LastLevelMaxPool())
+        self.fpn = FeaturePyramidNetwork(
+            body.out_channels_list, out_channels, extra_blocks=extra_blocks or LastLevelMaxPool()
+        )
         self.out_channels = out_channels
 
     def forward(self, images):
@@ -104,9 +120,20 @@ def _model_arguments(name_or_cfg):
     raise ValueError(f"{name_or_cfg!r} is neither a ViL preset ({', '.join(PRESETS)}) nor an arch string nor a config.")
 
 
-def build_fpn_backbone(name_or_cfg, out_channels=256, trainable_stages=None, checkpoint=None, out_indices=(0, 1, 2, 3),
-                       extra_blocks=None, level_norm=True, global_tokens="drop", full_attention_to_local=False,
-                       num_global=None, global_init="copy", **model_overrides):
+def build_fpn_backbone(
+    name_or_cfg,
+    out_channels=256,
+    trainable_stages=None,
+    checkpoint=None,
+    out_indices=(0, 1, 2, 3),
+    extra_blocks=None,
+    level_norm=True,
+    global_tokens="drop",
+    full_attention_to_local=False,
+    num_global=None,
+    global_init="copy",
+    **model_overrides,
+):
     """A ViL backbone with a feature pyramid for torchvision's detectors.
 
     Args:
@@ -134,11 +161,23 @@ def build_fpn_backbone(name_or_cfg, out_channels=256, trainable_stages=None, che
     trainable = stages if trainable_stages is None else trainable_stages
     if not 0 <= trainable <= stages:
         raise ValueError(f"trainable_stages {trainable_stages} is out of range; use 0 to {stages}.")
-    body = ViLBackbone(arch_string(specs), out_indices=out_indices, level_norm=level_norm, global_tokens=global_tokens,
-                       frozen_stages=stages - trainable, **kwargs)
+    body = ViLBackbone(
+        arch_string(specs),
+        out_indices=out_indices,
+        level_norm=level_norm,
+        global_tokens=global_tokens,
+        frozen_stages=stages - trainable,
+        **kwargs,
+    )
     if checkpoint is not None:
-        load_backbone_checkpoint(body, checkpoint, source_arch, full_attention_to_local=full_attention_to_local,
-                                 num_global=num_global, global_init=global_init)
+        load_backbone_checkpoint(
+            body,
+            checkpoint,
+            source_arch,
+            full_attention_to_local=full_attention_to_local,
+            num_global=num_global,
+            global_init=global_init,
+        )
     return ViLWithFPN(body, out_channels, extra_blocks)
 
 
@@ -176,8 +215,9 @@ def load_backbone_checkpoint(body, path, source_arch, **conversion):
     state = backbone_state(checkpoint)
     if state is None:
         size = checkpoint_image_size(checkpoint, source_arch, path) or body.img_size
-        state, _, _ = convert_classification_state(checkpoint, source_arch, size, new_image_size=body.img_size,
-                                                   pad=body.dynamic_img_pad, **conversion)
+        state, _, _ = convert_classification_state(
+            checkpoint, source_arch, size, new_image_size=body.img_size, pad=body.dynamic_img_pad, **conversion
+        )
     load_model_state(body, state, path, may_miss=("level_norms.",))
 
 
@@ -199,6 +239,13 @@ def checkpoint_image_size(checkpoint, arch, path="The checkpoint"):
 
 
 __all__ = [
-    "EXPORT_FORMATS", "ViLBackbone", "ViLWithFPN", "backbone_state", "build_fpn_backbone",
-    "checkpoint_image_size", "export_state", "load_backbone_checkpoint", "stored_config",
+    "EXPORT_FORMATS",
+    "ViLBackbone",
+    "ViLWithFPN",
+    "backbone_state",
+    "build_fpn_backbone",
+    "checkpoint_image_size",
+    "export_state",
+    "load_backbone_checkpoint",
+    "stored_config",
 ]

@@ -42,7 +42,13 @@ from .optim import build_optimizer, build_scheduler, drop_learning_rate, model_e
 from .runtime import Runtime, seed_everything
 from .shards import ShardDataset
 from .training_state import (
-    LAST, check_resumable, copy_epoch_checkpoints, read_resume_point, restore, take_snapshot, write_snapshot,
+    LAST,
+    check_resumable,
+    copy_epoch_checkpoints,
+    read_resume_point,
+    restore,
+    take_snapshot,
+    write_snapshot,
 )
 
 log = logging.getLogger("vil")
@@ -71,9 +77,13 @@ def epoch_order(dataset, epoch, seed, runtime, repeated_aug=False):
         if repeated_aug:
             # selected_round 0: every process takes len / world samples, as DistributedSampler (timm's default
             # rounds down to multiples of 256, which the epoch's step count would not match).
-            sampler = RepeatAugSampler(dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, selected_round=0)
+            sampler = RepeatAugSampler(
+                dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, selected_round=0
+            )
         else:
-            sampler = DistributedSampler(dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, seed=seed)
+            sampler = DistributedSampler(
+                dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, seed=seed
+            )
         sampler.set_epoch(epoch)
         return list(sampler)
     return torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
@@ -83,7 +93,10 @@ def per_process_batch(cfg, runtime):
     """``DATALOADER.BSZ`` is the batch of all processes together, as in the original release."""
     batch = cfg.DATALOADER.BSZ
     if batch % runtime.world:
-        raise ValueError(f"DATALOADER.BSZ {batch} is the batch of all {runtime.world} processes together, so it must be a multiple of {runtime.world}.")
+        raise ValueError(
+            f"DATALOADER.BSZ {batch} is the batch of all {runtime.world} processes together, "
+            f"so it must be a multiple of {runtime.world}."
+        )
     return batch // runtime.world
 
 
@@ -112,8 +125,12 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
     if skipped:
         log.warning(f"Evaluation skipped {int(skipped)} unreadable images.")
     images, top1, top5 = counts.sum(dim=0).tolist()
-    return {"top1": 100 * top1 / max(images, 1), "top5": 100 * top5 / max(images, 1), "per_class": counts.cpu(),
-            "nonfinite": int(nonfinite)}
+    return {
+        "top1": 100 * top1 / max(images, 1),
+        "top5": 100 * top5 / max(images, 1),
+        "per_class": counts.cpu(),
+        "nonfinite": int(nonfinite),
+    }
 
 
 def _warn_unreadable(unreadable):
@@ -127,11 +144,16 @@ def eval_loader(dataset, cfg, runtime):
     """Each process evaluates every world-th sample (of shards: its own shards), so that all samples count
     exactly once."""
     if isinstance(dataset, ShardDataset):
-        return dataset.evaluation_batches(runtime.rank, runtime.world, per_process_batch(cfg, runtime),
-                                          cfg.DATALOADER.WORKERS, collate_skipping)
+        return dataset.evaluation_batches(
+            runtime.rank, runtime.world, per_process_batch(cfg, runtime), cfg.DATALOADER.WORKERS, collate_skipping
+        )
     indices = list(range(runtime.rank, len(dataset), runtime.world))
-    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=per_process_batch(cfg, runtime),
-                      num_workers=cfg.DATALOADER.WORKERS, collate_fn=collate_skipping)
+    return DataLoader(
+        torch.utils.data.Subset(dataset, indices),
+        batch_size=per_process_batch(cfg, runtime),
+        num_workers=cfg.DATALOADER.WORKERS,
+        collate_fn=collate_skipping,
+    )
 
 
 def amp_context(cfg, device):
@@ -158,8 +180,10 @@ def resolve_model_path(cfg):
     downloaded = pretrained_checkpoint(path)
     if downloaded:
         return downloaded
-    raise FileNotFoundError(f"Checkpoint {path} does not exist (nor under DATA.DATA_DIR {cfg.DATA.DATA_DIR}), and is "
-                            "not a pretrained tag (timm.list_pretrained('vil*') lists them).")
+    raise FileNotFoundError(
+        f"Checkpoint {path} does not exist (nor under DATA.DATA_DIR {cfg.DATA.DATA_DIR}), and is "
+        "not a pretrained tag (timm.list_pretrained('vil*') lists them)."
+    )
 
 
 def load_weights(model, cfg, new_classifier=False):
@@ -169,12 +193,17 @@ def load_weights(model, cfg, new_classifier=False):
     log says so; otherwise it is refused with the rest of a checkpoint that does not fit."""
     path = resolve_model_path(cfg)
     checkpoint = read_checkpoint(path)
-    state = fit_to_model(ema_state(checkpoint, path) if cfg.MODEL.LOAD_EMA else model_state(checkpoint, path), model, path)
+    state = fit_to_model(
+        ema_state(checkpoint, path) if cfg.MODEL.LOAD_EMA else model_state(checkpoint, path), model, path
+    )
     head = {k: v.shape for k, v in state.items() if k.startswith("head.")}
     if head != {k: v.shape for k, v in model.state_dict().items() if k.startswith("head.")}:
         found = f"a classifier for {head['head.weight'][0]} classes" if "head.weight" in head else "no classifier"
         if not new_classifier:
-            raise ValueError(f"Checkpoint {path} has {found}, not one for the DATA.NUM_CLASSES {model.num_classes} classes of this model.")
+            raise ValueError(
+                f"Checkpoint {path} has {found}, "
+                f"not one for the DATA.NUM_CLASSES {model.num_classes} classes of this model."
+            )
         log.info(f"Checkpoint {path} has {found}: this run trains a new one for DATA.NUM_CLASSES {model.num_classes}.")
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     load_model_state(model, state, path, may_miss=("head.",))
@@ -239,7 +268,10 @@ def set_up(cfg):
         runtime.barrier()
         setup_logging(out, runtime.is_main)
         if runtime.is_main and (leftovers := remove_temporaries(out)):
-            log.info(f"Removed {len(leftovers)} temporary files that interrupted writes left in {out}: {', '.join(leftovers)}.")
+            log.info(
+                f"Removed {len(leftovers)} temporary files that interrupted writes left in {out}: "
+                f"{', '.join(leftovers)}."
+            )
         resume_point = read_resume_point(out)
         if resume_point:
             check_resumable(resume_point[1], resume_point[0], cfg)
@@ -248,7 +280,9 @@ def set_up(cfg):
         warn_compatibility_keys(cfg, log)
         _log_resolved_arch(cfg)
         if runtime.world > 1 and runtime.backend != cfg.DISTRIBUTED_BACKEND:
-            log.info(f"DISTRIBUTED_BACKEND {cfg.DISTRIBUTED_BACKEND} serves CUDA devices; these CPU processes use gloo.")
+            log.info(
+                f"DISTRIBUTED_BACKEND {cfg.DISTRIBUTED_BACKEND} serves CUDA devices; these CPU processes use gloo."
+            )
         seed_everything(cfg.SEED + runtime.rank)
         return _build_run(cfg, runtime, lock, starts_fresh=resume_point is None), resume_point
     except BaseException:
@@ -261,7 +295,10 @@ def _log_resolved_arch(cfg):
     given = cfg.MODEL.VIT.MSVIT.ARCH
     resolved = arch_string(parse_arch(given))
     if resolved != given:
-        log.info(f"MODEL.VIT.MSVIT.ARCH resolves to {resolved} (the fields it leaves out take the original release's defaults).")
+        log.info(
+            f"MODEL.VIT.MSVIT.ARCH resolves to {resolved} "
+            "(the fields it leaves out take the original release's defaults)."
+        )
 
 
 def _build_run(cfg, runtime, lock, starts_fresh):
@@ -269,7 +306,10 @@ def _build_run(cfg, runtime, lock, starts_fresh):
     model = build_model(cfg)
     if cfg.MODEL.MODEL_PATH and starts_fresh:
         path = load_weights(model, cfg, new_classifier=True)
-        log.info(f"Starting from the weights of {path}{' (its EMA copy)' if cfg.MODEL.LOAD_EMA else ''}; optimizer, schedule and epochs start fresh.")
+        log.info(
+            f"Starting from the weights of {path}{' (its EMA copy)' if cfg.MODEL.LOAD_EMA else ''}; "
+            "optimizer, schedule and epochs start fresh."
+        )
     layout = memory_format(cfg)
     model = model.to(runtime.device, memory_format=layout)
     model.set_grad_checkpointing(cfg.MODEL.GRAD_CHECKPOINT)
@@ -279,23 +319,49 @@ def _build_run(cfg, runtime, lock, starts_fresh):
     batch, accum = per_process_batch(cfg, runtime), cfg.OPTIM.ACCUM_STEPS
     mixup = build_mixup(cfg)
     if mixup is not None and batch % 2:
-        raise ValueError(f"Mixup/CutMix pairs the samples of a batch, so each process's batch (DATALOADER.BSZ / processes) must be even, not {batch}.")
+        raise ValueError(
+            "Mixup/CutMix pairs the samples of a batch, so each process's batch (DATALOADER.BSZ / processes) "
+            f"must be even, not {batch}."
+        )
     batches_per_epoch = len(train_set) // runtime.world // batch
     if batches_per_epoch < accum:
-        raise ValueError(f"{len(train_set)} training images make {batches_per_epoch} batches of {batch} per process, fewer than OPTIM.ACCUM_STEPS {accum}; lower DATALOADER.BSZ.")
+        raise ValueError(
+            f"{len(train_set)} training images make {batches_per_epoch} batches of {batch} per process, "
+            f"fewer than OPTIM.ACCUM_STEPS {accum}; lower DATALOADER.BSZ."
+        )
     if cfg.AUG.REPEATED_AUG and cfg.DATA.FORMAT == "shards":
-        raise ValueError("AUG.REPEATED_AUG repeats samples of image folders; with DATA.FORMAT shards each process "
-                         "reads its own shards, so set AUG.REPEATED_AUG False.")
+        raise ValueError(
+            "AUG.REPEATED_AUG repeats samples of image folders; with DATA.FORMAT shards each process "
+            "reads its own shards, so set AUG.REPEATED_AUG False."
+        )
     if cfg.AUG.REPEATED_AUG and runtime.world == 1:
-        log.info("AUG.REPEATED_AUG applies to distributed training (as in the original release); this single process sees each image once an epoch.")
+        log.info(
+            "AUG.REPEATED_AUG applies to distributed training (as in the original release); "
+            "this single process sees each image once an epoch."
+        )
     if cfg.OPTIM.VAL and cfg.OPTIM.OPT not in PLATEAU_OPTIMIZERS:
-        log.info(f"OPTIM.VAL lowers the learning rate of {' and '.join(PLATEAU_OPTIMIZERS)} only (as in the original release); this {cfg.OPTIM.OPT} run ignores it.")
+        log.info(
+            f"OPTIM.VAL lowers the learning rate of {' and '.join(PLATEAU_OPTIMIZERS)} only "
+            f"(as in the original release); this {cfg.OPTIM.OPT} run ignores it."
+        )
     optimizer = build_optimizer(cfg, model)
     return Run(
-        cfg=cfg, runtime=runtime, model=model, net=_training_net(model, cfg, runtime),
-        optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer, batches_per_epoch // accum), scaler=scaler,
-        ema=model_ema(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None, criterion=build_loss(cfg, mixup),
-        mixup=mixup, amp=amp, memory_format=layout, train_set=train_set, test_set=test_set, batch=batch, lock=lock,
+        cfg=cfg,
+        runtime=runtime,
+        model=model,
+        net=_training_net(model, cfg, runtime),
+        optimizer=optimizer,
+        scheduler=build_scheduler(cfg, optimizer, batches_per_epoch // accum),
+        scaler=scaler,
+        ema=model_ema(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None,
+        criterion=build_loss(cfg, mixup),
+        mixup=mixup,
+        amp=amp,
+        memory_format=layout,
+        train_set=train_set,
+        test_set=test_set,
+        batch=batch,
+        lock=lock,
     )
 
 
@@ -309,7 +375,10 @@ def stop_diverged(run, what, where):
     elif run.kept.step == run.step:
         held = f"{last} holds the state it came from, {run.kept.where()}, so resume it with {advice}"
     else:
-        held = f"{last} keeps {run.kept.where()}, the newest state whose loss and gradients were finite: run again with {advice}"
+        held = (
+            f"{last} keeps {run.kept.where()}, the newest state whose loss and gradients were finite: "
+            f"run again with {advice}"
+        )
     message = f"Training stops before optimizer step {run.step + 1}: {what} at {where}; {held}."
     log.error(message)
     raise FloatingPointError(message)
@@ -354,12 +423,15 @@ def train_one_epoch(run, epoch):
         skipped += _warn_unreadable(unreadable)
         where = f"epoch {epoch + 1}, batch {i + 1}"
         if not len(images):
-            raise ValueError(f"All {len(unreadable)} images of the training batch at {where} are unreadable; check the data (the warnings above name them).")
+            raise ValueError(
+                f"All {len(unreadable)} images of the training batch at {where} are unreadable; "
+                "check the data (the warnings above name them)."
+            )
         images, targets = images.to(runtime.device, memory_format=run.memory_format), targets.to(runtime.device)
         if run.mixup is not None:
             images, targets = run.mixup(images, targets)
         last_micro = (i + 1) % accum == 0
-        with (run.net.no_sync() if runtime.world > 1 and not last_micro else nullcontext()), run.amp():
+        with run.net.no_sync() if runtime.world > 1 and not last_micro else nullcontext(), run.amp():
             loss = run.criterion(run.net(images), targets)
         (loss_mean,) = [x / runtime.world for x in runtime.sum(loss.item())]
         if not math.isfinite(loss_mean):
@@ -374,8 +446,11 @@ def train_one_epoch(run, epoch):
         step_end = time.perf_counter()
         window["step_s"] += step_end - fetched
         window["steps"] += last_micro
-        bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{run.optimizer.param_groups[0]['lr']:.2e}",
-                        img_s=f"{window['images'] / max(step_end - window['start'], 1e-9):.1f}")
+        bar.set_postfix(
+            loss=f"{loss_mean:.4f}",
+            lr=f"{run.optimizer.param_groups[0]['lr']:.2e}",
+            img_s=f"{window['images'] / max(step_end - window['start'], 1e-9):.1f}",
+        )
         if last_micro and cfg.LOG_FREQ and run.step % cfg.LOG_FREQ == 0:
             window = _log_steps(run, window, step_end)
         if last_micro and cfg.CHECKPOINT.EVERY_STEPS and run.step % cfg.CHECKPOINT.EVERY_STEPS == 0:
@@ -389,13 +464,26 @@ def training_batches(run, epoch):
     """The batches this process trains on in ``epoch``, from the one a resumed run stopped at."""
     cfg, runtime, collate = run.cfg, run.runtime, partial(collate_skipping, refill=True)
     if isinstance(run.train_set, ShardDataset):
-        return run.train_set.training_batches(epoch, cfg.SEED, runtime.rank, runtime.world, run.batch,
-                                              cfg.DATALOADER.WORKERS, collate, skip=run.batch_in_epoch)
+        return run.train_set.training_batches(
+            epoch,
+            cfg.SEED,
+            runtime.rank,
+            runtime.world,
+            run.batch,
+            cfg.DATALOADER.WORKERS,
+            collate,
+            skip=run.batch_in_epoch,
+        )
     order = epoch_order(run.train_set, epoch, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG)[run.batch_in_epoch * run.batch :]
     # A generator of its own: creating the iterator then draws no number from the global random state.
-    return DataLoader(torch.utils.data.Subset(run.train_set, order), batch_size=run.batch, drop_last=True,
-                      num_workers=cfg.DATALOADER.WORKERS, collate_fn=collate,
-                      generator=torch.Generator().manual_seed(cfg.SEED * 1000 + epoch))
+    return DataLoader(
+        torch.utils.data.Subset(run.train_set, order),
+        batch_size=run.batch,
+        drop_last=True,
+        num_workers=cfg.DATALOADER.WORKERS,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(cfg.SEED * 1000 + epoch),
+    )
 
 
 def _new_window(now):
@@ -409,10 +497,14 @@ def _log_steps(run, window, now):
     images/s, the mean seconds per optimizer step waiting for data and computing, the learning rate and the peak
     memory. Returns a fresh window."""
     steps = max(window["steps"], 1)
-    scalars = {"loss": window["loss"] * run.runtime.world / max(window["images"], 1),
-               "lr": run.optimizer.param_groups[0]["lr"],
-               "images_per_s": window["images"] / max(now - window["start"], 1e-9),
-               "data_s": window["data_s"] / steps, "step_s": window["step_s"] / steps, "max_memory_mib": _peak_memory_mib(run)}
+    scalars = {
+        "loss": window["loss"] * run.runtime.world / max(window["images"], 1),
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "images_per_s": window["images"] / max(now - window["start"], 1e-9),
+        "data_s": window["data_s"] / steps,
+        "step_s": window["step_s"] / steps,
+        "max_memory_mib": _peak_memory_mib(run),
+    }
     log.info(f"step {run.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items()))
     if run.writer:
         for name, value in scalars.items():
@@ -430,22 +522,41 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
     cfg, runtime, model = run.cfg, run.runtime, run.model
     if runtime.world > 1:
         _share_rank0_buffers(run)
-    result = evaluate(model, eval_loader(run.test_set, cfg, runtime), runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format)
+    result = evaluate(
+        model, eval_loader(run.test_set, cfg, runtime), runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format
+    )
     if result["nonfinite"]:
-        stop_diverged(run, f"the outputs of {result['nonfinite']} evaluation images were not finite", f"the end of epoch {epoch + 1}")
+        stop_diverged(
+            run,
+            f"the outputs of {result['nonfinite']} evaluation images were not finite",
+            f"the end of epoch {epoch + 1}",
+        )
     memory = _peak_memory_mib(run)
     mode = next((m.mode for m in model.modules() if isinstance(m, LongformerAttention)), 0)
-    scalars = {"loss": loss, "lr": run.optimizer.param_groups[0]["lr"], "top1": result["top1"], "top5": result["top5"],
-               "images_per_s": seen / elapsed, "max_memory_mib": memory, "attention_mode": mode}
+    scalars = {
+        "loss": loss,
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "top1": result["top1"],
+        "top5": result["top5"],
+        "images_per_s": seen / elapsed,
+        "max_memory_mib": memory,
+        "attention_mode": mode,
+    }
     if run.ema is not None:
         ema_loader = eval_loader(run.test_set, cfg, runtime)
-        scalars["top1_ema"] = evaluate(run.ema.module, ema_loader, runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format)["top1"]
+        scalars["top1_ema"] = evaluate(
+            run.ema.module, ema_loader, runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format
+        )["top1"]
     if run.writer:
         for name, value in scalars.items():
             run.writer.add_scalar(name, value, epoch + 1)
         run.writer.flush()
-    log.info(f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items())
-             + (f"; skipped {int(skipped)} unreadable images" if skipped else "") + f"; ETA {_run_eta(run, epoch)}")
+    log.info(
+        f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}: "
+        + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items())
+        + (f"; skipped {int(skipped)} unreadable images" if skipped else "")
+        + f"; ETA {_run_eta(run, epoch)}"
+    )
     return result["top1"]
 
 
@@ -475,7 +586,10 @@ def end_epoch(run, epoch, top1):
     if not improved and cfg.OPTIM.VAL and cfg.OPTIM.OPT in PLATEAU_OPTIMIZERS:
         drop_learning_rate(run.optimizer, cfg.OPTIM.DROP_FACTOR)
         run.lr_drop /= cfg.OPTIM.DROP_FACTOR
-        log.info(f"Epoch {epoch + 1} did not improve top-1 (OPTIM.VAL): the learning rate is divided by {cfg.OPTIM.DROP_FACTOR:g}.")
+        log.info(
+            f"Epoch {epoch + 1} did not improve top-1 (OPTIM.VAL): "
+            f"the learning rate is divided by {cfg.OPTIM.DROP_FACTOR:g}."
+        )
     run.pending = None
     write_snapshot(run, take_snapshot(run, epoch + 1, 0))
     if run.runtime.is_main:
@@ -499,7 +613,10 @@ def _train_epochs(run):
         from torch.utils.tensorboard import SummaryWriter
 
         run.writer = SummaryWriter(os.path.join(out, "tensorboard"))
-    log.info(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(run.train_set)} training and {len(run.test_set)} evaluation images, {runtime.world} process(es) on {runtime.device}.")
+    log.info(
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(run.train_set)} training and "
+        f"{len(run.test_set)} evaluation images, {runtime.world} process(es) on {runtime.device}."
+    )
     mode_switch_epoch = cfg.MODEL.VIT.MSVIT.VIL_MODE_SWITCH * cfg.OPTIM.EPOCHS
     top1 = 0.0
     run.started = time.perf_counter(), run.epoch
@@ -517,8 +634,10 @@ def _train_epochs(run):
         end_epoch(run, epoch, top1)
     if runtime.world > 1:
         _check_ranks_agree(model, runtime)
-    log.info(f"Best top-1 {run.best:.2f}. Checkpoints: {out}/checkpoint_last.pth, {out}/model_best.pth; "
-             f"log: {out}/log.txt; TensorBoard: tensorboard --logdir {out}/tensorboard")
+    log.info(
+        f"Best top-1 {run.best:.2f}. Checkpoints: {out}/checkpoint_last.pth, {out}/model_best.pth; "
+        f"log: {out}/log.txt; TensorBoard: tensorboard --logdir {out}/tensorboard"
+    )
     runtime.barrier()
     return top1
 
@@ -540,7 +659,9 @@ def evaluate_checkpoint(cfg):
     layout = memory_format(cfg)
     dataset = build_dataset(cfg, train=False)
     loader = eval_loader(dataset, cfg, runtime)
-    result = evaluate(model.to(runtime.device, memory_format=layout), loader, runtime, amp, cfg.DATA.NUM_CLASSES, layout)
+    result = evaluate(
+        model.to(runtime.device, memory_format=layout), loader, runtime, amp, cfg.DATA.NUM_CLASSES, layout
+    )
     if not runtime.is_main:
         return None
     report = {"checkpoint": path, "top1": result["top1"], "top5": result["top5"], "images": len(dataset)}
@@ -575,5 +696,7 @@ def _check_ranks_agree(model, runtime):
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     if low.item() != high.item():
-        raise RuntimeError(f"The {runtime.world} processes ended with different weights (checksums {low.item()} to {high.item()}).")
+        raise RuntimeError(
+            f"The {runtime.world} processes ended with different weights (checksums {low.item()} to {high.item()})."
+        )
     log.info(f"All {runtime.world} processes hold identical weights.")

@@ -15,14 +15,20 @@ def _example_and_dims(model, height, width, batch=2):
     that are multiples of the model's total stride (of any batch only, for a model of fixed input size)."""
     if model.fixed_input_size:
         if (height, width) != tuple(model.img_size):
-            raise ValueError(f"This model takes only {model.img_size[0]}x{model.img_size[1]} images (linformer "
-                             f"attention is built for one token count); export it at that size, not {height}x{width}.")
+            raise ValueError(
+                f"This model takes only {model.img_size[0]}x{model.img_size[1]} images (linformer "
+                f"attention is built for one token count); export it at that size, not {height}x{width}."
+            )
         return torch.randn(batch, model.in_chans, height, width), ({0: torch.export.Dim("batch", min=1, max=1024)},)
     stride = model.total_stride
     if height % stride or width % stride:
-        raise ValueError(f"Export at an image size that is a multiple of the model's total stride {stride}, got "
-                         f"{height}x{width}.")
-    rows, cols = torch.export.Dim("rows", min=1, max=4096 // stride), torch.export.Dim("cols", min=1, max=4096 // stride)
+        raise ValueError(
+            f"Export at an image size that is a multiple of the model's total stride {stride}, got {height}x{width}."
+        )
+    rows, cols = (
+        torch.export.Dim("rows", min=1, max=4096 // stride),
+        torch.export.Dim("cols", min=1, max=4096 // stride),
+    )
     dims = {0: torch.export.Dim("batch", min=1, max=1024), 2: stride * rows, 3: stride * cols}
     return torch.randn(batch, model.in_chans, height, width), (dims,)
 
@@ -42,12 +48,14 @@ def export_onnx(model, path, height, width):
         import onnx  # noqa: F401  (torch.onnx's exporter needs onnx and onnxscript)
         import onnxscript  # noqa: F401
     except ImportError as error:
-        raise ValueError(f"ONNX export needs the onnx and onnxscript packages ({error}); install them with "
-                         "pip install -e .[onnx].") from None
+        raise ValueError(
+            f"ONNX export needs the onnx and onnxscript packages ({error}); install them with pip install -e .[onnx]."
+        ) from None
     example, dims = _example_and_dims(model, height, width)
     with torch.no_grad():
-        onnx_program = torch.onnx.export(model.eval(), (example,), dynamic_shapes=dims, dynamo=True,
-                                         input_names=["images"], output_names=["logits"])
+        onnx_program = torch.onnx.export(
+            model.eval(), (example,), dynamic_shapes=dims, dynamo=True, input_names=["images"], output_names=["logits"]
+        )
     atomic_write(path, lambda f: f.write(onnx_program.model_proto.SerializeToString()))
     return path
 
@@ -57,6 +65,8 @@ def onnx_outputs(path, images):
     try:
         import onnxruntime
     except ImportError as error:
-        raise ValueError(f"Running an ONNX file needs onnxruntime ({error}); install it with pip install -e .[onnx].") from None
+        raise ValueError(
+            f"Running an ONNX file needs onnxruntime ({error}); install it with pip install -e .[onnx]."
+        ) from None
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: images.numpy()})[0])

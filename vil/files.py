@@ -37,7 +37,9 @@ def atomic_write(path, write):
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMPORARY_PREFIX)
     except OSError as e:
-        raise OutputError(f"Cannot write {path}: {_reason(e)} in {directory}; choose a folder you can write to.") from None
+        raise OutputError(
+            f"Cannot write {path}: {_reason(e)} in {directory}; choose a folder you can write to."
+        ) from None
     umask = os.umask(0)
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)  # the mode open() would give; mkstemp makes files private to the owner
@@ -108,7 +110,9 @@ class FolderLock:
         except OSError:
             holder = os.pread(self._fd, 256, 0).decode(errors="replace").strip() or "another process"
             os.close(self._fd)
-            raise OutputError(f"{what} {folder} is in use by another run ({holder}); wait for it to end or choose another {what}.") from None
+            raise OutputError(
+                f"{what} {folder} is in use by another run ({holder}); wait for it to end or choose another {what}."
+            ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
 

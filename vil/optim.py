@@ -27,9 +27,16 @@ def parameter_groups(model, cfg):
     decay_rate = cfg.OPTIM.LAYER_DECAY
     if decay_rate:
         if not 0 < decay_rate <= 1:
-            raise ValueError(f"OPTIM.LAYER_DECAY {decay_rate} is not a decay rate; use a value in (0, 1], or 0 to turn it off.")
-        groups = param_groups_layer_decay(model, weight_decay=cfg.OPTIM.WD, no_weight_decay_list=skip,
-                                          weight_decay_exclude_1d=False, layer_decay=decay_rate)
+            raise ValueError(
+                f"OPTIM.LAYER_DECAY {decay_rate} is not a decay rate; use a value in (0, 1], or 0 to turn it off."
+            )
+        groups = param_groups_layer_decay(
+            model,
+            weight_decay=cfg.OPTIM.WD,
+            no_weight_decay_list=skip,
+            weight_decay_exclude_1d=False,
+            layer_decay=decay_rate,
+        )
         undecayed = {id(p) for name, p in model.named_parameters() if name in skip}
         for group in groups:
             if all(id(p) in undecayed for p in group["params"]):
@@ -73,8 +80,10 @@ def _fused_kernels_apply(model):
     devices = {p.device.type for p in model.parameters()}
     if devices <= {"cpu", "cuda"} and all(p.is_floating_point() for p in model.parameters()):
         return True
-    log.info(f"Parameters on {', '.join(sorted(devices))}: the optimizer runs torch's default implementation, "
-             "not its fused one (CPU and CUDA floating point only).")
+    log.info(
+        f"Parameters on {', '.join(sorted(devices))}: the optimizer runs torch's default implementation, "
+        "not its fused one (CPU and CUDA floating point only)."
+    )
     return None
 
 
@@ -92,18 +101,26 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
     per_epoch = 1 if solver.EPOCH_BASED_SCHEDULE else steps_per_epoch
     warmup = solver.WARMUP_EPOCHS if solver.EPOCH_BASED_SCHEDULE else int(round(solver.WARMUP_EPOCHS * steps_per_epoch))
     total = cfg.OPTIM.EPOCHS * per_epoch
-    common = dict(warmup_t=warmup, warmup_lr_init=cfg.OPTIM.LR * solver.WARMUP_FACTOR, t_in_epochs=solver.EPOCH_BASED_SCHEDULE)
+    common = dict(
+        warmup_t=warmup, warmup_lr_init=cfg.OPTIM.LR * solver.WARMUP_FACTOR, t_in_epochs=solver.EPOCH_BASED_SCHEDULE
+    )
     policy = solver.LR_POLICY
     decay_steps = max(1, total - warmup)
     if policy == "cosine":
         return CosineLRScheduler(optimizer, t_initial=decay_steps, lr_min=solver.MIN_LR, warmup_prefix=True, **common)
     if policy == "linear":
-        return PolyLRScheduler(optimizer, t_initial=decay_steps, power=1.0, lr_min=solver.MIN_LR, warmup_prefix=True, **common)
+        return PolyLRScheduler(
+            optimizer, t_initial=decay_steps, power=1.0, lr_min=solver.MIN_LR, warmup_prefix=True, **common
+        )
     if policy in ("multistep", "step"):
-        return StepLRScheduler(optimizer, decay_t=cfg.OPTIM.DROP_FREQ * per_epoch, decay_rate=1.0 / cfg.OPTIM.DROP_FACTOR, **common)
+        return StepLRScheduler(
+            optimizer, decay_t=cfg.OPTIM.DROP_FREQ * per_epoch, decay_rate=1.0 / cfg.OPTIM.DROP_FACTOR, **common
+        )
     if policy in ("", "constant"):
         return StepLRScheduler(optimizer, decay_t=total + 1, decay_rate=1.0, **common)
-    raise ValueError(f"SOLVER.LR_POLICY {policy!r} is not supported; use 'cosine', 'linear', 'multistep' or 'constant'.")
+    raise ValueError(
+        f"SOLVER.LR_POLICY {policy!r} is not supported; use 'cosine', 'linear', 'multistep' or 'constant'."
+    )
 
 
 def drop_learning_rate(optimizer, factor):

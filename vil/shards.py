@@ -33,8 +33,9 @@ def require_webdataset():
     try:
         import webdataset
     except ImportError as error:
-        raise ValueError(f"DATA.FORMAT shards reads tar shards with webdataset ({error}); install it with "
-                         "pip install -e .[shards].") from None
+        raise ValueError(
+            f"DATA.FORMAT shards reads tar shards with webdataset ({error}); install it with pip install -e .[shards]."
+        ) from None
     return webdataset
 
 
@@ -53,12 +54,16 @@ class ShardDataset:
                 index = json.load(f)
             self.classes, counts = list(index["classes"]), dict(index["shards"])
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{root} is not a folder of shards with its {INDEX} ({error}); write one with "
-                             "python tools/make_shards.py.") from None
+            raise ValueError(
+                f"{root} is not a folder of shards with its {INDEX} ({error}); write one with "
+                "python tools/make_shards.py."
+            ) from None
         missing = [name for name in counts if not os.path.isfile(os.path.join(root, name))]
         if missing:
-            raise ValueError(f"{os.path.join(root, INDEX)} lists {len(missing)} shards that are not in {root}, "
-                             f"e.g. {missing[0]}; write the split again with tools/make_shards.py.")
+            raise ValueError(
+                f"{os.path.join(root, INDEX)} lists {len(missing)} shards that are not in {root}, "
+                f"e.g. {missing[0]}; write the split again with tools/make_shards.py."
+            )
         self.root, self.counts, self.transform = root, counts, transform
 
     def __len__(self):
@@ -79,20 +84,30 @@ class ShardDataset:
 
     def _loader(self, shards, batch, workers, collate_fn, drop_last, shuffle_seed=None):
         wds = require_webdataset()
-        stages = [wds.SimpleShardList([os.path.join(self.root, name) for name in shards]), wds.split_by_worker,
-                  wds.tarfile_to_samples()]
+        stages = [
+            wds.SimpleShardList([os.path.join(self.root, name) for name in shards]),
+            wds.split_by_worker,
+            wds.tarfile_to_samples(),
+        ]
         if shuffle_seed is not None:
             stages.append(wds.shuffle(1000, initial=100, rng=random.Random(shuffle_seed)))
         stages.append(wds.map(self._decoded))
-        return DataLoader(wds.DataPipeline(*stages), batch_size=batch, num_workers=workers, collate_fn=collate_fn,
-                          drop_last=drop_last)
+        return DataLoader(
+            wds.DataPipeline(*stages), batch_size=batch, num_workers=workers, collate_fn=collate_fn, drop_last=drop_last
+        )
 
     def training_batches(self, epoch, seed, rank, world, batch, workers, collate_fn, skip=0):
         """The batches process ``rank`` of ``world`` trains on in ``epoch``, from batch ``skip`` on (a resumed
         epoch reads the ones before again and drops them)."""
         steps = min(self._full_batches(self._shards_of(r, world, epoch, seed), batch, workers) for r in range(world))
-        loader = self._loader(self._shards_of(rank, world, epoch, seed), batch, workers, collate_fn, drop_last=True,
-                              shuffle_seed=(seed * 1000 + epoch) * world + rank)
+        loader = self._loader(
+            self._shards_of(rank, world, epoch, seed),
+            batch,
+            workers,
+            collate_fn,
+            drop_last=True,
+            shuffle_seed=(seed * 1000 + epoch) * world + rank,
+        )
         return islice(loader, skip, steps)
 
     def evaluation_batches(self, rank, world, batch, workers, collate_fn):

@@ -31,11 +31,35 @@ LAST = "checkpoint_last.pth"
 BEST = "model_best.pth"
 # Keys a resumed run may change (a key, or a section with all its keys): it follows their new values.
 FOLLOWED_ON_RESUME = (
-    "OPTIM.LR", "OPTIM.EPOCHS", "OPTIM.MOM", "OPTIM.NU", "OPTIM.WD", "OPTIM.WD0", "OPTIM.ADAM", "OPTIM.CLIP_GRAD",
-    "OPTIM.DROP_FREQ", "OPTIM.DROP_FACTOR", "OPTIM.VAL", "SOLVER", "MODEL.EMA_DECAY", "MODEL.GRAD_CHECKPOINT",
-    "MODEL.MODEL_PATH", "MODEL.LOAD_EMA", "DATA.PATH", "DATA.DATA_DIR", "DATALOADER.WORKERS", "AMP", "LOG_FREQ",
-    "CHECKPOINT", "ONLY_SAVE_LAST", "OUTPUT_DIR", "OUTPUT_PERCLASS_ACC", "EVALUATE", "DISTRIBUTED_BACKEND",
-    "BACKUP_LOG_DIR", "GATHER_ON_CPU",
+    "OPTIM.LR",
+    "OPTIM.EPOCHS",
+    "OPTIM.MOM",
+    "OPTIM.NU",
+    "OPTIM.WD",
+    "OPTIM.WD0",
+    "OPTIM.ADAM",
+    "OPTIM.CLIP_GRAD",
+    "OPTIM.DROP_FREQ",
+    "OPTIM.DROP_FACTOR",
+    "OPTIM.VAL",
+    "SOLVER",
+    "MODEL.EMA_DECAY",
+    "MODEL.GRAD_CHECKPOINT",
+    "MODEL.MODEL_PATH",
+    "MODEL.LOAD_EMA",
+    "DATA.PATH",
+    "DATA.DATA_DIR",
+    "DATALOADER.WORKERS",
+    "AMP",
+    "LOG_FREQ",
+    "CHECKPOINT",
+    "ONLY_SAVE_LAST",
+    "OUTPUT_DIR",
+    "OUTPUT_PERCLASS_ACC",
+    "EVALUATE",
+    "DISTRIBUTED_BACKEND",
+    "BACKUP_LOG_DIR",
+    "GATHER_ON_CPU",
 )
 _REQUIRED = ("net", "optimizer", "epoch", "batch_in_epoch", "step", "best_acc", "rng", "config")
 
@@ -74,10 +98,19 @@ def write_snapshot(run, snapshot):
     """Write ``checkpoint_last.pth`` from ``snapshot`` and the run's weights and optimizer (main process)."""
     if run.runtime.is_main:
         save_checkpoint(
-            os.path.join(run.cfg.OUTPUT_DIR, LAST), run.model, arch=run.cfg.MODEL.ARCH, epoch=snapshot.epoch,
-            batch_in_epoch=snapshot.batch_in_epoch, step=snapshot.step, best_acc=run.best, lr_drop=run.lr_drop,
-            optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
-            ema=run.ema.module.state_dict() if run.ema else None, rng=snapshot.rng, config=run.cfg.dump(),
+            os.path.join(run.cfg.OUTPUT_DIR, LAST),
+            run.model,
+            arch=run.cfg.MODEL.ARCH,
+            epoch=snapshot.epoch,
+            batch_in_epoch=snapshot.batch_in_epoch,
+            step=snapshot.step,
+            best_acc=run.best,
+            lr_drop=run.lr_drop,
+            optimizer=run.optimizer.state_dict(),
+            scaler=run.scaler.state_dict(),
+            ema=run.ema.module.state_dict() if run.ema else None,
+            rng=snapshot.rng,
+            config=run.cfg.dump(),
         )
     run.kept = snapshot
 
@@ -99,7 +132,9 @@ def copy_epoch_checkpoints(cfg, epoch, improved):
 
 def epoch_checkpoints(out):
     """The ``checkpoint_epoch<N>.pth`` files in ``out``, newest first."""
-    found = [(int(m.group(1)), name) for name in os.listdir(out) if (m := re.fullmatch(r"checkpoint_epoch(\d+)\.pth", name))]
+    found = [
+        (int(m.group(1)), name) for name in os.listdir(out) if (m := re.fullmatch(r"checkpoint_epoch(\d+)\.pth", name))
+    ]
     return [os.path.join(out, name) for _, name in sorted(found, reverse=True)]
 
 
@@ -120,7 +155,9 @@ def read_resume_point(out):
             continue
         log.warning(f"Resuming from {path}, the newest readable checkpoint, because {problem}.")
         return path, checkpoint
-    raise ValueError(f"Cannot resume: {problem}, and {out} holds no readable epoch checkpoint; move {last} away to start afresh.")
+    raise ValueError(
+        f"Cannot resume: {problem}, and {out} holds no readable epoch checkpoint; move {last} away to start afresh."
+    )
 
 
 def check_resumable(checkpoint, path, cfg):
@@ -128,18 +165,26 @@ def check_resumable(checkpoint, path, cfg):
     another value of a key outside :data:`FOLLOWED_ON_RESUME`; log the followed keys that changed."""
     missing = [key for key in _REQUIRED if key not in checkpoint]
     if missing:
-        raise ValueError(f"{path} is not a training checkpoint of this project (it has no {', '.join(missing)}); "
-                         "move it out of OUTPUT_DIR to start afresh, or choose another OUTPUT_DIR.")
+        raise ValueError(
+            f"{path} is not a training checkpoint of this project (it has no {', '.join(missing)}); "
+            "move it out of OUTPUT_DIR to start afresh, or choose another OUTPUT_DIR."
+        )
     saved = _flat(config_from_text(checkpoint["config"], f"the config stored in {path}"))
     now = _flat(cfg)
     changed = [key for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
     refused = [key for key in changed if not _followed(key)]
     if refused:
         differences = ", ".join(f"{key} {saved.get(key)!r} (now {now.get(key)!r})" for key in refused)
-        raise ValueError(f"{path} was trained with {differences}; set those values again to resume, or choose another OUTPUT_DIR for a new run.")
+        raise ValueError(
+            f"{path} was trained with {differences}; "
+            "set those values again to resume, or choose another OUTPUT_DIR for a new run."
+        )
     if changed:
-        log.info("Resuming with new values, which the run follows from here: "
-                 + ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in changed) + ".")
+        log.info(
+            "Resuming with new values, which the run follows from here: "
+            + ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
+            + "."
+        )
 
 
 def restore(run, checkpoint, path):
@@ -151,10 +196,13 @@ def restore(run, checkpoint, path):
         # The run's settings replace the saved ones before loading, so that torch places the state for them
         # (the step counts of fused kernels, say, which a checkpoint written without them keeps on the CPU).
         saved = checkpoint["optimizer"]["param_groups"]
-        groups = [{**group, **fresh} for group, fresh in zip(saved, settings)] + saved[len(settings):]
+        groups = [{**group, **fresh} for group, fresh in zip(saved, settings)] + saved[len(settings) :]
         run.optimizer.load_state_dict({**checkpoint["optimizer"], "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as e:
-        raise ValueError(f"The optimizer state in {path} does not fit this run's optimizer ({str(e).rstrip('.')}); choose another OUTPUT_DIR for a new run.") from None
+        raise ValueError(
+            f"The optimizer state in {path} does not fit this run's optimizer ({str(e).rstrip('.')}); "
+            "choose another OUTPUT_DIR for a new run."
+        ) from None
     run.lr_drop = float(checkpoint.get("lr_drop", 1.0))
     for group, fresh in zip(run.optimizer.param_groups, settings):
         group["lr_scale"] = fresh.get("lr_scale", 1.0) * run.lr_drop
@@ -162,7 +210,9 @@ def restore(run, checkpoint, path):
         run.scaler.load_state_dict(checkpoint["scaler"])
     if run.ema is not None and checkpoint.get("ema"):
         run.ema.module.load_state_dict(checkpoint["ema"])
-    run.epoch, run.step, run.best, run.batch_in_epoch = (checkpoint[k] for k in ("epoch", "step", "best_acc", "batch_in_epoch"))
+    run.epoch, run.step, run.best, run.batch_in_epoch = (
+        checkpoint[k] for k in ("epoch", "step", "best_acc", "batch_in_epoch")
+    )
     run.scheduler.step_update(run.step)
     run.kept = Snapshot(run.epoch, run.batch_in_epoch, run.step, checkpoint["rng"])
     set_rng_state(checkpoint["rng"][min(run.runtime.rank, len(checkpoint["rng"]) - 1)])

@@ -8,7 +8,17 @@ GRAMMAR = (
     "p (patch size), f (window), a (1 absolute position embedding / 0 relative bias); "
     'e.g. "l1,h3,d96,n1,s1,g1,p4,f7,a1_l2,h3,d192,n2,s1,g1,p2,f7,a1_l3,h6,d384,n8,s0,g1,p2,f7,a1"'
 )
-_FIELDS = {"l": "index", "h": "heads", "d": "dim", "n": "depth", "s": "local", "g": "num_global", "p": "patch", "f": "window", "a": "ape"}
+_FIELDS = {
+    "l": "index",
+    "h": "heads",
+    "d": "dim",
+    "n": "depth",
+    "s": "local",
+    "g": "num_global",
+    "p": "patch",
+    "f": "window",
+    "a": "ape",
+}
 _DEFAULTS = {"l": 1, "h": 3, "d": 192, "n": 1, "s": 1, "g": 1, "p": 2, "f": 7, "a": 1}
 _MINIMUM = {"l": 1, "h": 1, "d": 1, "n": 1, "s": 0, "g": 0, "p": 1, "f": 1, "a": 0}
 _MAXIMUM = {"s": 1, "a": 1}
@@ -54,13 +64,18 @@ def parse_arch(arch):
             values[letter] = value
         if values["l"] != position:
             raise ValueError(
-                f"Arch string stage {position} ({stage!r}) says l{values['l']}: stage indices must be 1, 2, 3(, 4) in order; {GRAMMAR}."
+                f"Arch string stage {position} ({stage!r}) says l{values['l']}: "
+                f"stage indices must be 1, 2, 3(, 4) in order; {GRAMMAR}."
             )
         if values["d"] % values["h"]:
-            raise ValueError(f"Arch string stage {position} ({stage!r}): hidden size d{values['d']} is not divisible by heads h{values['h']}.")
+            raise ValueError(
+                f"Arch string stage {position} ({stage!r}): "
+                f"hidden size d{values['d']} is not divisible by heads h{values['h']}."
+            )
         if values["a"] and values["d"] % 2:
             raise ValueError(
-                f"Arch string stage {position} ({stage!r}): absolute position embedding (a1) splits d between rows and columns, so d{values['d']} must be even."
+                f"Arch string stage {position} ({stage!r}): absolute position embedding (a1) splits d between rows "
+                f"and columns, so d{values['d']} must be even."
             )
         specs.append(StageSpec(**{_FIELDS[k]: (bool(v) if k in "sa" else v) for k, v in values.items()}))
     return specs
@@ -133,5 +148,8 @@ COMPARISONS = {
     "vil_small_performer": (small_arch(4, (256,) * 4), dict(attention="performer")),
     "vil_small_performer_partial": (small_arch(2, (256, 256, 7, 7)), dict(attention="performer")),
     "vil_small_global": (small_arch(4, num_global=(64,) * 4), dict(attention="longformer", only_global=True)),
-    "vil_small_global_partial": (small_arch(2, num_global=(64, 64, 1, 0)), dict(attention="longformer", only_global=True)),
+    "vil_small_global_partial": (
+        small_arch(2, num_global=(64, 64, 1, 0)),
+        dict(attention="longformer", only_global=True),
+    ),
 }

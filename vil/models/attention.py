@@ -107,8 +107,20 @@ class LongformerAttention(_Attention):
     (1..8, uniformly) and all 9 in evaluation.
     """
 
-    def __init__(self, dim, heads, num_global, window, rpe=False, exact=0, mode=0, share_w=True,
-                 only_global=False, backend=None, drop=0.0):
+    def __init__(
+        self,
+        dim,
+        heads,
+        num_global,
+        window,
+        rpe=False,
+        exact=0,
+        mode=0,
+        share_w=True,
+        only_global=False,
+        backend=None,
+        drop=0.0,
+    ):
         super().__init__()
         check_backend(None if only_global else backend, dim // heads, window, exact, mode)
         if only_global and num_global == 0:
@@ -147,11 +159,17 @@ class LongformerAttention(_Attention):
         else:
             grid = (B, H, nx, ny, C // H)
             local_out = local_attention_2d(
-                q.reshape(grid), k[:, :, G:].reshape(grid), v[:, :, G:].reshape(grid), self.window,
-                exact=self.exact, mode=self.current_mode(),
-                global_k=k[:, :, :G] if G else None, global_v=v[:, :, :G] if G else None,
+                q.reshape(grid),
+                k[:, :, G:].reshape(grid),
+                v[:, :, G:].reshape(grid),
+                self.window,
+                exact=self.exact,
+                mode=self.current_mode(),
+                global_k=k[:, :, :G] if G else None,
+                global_v=v[:, :, :G] if G else None,
                 rel_bias=self.local_relative_position_bias_table.t() if self.rpe else None,
-                global_bias=local_bias_g, backend=self.backend,
+                global_bias=local_bias_g,
+                backend=self.backend,
             ).reshape(B, H, nx * ny, C // H)
         local_out = self.proj(merge_heads(local_out))
         if not G:

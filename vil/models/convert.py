@@ -44,7 +44,7 @@ def infer_image_size(state, specs):
     """The square image size a state dict's position tables were made for (stage 1's absolute position
     embedding, or a full-attention table), or None when it has neither."""
     stride = 1
-    for i, spec in enumerate(specs):
+    for spec in specs:
         stride *= spec.patch
         prefix = f"layer{spec.index}."
         rows = state.get(prefix + "0.x_pos_embed")
@@ -149,7 +149,8 @@ def set_num_global(state, specs, num_global, init="copy"):
             converted[key] = value
     if num_global == 0:  # no tokens, no projections of theirs; the tokens' position embedding stays, empty
         converted = {
-            k: v for k, v in converted.items()
+            k: v
+            for k, v in converted.items()
             if not (k.endswith((".cls_token", "_relative_position_bias")) or "_global." in k)
         }
     return converted, backbone_specs(specs, num_global=num_global)
@@ -176,8 +177,17 @@ def checkpoint_filter_fn(state_dict, model):
     return fit_to_model(model_state(state_dict), model, "pretrained_cfg file")
 
 
-def convert_classification_state(state, arch, image_size, *, full_attention_to_local=False, num_global=None,
-                                 global_init="copy", new_image_size=None, pad=True):
+def convert_classification_state(
+    state,
+    arch,
+    image_size,
+    *,
+    full_attention_to_local=False,
+    num_global=None,
+    global_init="copy",
+    new_image_size=None,
+    pad=True,
+):
     """A classification model's state (arch string ``arch``, built for ``image_size``) as a backbone's: no
     classifier or final norm; optionally full-attention stages as longformer ones, another number of global
     tokens, position tables for ``new_image_size`` (the maps of patch embeddings that ``pad``, as the

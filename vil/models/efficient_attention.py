@@ -44,9 +44,9 @@ class LinformerAttention(nn.Module):
         N = x.shape[1]
         if N != self.seq_len:
             raise ValueError(
-                f"Linformer attention{_in_stage(self.stage)} is built for {self.seq_len} tokens (the image size the model "
-                f"was built for) and got {N} ({nx}x{ny} + global tokens); give images of the size the model was built "
-                "for, or build it (img_size, INPUT.IMAGE_SIZE) for this size."
+                f"Linformer attention{_in_stage(self.stage)} is built for {self.seq_len} tokens (the image size the "
+                f"model was built for) and got {N} ({nx}x{ny} + global tokens); give images of the size the model was "
+                "built for, or build it (img_size, INPUT.IMAGE_SIZE) for this size."
             )
         q = split_heads(self.query(x), self.heads)
         keys, values = self.kv(x).chunk(2, dim=-1)

@@ -42,7 +42,9 @@ class LongformerSelfAttention(nn.Module):
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}).")
         if isinstance(dilation, (list, tuple)):
             if len(dilation) != num_heads:
-                raise ValueError(f"dilation must be one int or one int per head ({num_heads}), got {len(dilation)} values.")
+                raise ValueError(
+                    f"dilation must be one int or one int per head ({num_heads}), got {len(dilation)} values."
+                )
             dilation = tuple(dilation)
         Neighborhood1d(window, dilation, causal)  # raises for a bad window, dilation or causal
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
@@ -61,9 +63,13 @@ class LongformerSelfAttention(nn.Module):
             raise ValueError(f"x must have shape (B, L, dim={self.dim}), got {tuple(x.shape)}.")
         B, L, _ = x.shape
         for name, mask in (("key_padding_mask", key_padding_mask), ("global_mask", global_mask)):
-            if mask is not None and (tuple(mask.shape) != (B, L) or mask.dtype != torch.bool or mask.device != x.device):
-                raise ValueError(f"{name} must be a bool tensor of shape (B, L) = ({B}, {L}) on {x.device}, got "
-                                 f"{mask.dtype} of shape {tuple(mask.shape)} on {mask.device}.")
+            if mask is not None and (
+                tuple(mask.shape) != (B, L) or mask.dtype != torch.bool or mask.device != x.device
+            ):
+                raise ValueError(
+                    f"{name} must be a bool tensor of shape (B, L) = ({B}, {L}) on {x.device}, got "
+                    f"{mask.dtype} of shape {tuple(mask.shape)} on {mask.device}."
+                )
         padding = torch.zeros(B, L, dtype=torch.bool, device=x.device) if key_padding_mask is None else key_padding_mask
         is_global = torch.zeros_like(padding) if global_mask is None else global_mask
         if (padding & is_global).any():
@@ -87,12 +93,22 @@ class LongformerSelfAttention(nn.Module):
     def _attend(self, x, q, k, v, padding, is_global, g):
         """The outputs ``(B, heads, L, head_dim)`` of sequences that all have ``g`` global tokens."""
         B, H, L, D = q.shape
-        scale = D ** -0.5
+        scale = D**-0.5
         positions = is_global.nonzero()[:, 1].view(B, g)  # each sequence's global tokens, in order
         index = positions[:, None, :, None].expand(B, H, g, D)
         out = local_attention_1d(
-            q, k, v, self.window, dilation=self.dilation, causal=self.causal, key_padding_mask=padding | is_global,
-            global_k=k.gather(2, index), global_v=v.gather(2, index), scale=scale, backend=self.backend)
+            q,
+            k,
+            v,
+            self.window,
+            dilation=self.dilation,
+            causal=self.causal,
+            key_padding_mask=padding | is_global,
+            global_k=k.gather(2, index),
+            global_v=v.gather(2, index),
+            scale=scale,
+            backend=self.backend,
+        )
         if not g:
             return out
         global_q = self._heads(self.query_global(x.gather(1, positions[..., None].expand(B, g, x.shape[-1]))))

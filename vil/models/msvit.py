@@ -6,6 +6,7 @@ Module and parameter names follow the original release (``layer1.0.proj.weight``
 """
 
 import math
+from collections import deque
 from functools import partial
 
 import torch
@@ -13,8 +14,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, Mlp, register_notrace_function, register_notrace_module, to_2tuple, trunc_normal_
-from timm.models import (build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model,
-                         resolve_pretrained_cfg)
+from timm.models import (
+    build_model_with_cfg,
+    generate_default_cfgs,
+    get_pretrained_cfg,
+    register_model,
+    resolve_pretrained_cfg,
+)
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import download_checkpoint
@@ -162,10 +168,28 @@ class MsViT(nn.Module):
             strides are their patch sizes, there are no dilated stages.
     """
 
-    def __init__(self, arch, img_size=224, in_chans=3, num_classes=1000, global_pool=None, drop_rate=0.0,
-                 drop_path_rate=0.1, norm_embed=True, avg_pool=False, attention="longformer", attn_backend=None,
-                 share_w=True, share_kv=True, only_global=False, sw_exact=0, mode=0, ln_eps=1e-6, dynamic_img_pad=False,
-                 output_stride=None):
+    def __init__(
+        self,
+        arch,
+        img_size=224,
+        in_chans=3,
+        num_classes=1000,
+        global_pool=None,
+        drop_rate=0.0,
+        drop_path_rate=0.1,
+        norm_embed=True,
+        avg_pool=False,
+        attention="longformer",
+        attn_backend=None,
+        share_w=True,
+        share_kv=True,
+        only_global=False,
+        sw_exact=0,
+        mode=0,
+        ln_eps=1e-6,
+        dynamic_img_pad=False,
+        output_stride=None,
+    ):
         super().__init__()
         self.dynamic_img_pad = dynamic_img_pad
         self.stage_specs = parse_arch(arch)
@@ -173,11 +197,15 @@ class MsViT(nn.Module):
         self.feature_info, stride = [], 1
         for spec in self.stage_specs:
             stride *= spec.patch
-            self.feature_info.append(dict(num_chs=spec.dim, reduction=stride, module=f"stage_maps.{len(self.feature_info)}"))
+            self.feature_info.append(
+                dict(num_chs=spec.dim, reduction=stride, module=f"stage_maps.{len(self.feature_info)}")
+            )
         self.total_stride = stride
         if output_stride not in (None, stride):
-            raise ValueError(f"output_stride {output_stride} is not available: this architecture's stages have fixed "
-                             f"strides (its patch sizes), so its output stride is {stride}; leave output_stride out.")
+            raise ValueError(
+                f"output_stride {output_stride} is not available: this architecture's stages have fixed "
+                f"strides (its patch sizes), so its output stride is {stride}; leave output_stride out."
+            )
         if min(self.img_size) < stride:
             raise ValueError(
                 f"Image size {img_size} is smaller than the model's total stride {stride} (the product of the "
@@ -187,7 +215,9 @@ class MsViT(nn.Module):
             global_pool = "token" if self.stage_specs[-1].num_global and not avg_pool else "avg"
         self.global_pool = self._checked_pool(global_pool)
         if attention not in MECHANISMS:
-            raise ValueError(f"attention {attention!r} is not a mechanism of this model; use one of {', '.join(MECHANISMS)}.")
+            raise ValueError(
+                f"attention {attention!r} is not a mechanism of this model; use one of {', '.join(MECHANISMS)}."
+            )
         if only_global and attention != "longformer":
             raise ValueError(f"ONLY_GLOBAL (only_global) is an option of longformer attention, not of {attention!r}.")
         norm_layer = partial(nn.LayerNorm, eps=ln_eps)
@@ -195,11 +225,35 @@ class MsViT(nn.Module):
 
         in_dim, layer = in_chans, 0
         for spec, (nx, ny) in zip(self.stage_specs, stage_map_sizes(self.stage_specs, self.img_size, dynamic_img_pad)):
-            blocks = [PatchEmbed(in_dim, spec.dim, spec.patch, nx, ny, spec.num_global, spec.ape, norm_embed, norm_layer,
-                                 drop_rate, dynamic_img_pad)]
+            blocks = [
+                PatchEmbed(
+                    in_dim,
+                    spec.dim,
+                    spec.patch,
+                    nx,
+                    ny,
+                    spec.num_global,
+                    spec.ape,
+                    norm_embed,
+                    norm_layer,
+                    drop_rate,
+                    dynamic_img_pad,
+                )
+            ]
             for _ in range(spec.depth):
-                attn = self._attention(spec, nx, ny, attention if spec.local else "full", drop_rate, attn_backend=attn_backend,
-                                       share_w=share_w, share_kv=share_kv, only_global=only_global, exact=sw_exact, mode=mode)
+                attn = self._attention(
+                    spec,
+                    nx,
+                    ny,
+                    attention if spec.local else "full",
+                    drop_rate,
+                    attn_backend=attn_backend,
+                    share_w=share_w,
+                    share_kv=share_kv,
+                    only_global=only_global,
+                    exact=sw_exact,
+                    mode=mode,
+                )
                 blocks.append(AttnBlock(spec.dim, attn, norm_layer, rates[layer]))
                 blocks.append(MlpBlock(spec.dim, norm_layer, drop_rate, rates[layer]))
                 layer += 1
@@ -223,8 +277,19 @@ class MsViT(nn.Module):
         if attention == "full":
             return FullAttention(dim, heads, G, nx, ny, rpe=not spec.ape, drop=drop)
         if attention == "longformer":
-            return LongformerAttention(dim, heads, G, f, rpe=not spec.ape, exact=exact, mode=mode, share_w=share_w,
-                                       only_global=only_global, backend=attn_backend, drop=drop)
+            return LongformerAttention(
+                dim,
+                heads,
+                G,
+                f,
+                rpe=not spec.ape,
+                exact=exact,
+                mode=mode,
+                share_w=share_w,
+                only_global=only_global,
+                backend=attn_backend,
+                drop=drop,
+            )
         if attention == "linformer":
             return LinformerAttention(dim, heads, G + nx * ny, f, share_kv=share_kv, drop=drop, stage=spec.index)
         if attention == "srformer":
@@ -279,7 +344,15 @@ class MsViT(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self):
         """Names of the parameters trained without weight decay (position embeddings, tokens, norms, biases tables)."""
-        keywords = ("pos_embed", "cls_token", "norm.weight", "norm.bias", "norm_embed", "head.bias", "relative_position")
+        keywords = (
+            "pos_embed",
+            "cls_token",
+            "norm.weight",
+            "norm.bias",
+            "norm_embed",
+            "head.bias",
+            "relative_position",
+        )
         return {name for name, _ in self.named_parameters() if any(k in name for k in keywords)}
 
     @torch.jit.ignore
@@ -357,8 +430,16 @@ class MsViT(nn.Module):
             return tokens
         return tokens.reshape(tokens.shape[0], nx, ny, tokens.shape[-1])
 
-    def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
-                              intermediates_only=False, global_tokens="drop"):
+    def forward_intermediates(
+        self,
+        x,
+        indices=None,
+        norm=False,
+        stop_early=False,
+        output_fmt="NCHW",
+        intermediates_only=False,
+        global_tokens="drop",
+    ):
         """Images (B, C, H, W) -> the stage outputs as maps (at strides 4, 8, 16, 32 for the presets).
 
         Args:
@@ -412,8 +493,7 @@ class MsViT(nn.Module):
     def forward_features(self, x):
         """Images (B, C, H, W) -> the last stage's normalised tokens in :attr:`output_fmt`: (B, H', W', C) for
         the presets, (B, G + H'W', C) where the last stage has global tokens."""
-        for tokens, (nx, ny) in self._stages(x):
-            pass
+        tokens, (nx, ny) = deque(self._stages(x), maxlen=1).pop()  # the last stage's
         return self._final(tokens, nx, ny)
 
     def forward_head(self, x, pre_logits=False):
@@ -462,10 +542,21 @@ def model_kwargs(cfg):
     attention = backend if backend in MECHANISMS else "longformer"
     check_window_options(msvit.SW_EXACT, msvit.MODE)  # also where no layer is a longformer one
     return dict(
-        arch=msvit.ARCH, img_size=cfg.INPUT.IMAGE_SIZE, num_classes=cfg.DATA.NUM_CLASSES, drop_rate=vit.DROP,
-        drop_path_rate=vit.DROP_PATH, norm_embed=vit.NORM_EMBED, avg_pool=vit.AVG_POOL,
-        attention=attention, attn_backend=None if backend in MECHANISMS else backend,
-        share_w=msvit.SHARE_W, share_kv=msvit.SHARE_KV, only_global=msvit.ONLY_GLOBAL, sw_exact=msvit.SW_EXACT, mode=msvit.MODE, ln_eps=msvit.LN_EPS,
+        arch=msvit.ARCH,
+        img_size=cfg.INPUT.IMAGE_SIZE,
+        num_classes=cfg.DATA.NUM_CLASSES,
+        drop_rate=vit.DROP,
+        drop_path_rate=vit.DROP_PATH,
+        norm_embed=vit.NORM_EMBED,
+        avg_pool=vit.AVG_POOL,
+        attention=attention,
+        attn_backend=None if backend in MECHANISMS else backend,
+        share_w=msvit.SHARE_W,
+        share_kv=msvit.SHARE_KV,
+        only_global=msvit.ONLY_GLOBAL,
+        sw_exact=msvit.SW_EXACT,
+        mode=msvit.MODE,
+        ln_eps=msvit.LN_EPS,
         dynamic_img_pad=vit.DYNAMIC_IMG_PAD,
     )
 
@@ -483,10 +574,20 @@ def _cfg(name, url="", size=224, num_classes=1000, description=None):
     stride = math.prod(spec.patch for spec in parse_arch(arch))
     fixed_input_size = attention.get("attention") == "linformer"  # its projections are made for one token count
     return {
-        "url": url, "num_classes": num_classes, "input_size": (3, size, size), "pool_size": (size // stride, size // stride),
-        "crop_pct": 0.875 if size == 224 else 1.0, "interpolation": "bicubic", "fixed_input_size": fixed_input_size,
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD, "first_conv": "layer1.0.proj", "classifier": "head",
-        "license": "mit", "paper_ids": "arXiv:2103.15358", "origin_url": "https://github.com/microsoft/vision-longformer",
+        "url": url,
+        "num_classes": num_classes,
+        "input_size": (3, size, size),
+        "pool_size": (size // stride, size // stride),
+        "crop_pct": 0.875 if size == 224 else 1.0,
+        "interpolation": "bicubic",
+        "fixed_input_size": fixed_input_size,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "layer1.0.proj",
+        "classifier": "head",
+        "license": "mit",
+        "paper_ids": "arXiv:2103.15358",
+        "origin_url": "https://github.com/microsoft/vision-longformer",
         "description": description,
     }
 
@@ -497,29 +598,55 @@ def _cfg(name, url="", size=224, num_classes=1000, description=None):
 ORIGINAL_RELEASE_URL = "https://penzhanwu2.blob.core.windows.net/imagenet/msvit/"
 PRETRAINED = {
     "vil_tiny.in1k": ("visionlongformer/msvit_tiny_longformersw_1191_train/model_best.pth", 76.3, 93.3),
-    "vil_tiny_rpb.in1k": ("visionlongformer/longtiny1191_ape0_exact0_nglo1_mode1_swith075/model_best.pth", 76.65, 93.55),
+    "vil_tiny_rpb.in1k": (
+        "visionlongformer/longtiny1191_ape0_exact0_nglo1_mode1_swith075/model_best.pth",
+        76.65,
+        93.55,
+    ),
     "vil_small.in1k": ("visionlongformer/msvit_small_longformersw_1281_train/model_best.pth", 82.0, 95.8),
     "vil_small_rpb.in1k": ("visionlongformer/small1281_relative/model_best.pth", 82.39, 95.92),
     "vil_medium_deep.in1k": ("visionlongformer/deepmedium_14161_lr8e-4/model_best.pth", 83.3, 96.3),
     "vil_medium_deep.in22k_ft_in1k_384": (
-        "IN384_IN22kpretrained/msvitdeepmedium_imagenet384_finetune_bsz256_lr001_wd0/model_best.pth", 85.6, 97.7),
+        "IN384_IN22kpretrained/msvitdeepmedium_imagenet384_finetune_bsz256_lr001_wd0/model_best.pth",
+        85.6,
+        97.7,
+    ),
     "vil_medium_deep.in22k": ("IN22kpretrained/deepmedium/model_best.pth", None, None),
-    "vil_medium_deep_rpb.in1k": ("visionlongformer/longdeepmedium_ape0_exact0_mode1_switch075/model_best.pth", 83.52, 96.52),
+    "vil_medium_deep_rpb.in1k": (
+        "visionlongformer/longdeepmedium_ape0_exact0_mode1_switch075/model_best.pth",
+        83.52,
+        96.52,
+    ),
     "vil_medium_deep_rpb.in22k_ft_in1k_384": (
-        "IN384_IN22kpretrained/msvitdeepmedium_imagenet384_finetune_bsz256_lr001_wd1e-7_ape0/model_best.pth", 85.73, 97.8),
+        "IN384_IN22kpretrained/msvitdeepmedium_imagenet384_finetune_bsz256_lr001_wd1e-7_ape0/model_best.pth",
+        85.73,
+        97.8,
+    ),
     "vil_medium_deep_rpb.in22k": ("IN22kpretrained/deepmedium_relative/model_best.pth", None, None),
     "vil_medium_wide.in1k": ("visionlongformer/wide_medium_1281/model_best.pth", 82.9, 96.4),
     "vil_medium_wide.in22k_ft_in1k_384": (
-        "IN384_IN22kpretrained/msvitwidemedium_imagenet384_finetune_bsz512_lr004_wd0/model_best.pth", 84.7, 97.3),
+        "IN384_IN22kpretrained/msvitwidemedium_imagenet384_finetune_bsz512_lr004_wd0/model_best.pth",
+        84.7,
+        97.3,
+    ),
     "vil_medium_wide.in22k": ("IN22kpretrained/widemedium/model_best.pth", None, None),
     "vil_base_deep.in22k_ft_in1k_384": (
-        "IN384_IN22kpretrained/msvitdeepbase_imagenet384_finetune_bsz640_lr003_wd0/model_best.pth", 86.0, 97.9),
+        "IN384_IN22kpretrained/msvitdeepbase_imagenet384_finetune_bsz640_lr003_wd0/model_best.pth",
+        86.0,
+        97.9,
+    ),
     "vil_base_deep.in22k": ("IN22kpretrained/deepbase/model_best.pth", None, None),
     "vil_base_deep_rpb.in22k_ft_in1k_384": (
-        "IN384_IN22kpretrained/msvitdeepbase_imagenet384_finetune_bsz320_lr0015_wd0_ape0/model_best.pth", 86.11, 97.89),
+        "IN384_IN22kpretrained/msvitdeepbase_imagenet384_finetune_bsz320_lr0015_wd0_ape0/model_best.pth",
+        86.11,
+        97.89,
+    ),
     "vil_base_deep_rpb.in22k": ("IN22kpretrained/deepbase_relative/model_best.pth", None, None),
     "vil_base_wide.in22k_ft_in1k_384": (
-        "IN384_IN22kpretrained/msvitwidebase_imagenet384_finetune_bsz768_lr001_wd1e-7/model_best.pth", 86.2, 98.0),
+        "IN384_IN22kpretrained/msvitwidebase_imagenet384_finetune_bsz768_lr001_wd1e-7/model_best.pth",
+        86.2,
+        98.0,
+    ),
     "vil_base_wide.in22k": ("IN22kpretrained/widebase/model_best.pth", None, None),
     # The attention comparison (COMPARISONS). The global-memory checkpoints are not tags: their number of global
     # tokens is not known here. The performer's 256 features fit its published parameter counts (24.8M, 24.7M), which
@@ -539,16 +666,26 @@ VARIANTS = {**{name: (arch, {}) for name, arch in PRESETS.items()}, **COMPARISON
 
 def _tag_cfg(tag, file, top1, top5):
     name, kind = tag.split(".")
-    about = (f"The original release's checkpoint: ImageNet-1K top-1 {top1}, top-5 {top5} as published." if top1 else
-             "The original release's ImageNet-22K pre-training.")
-    return _cfg(name, ORIGINAL_RELEASE_URL + file, size=384 if kind.endswith("_384") else 224,
-                num_classes=21841 if kind == "in22k" else 1000, description=about)
+    about = (
+        f"The original release's checkpoint: ImageNet-1K top-1 {top1}, top-5 {top5} as published."
+        if top1
+        else "The original release's ImageNet-22K pre-training."
+    )
+    return _cfg(
+        name,
+        ORIGINAL_RELEASE_URL + file,
+        size=384 if kind.endswith("_384") else 224,
+        num_classes=21841 if kind == "in22k" else 1000,
+        description=about,
+    )
 
 
-default_cfgs = generate_default_cfgs({
-    **{tag: _tag_cfg(tag, *published) for tag, published in PRETRAINED.items()},
-    **{name: _cfg(name) for name in VARIANTS if not any(t.startswith(name + ".") for t in PRETRAINED)},
-})
+default_cfgs = generate_default_cfgs(
+    {
+        **{tag: _tag_cfg(tag, *published) for tag, published in PRETRAINED.items()},
+        **{name: _cfg(name) for name in VARIANTS if not any(t.startswith(name + ".") for t in PRETRAINED)},
+    }
+)
 
 
 def _feature_cfg(kwargs):
@@ -560,13 +697,17 @@ def _feature_cfg(kwargs):
         return feature_cfg
     feature_cls, output_fmt = kwargs.pop("feature_cls", "getter"), kwargs.pop("output_fmt", "NCHW")
     if isinstance(feature_cls, str) and feature_cls not in ("getter", "hook", "fx"):
-        raise ValueError(f"feature_cls {feature_cls!r} does not give this model's maps (its stages return tokens); "
-                         "use 'getter' (the default), 'hook' or 'fx'.")
+        raise ValueError(
+            f"feature_cls {feature_cls!r} does not give this model's maps (its stages return tokens); "
+            "use 'getter' (the default), 'hook' or 'fx'."
+        )
     if output_fmt not in ("NCHW", "NHWC"):
         raise ValueError(f"output_fmt {output_fmt!r} is not a layout of feature maps; use 'NCHW' or 'NHWC'.")
     if output_fmt != "NCHW" and feature_cls != "getter":
-        raise ValueError(f"feature_cls {feature_cls!r} returns NCHW maps; for output_fmt {output_fmt!r} use "
-                         "feature_cls 'getter' (the default).")
+        raise ValueError(
+            f"feature_cls {feature_cls!r} returns NCHW maps; for output_fmt {output_fmt!r} use "
+            "feature_cls 'getter' (the default)."
+        )
     return dict(feature_cfg, feature_cls=feature_cls, output_fmt=output_fmt)
 
 
@@ -588,18 +729,28 @@ def _create_vil(variant, pretrained=False, **kwargs):
     """The preset ``variant`` at its pretrained tag's image size; with ``pretrained``, a published checkpoint is
     downloaded into torch hub's cache under its tag's name (the original release names every file
     model_best.pth, which the cache, keyed by file name, would mix up) and converted on load."""
-    cfg = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get("pretrained_cfg"),
-                                 pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"))
+    cfg = resolve_pretrained_cfg(
+        variant,
+        pretrained_cfg=kwargs.get("pretrained_cfg"),
+        pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"),
+    )
     kwargs.setdefault("img_size", cfg.input_size[-1])
     arch, attention = VARIANTS[variant]
     if kwargs.get("feature_cls") == "fx" and kwargs.get("attention", attention.get("attention")) == "performer":
-        raise ValueError("feature_cls 'fx' cannot extract a performer model's features: tracing drops the redraw of its "
-                         "random features; use feature_cls 'getter' (the default) or 'hook'.")
+        raise ValueError(
+            "feature_cls 'fx' cannot extract a performer model's features: tracing drops the redraw of its "
+            "random features; use feature_cls 'getter' (the default) or 'hook'."
+        )
     if pretrained and cfg.url and not (cfg.file or cfg.state_dict):
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, file=_downloaded(cfg))
     return build_model_with_cfg(
-        MsViT, variant, pretrained, arch=arch, pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=_feature_cfg(kwargs), **{**attention, **kwargs},
+        MsViT,
+        variant,
+        pretrained,
+        arch=arch,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=_feature_cfg(kwargs),
+        **{**attention, **kwargs},
     )
 
 

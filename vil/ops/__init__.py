@@ -10,5 +10,13 @@ from .local_attention import (
 )
 from .neighborhood import Neighborhood1d, Neighborhood2d
 
-__all__ = ["Neighborhood1d", "Neighborhood2d", "available_backends", "check_backend", "check_window_options",
-           "default_backend", "local_attention_1d", "local_attention_2d"]
+__all__ = [
+    "Neighborhood1d",
+    "Neighborhood2d",
+    "available_backends",
+    "check_backend",
+    "check_window_options",
+    "default_backend",
+    "local_attention_1d",
+    "local_attention_2d",
+]

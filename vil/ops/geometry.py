@@ -164,7 +164,9 @@ def chunk_plan(rows, cols, window, exact, mode, device):
             )
         )
         start += c
-    return ChunkPlan(window=w, rows=rows, cols=cols, chunk_rows=mx, chunk_cols=my, order=order.to(device), groups=tuple(groups))
+    return ChunkPlan(
+        window=w, rows=rows, cols=cols, chunk_rows=mx, chunk_cols=my, order=order.to(device), groups=tuple(groups)
+    )
 
 
 @lru_cache(maxsize=16)

@@ -12,16 +12,35 @@ import numbers
 
 import torch
 
-from .backends import chunk_rows, chunks_1d, flex, fused_cpu, fused_triton, loop_1d, reference, sliding_chunk
 from . import operators
-from .backends import sliding_chunk_autograd, unfold
+from .backends import (
+    chunk_rows,
+    chunks_1d,
+    flex,
+    fused_cpu,
+    fused_triton,
+    loop_1d,
+    reference,
+    sliding_chunk,
+    sliding_chunk_autograd,
+    unfold,
+)
 from .neighborhood import Neighborhood1d, Neighborhood2d
 
 _BACKENDS = {
     b.name: b
     for b in (
-        sliding_chunk.BACKEND, sliding_chunk_autograd.BACKEND, fused_triton.BACKEND, fused_cpu.BACKEND, flex.BACKEND,
-        unfold.UNFOLD, unfold.UNFOLD_NNF, chunk_rows.BACKEND, loop_1d.BACKEND, chunks_1d.BACKEND, reference.BACKEND,
+        sliding_chunk.BACKEND,
+        sliding_chunk_autograd.BACKEND,
+        fused_triton.BACKEND,
+        fused_cpu.BACKEND,
+        flex.BACKEND,
+        unfold.UNFOLD,
+        unfold.UNFOLD_NNF,
+        chunk_rows.BACKEND,
+        loop_1d.BACKEND,
+        chunks_1d.BACKEND,
+        reference.BACKEND,
     )
 }
 # The fastest backends measured by tools/benchmark_attention.py (see BENCHMARKS.md), in order, per device type;
@@ -68,30 +87,45 @@ def _choose(backend, hood, q, trains):
         backend = default_backend(q.device, q.dtype, dims)
         if not torch.compiler.is_compiling() and (q.device.type, q.dtype, backend, dims) not in _logged_choices:
             _logged_choices.add((q.device.type, q.dtype, backend, dims))
-            _log.info("local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type)
+            _log.info(
+                "local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type
+            )
     able = available_backends(dims)
     if backend not in _BACKENDS:
         raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(able)}.")
     b = _BACKENDS[backend]
     if not b.computes(dims):
-        raise ValueError(f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {', '.join(able)}.")
+        raise ValueError(
+            f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {', '.join(able)}."
+        )
     if hood.dilated and b.dilation(dims) is None:
         others = [n for n in able if _BACKENDS[n].dilation(dims) is not None]
-        raise ValueError(f"The {backend} backend computes undilated windows only; backends with dilation: {', '.join(others)}.")
+        raise ValueError(
+            f"The {backend} backend computes undilated windows only; backends with dilation: {', '.join(others)}."
+        )
     device = q.device.type
     if not _runs_on(b.devices, device):
         others = [n for n in able if _runs_on(_BACKENDS[n].devices, device)]
-        raise ValueError(f"The {backend} backend runs on {_listed(b.devices)} tensors, but q is on {q.device}; "
-                         f"backends that run there: {', '.join(others)}.")
+        raise ValueError(
+            f"The {backend} backend runs on {_listed(b.devices)} tensors, but q is on {q.device}; "
+            f"backends that run there: {', '.join(others)}."
+        )
     if device == "meta":
-        raise ValueError("q is on the meta device, which holds no values to attend over; give tensors on a real device.")
+        raise ValueError(
+            "q is on the meta device, which holds no values to attend over; give tensors on a real device."
+        )
     if trains and not _runs_on(b.trains_on, device):
-        others = [n for n in able if _runs_on(_BACKENDS[n].devices, device) and _runs_on(_BACKENDS[n].trains_on, device)]
-        raise ValueError(f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
-                         f"backends that can: {', '.join(others)}.")
+        others = [
+            n for n in able if _runs_on(_BACKENDS[n].devices, device) and _runs_on(_BACKENDS[n].trains_on, device)
+        ]
+        raise ValueError(
+            f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
+            f"backends that can: {', '.join(others)}."
+        )
     if q.dtype not in b.dtypes:
-        raise ValueError(f"The {backend} backend takes {_listed([str(t).split('.')[-1] for t in b.dtypes])} inputs, "
-                         f"got {q.dtype}.")
+        raise ValueError(
+            f"The {backend} backend takes {_listed([str(t).split('.')[-1] for t in b.dtypes])} inputs, got {q.dtype}."
+        )
     if b.available is not None:
         b.available()
     if b.check is not None:
@@ -112,8 +146,22 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, global_v=None, rel_bias=None,
-                       global_bias=None, scale=None, dilation=1, backend=None):
+def local_attention_2d(
+    q,
+    k,
+    v,
+    window,
+    *,
+    exact=0,
+    mode=0,
+    global_k=None,
+    global_v=None,
+    rel_bias=None,
+    global_bias=None,
+    scale=None,
+    dilation=1,
+    backend=None,
+):
     """Local attention of every position of a 2D map to its window, plus G global keys in the same softmax.
 
     Args:
@@ -140,7 +188,9 @@ def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, globa
         mode = int(mode)
     drawn_mode = mode if isinstance(mode, torch.Tensor) else None  # read by the operator when it runs
     hood = Neighborhood2d(window, exact, mode if drawn_mode is None else 1, dilation)  # 1: any neighbour, to check
-    _check_types(q=q, k=k, v=v, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias, scale=scale)
+    _check_types(
+        q=q, k=k, v=v, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias, scale=scale
+    )
     if q.dim() != 5:
         raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
     _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, "(4w-1)**2")
@@ -151,8 +201,18 @@ def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, globa
     b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
     inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
     if drawn_mode is not None or _traced_as_one_operator(b, q):
-        return operators.attention_2d(b.name, q, k, v, *_tensor_inputs(inputs), hood.window, hood.exact,
-                                      hood.mode if drawn_mode is None else drawn_mode, hood.dilation, inputs["scale"])
+        return operators.attention_2d(
+            b.name,
+            q,
+            k,
+            v,
+            *_tensor_inputs(inputs),
+            hood.window,
+            hood.exact,
+            hood.mode if drawn_mode is None else drawn_mode,
+            hood.dilation,
+            inputs["scale"],
+        )
     if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
         b = reference.BACKEND
     # A dilation beyond a side of the map leaves too little of it for a backend's own dilated windows.
@@ -161,8 +221,22 @@ def local_attention_2d(q, k, v, window, *, exact=0, mode=0, global_k=None, globa
     return b.attention_2d(q, k, v, hood, **inputs)
 
 
-def local_attention_1d(q, k, v, window, *, dilation=1, causal=False, key_padding_mask=None, global_k=None,
-                       global_v=None, rel_bias=None, global_bias=None, scale=None, backend=None):
+def local_attention_1d(
+    q,
+    k,
+    v,
+    window,
+    *,
+    dilation=1,
+    causal=False,
+    key_padding_mask=None,
+    global_k=None,
+    global_v=None,
+    rel_bias=None,
+    global_bias=None,
+    scale=None,
+    backend=None,
+):
     """Longformer's sliding-window attention over a sequence, plus G global keys in the same softmax.
 
     Query ``i`` attends to the global keys and to the window keys ``i + d*a``, ``-w <= a <= w`` (``a <= 0`` when
@@ -182,8 +256,17 @@ def local_attention_1d(q, k, v, window, *, dilation=1, causal=False, key_padding
         scale: factor of the scores; ``head_dim ** -0.5`` when None.
         backend: one of ``available_backends(dims=1)``; None: ``default_backend(device, dtype, dims=1)``.
     """
-    _check_types(q=q, k=k, v=v, key_padding_mask=key_padding_mask, global_k=global_k, global_v=global_v, rel_bias=rel_bias,
-                 global_bias=global_bias, scale=scale)
+    _check_types(
+        q=q,
+        k=k,
+        v=v,
+        key_padding_mask=key_padding_mask,
+        global_k=global_k,
+        global_v=global_v,
+        rel_bias=rel_bias,
+        global_bias=global_bias,
+        scale=scale,
+    )
     if q.dim() != 4:
         raise ValueError(f"q must have shape (B, heads, L, head_dim), got {tuple(q.shape)}.")
     B, H, L, _ = q.shape
@@ -201,15 +284,29 @@ def local_attention_1d(q, k, v, window, *, dilation=1, causal=False, key_padding
         hood = hood.fitted(L)
     if key_padding_mask is not None:
         if tuple(key_padding_mask.shape) != (B, L) or key_padding_mask.dtype != torch.bool:
-            raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, L) = ({B}, {L}), got "
-                             f"{key_padding_mask.dtype} of shape {tuple(key_padding_mask.shape)}.")
+            raise ValueError(
+                f"key_padding_mask must be a bool tensor of shape (B, L) = ({B}, {L}), got "
+                f"{key_padding_mask.dtype} of shape {tuple(key_padding_mask.shape)}."
+            )
         if key_padding_mask.device != q.device:
-            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}; both must match.")
+            raise ValueError(
+                f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}; both must match."
+            )
     b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
     inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
     if _traced_as_one_operator(b, q):
-        return operators.attention_1d(b.name, q, k, v, *_tensor_inputs(inputs), key_padding_mask, hood.window,
-                                      hood.dilations(H), hood.causal, inputs["scale"])
+        return operators.attention_1d(
+            b.name,
+            q,
+            k,
+            v,
+            *_tensor_inputs(inputs),
+            key_padding_mask,
+            hood.window,
+            hood.dilations(H),
+            hood.causal,
+            inputs["scale"],
+        )
     if q.numel() == 0:
         b = reference.BACKEND
     return _run_1d(b, q, k, v, hood, dict(inputs, key_padding_mask=key_padding_mask))
@@ -232,7 +329,8 @@ def _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale):
         global_k = global_v = global_bias = None
     # Bias tables are parameters, often float32 next to half-precision activations (autocast).
     return dict(
-        global_k=global_k, global_v=global_v,
+        global_k=global_k,
+        global_v=global_v,
         rel_bias=None if rel_bias is None else rel_bias.to(q.dtype),
         global_bias=None if global_bias is None else global_bias.to(q.dtype),
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
@@ -246,7 +344,9 @@ def _per_sub_lattice(fn, q, k, v, hood, inputs):
     for r in range(min(d, q.shape[2])):
         for c in range(min(d, q.shape[3])):
             part = (slice(None), slice(None), slice(r, None, d), slice(c, None, d))
-            out[part] = fn(q[part].contiguous(), k[part].contiguous(), v[part].contiguous(), hood.with_dilation(1), **inputs)
+            out[part] = fn(
+                q[part].contiguous(), k[part].contiguous(), v[part].contiguous(), hood.with_dilation(1), **inputs
+            )
     return out
 
 
@@ -302,7 +402,9 @@ def _check_types(scale, **tensors):
     """Tensors where tensors belong (not lists or numpy arrays), a number as the scale."""
     for name, t in tensors.items():
         if t is not None and not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got a {type(t).__name__}; convert it with torch.as_tensor.")
+            raise ValueError(
+                f"{name} must be a torch.Tensor, got a {type(t).__name__}; convert it with torch.as_tensor."
+            )
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise ValueError(f"scale must be a number (or None for head_dim ** -0.5), got {scale!r}.")
     q = tensors["q"]
@@ -327,11 +429,15 @@ def _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, row
         G = global_k.shape[2] if global_k.dim() == 4 else -1
         for name, t in (("global_k", global_k), ("global_v", global_v)):
             if t.dim() != 4 or t.shape[:2] != (B, H) or t.shape[3] != D or t.shape[2] != G:
-                raise ValueError(f"{name} must have shape (B, heads, G, head_dim) = ({B}, {H}, G, {D}), got {tuple(t.shape)}.")
+                raise ValueError(
+                    f"{name} must have shape (B, heads, G, head_dim) = ({B}, {H}, G, {D}), got {tuple(t.shape)}."
+                )
     if global_bias is not None and global_k is None:
         raise ValueError("global_bias needs global_k and global_v.")
-    for name, t, shape, shape_name in (("rel_bias", rel_bias, (H, hood.bias_rows), rows_name),
-                                       ("global_bias", global_bias, (H, G), "G")):
+    for name, t, shape, shape_name in (
+        ("rel_bias", rel_bias, (H, hood.bias_rows), rows_name),
+        ("global_bias", global_bias, (H, G), "G"),
+    ):
         if t is None:
             continue
         if tuple(t.shape) != shape:

@@ -6,7 +6,7 @@ over a sequence (:class:`Neighborhood1d`). Both say nothing about how a backend 
 """
 
 from dataclasses import dataclass
-from typing import ClassVar, Tuple, Union
+from typing import ClassVar, Union
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,16 @@ class Neighborhood2d:
         if self.mode not in range(-1, 9):
             raise ValueError(f"mode (MODE) must be 0, -1 or one of 1..8, got {self.mode!r}.")
         if self.exact == 1 and self.mode != 0:
-            raise ValueError(f"mode (MODE) {self.mode} needs chunked windows (SW_EXACT 0 or -1); the exact window "
-                             "(SW_EXACT 1) takes mode 0 only.")
+            raise ValueError(
+                f"mode (MODE) {self.mode} needs chunked windows (SW_EXACT 0 or -1); the exact window "
+                "(SW_EXACT 1) takes mode 0 only."
+            )
         if isinstance(self.dilation, bool) or not isinstance(self.dilation, int) or self.dilation < 1:
             raise ValueError(f"dilation must be a positive integer, got {self.dilation!r}.")
         if self.dilation > 1 and self.exact != 1:
-            raise ValueError(f"dilation {self.dilation} needs the exact window (SW_EXACT 1); chunked windows take "
-                             "dilation 1.")
+            raise ValueError(
+                f"dilation {self.dilation} needs the exact window (SW_EXACT 1); chunked windows take dilation 1."
+            )
 
     @property
     def chunked(self):
@@ -81,16 +84,20 @@ class Neighborhood1d:
     ``causal``) that lie in the sequence. ``dilation`` is one int, or a tuple of one int per head."""
 
     window: int
-    dilation: Union[int, Tuple[int, ...]] = 1
+    dilation: Union[int, tuple[int, ...]] = 1
     causal: bool = False
     dims: ClassVar[int] = 1
 
     def __post_init__(self):
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be a positive integer (keys on each side of the query), got {self.window!r}.")
+            raise ValueError(
+                f"window must be a positive integer (keys on each side of the query), got {self.window!r}."
+            )
         values = self.dilation if isinstance(self.dilation, tuple) else (self.dilation,)
         if not values or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in values):
-            raise ValueError(f"dilation must be a positive integer or one positive integer per head, got {self.dilation!r}.")
+            raise ValueError(
+                f"dilation must be a positive integer or one positive integer per head, got {self.dilation!r}."
+            )
         if isinstance(self.dilation, tuple) and len(set(self.dilation)) == 1:
             object.__setattr__(self, "dilation", self.dilation[0])  # one value for every head
         if not isinstance(self.causal, bool):
@@ -116,7 +123,9 @@ class Neighborhood1d:
         """The same band over ``length`` positions with no larger window than it can use (see
         :meth:`Neighborhood2d.fitted`); the dilations are kept, as they are per head."""
         smallest = min(self.dilation if self.per_head else (self.dilation,))
-        return Neighborhood1d(min(self.window, max(1, -(-(max(length, 1) - 1) // smallest))), self.dilation, self.causal)
+        return Neighborhood1d(
+            min(self.window, max(1, -(-(max(length, 1) - 1) // smallest))), self.dilation, self.causal
+        )
 
     @property
     def offsets(self):

@@ -28,11 +28,11 @@ _FORWARD_2D, _BACKWARD_2D, _FORWARD_1D, _BACKWARD_1D, _PAIRS_2D, _PAIRS_1D = {},
 
 
 def register_2d(name, forward, backward, scored_pairs):
-    """``forward(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale) -> (out, lse)``,
-    ``lse`` ``(B, heads, X, Y)``; ``backward(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse,
-    grad_out, window, exact, mode, dilation, scale)`` -> the seven inputs' gradients (None for absent inputs);
-    ``scored_pairs(q, num_global, window, exact, mode, dilation)``: how many (query, key) scores the forward computes per
-    (batch, head), for ``torch.utils.flop_counter`` (the forward makes two products over them, the backward five).
+    """``forward(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale) ->
+    (out, lse)``, ``lse`` ``(B, heads, X, Y)``; ``backward(q, k, v, global_k, global_v, rel_bias, global_bias, out,
+    lse, grad_out, window, exact, mode, dilation, scale)`` -> the seven inputs' gradients (None for absent inputs);
+    ``scored_pairs(q, num_global, window, exact, mode, dilation)``: how many (query, key) scores the forward computes
+    per (batch, head), for ``torch.utils.flop_counter`` (the forward makes two products over them, the backward five).
     """
     _FORWARD_2D[name], _BACKWARD_2D[name], _PAIRS_2D[name] = forward, backward, scored_pairs
 
@@ -62,8 +62,10 @@ def _fake_outputs(q):
 def _gradients(inputs, grads):
     """Contiguous gradients, as the fake implementations promise; operators cannot return None, so absent
     gradients travel as empty tensors."""
-    return [g.contiguous() if g is not None else x.new_empty(0) if x is not None else torch.empty(0)
-            for x, g in zip(inputs, grads)]
+    return [
+        g.contiguous() if g is not None else x.new_empty(0) if x is not None else torch.empty(0)
+        for x, g in zip(inputs, grads)
+    ]
 
 
 def _fake_gradients(inputs):
@@ -78,10 +80,24 @@ def _or_none(grads, inputs):
 
 
 @torch.library.custom_op("vil::local_attention_2d", mutates_args=())
-def _attention_2d(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor], global_v: Optional[Tensor],
-                  rel_bias: Optional[Tensor], global_bias: Optional[Tensor], window: int, exact: int, mode: int,
-                  dilation: int, scale: float) -> tuple[Tensor, Tensor]:
-    out, lse = _FORWARD_2D[backend](q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale)
+def _attention_2d(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    global_k: Optional[Tensor],
+    global_v: Optional[Tensor],
+    rel_bias: Optional[Tensor],
+    global_bias: Optional[Tensor],
+    window: int,
+    exact: int,
+    mode: int,
+    dilation: int,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    out, lse = _FORWARD_2D[backend](
+        q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale
+    )
     return out.contiguous(), lse.contiguous()
 
 
@@ -91,17 +107,48 @@ def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact
 
 
 @torch.library.custom_op("vil::local_attention_2d_backward", mutates_args=())
-def _attention_2d_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
-                           global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor],
-                           out: Tensor, lse: Tensor, grad_out: Tensor, window: int, exact: int, mode: int,
-                           dilation: int, scale: float) -> list[Tensor]:
+def _attention_2d_backward(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    global_k: Optional[Tensor],
+    global_v: Optional[Tensor],
+    rel_bias: Optional[Tensor],
+    global_bias: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    window: int,
+    exact: int,
+    mode: int,
+    dilation: int,
+    scale: float,
+) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     grads = _BACKWARD_2D[backend](*inputs, out, lse, grad_out.contiguous(), window, exact, mode, dilation, scale)
     return _gradients(inputs, grads)
 
 
 @_attention_2d_backward.register_fake
-def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation, scale):
+def _(
+    backend,
+    q,
+    k,
+    v,
+    global_k,
+    global_v,
+    rel_bias,
+    global_bias,
+    out,
+    lse,
+    grad_out,
+    window,
+    exact,
+    mode,
+    dilation,
+    scale,
+):
     return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
 
 
@@ -127,24 +174,54 @@ def attention_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, wi
     drawn = isinstance(mode, Tensor)
     if exporting_to_onnx():
         if drawn:
-            raise ValueError("A neighbour chunk drawn at random (MODE > 0 in training) cannot be exported to ONNX; "
-                             "export the model in evaluation mode (model.eval()).")
+            raise ValueError(
+                "A neighbour chunk drawn at random (MODE > 0 in training) cannot be exported to ONNX; "
+                "export the model in evaluation mode (model.eval())."
+            )
         return _decomposed_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale)
     if drawn or backend not in _FORWARD_2D:
-        return _recomputed_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact,
-                              torch.as_tensor(mode), dilation, scale)
-    return _attention_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale)[0]
+        return _recomputed_2d(
+            backend,
+            q,
+            k,
+            v,
+            global_k,
+            global_v,
+            rel_bias,
+            global_bias,
+            window,
+            exact,
+            torch.as_tensor(mode),
+            dilation,
+            scale,
+        )
+    return _attention_2d(
+        backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale
+    )[0]
 
 
 # --- 1D -------------------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("vil::local_attention_1d", mutates_args=())
-def _attention_1d(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor], global_v: Optional[Tensor],
-                  rel_bias: Optional[Tensor], global_bias: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                  window: int, dilations: list[int], causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    out, lse = _FORWARD_1D[backend](q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window,
-                                    dilations, causal, scale)
+def _attention_1d(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    global_k: Optional[Tensor],
+    global_v: Optional[Tensor],
+    rel_bias: Optional[Tensor],
+    global_bias: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    window: int,
+    dilations: list[int],
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    out, lse = _FORWARD_1D[backend](
+        q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
+    )
     return out.contiguous(), lse.contiguous()
 
 
@@ -154,19 +231,50 @@ def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_m
 
 
 @torch.library.custom_op("vil::local_attention_1d_backward", mutates_args=())
-def _attention_1d_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
-                           global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor],
-                           key_padding_mask: Optional[Tensor], out: Tensor, lse: Tensor, grad_out: Tensor, window: int,
-                           dilations: list[int], causal: bool, scale: float) -> list[Tensor]:
+def _attention_1d_backward(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    global_k: Optional[Tensor],
+    global_v: Optional[Tensor],
+    rel_bias: Optional[Tensor],
+    global_bias: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    window: int,
+    dilations: list[int],
+    causal: bool,
+    scale: float,
+) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    grads = _BACKWARD_1D[backend](*inputs, key_padding_mask, out, lse, grad_out.contiguous(), window, dilations,
-                                  causal, scale)
+    grads = _BACKWARD_1D[backend](
+        *inputs, key_padding_mask, out, lse, grad_out.contiguous(), window, dilations, causal, scale
+    )
     return _gradients(inputs, grads)
 
 
 @_attention_1d_backward.register_fake
-def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
-      dilations, causal, scale):
+def _(
+    backend,
+    q,
+    k,
+    v,
+    global_k,
+    global_v,
+    rel_bias,
+    global_bias,
+    key_padding_mask,
+    out,
+    lse,
+    grad_out,
+    window,
+    dilations,
+    causal,
+    scale,
+):
     return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
 
 
@@ -179,26 +287,55 @@ def _setup_1d(ctx, inputs, output):
 def _backward_1d(ctx, grad_out, grad_lse):
     backend, window, dilations, causal, scale = ctx.options
     *inputs, key_padding_mask, out, lse = ctx.saved_tensors
-    grads = _attention_1d_backward(backend, *inputs, key_padding_mask, out, lse, grad_out, window, dilations, causal,
-                                   scale)
+    grads = _attention_1d_backward(
+        backend, *inputs, key_padding_mask, out, lse, grad_out, window, dilations, causal, scale
+    )
     return (None, *_or_none(grads, inputs), None, None, None, None, None)
 
 
 _attention_1d.register_autograd(_backward_1d, setup_context=_setup_1d)
 
 
-def attention_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations,
-                 causal, scale):
+def attention_1d(
+    backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
+):
     """The output of ``backend``'s registered 1D forward through the operator, or of any other backend through
     the generic one."""
     if exporting_to_onnx():
-        return _decomposed_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations,
-                              causal, scale)
+        return _decomposed_1d(
+            q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
+        )
     if backend not in _FORWARD_1D:
-        return _recomputed_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window,
-                              list(dilations), causal, scale)
-    return _attention_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window,
-                         list(dilations), causal, scale)[0]
+        return _recomputed_1d(
+            backend,
+            q,
+            k,
+            v,
+            global_k,
+            global_v,
+            rel_bias,
+            global_bias,
+            key_padding_mask,
+            window,
+            list(dilations),
+            causal,
+            scale,
+        )
+    return _attention_1d(
+        backend,
+        q,
+        k,
+        v,
+        global_k,
+        global_v,
+        rel_bias,
+        global_bias,
+        key_padding_mask,
+        window,
+        list(dilations),
+        causal,
+        scale,
+    )[0]
 
 
 # --- Backends whose backward is autograd's ------------------------------------------------------------------
@@ -210,17 +347,43 @@ def attention_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, ke
 def _eager_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
     from .local_attention import local_attention_2d  # the op layer, which imports this file
 
-    return local_attention_2d(q, k, v, window, exact=exact, mode=mode, global_k=global_k, global_v=global_v,
-                              rel_bias=rel_bias, global_bias=global_bias, scale=scale, dilation=dilation, backend=backend)
+    return local_attention_2d(
+        q,
+        k,
+        v,
+        window,
+        exact=exact,
+        mode=mode,
+        global_k=global_k,
+        global_v=global_v,
+        rel_bias=rel_bias,
+        global_bias=global_bias,
+        scale=scale,
+        dilation=dilation,
+        backend=backend,
+    )
 
 
-def _eager_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations,
-              causal, scale):
+def _eager_1d(
+    backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
+):
     from .local_attention import local_attention_1d
 
-    return local_attention_1d(q, k, v, window, dilation=dilations, causal=causal, key_padding_mask=key_padding_mask,
-                              global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias,
-                              scale=scale, backend=backend)
+    return local_attention_1d(
+        q,
+        k,
+        v,
+        window,
+        dilation=dilations,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        global_k=global_k,
+        global_v=global_v,
+        rel_bias=rel_bias,
+        global_bias=global_bias,
+        scale=scale,
+        backend=backend,
+    )
 
 
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
@@ -252,12 +415,25 @@ def _autograd_gradients(forward, inputs, grad_out):
 
 
 @torch.library.custom_op("vil::recomputed_local_attention_2d", mutates_args=())
-def _recomputed_2d(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
-                   global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor], window: int,
-                   exact: int, mode: Tensor, dilation: int, scale: float) -> Tensor:
+def _recomputed_2d(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    global_k: Optional[Tensor],
+    global_v: Optional[Tensor],
+    rel_bias: Optional[Tensor],
+    global_bias: Optional[Tensor],
+    window: int,
+    exact: int,
+    mode: Tensor,
+    dilation: int,
+    scale: float,
+) -> Tensor:
     with torch.no_grad():
-        return _eager_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, int(mode),
-                         dilation, scale).contiguous()
+        return _eager_2d(
+            backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, int(mode), dilation, scale
+        ).contiguous()
 
 
 @_recomputed_2d.register_fake
@@ -266,13 +442,26 @@ def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact
 
 
 @torch.library.custom_op("vil::recomputed_local_attention_2d_backward", mutates_args=())
-def _recomputed_2d_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
-                            global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor],
-                            grad_out: Tensor, window: int, exact: int, mode: Tensor, dilation: int,
-                            scale: float) -> list[Tensor]:
+def _recomputed_2d_backward(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    global_k: Optional[Tensor],
+    global_v: Optional[Tensor],
+    rel_bias: Optional[Tensor],
+    global_bias: Optional[Tensor],
+    grad_out: Tensor,
+    window: int,
+    exact: int,
+    mode: Tensor,
+    dilation: int,
+    scale: float,
+) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     grads = _autograd_gradients(
-        lambda *xs: _eager_2d(backend, *xs, window, exact, int(mode), dilation, scale), inputs, grad_out)
+        lambda *xs: _eager_2d(backend, *xs, window, exact, int(mode), dilation, scale), inputs, grad_out
+    )
     return _gradients(inputs, grads)
 
 
@@ -298,13 +487,37 @@ _recomputed_2d.register_autograd(_backward_recomputed_2d, setup_context=_setup_r
 
 
 @torch.library.custom_op("vil::recomputed_local_attention_1d", mutates_args=())
-def _recomputed_1d(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
-                   global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor],
-                   key_padding_mask: Optional[Tensor], window: int, dilations: list[int], causal: bool,
-                   scale: float) -> Tensor:
+def _recomputed_1d(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    global_k: Optional[Tensor],
+    global_v: Optional[Tensor],
+    rel_bias: Optional[Tensor],
+    global_bias: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    window: int,
+    dilations: list[int],
+    causal: bool,
+    scale: float,
+) -> Tensor:
     with torch.no_grad():
-        return _eager_1d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window,
-                         dilations, causal, scale).contiguous()
+        return _eager_1d(
+            backend,
+            q,
+            k,
+            v,
+            global_k,
+            global_v,
+            rel_bias,
+            global_bias,
+            key_padding_mask,
+            window,
+            dilations,
+            causal,
+            scale,
+        ).contiguous()
 
 
 @_recomputed_1d.register_fake
@@ -313,19 +526,46 @@ def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_m
 
 
 @torch.library.custom_op("vil::recomputed_local_attention_1d_backward", mutates_args=())
-def _recomputed_1d_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, global_k: Optional[Tensor],
-                            global_v: Optional[Tensor], rel_bias: Optional[Tensor], global_bias: Optional[Tensor],
-                            key_padding_mask: Optional[Tensor], grad_out: Tensor, window: int, dilations: list[int],
-                            causal: bool, scale: float) -> list[Tensor]:
+def _recomputed_1d_backward(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    global_k: Optional[Tensor],
+    global_v: Optional[Tensor],
+    rel_bias: Optional[Tensor],
+    global_bias: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    grad_out: Tensor,
+    window: int,
+    dilations: list[int],
+    causal: bool,
+    scale: float,
+) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     grads = _autograd_gradients(
-        lambda *xs: _eager_1d(backend, *xs, key_padding_mask, window, dilations, causal, scale), inputs, grad_out)
+        lambda *xs: _eager_1d(backend, *xs, key_padding_mask, window, dilations, causal, scale), inputs, grad_out
+    )
     return _gradients(inputs, grads)
 
 
 @_recomputed_1d_backward.register_fake
-def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, grad_out, window, dilations,
-      causal, scale):
+def _(
+    backend,
+    q,
+    k,
+    v,
+    global_k,
+    global_v,
+    rel_bias,
+    global_bias,
+    key_padding_mask,
+    grad_out,
+    window,
+    dilations,
+    causal,
+    scale,
+):
     return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
 
 
@@ -364,20 +604,68 @@ def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact
 
 
 @register_flop_formula(torch.ops.vil.local_attention_2d_backward, get_raw=True)
-def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation,
-      scale, **kwargs):
+def _(
+    backend,
+    q,
+    k,
+    v,
+    global_k,
+    global_v,
+    rel_bias,
+    global_bias,
+    out,
+    lse,
+    grad_out,
+    window,
+    exact,
+    mode,
+    dilation,
+    scale,
+    **kwargs,
+):
     return _flops_2d(5, backend, q, global_k, window, exact, mode, dilation)
 
 
 @register_flop_formula(torch.ops.vil.local_attention_1d, get_raw=True)
-def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale,
-      **kwargs):
+def _(
+    backend,
+    q,
+    k,
+    v,
+    global_k,
+    global_v,
+    rel_bias,
+    global_bias,
+    key_padding_mask,
+    window,
+    dilations,
+    causal,
+    scale,
+    **kwargs,
+):
     return _flops_1d(2, backend, q, global_k, window, dilations, causal)
 
 
 @register_flop_formula(torch.ops.vil.local_attention_1d_backward, get_raw=True)
-def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
-      dilations, causal, scale, **kwargs):
+def _(
+    backend,
+    q,
+    k,
+    v,
+    global_k,
+    global_v,
+    rel_bias,
+    global_bias,
+    key_padding_mask,
+    out,
+    lse,
+    grad_out,
+    window,
+    dilations,
+    causal,
+    scale,
+    **kwargs,
+):
     return _flops_1d(5, backend, q, global_k, window, dilations, causal)
 
 
@@ -400,13 +688,33 @@ def _(grad_out, query, key, value, *args, **kwargs):
 
 def _decomposed_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
     """The same output from standard tensor operators (the unfold_nnf backend's computation)."""
-    return unfold.UNFOLD_NNF.attention_2d(q, k, v, Neighborhood2d(window, exact, mode, dilation), global_k=global_k,
-                                          global_v=global_v, rel_bias=rel_bias, global_bias=global_bias, scale=scale)
+    return unfold.UNFOLD_NNF.attention_2d(
+        q,
+        k,
+        v,
+        Neighborhood2d(window, exact, mode, dilation),
+        global_k=global_k,
+        global_v=global_v,
+        rel_bias=rel_bias,
+        global_bias=global_bias,
+        scale=scale,
+    )
 
 
-def _decomposed_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal,
-                   scale):
+def _decomposed_1d(
+    q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
+):
     """The same output from standard tensor operators (the reference backend's masked attention)."""
     hood = Neighborhood1d(window, tuple(dilations) if len(set(dilations)) > 1 else dilations[0], causal)
-    return reference.BACKEND.attention_1d(q, k, v, hood, global_k=global_k, global_v=global_v, rel_bias=rel_bias,
-                                          global_bias=global_bias, key_padding_mask=key_padding_mask, scale=scale)
+    return reference.BACKEND.attention_1d(
+        q,
+        k,
+        v,
+        hood,
+        global_k=global_k,
+        global_v=global_v,
+        rel_bias=rel_bias,
+        global_bias=global_bias,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+    )

@@ -25,8 +25,8 @@ class Backend:
 
     ``dilation_2d``, ``dilation_1d``: ``"native"`` (dilated windows in the backend), ``"split"`` (the op runs the
     backend once per sub-lattice of positions with equal residues modulo the dilation, where the window is the
-    undilated one), or None (refused). ``per_head_dilation``: 1D, different dilations per head in one call (otherwise the op
-    runs the heads of each dilation together). ``devices``: device types it runs on (None: any); ``trains_on``:
+    undilated one), or None (refused). ``per_head_dilation``: 1D, different dilations per head in one call (otherwise
+    the op runs the heads of each dilation together). ``devices``: device types it runs on (None: any); ``trains_on``:
     device types where it has a backward (None: wherever it runs). ``available``:
     raises ``ValueError`` with one sentence where the backend cannot run on this machine (a build, an import).
     ``check``: ``(hood, head_dim)`` raises for options the backend cannot take. ``traced_as_is``: torch.compile

@@ -14,9 +14,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from . import Backend
 from ..geometry import unfolded_window_tables
-
+from . import Backend
 
 # Scores per block. A block's working memory is a few times this (scores, probabilities, their gradients,
 # the unfolded windows), which is all the memory this backend needs beyond its inputs, outputs and gradients.
@@ -77,12 +76,18 @@ class _Geometry:
         w = self.w
         rows = x[:, r * w : (r + 1) * w]
         rows = F.pad(rows, (0, 0, 0, self.my * w - self.cols, 0, w - rows.shape[1]))
-        return rows.reshape(x.shape[0], w, self.my, w, -1).permute(0, 2, 1, 3, 4).reshape(x.shape[0], self.my, w * w, -1)
+        return (
+            rows.reshape(x.shape[0], w, self.my, w, -1).permute(0, 2, 1, 3, 4).reshape(x.shape[0], self.my, w * w, -1)
+        )
 
     def put_row(self, out, values, r):
         """Write (N, my, S, C) back into chunk row r of out (N, X, Y, C)."""
         w = self.w
-        grid = values.reshape(out.shape[0], self.my, w, w, -1).permute(0, 2, 1, 3, 4).reshape(out.shape[0], w, self.my * w, -1)
+        grid = (
+            values.reshape(out.shape[0], self.my, w, w, -1)
+            .permute(0, 2, 1, 3, 4)
+            .reshape(out.shape[0], w, self.my * w, -1)
+        )
         height = min(w, self.rows - r * w)
         out[:, r * w : r * w + height] = grid[:, :height, : self.cols]
 
@@ -116,8 +121,16 @@ class _ChunkRows(torch.autograd.Function):
         lse = torch.empty(B, H, X, Y, 1, dtype=dtype, device=q.device)
         for r, b, h in geo.blocks(B, H):
             keys = geo.windows(geo.gather(kc[b, h].to(dtype), r), r)
-            scores = _row_scores(geo, r, geo.queries(q[b, h].to(dtype), r), keys, _part(gk, (b, h), dtype),
-                                 _bias_rows(rel_bias, h, geo, dtype), _part(global_bias, h, dtype), scale)
+            scores = _row_scores(
+                geo,
+                r,
+                geo.queries(q[b, h].to(dtype), r),
+                keys,
+                _part(gk, (b, h), dtype),
+                _bias_rows(rel_bias, h, geo, dtype),
+                _part(global_bias, h, dtype),
+                scale,
+            )
             row_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
             probs = torch.exp(scores - row_lse)
             row_out = torch.matmul(probs[..., G:], geo.windows(geo.gather(vc[b, h].to(dtype), r), r))
@@ -156,8 +169,16 @@ class _ChunkRows(torch.autograd.Function):
                 v_band = geo.gather(vc[b, h].to(dtype), r).requires_grad_()
                 keys, values = geo.windows(k_band, r), geo.windows(v_band, r)
             gkb = _part(gk, (b, h), dtype)
-            scores = _row_scores(geo, r, queries, keys.detach(), gkb, _bias_rows(rel_bias, h, geo, dtype),
-                                 _part(global_bias, h, dtype), scale)
+            scores = _row_scores(
+                geo,
+                r,
+                queries,
+                keys.detach(),
+                gkb,
+                _bias_rows(rel_bias, h, geo, dtype),
+                _part(global_bias, h, dtype),
+                scale,
+            )
             probs = torch.exp(scores - row_lse)
             d_probs = torch.matmul(row_dout, values.detach().transpose(-1, -2))
             if G:
@@ -183,7 +204,9 @@ class _ChunkRows(torch.autograd.Function):
             geo.put_row(dq[b, h], row_dq, r)
         d_rel_table = None
         if d_rel is not None:
-            d_rel_table = torch.zeros(rel_bias.shape, dtype=dtype, device=q.device).index_add_(1, geo.bias_index.flatten(), d_rel)
+            d_rel_table = torch.zeros(rel_bias.shape, dtype=dtype, device=q.device).index_add_(
+                1, geo.bias_index.flatten(), d_rel
+            )
         grads = (dq, dk, dv, dgk, dgv, d_rel_table, d_glob)
         inputs = (q, k, v, gk, gv, rel_bias, global_bias)
         return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)), None, None)

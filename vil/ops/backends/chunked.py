@@ -131,8 +131,6 @@ def window_scores(queries, keys, group, bias, chunks=slice(None)):
     return scores
 
 
-
-
 # --- 1D: a sequence in blocks of w positions --------------------------------------------------------------------
 #
 # A sequence of L positions is ``blocks = ceil(L / w)`` blocks of w, zero padded by one block in front and to
@@ -184,8 +182,9 @@ def band_masks(allowed, bias_row, rel_bias, key_padding_mask, B, L, window, bloc
         table = table + rel_bias[:, bias_row]
     key_hidden = band_key_hidden(key_padding_mask, B, L, window, blocks, span, allowed.device)
     # Window j holds padded positions jw .. (j + span)w - 1, the sequence is w .. w + L - 1.
-    masked = [key_padding_mask is not None or j == 0 or (j + span) * window > window + L
-              for j in range(key_hidden.shape[1])]
+    masked = [
+        key_padding_mask is not None or j == 0 or (j + span) * window > window + L for j in range(key_hidden.shape[1])
+    ]
     return table, key_hidden[:, None, :, None, :], masked
 
 

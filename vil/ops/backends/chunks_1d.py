@@ -21,8 +21,8 @@ Undilated windows only, as the paper's chunks.
 
 import torch
 
-from . import Backend
 from ..geometry import band_chunk_tables
+from . import Backend
 from .chunked import apply_in_float32, band_blocks, band_masks, band_scores, band_windows, scatter_band_windows_
 from .sliding_chunk import BLOCK_BYTES, LOG2E
 
@@ -86,8 +86,11 @@ class ChunksAttention1d(torch.autograd.Function):
         queries_b, keys_b, values_b = (band_blocks(x, w, blocks) for x in (q, k, v))
         queries = queries_b.mul_(scale * LOG2E).flatten(2, 3)[:, :, w : w + L]
         # The running softmax of every query row (padded blocks): maximum, sum of exponentials, unnormalised output.
-        state = [q.new_full((B, H, blocks + 2, w), float("-inf")), q.new_zeros(B, H, blocks + 2, w),
-                 q.new_zeros(B, H, blocks + 2, w, D)]
+        state = [
+            q.new_full((B, H, blocks + 2, w), float("-inf")),
+            q.new_zeros(B, H, blocks + 2, w),
+            q.new_zeros(B, H, blocks + 2, w, D),
+        ]
         if global_k is not None:
             scores_g = _global_part(queries, global_k, None if global_bias is None else global_bias * LOG2E)
             max_g = scores_g.amax(-1)
@@ -105,8 +108,13 @@ class ChunksAttention1d(torch.autograd.Function):
             # Half j of chunk c is padded block c + j.
             for i, j in enumerate(halves):
                 half = slice(i * w, (i + 1) * w)
-                _merge_(state, slice(start + j, stop + j), chunk_max[..., half], chunk_sum[..., half],
-                        chunk_out[..., half, :])
+                _merge_(
+                    state,
+                    slice(start + j, stop + j),
+                    chunk_max[..., half],
+                    chunk_sum[..., half],
+                    chunk_out[..., half, :],
+                )
         row_max, total, out = (x[:, :, 1 : blocks + 1].flatten(2, 3)[:, :, :L] for x in state)
         out = out.div_(total.clamp(min=torch.finfo(total.dtype).tiny)[..., None])
         lse = torch.where(total > 0, _safe(row_max) + total.log2(), float("inf"))  # base 2; +inf: sees no key
@@ -124,8 +132,9 @@ class ChunksAttention1d(torch.autograd.Function):
         row_term = (grad_out * out).sum(-1)  # rowsum(dO * O) = rowsum(P * dP)
         # Padded copies with one more column (the module docstring), scaled in place: natural-scale queries and
         # base-2 keys, whose query gradient is then LOG2E too large (undone at the end).
-        queries_b, keys_b, values_b, grad_out_b = (band_blocks(x, w, blocks, extra_column=True)
-                                                   for x in (q, k, v, grad_out))
+        queries_b, keys_b, values_b, grad_out_b = (
+            band_blocks(x, w, blocks, extra_column=True) for x in (q, k, v, grad_out)
+        )
         queries_b[..., :D].mul_(scale)
         keys_b[..., :D].mul_(LOG2E)
         keys_b[..., D] = values_b[..., D] = 1.0
@@ -150,7 +159,9 @@ class ChunksAttention1d(torch.autograd.Function):
             scatter_band_windows_(grad_keys_b, grad_keys, start, stop)
             if grad_bias is not None:
                 grad_bias[:, rows] += grad_scores.sum((0, 2))
-        grad_q, grad_k, grad_v = (x.flatten(2, 3)[:, :, w : w + L] for x in (grad_queries_b, grad_keys_b, grad_values_b))
+        grad_q, grad_k, grad_v = (
+            x.flatten(2, 3)[:, :, w : w + L] for x in (grad_queries_b, grad_keys_b, grad_values_b)
+        )
         grad_q.mul_(scale / LOG2E)
 
         grad_gk = grad_gv = grad_gb = None

@@ -1,9 +1,9 @@
 """torch's FlexAttention: the window as a ``BlockMask``, both bias tables in a ``score_mod``.
 
 Queries are the map's tokens row-major; keys are the G global keys, then the map's tokens. Which key a query
-sees and which relative-bias row applies are computed from the two indices inside ``mask_mod`` and
-``score_mod`` (:func:`vil.ops.geometry.pair_in_window_2d`), so nothing of size tokens x window is stored. On CUDA the attention is compiled
-with ``torch.compile`` (FlexAttention's fused kernels); on the CPU it runs eagerly, forward only: torch's
+sees and which relative-bias row applies are computed from the two indices inside ``mask_mod`` and ``score_mod``
+(:func:`vil.ops.geometry.pair_in_window_2d`), so nothing of size tokens x window is stored. On CUDA the attention is
+compiled with ``torch.compile`` (FlexAttention's fused kernels); on the CPU it runs eagerly, forward only: torch's
 FlexAttention has no CPU backward.
 """
 
@@ -11,9 +11,9 @@ from functools import lru_cache
 
 import torch
 
-from . import Backend
 from .. import operators
 from ..geometry import pair_in_band, pair_in_window_2d
+from . import Backend
 
 
 @lru_cache(maxsize=32)  # one per map size, window and mode (random-shift training draws 8 modes)
@@ -37,8 +37,16 @@ def _block_mask_for(q, *args):
 
 
 def _geometry(rows, cols, window, exact, mode, dilation, num_global):
-    return dict(cols=cols, window=window, exact=exact, mode=mode, dilation=dilation, num_global=num_global,
-                chunk_rows=-(-rows // window), chunk_cols=-(-cols // window))
+    return dict(
+        cols=cols,
+        window=window,
+        exact=exact,
+        mode=mode,
+        dilation=dilation,
+        num_global=num_global,
+        chunk_rows=-(-rows // window),
+        chunk_cols=-(-cols // window),
+    )
 
 
 @lru_cache(maxsize=1)
@@ -59,7 +67,9 @@ def _no_grad_on_cpu(*tensors):
 def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
     from torch.nn.attention.flex_attention import flex_attention
 
-    q, k, v, global_k, global_v, rel_bias, global_bias = _no_grad_on_cpu(q, k, v, global_k, global_v, rel_bias, global_bias)
+    q, k, v, global_k, global_v, rel_bias, global_bias = _no_grad_on_cpu(
+        q, k, v, global_k, global_v, rel_bias, global_bias
+    )
     window, exact, mode, dilation = hood.window, hood.exact, hood.mode, hood.dilation
     B, H, X, Y, D = q.shape
     G = 0 if global_k is None else global_k.shape[2]
@@ -78,8 +88,12 @@ def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, sc
 
     attend = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
     out = attend(
-        q.reshape(B, H, X * Y, D), keys, values, score_mod=score_mod,
-        block_mask=_block_mask_for(q, X, Y, window, exact, mode, dilation, G, q.device), scale=scale,
+        q.reshape(B, H, X * Y, D),
+        keys,
+        values,
+        score_mod=score_mod,
+        block_mask=_block_mask_for(q, X, Y, window, exact, mode, dilation, G, q.device),
+        scale=scale,
     )
     return out.reshape(B, H, X, Y, D)
 
@@ -89,7 +103,9 @@ def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, ke
     mask are read inside ``mask_mod`` by head and batch index."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    q, k, v, global_k, global_v, rel_bias, global_bias = _no_grad_on_cpu(q, k, v, global_k, global_v, rel_bias, global_bias)
+    q, k, v, global_k, global_v, rel_bias, global_bias = _no_grad_on_cpu(
+        q, k, v, global_k, global_v, rel_bias, global_bias
+    )
     B, H, L, D = q.shape
     G = 0 if global_k is None else global_k.shape[2]
     keys, values = (k, v) if not G else (torch.cat([global_k, k], dim=2), torch.cat([global_v, v], dim=2))
@@ -114,12 +130,20 @@ def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, ke
         return score
 
     # Batch and head dimensions of the mask only where it differs between them.
-    block_mask = create_block_mask(mask_mod, None if padding is None else B, H if hood.per_head else None, L, G + L,
-                                   device=q.device)
+    block_mask = create_block_mask(
+        mask_mod, None if padding is None else B, H if hood.per_head else None, L, G + L, device=q.device
+    )
     attend = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
     return attend(q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale)
 
 
 # torch's FlexAttention has no CPU backward: forward only there.
-BACKEND = Backend("flex", attention_2d=attention_2d, attention_1d=attention_1d, per_head_dilation=True,
-                  devices=("cpu", "cuda"), trains_on=("cuda",), traced_as_is=True)
+BACKEND = Backend(
+    "flex",
+    attention_2d=attention_2d,
+    attention_1d=attention_1d,
+    per_head_dilation=True,
+    devices=("cpu", "cuda"),
+    trains_on=("cuda",),
+    traced_as_is=True,
+)

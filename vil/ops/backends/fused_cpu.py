@@ -10,14 +10,14 @@ grows with tokens x head_dim, as with ``chunk_rows``. Half precision is computed
 import logging
 import math
 import platform
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
 
-from . import Backend
 from .. import operators
 from ..geometry import neighbour_table
+from . import Backend
 
 LOG2E = math.log2(math.e)
 _log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def _kernels():
     return built
 
 
-@lru_cache(maxsize=None)
+@cache
 def _build():
     """Builds the C++ kernels (or loads torch's cached build) once per process. Returns their ``torch.ops``
     namespace, or the sentence that says why they cannot be built: a failed build is not tried again."""
@@ -60,13 +60,20 @@ def _build():
     _log.info("fused_cpu: loading the C++ kernel (compiled on first use, then cached by torch).")
     for name, build_flags in builds:
         try:
-            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=build_flags, extra_ldflags=["-fopenmp"],
-                               is_python_module=False)
+            cpp_extension.load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=build_flags,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
             return torch.ops.vil_local_attention_cpu
         except (OSError, RuntimeError, ImportError) as error:
             failure = error
             if name != builds[-1][0]:
-                _log.warning("fused_cpu: the build for %s failed; building for any CPU of this kind instead.", x86_level)
+                _log.warning(
+                    "fused_cpu: the build for %s failed; building for any CPU of this kind instead.", x86_level
+                )
     return _build_failure(failure)
 
 
@@ -101,8 +108,10 @@ def _scored_pairs_1d(q, num_global, window, dilations, causal):
 
 def _build_failure(error):
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return (f"The fused_cpu backend could not build its C++ kernel ({first_line}); it needs a C++ compiler and the "
-            "ninja package, or choose another backend such as sliding_chunk.")
+    return (
+        f"The fused_cpu backend could not build its C++ kernel ({first_line}); it needs a C++ compiler and the "
+        "ninja package, or choose another backend such as sliding_chunk."
+    )
 
 
 @torch.compiler.assume_constant_result  # built, or not, once per process: torch.compile need not trace the build
@@ -151,8 +160,9 @@ def _forward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exac
     return out, lse
 
 
-def _backward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation,
-                 scale):
+def _backward_2d(
+    q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation, scale
+):
     B, X, Y = q.shape[0], q.shape[2], q.shape[3]
     slots = _slot_table(X, Y, window, exact, mode)
     has_global = global_k is not None
@@ -163,11 +173,36 @@ def _backward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, g
     grad_rel = q.new_empty(0) if rel_bias is None else q.new_zeros(B, *rel_bias.shape)
     grad_glob = q.new_empty(0) if global_bias is None else q.new_zeros(B, *global_bias.shape)
     _kernels().backward(
-        q, k, v, global_k, global_v, *biases, slots, grad_out, lse, row_term,
-        grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, window, exact, scale,
+        q,
+        k,
+        v,
+        global_k,
+        global_v,
+        *biases,
+        slots,
+        grad_out,
+        lse,
+        row_term,
+        grad_q,
+        grad_k,
+        grad_v,
+        grad_gk,
+        grad_gv,
+        grad_rel,
+        grad_glob,
+        window,
+        exact,
+        scale,
     )
-    return (grad_q, grad_k, grad_v, grad_gk if has_global else None, grad_gv if has_global else None,
-            None if rel_bias is None else grad_rel.sum(0), None if global_bias is None else grad_glob.sum(0))
+    return (
+        grad_q,
+        grad_k,
+        grad_v,
+        grad_gk if has_global else None,
+        grad_gv if has_global else None,
+        None if rel_bias is None else grad_rel.sum(0),
+        None if global_bias is None else grad_glob.sum(0),
+    )
 
 
 def _block_1d(window):
@@ -183,13 +218,42 @@ def _masks_1d(q, key_padding_mask):
 def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale):
     global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
-    _kernels().forward_1d(q, k, v, global_k, global_v, *biases, _masks_1d(q, key_padding_mask), out, lse, dilations,
-                          window, causal, _block_1d(window), scale)
+    _kernels().forward_1d(
+        q,
+        k,
+        v,
+        global_k,
+        global_v,
+        *biases,
+        _masks_1d(q, key_padding_mask),
+        out,
+        lse,
+        dilations,
+        window,
+        causal,
+        _block_1d(window),
+        scale,
+    )
     return out, lse
 
 
-def _backward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
-                 dilations, causal, scale):
+def _backward_1d(
+    q,
+    k,
+    v,
+    global_k,
+    global_v,
+    rel_bias,
+    global_bias,
+    key_padding_mask,
+    out,
+    lse,
+    grad_out,
+    window,
+    dilations,
+    causal,
+    scale,
+):
     B, H, L = q.shape[:3]
     has_global = global_k is not None
     global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
@@ -200,12 +264,38 @@ def _backward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding
     grad_rel = q.new_empty(0) if rel_bias is None else q.new_zeros(B, H, residues, rel_bias.shape[1])
     grad_glob = q.new_empty(0) if global_bias is None else q.new_zeros(B, H, residues, global_bias.shape[1])
     _kernels().backward_1d(
-        q, k, v, global_k, global_v, *biases, _masks_1d(q, key_padding_mask), grad_out, lse, row_term,
-        grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel, grad_glob, dilations, window, causal, _block_1d(window),
+        q,
+        k,
+        v,
+        global_k,
+        global_v,
+        *biases,
+        _masks_1d(q, key_padding_mask),
+        grad_out,
+        lse,
+        row_term,
+        grad_q,
+        grad_k,
+        grad_v,
+        grad_gk,
+        grad_gv,
+        grad_rel,
+        grad_glob,
+        dilations,
+        window,
+        causal,
+        _block_1d(window),
         scale,
     )
-    return (grad_q, grad_k, grad_v, grad_gk.sum(2) if has_global else None, grad_gv.sum(2) if has_global else None,
-            None if rel_bias is None else grad_rel.sum((0, 2)), None if global_bias is None else grad_glob.sum((0, 2)))
+    return (
+        grad_q,
+        grad_k,
+        grad_v,
+        grad_gk.sum(2) if has_global else None,
+        grad_gv.sum(2) if has_global else None,
+        None if rel_bias is None else grad_rel.sum((0, 2)),
+        None if global_bias is None else grad_glob.sum((0, 2)),
+    )
 
 
 def _compute_inputs(q, *tensors):
@@ -225,13 +315,22 @@ def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, sc
 def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
     inputs = _compute_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
     with torch.autocast("cpu", enabled=False):
-        out = operators.attention_1d("fused_cpu", *inputs, key_padding_mask, hood.window, hood.dilations(q.shape[1]),
-                                     hood.causal, scale)
+        out = operators.attention_1d(
+            "fused_cpu", *inputs, key_padding_mask, hood.window, hood.dilations(q.shape[1]), hood.causal, scale
+        )
     return out.to(q.dtype)
 
 
 operators.register_2d("fused_cpu", _forward_2d, _backward_2d, _scored_pairs)
 operators.register_1d("fused_cpu", _forward_1d, _backward_1d, _scored_pairs_1d)
-BACKEND = Backend("fused_cpu", attention_2d=attention_2d, attention_1d=attention_1d, dilation_2d="split",
-                  per_head_dilation=True, devices=("cpu",), trains_on=("cpu",), available=check_fused_cpu,
-                  traced_as_is=True)
+BACKEND = Backend(
+    "fused_cpu",
+    attention_2d=attention_2d,
+    attention_1d=attention_1d,
+    dilation_2d="split",
+    per_head_dilation=True,
+    devices=("cpu",),
+    trains_on=("cpu",),
+    available=check_fused_cpu,
+    traced_as_is=True,
+)

@@ -13,9 +13,9 @@ from functools import lru_cache
 
 import torch
 
-from . import Backend
 from .. import operators
 from ..geometry import neighbour_table
+from . import Backend
 
 
 def _kernels(dims=2):
@@ -23,7 +23,9 @@ def _kernels(dims=2):
     try:
         from vil_kernels import local_attention, local_attention_1d
     except ImportError as error:
-        raise ValueError(f"The triton backend needs the triton package, which does not import here ({error}).") from error
+        raise ValueError(
+            f"The triton backend needs the triton package, which does not import here ({error})."
+        ) from error
     return local_attention_1d if dims == 1 else local_attention
 
 
@@ -39,7 +41,12 @@ def kernel_geometry(rows, cols, window, exact, mode, dilation, device):
     mx, my = -(-lattice_rows // chunk), -(-lattice_cols // chunk)
     table, table_t, offsets = neighbour_table(mx, my, exact, mode)
     return kernels.Geometry(
-        window=window, chunk=chunk, chunk_pad=chunk_pad, dilation=dilation, exact=exact, chunk_cols=my,
+        window=window,
+        chunk=chunk,
+        chunk_pad=chunk_pad,
+        dilation=dilation,
+        exact=exact,
+        chunk_cols=my,
         num_chunks=mx * my,
         neighbours=table.to(device, torch.int32).contiguous(),
         neighbours_t=table_t.to(device, torch.int32).contiguous(),
@@ -53,10 +60,13 @@ def _forward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exac
     return out, lse.view(q.shape[:-1])
 
 
-def _backward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation,
-                 scale):
+def _backward_2d(
+    q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation, scale
+):
     geo = kernel_geometry(q.shape[2], q.shape[3], window, exact, mode, dilation, q.device)
-    g = _kernels().backward(grad_out, q, k, v, global_k, global_v, rel_bias, global_bias, out, lse.flatten(2), geo, scale)
+    g = _kernels().backward(
+        grad_out, q, k, v, global_k, global_v, rel_bias, global_bias, out, lse.flatten(2), geo, scale
+    )
     return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"]
 
 
@@ -73,22 +83,54 @@ def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, sc
 
 
 def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale):
-    return _kernels(1).forward(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, dilations, window,
-                               causal, scale)
+    return _kernels(1).forward(
+        q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, dilations, window, causal, scale
+    )
 
 
-def _backward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
-                 dilations, causal, scale):
-    g = _kernels(1).backward(grad_out, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse,
-                             dilations, window, causal, scale)
+def _backward_1d(
+    q,
+    k,
+    v,
+    global_k,
+    global_v,
+    rel_bias,
+    global_bias,
+    key_padding_mask,
+    out,
+    lse,
+    grad_out,
+    window,
+    dilations,
+    causal,
+    scale,
+):
+    g = _kernels(1).backward(
+        grad_out,
+        q,
+        k,
+        v,
+        global_k,
+        global_v,
+        rel_bias,
+        global_bias,
+        key_padding_mask,
+        out,
+        lse,
+        dilations,
+        window,
+        causal,
+        scale,
+    )
     return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"]
 
 
 def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
     _kernels(1).check_supported(q.shape[-1], hood.window, q.dtype, q.device, q.shape[0] * q.shape[1])
     inputs = _kernel_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
-    return operators.attention_1d("triton", *inputs, key_padding_mask, hood.window, hood.dilations(q.shape[1]),
-                                  hood.causal, float(scale))
+    return operators.attention_1d(
+        "triton", *inputs, key_padding_mask, hood.window, hood.dilations(q.shape[1]), hood.causal, float(scale)
+    )
 
 
 def _check(hood, head_dim):
@@ -111,6 +153,13 @@ def _scored_pairs_1d(q, num_global, window, dilations, causal):
 operators.register_2d("triton", _forward_2d, _backward_2d, _scored_pairs)
 operators.register_1d("triton", _forward_1d, _backward_1d, _scored_pairs_1d)
 # CUDA GPUs; the CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
-BACKEND = Backend("triton", attention_2d=attention_2d, attention_1d=attention_1d, per_head_dilation=True,
-                  devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
-                  dtypes=(torch.float32, torch.float16, torch.bfloat16), check=_check, traced_as_is=True)
+BACKEND = Backend(
+    "triton",
+    attention_2d=attention_2d,
+    attention_1d=attention_1d,
+    per_head_dilation=True,
+    devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    check=_check,
+    traced_as_is=True,
+)

@@ -10,8 +10,8 @@ as the Longformer paper's testing loop.
 import torch
 import torch.nn.functional as F
 
-from . import Backend
 from ..geometry import pair_in_band
+from . import Backend
 
 
 def _shifted(x, dilation, offset, window, length):

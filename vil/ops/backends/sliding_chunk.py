@@ -23,12 +23,25 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from . import Backend
 from .. import operators
 from ..geometry import band_block_tables, chunk_plan
-from .chunked import add_rel_bias_grad_, apply_in_float32, band_blocks, band_masks, band_scores, band_windows, from_chunks, gather_windows
-from .chunked import global_scores
-from .chunked import scatter_band_windows_, scatter_windows_, to_chunks, window_bias, window_scores
+from . import Backend
+from .chunked import (
+    add_rel_bias_grad_,
+    apply_in_float32,
+    band_blocks,
+    band_masks,
+    band_scores,
+    band_windows,
+    from_chunks,
+    gather_windows,
+    global_scores,
+    scatter_band_windows_,
+    scatter_windows_,
+    to_chunks,
+    window_bias,
+    window_scores,
+)
 
 # Scores per block: small enough for the CPU's caches and allocator, large enough to fill a GPU.
 BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 1 << 30}
@@ -50,7 +63,12 @@ def _blocks(x, plan):
         for b in range(0, B, batch_per_block):
             for c in range(0, C, chunks_per_block):
                 stop = min(C, c + chunks_per_block)
-                yield group, slice(b, min(B, b + batch_per_block)), slice(c, stop), slice(group.start + c, group.start + stop)
+                yield (
+                    group,
+                    slice(b, min(B, b + batch_per_block)),
+                    slice(c, stop),
+                    slice(group.start + c, group.start + stop),
+                )
 
 
 def _row_max(scores, group):
@@ -95,8 +113,9 @@ def _forward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exac
     return from_chunks(out, plan), from_chunks(lse[..., None], plan)[..., 0]
 
 
-def _backward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation,
-                 scale):
+def _backward_2d(
+    q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation, scale
+):
     plan = _plan(q, window, exact, mode)
     out, lse = to_chunks(out, plan), to_chunks(lse[..., None], plan)[..., 0]
     # The extra columns of the module docstring: two passes over each block's scores fewer.
@@ -143,7 +162,15 @@ def _backward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, g
         block_grad_q *= scale
 
     grad_k, grad_v = from_chunks(grad_keys, plan), from_chunks(grad_values, plan)
-    return from_chunks(grad_queries, plan), grad_k, grad_v, grad_global_k, grad_global_v, grad_rel_bias, grad_global_bias
+    return (
+        from_chunks(grad_queries, plan),
+        grad_k,
+        grad_v,
+        grad_global_k,
+        grad_global_v,
+        grad_rel_bias,
+        grad_global_bias,
+    )
 
 
 def _scored_pairs(q, num_global, window, exact, mode, dilation):
@@ -207,8 +234,23 @@ def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_
     return out.flatten(2, 3)[:, :, :L], lse.flatten(2)[:, :, :L]
 
 
-def _backward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse, grad_out, window,
-                 dilations, causal, scale):
+def _backward_1d(
+    q,
+    k,
+    v,
+    global_k,
+    global_v,
+    rel_bias,
+    global_bias,
+    key_padding_mask,
+    out,
+    lse,
+    grad_out,
+    window,
+    dilations,
+    causal,
+    scale,
+):
     w = window
     B, H, L, D = q.shape
     blocks = -(-L // w)
@@ -286,5 +328,11 @@ def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, ke
     return apply_in_float32(_OPERATOR_1D, q, inputs, key_padding_mask, hood.window, [1], hood.causal, scale)
 
 
-BACKEND = Backend("sliding_chunk", attention_2d=attention_2d, attention_1d=attention_1d, dilation_2d="split",
-                  dilation_1d="split", traced_as_is=True)
+BACKEND = Backend(
+    "sliding_chunk",
+    attention_2d=attention_2d,
+    attention_1d=attention_1d,
+    dilation_2d="split",
+    dilation_1d="split",
+    traced_as_is=True,
+)

@@ -2,8 +2,8 @@
 
 import torch
 
-from . import Backend
 from ..geometry import chunk_plan
+from . import Backend
 from .chunked import from_chunks, gather_windows, global_scores, to_chunks, window_bias, window_scores
 
 

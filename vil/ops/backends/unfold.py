@@ -12,9 +12,15 @@ backends take tokens x window x head_dim memory, the baseline the fused and chun
 import torch
 import torch.nn.functional as F
 
+from ..geometry import (
+    NEIGHBOURS,
+    exact_window_bias_index,
+    neighbour_offsets,
+    rel_bias_row,
+    unfolded_window_offsets,
+    unfolded_window_tables,
+)
 from . import Backend
-from ..geometry import NEIGHBOURS, exact_window_bias_index, neighbour_offsets, rel_bias_row, unfolded_window_offsets
-from ..geometry import unfolded_window_tables
 
 
 def _pad_map(x, window, exact):
@@ -53,8 +59,10 @@ def _window_tables(rows, cols, window, exact, mode, device):
     # Symbolic sizes (torch.export): with zero padding every chunk has the mode's slots, as the middle chunk of
     # a 3x3 grid does; which keys are padding is checked separately.
     if exact == -1:
-        raise ValueError("SW_EXACT -1 (windows wrapping around the map) needs a fixed map size; export at one "
-                         "image size, or use SW_EXACT 0 or 1.")
+        raise ValueError(
+            "SW_EXACT -1 (windows wrapping around the map) needs a fixed map size; export at one "
+            "image size, or use SW_EXACT 0 or 1."
+        )
     return _inner_chunk_tables(window, exact, mode, device)
 
 
@@ -89,7 +97,9 @@ def _unfolded_attention(unfold, q, k, v, hood, global_k, global_v, rel_bias, glo
     else:
         S = w * w
         grid = F.pad(q, (0, 0, 0, -Y % w, 0, -X % w))  # queries by chunk: (B*H, mx, my, S, D)
-        queries = grid.reshape(B * H, n_rows, w, n_cols, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_rows, n_cols, S, D)
+        queries = (
+            grid.reshape(B * H, n_rows, w, n_cols, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_rows, n_cols, S, D)
+        )
         valid = real[:, :, None, :] & allowed
     # (B*H, n_rows, n_cols, queries per window, K)
     scores = torch.einsum("nijqd,ndijk->nijqk", queries, keys) * scale
