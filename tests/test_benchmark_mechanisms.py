@@ -11,9 +11,9 @@ import subprocess
 import pytest
 import torch
 from tool_runner import load_tool
-from torch.utils.flop_counter import FlopCounterMode
 
 from vil.models import MsViT, arch_string, parse_arch, stage_map_sizes
+from vil.profiling import flop_counter
 
 PNG = b"\x89PNG\r\n\x1a\n"
 # What the original release reports (ImageNet top-1, %), as the table must say.
@@ -68,7 +68,7 @@ def full_attention_gmacs(arch, size):
     """Forward GMACs of the full-attention model: the counter's count of everything but attention, plus the
     attention written out: q k^T and the product with v, each (tokens)^2 x width multiply-adds, per layer."""
     model = MsViT(arch, img_size=size, attention="full").eval()
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), flop_counter() as counter:
         model(torch.randn(1, 3, size, size))
     others = sum(flops for op, flops in counter.get_flop_counts()["Global"].items() if "attention" not in str(op))
     specs = parse_arch(arch)

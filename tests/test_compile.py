@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from vil.export import export_program, onnx_outputs
 from vil.models import MsViT
 from vil.ops import available_backends, local_attention_1d, local_attention_2d
-from vil.ops.local_attention import _BACKENDS
+from vil.ops.registry import BACKENDS
 
 # Local stages with relative bias and with absolute position embeddings, both with global tokens, then a
 # full-attention stage with relative bias: every attention path.
@@ -90,16 +90,13 @@ def test_random_neighbour_training_draws_in_the_compiled_graph():
 
 
 def test_a_drawn_neighbour_is_refused_by_the_onnx_exporter(monkeypatch):
-    from vil.ops import operators
+    from vil.ops import Neighborhood2d, local_attention
+    from vil.ops.base import Extras
 
-    monkeypatch.setattr(operators, "exporting_to_onnx", lambda: True)
+    monkeypatch.setattr(local_attention, "exporting_to_onnx", lambda: True)
     q = torch.randn(1, 1, 4, 4, 8)
-    with pytest.raises(
-        ValueError,
-        match=r"^A neighbour chunk drawn at random \(MODE > 0 in training\) cannot be "
-        r"exported to ONNX; export the model in evaluation mode \(model.eval\(\)\).$",
-    ):
-        operators.attention_2d("unfold", q, q, q, None, None, None, None, 2, 0, torch.tensor(3), 1, 1.0)
+    with pytest.raises(ValueError, match=r"MODE > 0 in training.*model.eval\(\)"):
+        local_attention._run(BACKENDS["unfold"], q, q, q, Neighborhood2d(2), Extras(1.0), torch.tensor(3))
 
 
 @pytest.mark.parametrize("backend", ["fused_cpu", "unfold"])  # an operator of its own, the generic one
@@ -113,7 +110,7 @@ def test_export_with_dynamic_batch_and_size_runs_at_other_sizes(backend):
 
 
 def _runs_on_the_cpu(backend):
-    devices = _BACKENDS[backend].devices
+    devices = BACKENDS[backend].devices
     return devices is None or "cpu" in devices
 
 
@@ -162,7 +159,7 @@ def test_fake_tensor_forward_1d(backend):
             k,
             v,
             2,
-            dilation=2 if _BACKENDS[backend].dilation(1) else 1,
+            dilation=2 if BACKENDS[backend].dilation(1) else 1,
             key_padding_mask=mask,
             rel_bias=torch.randn(2, 5),
             backend=backend,
@@ -178,7 +175,7 @@ def _compiled_matches_eager(function, leaves, backend):
     """``function(*leaves)`` and its gradients (where the backend trains on the CPU), compiled with
     fullgraph=True, against eager."""
     compiled = torch.compile(function, fullgraph=True, backend="aot_eager", dynamic=False)
-    trains = _BACKENDS[backend].trains_on is None or "cpu" in _BACKENDS[backend].trains_on
+    trains = BACKENDS[backend].trains_on is None or "cpu" in BACKENDS[backend].trains_on
     upstream = None
     results = []
     for run in (function, compiled):
@@ -213,7 +210,7 @@ def test_every_backend_compiles_with_fullgraph_1d(backend):
     torch.manual_seed(0)
     mask = torch.zeros(2, 11, dtype=torch.bool)
     mask[1, -3:] = True
-    dilation = [1, 2] if _BACKENDS[backend].dilation(1) else 1
+    dilation = [1, 2] if BACKENDS[backend].dilation(1) else 1
     _compiled_matches_eager(
         lambda q, k, v, bias: local_attention_1d(
             q, k, v, 2, dilation=dilation, key_padding_mask=mask, rel_bias=bias, backend=backend

@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from test_train import assert_same_weights, final_weights, straight_and_resumed
 from tool_runner import run_tool
-from torch.utils.flop_counter import FlopCounterMode
 
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
 from vil.detection import ViLBackbone
 from vil.engine import load_weights
 from vil.export import export_program
-from vil.models import COMPARISONS, build_model
+from vil.model_config import build_model
+from vil.models import COMPARISONS
 from vil.models.efficient_attention import (
     FavorFeatures,
     LinformerAttention,
@@ -27,6 +27,7 @@ from vil.models.efficient_attention import (
     SpatialReductionAttention,
     orthogonal_random_features,
 )
+from vil.profiling import flop_counter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -370,7 +371,7 @@ def test_flop_counting_sees_each_mechanism():
     attention over k keys, by hand."""
     N, d, k, H = 17, 16, 5, 2
     layer = LinformerAttention(d, H, N, k)
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         layer(torch.randn(1, N, d), 4, 4)
     linears = 2 * N * d * (d + 2 * d + d)
     projections = 2 * (2 * N * k * d)

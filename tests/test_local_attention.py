@@ -357,15 +357,15 @@ def test_flex_refuses_to_train_on_the_cpu():
 def test_default_falls_back_to_sliding_chunk_with_one_warning(monkeypatch, caplog):
     import dataclasses
 
-    from vil.ops import local_attention
+    from vil.ops import registry
 
     def no_compiler():
         raise ValueError("The fused_cpu backend could not build its C++ kernel (no compiler).")
 
-    fused_cpu = dataclasses.replace(local_attention._BACKENDS["fused_cpu"], available=no_compiler)
-    monkeypatch.setitem(local_attention._BACKENDS, "fused_cpu", fused_cpu)
-    monkeypatch.setattr(local_attention, "_logged_choices", set())
-    with caplog.at_level("WARNING", logger=local_attention.__name__):
+    fused_cpu = dataclasses.replace(registry.BACKENDS["fused_cpu"], available=no_compiler)
+    monkeypatch.setitem(registry.BACKENDS, "fused_cpu", fused_cpu)
+    monkeypatch.setattr(registry, "_warned_unavailable", set())
+    with caplog.at_level("WARNING", logger=registry.__name__):
         assert default_backend(CPU, torch.float32) == "sliding_chunk"
         assert default_backend(CPU, torch.float64) == "sliding_chunk"
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

@@ -8,8 +8,10 @@ import torch
 
 import vil.models.attention as attention_module
 from vil.config import load_cfg
-from vil.models import PRESETS, MsViT, build_model, parse_arch
-from vil.models.attention import FullAttention, LongformerAttention
+from vil.model_config import ATTN_TYPE_ALIASES, build_model
+from vil.models import PRESETS, MsViT, parse_arch
+from vil.models.attention import FullAttention, LongformerAttention, LongformerOptions
+from vil.ops import available_backends
 from vil.ops.backends.reference import window_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +117,8 @@ def naive_longformer(attn, x, nx, ny, mode):
 def test_longformer_attention_matches_the_spec_densely(G, rpe, exact, mode, share_w):
     torch.manual_seed(0)
     nx, ny, dim = 5, 7, 12
-    attn = LongformerAttention(dim, 3, G, 2, rpe=rpe, exact=exact, mode=mode, share_w=share_w).eval()
+    options = LongformerOptions(exact=exact, mode=mode, share_w=share_w)
+    attn = LongformerAttention(dim, 3, G, 2, rpe=rpe, options=options).eval()
     x = torch.randn(2, G + nx * ny, dim)
     with torch.no_grad():
         expected = naive_longformer(attn, x, nx, ny, mode if mode <= 0 else mode)
@@ -127,7 +130,7 @@ def test_longformer_attention_matches_the_spec_densely(G, rpe, exact, mode, shar
 
 def test_only_global_attends_to_the_global_tokens_only():
     torch.manual_seed(0)
-    attn = LongformerAttention(8, 2, 1, 2, rpe=True, only_global=True).eval()
+    attn = LongformerAttention(8, 2, 1, 2, rpe=True, options=LongformerOptions(only_global=True)).eval()
     x = torch.randn(1, 1 + 16, 8)
     out = attn(x, 4, 4)
     # Each local query sees one key, the global token: its attention output is that token's value.
@@ -161,26 +164,18 @@ def tiny_cfg(*overrides):
 
 @pytest.mark.parametrize(
     "attn_type",
-    [
-        "longformer",
-        "longformerauto",
-        "longformer_unfold",
-        "longformer_unfold_nnf",
-        "longformer_chunk_rows",
-        "longformer_flex",
-        "longformer_fused_cpu",
-    ],
+    ["longformer", "sliding_chunk_autograd", "unfold", "unfold_nnf", "chunk_rows", "flex", "fused_cpu"],
 )
-def test_every_attn_type_gives_the_logits_of_longformerhand(attn_type):
-    # longformer_triton: tests/test_triton_kernels.py
+def test_every_attn_type_gives_the_logits_of_sliding_chunk(attn_type):
+    # triton: tests/test_triton_kernels.py
     torch.manual_seed(0)
-    hand = build_model(tiny_cfg("MODEL.VIT.MSVIT.ATTN_TYPE", "longformerhand")).eval()
+    hand = build_model(tiny_cfg("MODEL.VIT.MSVIT.ATTN_TYPE", "sliding_chunk")).eval()
     auto = build_model(tiny_cfg("MODEL.VIT.MSVIT.ATTN_TYPE", attn_type)).eval()
     auto.load_state_dict(hand.state_dict())
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(hand(x), auto(x), rtol=1e-5, atol=1e-5)
-    if attn_type == "longformer_flex":
+    if attn_type == "flex":
         return  # FlexAttention has no backward on the CPU
     # and the same gradients
     hand.train(), auto.train()
@@ -190,6 +185,16 @@ def test_every_attn_type_gives_the_logits_of_longformerhand(attn_type):
     auto(x).square().sum().backward()
     for (name, a), b in zip(hand.named_parameters(), auto.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_attn_type_aliases_name_their_backends():
+    """The original release's ATTN_TYPE names and this project's earlier ones build the model of their backend."""
+    assert ATTN_TYPE_ALIASES["longformerhand"] == "sliding_chunk"
+    assert ATTN_TYPE_ALIASES["longformer_cuda"] == ATTN_TYPE_ALIASES["longformer_triton"] == "triton"
+    for alias, backend in ATTN_TYPE_ALIASES.items():
+        assert backend in available_backends(2) and alias not in available_backends(2)
+        model = build_model(tiny_cfg("MODEL.VIT.MSVIT.ATTN_TYPE", alias))
+        assert model.layer1[1].attn.backend == backend
 
 
 def test_full_attn_type_uses_full_attention_everywhere():
@@ -290,7 +295,7 @@ def test_bad_arch_strings(arch, message):
     [
         (
             ("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"),
-            "Unknown MODEL.VIT.MSVIT.ATTN_TYPE 'longformer_magic'; known: longformer, full, longformerhand",
+            "'longformer_magic'; known: longformer, full, linformer, srformer, performer, sliding_chunk",
         ),
         (
             ("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"),

@@ -52,3 +52,20 @@ def test_benchmark_model_compares_with_a_timm_model_and_profiles_both():
     eager_profile, timm_profile = out.split("two training steps:")[1:]
     assert "aten::mm" in eager_profile or "aten::addmm" in eager_profile
     assert "convolution" in timm_profile
+
+
+def test_cpu_sdpa_is_counted_by_this_projects_counter_only():
+    """torch's own FLOP counter has no formula for its CPU SDPA kernel, and importing vil leaves it so; the
+    project's counter counts it as the two products of attention, 2 * L * S * D multiply-adds each."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import vil  # noqa: F401
+    from vil.profiling import flop_counter
+
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    with FlopCounterMode(display=False) as torch_counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    with flop_counter() as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch_counter.get_total_flops() == 0
+    assert counter.get_total_flops() == 2 * (2 * 2 * 5 * 7 * 8)

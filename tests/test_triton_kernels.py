@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="the triton package is not installed; the t
 from test_local_attention import make_inputs as make_local_inputs  # noqa: E402
 
 from vil.config import load_cfg  # noqa: E402
-from vil.models import build_model  # noqa: E402
+from vil.model_config import build_model  # noqa: E402
 from vil.ops import local_attention_2d  # noqa: E402
 from vil_kernels import flash  # noqa: E402
 from vil_kernels import local_attention as kernels

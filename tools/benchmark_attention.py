@@ -16,19 +16,19 @@ gradients (1.0: no memory beyond them).
     python tools/benchmark_attention.py                      # CPU, maps 28, 56, 84
     python tools/benchmark_attention.py --device cuda --dtype bfloat16 --batch 64 --rel-bias --sizes 28 56 112
 
-On CUDA the default backends are ``triton``, ``flex`` (compiled) and ``sliding_chunk``; on the CPU, every backend
-that trains there. ``--plot PREFIX`` also draws time and peak memory against the map size (log scales, one line
-per backend, as the original paper's implementation study): ``PREFIX_time.png`` and ``PREFIX_memory.png``.
+The default backends are every backend of the registry (``vil/ops/registry.py``) that trains on the device,
+``backend=None``'s choices first; on CUDA ``flex`` is compiled. ``--plot PREFIX`` also draws time and peak memory
+against the map size (log scales, one line per backend, as the original paper's implementation study):
+``PREFIX_time.png`` and ``PREFIX_memory.png``.
 
     python tools/benchmark_attention.py --sizes 14 28 42 56 84 --exact 0 --plot docs/study_exact0
 
 ``--dim 1`` measures ``local_attention_1d`` over sequences instead, with Longformer's settings: batch 1, 12 heads
 x 64, a window of 256 keys on each side, no global keys (``--num-global``), ``--dilation`` and ``--causal``
-(full attention then gets ``is_causal=True``); the sizes are sequence lengths, 1024 to 32768 by default. The
-default backends are ``fused_cpu``, ``sliding_chunk``, ``chunks`` and ``loop`` on the CPU; ``triton``, ``flex``,
-``sliding_chunk`` and ``chunks`` on CUDA. On the CPU, full attention and ``loop`` are skipped above 16384 and 2048
-tokens and ``reference`` above 4096; ``chunks`` is skipped with a dilation. The plots put time and peak memory
-against the sequence length, as Figure 1 of the Longformer paper.
+(full attention then gets ``is_causal=True``); the sizes are sequence lengths, 1024 to 32768 by default. On the
+CPU, full attention and ``loop`` are skipped above 16384 and 2048 tokens and ``reference`` above 4096; ``chunks``
+is skipped with a dilation. The plots put time and peak memory against the sequence length, as Figure 1 of the
+Longformer paper.
 
     python tools/benchmark_attention.py --dim 1 --markdown docs/study_1d.md --plot docs/study_1d
     python tools/benchmark_attention.py --dim 1 --causal --markdown docs/study_1d_causal.md --plot docs/study_1d_causal
@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from vil.files import atomic_write
 from vil.ops import available_backends, default_backend, local_attention_1d, local_attention_2d
+from vil.ops.registry import BACKENDS, FASTEST, FASTEST_ELSEWHERE
 from vil.profiling import PeakMemory
 
 SDPA = "sdpa (full attention)"
@@ -64,20 +65,6 @@ LOOP_MAX_TOKENS = 2048  # on the CPU, the 1D loop takes one pass over the sequen
 UNFOLD_MAX_BYTES = 6 * 2**30  # the unfold backends keep the unfolded keys and values: skipped above this
 # --steady-malloc: blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap, which is never trimmed.
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
-DEFAULT_BACKENDS = {  # (dim, device); those not in available_backends(dim) are left out
-    (2, "cpu"): [
-        "fused_cpu",
-        "sliding_chunk",
-        "sliding_chunk_autograd",
-        "chunk_rows",
-        "unfold",
-        "unfold_nnf",
-        "reference",
-    ],
-    (2, "cuda"): ["triton", "flex", "sliding_chunk"],
-    (1, "cpu"): ["fused_cpu", "sliding_chunk", "chunks", "loop"],
-    (1, "cuda"): ["triton", "flex", "sliding_chunk", "chunks"],
-}
 DEFAULTS = {  # per dim, for the options left out; 2: ViL-Small's first stage, 1: Longformer's settings
     2: dict(sizes=[28, 56, 84], batch=4, heads=3, head_dim=32, window=7, num_global=1, exact=0),
     1: dict(
@@ -274,6 +261,14 @@ def machine():
     return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
+def default_backends(dim, device):
+    """Every backend that computes ``dim``-D windows and trains on ``device``, those ``backend=None`` prefers
+    there first."""
+    able = [name for name in available_backends(dim) if BACKENDS[name].trains_on_device(device)]
+    first = [name for name in FASTEST.get(device, FASTEST_ELSEWHERE) if name in able]
+    return first + [name for name in able if name not in first]
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
@@ -284,7 +279,7 @@ def main(argv=None):
         sys.exit("--device cuda was asked for, but torch sees no CUDA device here.")
     able = available_backends(args.dim)
     if args.backends is None:
-        args.backends = [name for name in DEFAULT_BACKENDS[args.dim, args.device] if name in able]
+        args.backends = default_backends(args.dim, args.device)
     for backend in args.backends:
         if backend not in able:
             sys.exit(f"Unknown {args.dim}D backend {backend!r}; available: {', '.join(able)}.")

@@ -19,8 +19,8 @@ Measured per image size, for ``--batch`` images of ``--device`` in fp32: the for
 gradients; the training-step time (train mode, forward, cross-entropy, backward; no optimizer step); the peak
 memory of a training step (``vil.profiling.PeakMemory``: what torch's allocator holds for tensors at most during
 the step, over what it held before, parameters excluded, their gradients included); the forward GMACs of one
-image (``torch.utils.flop_counter``, multiply-adds, with the formulas ``vil.ops`` adds for local attention and
-for the CPU kernel of ``scaled_dot_product_attention``) and the parameters.
+image (``vil.profiling.flop_counter``: torch's counter, multiply-adds, with the formulas of ``vil.ops`` for local
+attention and of this project for the CPU kernel of ``scaled_dot_product_attention``) and the parameters.
 
 Each image size runs in a fresh process, so that no size leaves memory or caches to the next. There every model
 is built, its GMACs counted, and it takes one warm-up forward and training step and one training step under
@@ -52,12 +52,11 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from vil.files import atomic_write
 from vil.models import COMPARISONS, PRESETS, MsViT, parse_arch, small_arch, stage_map_sizes
 from vil.models.msvit import PRETRAINED
-from vil.profiling import PeakMemory
+from vil.profiling import PeakMemory, flop_counter
 
 try:  # installed, or an editable checkout: the tools are the package vil_tools
     from vil_tools.benchmark_attention import machine
@@ -162,7 +161,7 @@ def stage1_tokens(name, size):
 
 def forward_gmacs(model, image):
     """Multiply-adds (in G) of one eval forward of ``image`` (one image)."""
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), flop_counter() as counter:
         model(image)
     return counter.get_total_flops() / 2 / 1e9
 

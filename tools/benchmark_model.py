@@ -4,11 +4,11 @@
     python tools/benchmark_model.py --config-file configs/vil_tiny.yaml --batch 4 --compile \
         [--timm swin_tiny_patch4_window7_224]
 
-FLOPs are counted by ``torch.utils.flop_counter`` for one 224x224 (``INPUT.IMAGE_SIZE``) image, forward, as
-multiply-adds (the convention of the paper's 1.43G / 5.12G). Peak memory: ``torch.cuda.max_memory_allocated``
-on a GPU; on the CPU the rise of the resident set during the first training step. A training step is the
-model's forward and backward and a step of the optimizer ``tools/train.py`` builds from the config (``OPTIM``;
-torch's fused AdamW for the presets).
+FLOPs are counted by ``vil.profiling.flop_counter`` (torch's counter, CPU SDPA included) for one 224x224
+(``INPUT.IMAGE_SIZE``) image, forward, as multiply-adds (the convention of the paper's 1.43G / 5.12G). Peak
+memory: ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the rise of the resident set during the first
+training step. A training step is the model's forward and backward and a step of the optimizer ``tools/train.py``
+builds from the config (``OPTIM``; torch's fused AdamW for the presets).
 
 ``--compile`` and ``--timm NAME`` add a second table: training and inference images/s of the model, of the model
 under ``torch.compile`` (Inductor, after its compilation, whose time is printed) and of timm's model ``NAME``, in
@@ -21,12 +21,11 @@ import argparse
 import time
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from vil.config import load_cfg
-from vil.models import build_model
+from vil.model_config import build_model
 from vil.optim import build_optimizer
-from vil.profiling import PeakMemory
+from vil.profiling import PeakMemory, flop_counter
 
 
 def main():
@@ -52,7 +51,7 @@ def main():
     params = sum(p.numel() for p in model.parameters())
 
     model.eval()
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), flop_counter() as counter:
         model(torch.randn(1, 3, size, size, device=device))
     macs = counter.get_total_flops() / 2
 

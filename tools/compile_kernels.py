@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's kernels canno
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from vil.ops.backends.fused_triton import kernel_geometry  # noqa: E402
+from vil.ops.backends.triton import kernel_geometry  # noqa: E402
 from vil_kernels import flash  # noqa: E402
 from vil_kernels import local_attention as kernels
 from vil_kernels import local_attention_1d as kernels_1d

@@ -16,7 +16,7 @@ import torch
 from vil.config import load_cfg
 from vil.engine import load_weights
 from vil.export import export_onnx, onnx_outputs
-from vil.models import build_model
+from vil.model_config import build_model
 
 TOLERANCE = 1e-4
 

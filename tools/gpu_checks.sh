@@ -25,11 +25,12 @@ for step in $STEPS; do
     1) run env TRITON_INTERPRET=0 python -m pytest -q -rs tests/test_triton_kernels.py tests/test_triton_kernels_1d.py \
          tests/test_local_attention.py tests/test_local_attention_1d.py -k "triton or flex or gradients" ;;
     2) run python tools/benchmark_attention.py --device cuda --dtype bfloat16 --batch 64 --heads 3 --head-dim 32 \
-         --window 7 --num-global 1 --rel-bias --sizes 28 56 112 --markdown "$OUT/attention_gpu.md" ;;
+         --window 7 --num-global 1 --rel-bias --sizes 28 56 112 --backends triton flex sliding_chunk \
+         --markdown "$OUT/attention_gpu.md" ;;
     3) for causal in "" "--causal"; do
          for dilation in 1 2; do
            run python tools/benchmark_attention.py --dim 1 --device cuda --dtype bfloat16 --sizes 4096 8192 16384 \
-             32768 65536 --dilation "$dilation" $causal \
+             32768 65536 --dilation "$dilation" $causal --backends triton flex sliding_chunk chunks \
              --markdown "$OUT/attention_gpu_1d_dilation${dilation}${causal:+_causal}.md"
          done
        done ;;

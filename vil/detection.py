@@ -16,9 +16,9 @@ from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastL
 
 from .checkpoint import load_model_state, model_state, read_checkpoint
 from .config import config_from_text
+from .model_config import model_kwargs
 from .models import PRESETS, MsViT, arch_string, parse_arch
 from .models.convert import backbone_specs, convert_classification_state, infer_image_size
-from .models.msvit import model_kwargs
 
 # Export format -> (the key holding the state dict, the prefix of the backbone's keys in a whole detector).
 EXPORT_FORMATS = {

@@ -35,7 +35,8 @@ from .checkpoint import ema_state, load_model_state, model_state, read_checkpoin
 from .config import warn_compatibility_keys
 from .data import build_dataset, build_loss, build_mixup, collate_skipping
 from .files import FolderLock, atomic_write, check_writable_file, check_writable_folder, remove_temporaries
-from .models import arch_string, build_model, parse_arch, pretrained_checkpoint
+from .model_config import build_model
+from .models import arch_string, parse_arch, pretrained_checkpoint
 from .models.attention import LongformerAttention
 from .models.convert import fit_to_model
 from .optim import build_optimizer, build_scheduler, drop_learning_rate, model_ema

@@ -1,7 +1,30 @@
-"""Peak memory of a block of code, on a GPU or on the CPU."""
+"""This project's measurements of a block of code: its peak memory, on a GPU or on the CPU, and its FLOPs."""
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+
+def _sdpa_cpu_flops(query, key, value, *args, out_shape=None, **kwargs):
+    return sdpa_flop_count(query, key, value)
+
+
+def _sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def flop_counter(display: bool = False) -> FlopCounterMode:
+    """torch's FLOP counter (``with flop_counter() as counter: ...``, then ``counter.get_total_flops()``), which
+    also counts torch's CPU kernels of ``scaled_dot_product_attention`` as its CUDA kernels are counted: torch has no
+    formula for them and would count every full attention on the CPU (the model's s0 stages, global tokens, other
+    libraries' models) as no work. Only this counter counts them; torch's own stays as it is. This package's
+    local attention operators carry their formulas themselves (``vil/ops/operators.py``)."""
+    aten = torch.ops.aten
+    formulas = {
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+    }
+    return FlopCounterMode(display=display, custom_mapping=formulas)
 
 
 class PeakMemory:

@@ -1,12 +1,10 @@
-"""ViL models: ``build_model(cfg)``, a preset by name (``vil_small(num_classes=10)``), or through timm
-(``timm.create_model("vil_small")``: importing :mod:`vil` registers every preset with timm)."""
+"""ViL models: a preset by name (``vil_small(num_classes=10)``), through timm (``timm.create_model("vil_small")``:
+importing :mod:`vil` registers every preset with timm), or from a config (``vil.model_config.build_model(cfg)``)."""
 
 from .arch import COMPARISONS, PRESETS, arch_string, parse_arch, small_arch, stage_map_sizes
 from .msvit import (
-    ATTN_TYPES,
     MECHANISMS,
     MsViT,
-    build_model,
     pretrained_checkpoint,
     vil_base_deep,
     vil_base_deep_rpb,
@@ -33,13 +31,11 @@ from .msvit import (
 )
 
 __all__ = [
-    "ATTN_TYPES",
     "COMPARISONS",
     "MECHANISMS",
     "MsViT",
     "PRESETS",
     "arch_string",
-    "build_model",
     "parse_arch",
     "pretrained_checkpoint",
     "small_arch",

@@ -4,6 +4,9 @@ Tokens are always ``[G global tokens, nx*ny local tokens row-major]``. Parameter
 release, so its checkpoints load unchanged.
 """
 
+from dataclasses import astuple, dataclass
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -94,6 +97,24 @@ class FullAttention(_Attention):
         return self.proj_drop(self.proj(merge_heads(out)))
 
 
+@dataclass(frozen=True)
+class LongformerOptions:
+    """The options of ViL's local attention (``MODEL.VIT.MSVIT``).
+
+    ``exact`` (SW_EXACT): 0 the 3x3 chunks around the query's chunk, zero padded; -1 the same, wrapping around; 1
+    the exact window. ``mode`` (MODE): 0 all 9 chunks, -1 the own chunk, > 0 a random neighbour chunk per training
+    forward (1..8, uniformly) and all 9 in evaluation. ``share_w`` (SHARE_W): the global tokens use the local
+    tokens' projections. ``only_global`` (ONLY_GLOBAL): local queries attend to the global keys only. ``backend``:
+    the :func:`vil.ops.local_attention_2d` backend (None: the fastest for each call).
+    """
+
+    exact: int = 0
+    mode: int = 0
+    share_w: bool = True
+    only_global: bool = False
+    backend: Optional[str] = None
+
+
 @register_notrace_module
 class LongformerAttention(_Attention):
     """Conv-like local attention on the ``nx x ny`` map with G global tokens.
@@ -103,25 +124,14 @@ class LongformerAttention(_Attention):
     local queries, all keys and local outputs; ``query_global``/``kv_global``/``proj_global`` on global
     queries, the global queries' keys and their outputs, and are the same modules when ``share_w``.
 
-    ``mode``: 0 all 9 chunks, -1 the own chunk, > 0 a random neighbour chunk per training forward
-    (1..8, uniformly) and all 9 in evaluation.
+    ``window``: the chunk size (SW_EXACT 0, -1) or window radius (SW_EXACT 1); ``rpe``: relative position bias
+    instead of none; ``options``: :class:`LongformerOptions`.
     """
 
-    def __init__(
-        self,
-        dim,
-        heads,
-        num_global,
-        window,
-        rpe=False,
-        exact=0,
-        mode=0,
-        share_w=True,
-        only_global=False,
-        backend=None,
-        drop=0.0,
-    ):
+    def __init__(self, dim, heads, num_global, window, rpe=False, options=None, drop=0.0):
         super().__init__()
+        options = options or LongformerOptions()
+        exact, mode, share_w, only_global, backend = astuple(options)
         check_backend(None if only_global else backend, dim // heads, window, exact, mode)
         if only_global and num_global == 0:
             raise ValueError("ONLY_GLOBAL needs global tokens, but a longformer stage has g0; give it g1 or more.")

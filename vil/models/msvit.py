@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import download_checkpoint
 from ..ops import check_window_options
 from .arch import COMPARISONS, PRESETS, parse_arch, stage_map_sizes
-from .attention import FullAttention, LongformerAttention
+from .attention import FullAttention, LongformerAttention, LongformerOptions
 from .convert import checkpoint_filter_fn
 from .efficient_attention import LinformerAttention, PerformerAttention, SpatialReductionAttention
 from .tables import resize_position_embedding
@@ -34,7 +34,8 @@ from .tables import resize_position_embedding
 
 @register_notrace_module  # a leaf for torch.fx: the map size it returns is data
 class PatchEmbed(nn.Module):
-    """Conv patch embedding, optional LayerNorm, G global tokens prepended, absolute position embedding.
+    """Conv patch embedding, optional LayerNorm, G global tokens prepended, absolute position embedding: those of the
+    stage ``spec`` (:class:`~vil.models.arch.StageSpec`), whose map at the built image size is ``grid`` (nx, ny).
 
     Inputs of any size: rows and columns that do not fill a patch are dropped (the original release's
     convolution), or, with ``pad``, the image is padded at the bottom and right to a multiple of the patch
@@ -42,8 +43,9 @@ class PatchEmbed(nn.Module):
     for maps of another size.
     """
 
-    def __init__(self, in_chans, dim, patch, nx, ny, num_global, ape, norm_embed, norm_layer, drop, pad=False):
+    def __init__(self, in_chans, spec, grid, norm_layer, drop, norm_embed=True, pad=False):
         super().__init__()
+        dim, patch, num_global, ape, (nx, ny) = spec.dim, spec.patch, spec.num_global, spec.ape, grid
         self.patch, self.num_global, self.ape, self.pad = patch, num_global, ape, pad
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch, stride=patch)
         self.norm_embed = norm_layer(dim) if norm_embed else None
@@ -221,38 +223,15 @@ class MsViT(nn.Module):
         if only_global and attention != "longformer":
             raise ValueError(f"ONLY_GLOBAL (only_global) is an option of longformer attention, not of {attention!r}.")
         norm_layer = partial(nn.LayerNorm, eps=ln_eps)
+        longformer = LongformerOptions(sw_exact, mode, share_w, only_global, attn_backend)
         rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs)).tolist()
 
         in_dim, layer = in_chans, 0
         for spec, (nx, ny) in zip(self.stage_specs, stage_map_sizes(self.stage_specs, self.img_size, dynamic_img_pad)):
-            blocks = [
-                PatchEmbed(
-                    in_dim,
-                    spec.dim,
-                    spec.patch,
-                    nx,
-                    ny,
-                    spec.num_global,
-                    spec.ape,
-                    norm_embed,
-                    norm_layer,
-                    drop_rate,
-                    dynamic_img_pad,
-                )
-            ]
+            blocks = [PatchEmbed(in_dim, spec, (nx, ny), norm_layer, drop_rate, norm_embed, dynamic_img_pad)]
             for _ in range(spec.depth):
                 attn = self._attention(
-                    spec,
-                    nx,
-                    ny,
-                    attention if spec.local else "full",
-                    drop_rate,
-                    attn_backend=attn_backend,
-                    share_w=share_w,
-                    share_kv=share_kv,
-                    only_global=only_global,
-                    exact=sw_exact,
-                    mode=mode,
+                    spec, (nx, ny), attention if spec.local else "full", drop_rate, longformer, share_kv
                 )
                 blocks.append(AttnBlock(spec.dim, attn, norm_layer, rates[layer]))
                 blocks.append(MlpBlock(spec.dim, norm_layer, drop_rate, rates[layer]))
@@ -271,25 +250,14 @@ class MsViT(nn.Module):
             self.register_buffer("feature_redraw_interval", torch.tensor(1), persistent=False)
 
     @staticmethod
-    def _attention(spec, nx, ny, attention, drop, attn_backend, share_w, share_kv, only_global, exact, mode):
-        """The attention module of one layer of the stage ``spec`` (an ``nx x ny`` map at the built image size)."""
-        dim, heads, G, f = spec.dim, spec.heads, spec.num_global, spec.window
+    def _attention(spec, grid, attention, drop, longformer, share_kv):
+        """The attention module of one layer of the stage ``spec`` (a ``grid`` of nx x ny positions at the built image
+        size): ``attention`` with the :class:`LongformerOptions` ``longformer`` or linformer's ``share_kv``."""
+        dim, heads, G, f, (nx, ny) = spec.dim, spec.heads, spec.num_global, spec.window, grid
         if attention == "full":
             return FullAttention(dim, heads, G, nx, ny, rpe=not spec.ape, drop=drop)
         if attention == "longformer":
-            return LongformerAttention(
-                dim,
-                heads,
-                G,
-                f,
-                rpe=not spec.ape,
-                exact=exact,
-                mode=mode,
-                share_w=share_w,
-                only_global=only_global,
-                backend=attn_backend,
-                drop=drop,
-            )
+            return LongformerAttention(dim, heads, G, f, rpe=not spec.ape, options=longformer, drop=drop)
         if attention == "linformer":
             return LinformerAttention(dim, heads, G + nx * ny, f, share_kv=share_kv, drop=drop, stage=spec.index)
         if attention == "srformer":
@@ -511,59 +479,6 @@ class MsViT(nn.Module):
 
 # The attention of s1 stages (MsViT's attention argument).
 MECHANISMS = ("longformer", "full", "linformer", "srformer", "performer")
-# MODEL.VIT.MSVIT.ATTN_TYPE -> the local_attention_2d backend of longformer attention (None: the fastest one for the
-# device, dtype and options of each call), or another mechanism.
-ATTN_TYPES = {
-    "longformer": None,
-    "full": "full",
-    "longformerhand": "sliding_chunk",
-    "longformerauto": "sliding_chunk_autograd",
-    "longformer_triton": "triton",
-    "longformer_cuda": "triton",  # the original release's name for its custom kernel
-    "longformer_flex": "flex",
-    "longformer_unfold": "unfold",
-    "longformer_unfold_nnf": "unfold_nnf",
-    "longformer_chunk_rows": "chunk_rows",
-    "longformer_fused_cpu": "fused_cpu",
-    "linformer": "linformer",
-    "srformer": "srformer",
-    "performer": "performer",
-}
-
-
-def model_kwargs(cfg):
-    """The :class:`MsViT` arguments (``arch`` included) that ``cfg`` (from :func:`vil.config.load_cfg`) describes."""
-    if cfg.MODEL.ARCH != "msvit":
-        raise ValueError(f"MODEL.ARCH {cfg.MODEL.ARCH!r} is not a model of this project; it must be 'msvit'.")
-    vit, msvit = cfg.MODEL.VIT, cfg.MODEL.VIT.MSVIT
-    if msvit.ATTN_TYPE not in ATTN_TYPES:
-        raise ValueError(f"Unknown MODEL.VIT.MSVIT.ATTN_TYPE {msvit.ATTN_TYPE!r}; known: {', '.join(ATTN_TYPES)}.")
-    backend = ATTN_TYPES[msvit.ATTN_TYPE]
-    attention = backend if backend in MECHANISMS else "longformer"
-    check_window_options(msvit.SW_EXACT, msvit.MODE)  # also where no layer is a longformer one
-    return dict(
-        arch=msvit.ARCH,
-        img_size=cfg.INPUT.IMAGE_SIZE,
-        num_classes=cfg.DATA.NUM_CLASSES,
-        drop_rate=vit.DROP,
-        drop_path_rate=vit.DROP_PATH,
-        norm_embed=vit.NORM_EMBED,
-        avg_pool=vit.AVG_POOL,
-        attention=attention,
-        attn_backend=None if backend in MECHANISMS else backend,
-        share_w=msvit.SHARE_W,
-        share_kv=msvit.SHARE_KV,
-        only_global=msvit.ONLY_GLOBAL,
-        sw_exact=msvit.SW_EXACT,
-        mode=msvit.MODE,
-        ln_eps=msvit.LN_EPS,
-        dynamic_img_pad=vit.DYNAMIC_IMG_PAD,
-    )
-
-
-def build_model(cfg):
-    """The model ``cfg`` (a config from :func:`vil.config.load_cfg`) describes."""
-    return MsViT(**model_kwargs(cfg))
 
 
 # --- Registration with timm: timm.create_model("vil_small"), features_only, pretrained_cfg_overlay=dict(file=...) ---

@@ -221,11 +221,13 @@ def neighbour_table(mx, my, exact, mode):
     return table, table_t, torch.tensor(offsets)
 
 
-def pair_in_window_2d(q_idx, kv_idx, cols, window, exact, mode, dilation, num_global, chunk_rows, chunk_cols):
-    """For query ``q_idx`` and key ``kv_idx`` (index tensors, row-major over a map of ``cols`` columns, keys after
-    ``num_global`` global keys): may the query see the key, and the row of the relative bias table. Pair by pair,
-    for code that sees one pair at a time (FlexAttention's mask and score modifiers)."""
-    w, d = window, dilation
+def pair_in_window_2d(q_idx, kv_idx, hood, rows, cols, num_global=0):
+    """For query ``q_idx`` and key ``kv_idx`` (index tensors, row-major over a ``rows x cols`` map, keys after
+    ``num_global`` global keys): may the query see the key in the neighbourhood ``hood`` (a
+    :class:`~vil.ops.neighborhood.Neighborhood2d`), and the row of the relative bias table. Pair by pair, for code
+    that sees one pair at a time (FlexAttention's mask and score modifiers)."""
+    w, d, exact = hood.window, hood.dilation, hood.exact
+    chunk_rows, chunk_cols = -(-rows // w), -(-cols // w)
     local = kv_idx - num_global
     qi, qj = q_idx // cols, q_idx % cols
     ki, kj = local // cols, local % cols
@@ -238,7 +240,7 @@ def pair_in_window_2d(q_idx, kv_idx, cols, window, exact, mode, dilation, num_gl
         # The offset through which the key's chunk is reached; the one wrapping around the fewest axes.
         best = torch.full_like(qi, 3)
         a_sel, b_sel = torch.zeros_like(qi), torch.zeros_like(qi)
-        for a, b in neighbour_offsets(exact, mode):
+        for a, b in neighbour_offsets(exact, hood.mode):
             na, nb = ci + a, cj + b
             wraps = ((na < 0) | (na >= chunk_rows)).int() + ((nb < 0) | (nb >= chunk_cols)).int()
             if exact == -1:

@@ -1,10 +1,11 @@
-"""The op layer: ``local_attention_2d`` (ViL's windows on a map) and ``local_attention_1d`` (Longformer's band over
-a sequence), with one switch for how they are computed.
+"""The op layer's public functions: ``local_attention_2d`` (ViL's windows on a map) and ``local_attention_1d``
+(Longformer's band over a sequence), with one switch for how they are computed.
 
 Every backend computes the same function; they differ in speed, memory and what they support, which each
-declares (:class:`vil.ops.backends.Backend`). This module validates the inputs once, builds the neighbourhood
-(``vil/ops/neighborhood.py``), picks or checks the backend from its declaration, and splits a request the
-backend cannot take whole (dilation by sub-lattice, per-head dilations by head) into ones it can.
+declares (:class:`vil.ops.base.Backend`; the table is ``vil/ops/registry.py``). This module validates the inputs
+once, builds the neighbourhood (``vil/ops/neighborhood.py``) and the optional inputs as one
+:class:`~vil.ops.base.Extras`, picks or checks the backend from its declaration, and hands the request to
+``vil/ops/operators.py``, which runs it.
 """
 
 import logging
@@ -12,138 +13,13 @@ import numbers
 
 import torch
 
-from . import operators
-from .backends import (
-    chunk_rows,
-    chunks_1d,
-    flex,
-    fused_cpu,
-    fused_triton,
-    loop_1d,
-    reference,
-    sliding_chunk,
-    sliding_chunk_autograd,
-    unfold,
-)
+from . import operators, split
+from .base import Extras, exporting_to_onnx, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
+from .registry import BACKENDS, available_backends, default_backend
 
-_BACKENDS = {
-    b.name: b
-    for b in (
-        sliding_chunk.BACKEND,
-        sliding_chunk_autograd.BACKEND,
-        fused_triton.BACKEND,
-        fused_cpu.BACKEND,
-        flex.BACKEND,
-        unfold.UNFOLD,
-        unfold.UNFOLD_NNF,
-        chunk_rows.BACKEND,
-        loop_1d.BACKEND,
-        chunks_1d.BACKEND,
-        reference.BACKEND,
-    )
-}
-# The fastest backends measured by tools/benchmark_attention.py (see BENCHMARKS.md), in order, per device type;
-# ``backend=None`` takes the first whose declaration fits the request and that can run here.
-_FASTEST = {"cpu": ("fused_cpu", "sliding_chunk")}
-_FASTEST_ELSEWHERE = ("sliding_chunk",)
 _log = logging.getLogger(__name__)
 _logged_choices = set()
-
-
-def available_backends(dims=2):
-    """Names accepted by ``local_attention_2d`` (``dims=2``) or ``local_attention_1d`` (``dims=1``)."""
-    return [name for name, b in _BACKENDS.items() if b.computes(dims)]
-
-
-def default_backend(device, dtype, dims=2):
-    """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: the fastest measured that
-    computes ``dims``-D windows there (see BENCHMARKS.md). On the CPU that is ``fused_cpu`` (every dtype; half
-    precision is computed in float32), or ``sliding_chunk`` with one warning where its C++ kernel cannot be
-    built; elsewhere ``sliding_chunk``. The Triton kernels are chosen explicitly (``backend="triton"``) until GPU
-    measurements make them the default there."""
-    device_type = torch.device(device).type
-    for name in _FASTEST.get(device_type, _FASTEST_ELSEWHERE):
-        b = _BACKENDS[name]
-        if not b.computes(dims) or not _runs_on(b.devices, device_type) or dtype not in b.dtypes:
-            continue
-        try:
-            if b.available is not None:
-                b.available()
-        except ValueError as error:
-            if not torch.compiler.is_compiling() and ("unavailable", name) not in _logged_choices:
-                _logged_choices.add(("unavailable", name))
-                fallback = _FASTEST[device_type][-1]
-                _log.warning("%s Using %s on the CPU instead, about 2x slower.", error, fallback)
-            continue
-        return name
-    return _FASTEST_ELSEWHERE[0]
-
-
-def _choose(backend, hood, q, trains):
-    """The backend declaration for this request; one sentence naming the backends that can run it otherwise."""
-    dims = hood.dims
-    if backend is None:
-        backend = default_backend(q.device, q.dtype, dims)
-        if not torch.compiler.is_compiling() and (q.device.type, q.dtype, backend, dims) not in _logged_choices:
-            _logged_choices.add((q.device.type, q.dtype, backend, dims))
-            _log.info(
-                "local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type
-            )
-    able = available_backends(dims)
-    if backend not in _BACKENDS:
-        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(able)}.")
-    b = _BACKENDS[backend]
-    if not b.computes(dims):
-        raise ValueError(
-            f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {', '.join(able)}."
-        )
-    if hood.dilated and b.dilation(dims) is None:
-        others = [n for n in able if _BACKENDS[n].dilation(dims) is not None]
-        raise ValueError(
-            f"The {backend} backend computes undilated windows only; backends with dilation: {', '.join(others)}."
-        )
-    device = q.device.type
-    if not _runs_on(b.devices, device):
-        others = [n for n in able if _runs_on(_BACKENDS[n].devices, device)]
-        raise ValueError(
-            f"The {backend} backend runs on {_listed(b.devices)} tensors, but q is on {q.device}; "
-            f"backends that run there: {', '.join(others)}."
-        )
-    if device == "meta":
-        raise ValueError(
-            "q is on the meta device, which holds no values to attend over; give tensors on a real device."
-        )
-    if trains and not _runs_on(b.trains_on, device):
-        others = [
-            n for n in able if _runs_on(_BACKENDS[n].devices, device) and _runs_on(_BACKENDS[n].trains_on, device)
-        ]
-        raise ValueError(
-            f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
-            f"backends that can: {', '.join(others)}."
-        )
-    if q.dtype not in b.dtypes:
-        raise ValueError(
-            f"The {backend} backend takes {_listed([str(t).split('.')[-1] for t in b.dtypes])} inputs, got {q.dtype}."
-        )
-    if b.available is not None:
-        b.available()
-    if b.check is not None:
-        b.check(hood, q.shape[-1])
-    return b
-
-
-def _runs_on(devices, device_type):
-    return devices is None or device_type in devices
-
-
-def _listed(names):
-    names = list(names)
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def local_attention_2d(
@@ -184,41 +60,19 @@ def local_attention_2d(
             neighborhood attention; the bias row uses ``(a, b)`` as the offsets.
         backend: one of :func:`available_backends`; None: :func:`default_backend`.
     """
-    if isinstance(mode, torch.Tensor) and not operators.tracing(q):
+    if isinstance(mode, torch.Tensor) and not tracing(q):
         mode = int(mode)
     drawn_mode = mode if isinstance(mode, torch.Tensor) else None  # read by the operator when it runs
     hood = Neighborhood2d(window, exact, mode if drawn_mode is None else 1, dilation)  # 1: any neighbour, to check
-    _check_types(
-        q=q, k=k, v=v, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias, scale=scale
-    )
+    optional = dict(global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias)
+    _check_types(q, dict(k=k, v=v, **optional), scale)
     if q.dim() != 5:
         raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
-    _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, "(4w-1)**2")
-    rows, cols = q.shape[2:4]
-    static = isinstance(rows, int) and isinstance(cols, int)  # not symbolic sizes under torch.compile/export
-    if rel_bias is None and static:
-        hood = hood.fitted(rows, cols)
-    b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
-    inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
-    if drawn_mode is not None or _traced_as_one_operator(b, q):
-        return operators.attention_2d(
-            b.name,
-            q,
-            k,
-            v,
-            *_tensor_inputs(inputs),
-            hood.window,
-            hood.exact,
-            hood.mode if drawn_mode is None else drawn_mode,
-            hood.dilation,
-            inputs["scale"],
-        )
-    if q.numel() == 0:  # nothing to compute: the reference handles empty batches and maps
-        b = reference.BACKEND
-    # A dilation beyond a side of the map leaves too little of it for a backend's own dilated windows.
-    if hood.dilated and (b.dilation(2) == "split" or (static and hood.dilation >= min(rows, cols))):
-        return _per_sub_lattice(b.attention_2d, q, k, v, hood, inputs)
-    return b.attention_2d(q, k, v, hood, **inputs)
+    _check_tensors(q, k, v, optional, hood)
+    extras = _extras(q, optional, scale)
+    hood = split.fitted(hood, q, extras)
+    b = _choose(backend, hood, q, _needs_grad(q, k, v, *optional.values()))
+    return _run(b, q, k, v, hood, extras, drawn_mode)
 
 
 def local_attention_1d(
@@ -256,17 +110,8 @@ def local_attention_1d(
         scale: factor of the scores; ``head_dim ** -0.5`` when None.
         backend: one of ``available_backends(dims=1)``; None: ``default_backend(device, dtype, dims=1)``.
     """
-    _check_types(
-        q=q,
-        k=k,
-        v=v,
-        key_padding_mask=key_padding_mask,
-        global_k=global_k,
-        global_v=global_v,
-        rel_bias=rel_bias,
-        global_bias=global_bias,
-        scale=scale,
-    )
+    optional = dict(global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias)
+    _check_types(q, dict(k=k, v=v, key_padding_mask=key_padding_mask, **optional), scale)
     if q.dim() != 4:
         raise ValueError(f"q must have shape (B, heads, L, head_dim), got {tuple(q.shape)}.")
     B, H, L, _ = q.shape
@@ -279,9 +124,9 @@ def local_attention_1d(
     hood = Neighborhood1d(window, dilation, causal)
     if L == 0:
         raise ValueError("q has length 0; local_attention_1d needs a sequence of at least one position.")
-    _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, "2w+1")
-    if rel_bias is None and isinstance(L, int):
-        hood = hood.fitted(L)
+    _check_tensors(q, k, v, optional, hood)
+    extras = _extras(q, optional, scale, key_padding_mask)
+    hood = split.fitted(hood, q, extras)
     if key_padding_mask is not None:
         if tuple(key_padding_mask.shape) != (B, L) or key_padding_mask.dtype != torch.bool:
             raise ValueError(
@@ -292,90 +137,100 @@ def local_attention_1d(
             raise ValueError(
                 f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}; both must match."
             )
-    b = _choose(backend, hood, q, _needs_grad(q, k, v, global_k, global_v, rel_bias, global_bias))
-    inputs = _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale)
-    if _traced_as_one_operator(b, q):
-        return operators.attention_1d(
-            b.name,
-            q,
-            k,
-            v,
-            *_tensor_inputs(inputs),
-            key_padding_mask,
-            hood.window,
-            hood.dilations(H),
-            hood.causal,
-            inputs["scale"],
-        )
-    if q.numel() == 0:
-        b = reference.BACKEND
-    return _run_1d(b, q, k, v, hood, dict(inputs, key_padding_mask=key_padding_mask))
+    b = _choose(backend, hood, q, _needs_grad(q, k, v, *optional.values()))
+    return _run(b, q, k, v, hood, extras)
 
 
-def _traced_as_one_operator(b, q):
-    """Under torch.compile and torch.export (fake tensors, symbolic sizes) a backend that is not traced as it is
-    runs as one generic operator (``vil/ops/operators.py``), so that its tables and loops see real sizes; an
-    ONNX export records the operators' decomposition, whatever the backend."""
-    return operators.exporting_to_onnx() or (not b.traced_as_is and operators.tracing(q))
+def _run(b, q, k, v, hood, extras, drawn_mode=None):
+    """The request computed by ``b``: eagerly; under torch.compile and torch.export through its own operators (or
+    its functions, where the compiler knows them) or else through the generic operator, which also reads a neighbour
+    mode drawn in the graph; in an ONNX export, as standard tensor operators."""
+    if exporting_to_onnx():
+        if drawn_mode is not None:
+            raise ValueError(
+                "A neighbour chunk drawn at random (MODE > 0 in training) cannot be exported to ONNX; "
+                "export the model in evaluation mode (model.eval())."
+            )
+        return operators.decomposed_attention(q, k, v, hood, extras)
+    if drawn_mode is not None or (tracing(q) and b.passes(hood.dims) is None and not b.traceable):
+        return operators.recomputed_attention(b, q, k, v, hood, extras, drawn_mode)
+    return operators.run_eagerly(b, q, k, v, hood, extras)
 
 
-def _tensor_inputs(inputs):
-    return inputs["global_k"], inputs["global_v"], inputs["rel_bias"], inputs["global_bias"]
-
-
-def _common_inputs(q, global_k, global_v, rel_bias, global_bias, scale):
-    """The keyword inputs of a backend: no empty global keys, bias tables in q's dtype, a numeric scale."""
+def _extras(q, optional, scale, key_padding_mask=None):
+    """The optional inputs as the backends take them: no empty global keys, bias tables in q's dtype (they are
+    parameters, often float32 next to half-precision activations under autocast), a numeric scale."""
+    global_k, global_v, rel_bias, global_bias = optional.values()
     if global_k is not None and global_k.shape[2] == 0:
         global_k = global_v = global_bias = None
-    # Bias tables are parameters, often float32 next to half-precision activations (autocast).
-    return dict(
+    return Extras(
+        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
         global_k=global_k,
         global_v=global_v,
         rel_bias=None if rel_bias is None else rel_bias.to(q.dtype),
         global_bias=None if global_bias is None else global_bias.to(q.dtype),
-        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        key_padding_mask=key_padding_mask,
     )
 
 
-def _per_sub_lattice(fn, q, k, v, hood, inputs):
-    """Dilated exact windows for a backend without them: the positions whose row and column have the same
-    residues modulo the dilation form a map of their own, on which the window is the undilated one."""
-    d, out = hood.dilation, torch.empty_like(q)
-    for r in range(min(d, q.shape[2])):
-        for c in range(min(d, q.shape[3])):
-            part = (slice(None), slice(None), slice(r, None, d), slice(c, None, d))
-            out[part] = fn(
-                q[part].contiguous(), k[part].contiguous(), v[part].contiguous(), hood.with_dilation(1), **inputs
+def _choose(backend, hood, q, trains):
+    """The backend declaration for this request; one sentence naming the backends that can run it otherwise."""
+    dims = hood.dims
+    if backend is None:
+        backend = default_backend(q.device, q.dtype, dims)
+        if not torch.compiler.is_compiling() and (q.device.type, q.dtype, backend, dims) not in _logged_choices:
+            _logged_choices.add((q.device.type, q.dtype, backend, dims))
+            _log.info(
+                "local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type
             )
-    return out
+    able = available_backends(dims)
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(able)}.")
+    b = BACKENDS[backend]
+    if not b.computes(dims):
+        raise ValueError(
+            f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {', '.join(able)}."
+        )
+    if hood.dilated and b.dilation(dims) is None:
+        others = [n for n in able if BACKENDS[n].dilation(dims) is not None]
+        raise ValueError(
+            f"The {backend} backend computes undilated windows only; backends with dilation: {', '.join(others)}."
+        )
+    device = q.device.type
+    if not b.runs_on(device):
+        others = [n for n in able if BACKENDS[n].runs_on(device)]
+        raise ValueError(
+            f"The {backend} backend runs on {_listed(b.devices)} tensors, but q is on {q.device}; "
+            f"backends that run there: {', '.join(others)}."
+        )
+    if device == "meta":
+        raise ValueError(
+            "q is on the meta device, which holds no values to attend over; give tensors on a real device."
+        )
+    if trains and not b.trains_on_device(device):
+        others = [n for n in able if BACKENDS[n].trains_on_device(device)]
+        raise ValueError(
+            f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
+            f"backends that can: {', '.join(others)}."
+        )
+    if q.dtype not in b.dtypes:
+        raise ValueError(
+            f"The {backend} backend takes {_listed([str(t).split('.')[-1] for t in b.dtypes])} inputs, got {q.dtype}."
+        )
+    if b.available is not None:
+        b.available()
+    if b.check is not None:
+        b.check(hood, q.shape[-1])
+    return b
 
 
-def _run_1d(b, q, k, v, hood, inputs):
-    """Runs a 1D backend, split by head where it cannot take different dilations per head, and by residue class
-    where it has no dilated windows of its own (the positions ``r, r+d, r+2d, ...`` are a sequence of their own
-    on which the window is the undilated one)."""
-    if hood.per_head and not b.per_head_dilation:
-        out = torch.empty_like(q)
-        dilations = hood.dilation
-        for d in sorted(set(dilations)):
-            heads = torch.tensor([h for h, x in enumerate(dilations) if x == d], device=q.device)
-            part = {name: _select_heads(name, t, heads) for name, t in inputs.items()}
-            out[:, heads] = _run_1d(b, q[:, heads], k[:, heads], v[:, heads], hood.with_dilation(d), part)
-        return out
-    if hood.dilated and b.dilation(1) == "split":
-        d, out = hood.dilation, torch.empty_like(q)
-        mask = inputs["key_padding_mask"]
-        for r in range(min(d, q.shape[2])):
-            part = dict(inputs, key_padding_mask=None if mask is None else mask[:, r::d])
-            out[:, :, r::d] = b.attention_1d(q[:, :, r::d], k[:, :, r::d], v[:, :, r::d], hood.with_dilation(1), **part)
-        return out
-    return b.attention_1d(q, k, v, hood, **inputs)
+def _listed(names):
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def _select_heads(name, t, heads):
-    if t is None or name in ("scale", "key_padding_mask"):
-        return t
-    return t[heads] if name in ("rel_bias", "global_bias") else t[:, heads]
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def check_backend(backend, head_dim, window, exact=0, mode=0, dilation=1):
@@ -384,9 +239,9 @@ def check_backend(backend, head_dim, window, exact=0, mode=0, dilation=1):
     hood = Neighborhood2d(window, exact, mode, dilation)
     if backend is None:
         return
-    if backend not in _BACKENDS or not _BACKENDS[backend].computes(2):
+    if backend not in BACKENDS or not BACKENDS[backend].computes(2):
         raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(available_backends(2))}.")
-    b = _BACKENDS[backend]
+    b = BACKENDS[backend]
     if b.available is not None:
         b.available()
     if b.check is not None:
@@ -398,21 +253,22 @@ def check_window_options(exact, mode, dilation=1):
     Neighborhood2d(1, exact, mode, dilation)
 
 
-def _check_types(scale, **tensors):
+def _check_types(q, tensors, scale):
     """Tensors where tensors belong (not lists or numpy arrays), a number as the scale."""
-    for name, t in tensors.items():
+    for name, t in dict(q=q, **tensors).items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(
                 f"{name} must be a torch.Tensor, got a {type(t).__name__}; convert it with torch.as_tensor."
             )
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise ValueError(f"scale must be a number (or None for head_dim ** -0.5), got {scale!r}.")
-    q = tensors["q"]
     if q.shape[-1] == 0:
         raise ValueError(f"q has head_dim 0 (shape {tuple(q.shape)}); attention needs at least one feature per head.")
 
 
-def _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, rows_name):
+def _check_tensors(q, k, v, optional, hood):
+    """Shapes, dtypes and devices of q, k, v and the ``optional`` tensors (global keys and values, bias tables)."""
+    global_k, global_v, rel_bias, global_bias = optional.values()
     for name, t in (("k", k), ("v", v)):
         if t.shape != q.shape:
             raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}.")
@@ -434,6 +290,7 @@ def _check_tensors(q, k, v, global_k, global_v, rel_bias, global_bias, hood, row
                 )
     if global_bias is not None and global_k is None:
         raise ValueError("global_bias needs global_k and global_v.")
+    rows_name = "(4w-1)**2" if hood.dims == 2 else "2w+1"
     for name, t, shape, shape_name in (
         ("rel_bias", rel_bias, (H, hood.bias_rows), rows_name),
         ("global_bias", global_bias, (H, G), "G"),

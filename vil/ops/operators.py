@@ -1,57 +1,103 @@
-"""Local attention as torch operators, registered through ``torch.library``: ``vil::local_attention_2d`` and
-``vil::local_attention_1d`` (each with its ``_backward`` operator) for the backends that have a backward of their
-own, and ``vil::recomputed_local_attention_2d`` / ``_1d`` for the others under torch.compile and torch.export.
+"""How a chosen backend runs: eagerly, as torch operators registered through ``torch.library``, or as standard tensor
+operators in an ONNX export.
 
-To ``torch.compile`` and ``torch.export`` a call is one opaque operator: its fake implementation gives the output
-shapes from the input shapes and autograd is registered on it, so nothing inside a backend (tables built from the
-map size, loops over blocks, C++ or Triton launches) is traced, and symbolic sizes never reach the backend: it
-runs with the real tensors. The operator takes the backend's name; a backend file registers its pair of
-functions with :func:`register_2d` / :func:`register_1d`.
+``vil::local_attention_2d`` and ``vil::local_attention_1d`` (each with its ``_backward`` operator) run the
+:class:`~vil.ops.base.FusedPasses` of the backend they are given by name; ``vil::recomputed_local_attention_2d`` /
+``_1d`` run any other backend under torch.compile and torch.export. To ``torch.compile`` and ``torch.export`` a
+call is one opaque operator: its fake implementation gives the output shapes from the input shapes and autograd is
+registered on it, so nothing inside a backend (tables built from the map size, loops over blocks, C++ or Triton
+launches) is traced, and symbolic sizes never reach the backend: it runs with the real tensors.
 
-A forward returns the output and one float per query that only its own backward reads (a log-sum-exp, in the
-backend's base). ONNX exports and TorchScript's tracer record the same function in standard tensor operators
-instead (:func:`_decomposed_2d`, :func:`_decomposed_1d`).
+The operators' arguments are flat, as custom operators take them: the backend's name, the tensors, then the
+neighbourhood's numbers and the scale. Everything else here takes a request as the op layer holds it (a backend,
+q, k, v, a neighbourhood and :class:`~vil.ops.base.Extras`). A fused forward returns the output and one float per
+query that only its own backward reads (a log-sum-exp, in the backend's base). ONNX exports and TorchScript's
+tracer record the same function in standard tensor operators instead (:func:`decomposed_attention`).
 """
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
-from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import register_flop_formula
 
-from .backends import reference, unfold
+from . import split
+from .base import Backend, Extras
 from .neighborhood import Neighborhood1d, Neighborhood2d
+from .registry import BACKENDS
 
-_FORWARD_2D, _BACKWARD_2D, _FORWARD_1D, _BACKWARD_1D, _PAIRS_2D, _PAIRS_1D = {}, {}, {}, {}, {}, {}
-
-
-def register_2d(name, forward, backward, scored_pairs):
-    """``forward(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale) ->
-    (out, lse)``, ``lse`` ``(B, heads, X, Y)``; ``backward(q, k, v, global_k, global_v, rel_bias, global_bias, out,
-    lse, grad_out, window, exact, mode, dilation, scale)`` -> the seven inputs' gradients (None for absent inputs);
-    ``scored_pairs(q, num_global, window, exact, mode, dilation)``: how many (query, key) scores the forward computes
-    per (batch, head), for ``torch.utils.flop_counter`` (the forward makes two products over them, the backward five).
-    """
-    _FORWARD_2D[name], _BACKWARD_2D[name], _PAIRS_2D[name] = forward, backward, scored_pairs
+# --- A request, run ------------------------------------------------------------------------------------------------
 
 
-def register_1d(name, forward, backward, scored_pairs):
-    """As :func:`register_2d`, with ``key_padding_mask`` after ``global_bias`` and ``(window, dilations, causal,
-    scale)`` as options; ``lse`` is ``(B, heads, L)``; ``scored_pairs(q, num_global, window, dilations, causal)``
-    counts per batch, over all heads."""
-    _FORWARD_1D[name], _BACKWARD_1D[name], _PAIRS_1D[name] = forward, backward, scored_pairs
+def run_eagerly(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> Tensor:
+    """``b``'s output for a request, split into the pieces it can take (``vil/ops/split.py``); an empty batch, map
+    or sequence has nothing to compute, and the reference handles it."""
+    if q.numel() == 0:
+        b = BACKENDS["reference"]
+    run = split.run_1d if hood.dims == 1 else split.run_2d
+    attend = b.function(hood.dims) if b.passes(hood.dims) is None else partial(fused_attention, b)
+    return run(attend, b, q, k, v, hood, extras)
 
 
-def tracing(q):
-    """Under torch.compile or torch.export: fake tensors, perhaps symbolic sizes."""
-    return torch.compiler.is_compiling() or is_fake(q)
+def fused_attention(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> Tensor:
+    """``b``'s passes through its operator: the inputs as they take them (``b.prepare``), autocast off (the passes
+    choose their dtypes), the output in q's dtype."""
+    inputs = b.prepare(q, k, v, hood, extras) if b.prepare is not None else (q, k, v, extras)
+    with torch.autocast(q.device.type, enabled=False):
+        out = _fused_operator(b.name, *inputs, hood)
+    return out.to(q.dtype)
 
 
-def exporting_to_onnx():
-    """ONNX exports (either exporter) and TorchScript's tracer record standard operators only."""
-    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
+def _fused_operator(name, q, k, v, extras, hood):
+    tensors = (q, k, v, *extras.differentiable)
+    if hood.dims == 2:
+        return _attention_2d(name, *tensors, *_numbers_2d(hood), extras.scale)[0]
+    return _attention_1d(name, *tensors, extras.key_padding_mask, *_numbers_1d(hood, q), extras.scale)[0]
+
+
+def recomputed_attention(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras, drawn_mode=None):
+    """``b``'s output through the generic operator, which runs ``b`` with the real tensors and recomputes its forward
+    with autograd for the backward. ``drawn_mode``: a 0-dim tensor holding the 2D neighbour mode, drawn in the
+    graph; the operator reads it when it runs."""
+    tensors = (q, k, v, *extras.differentiable)
+    if hood.dims == 1:
+        return _recomputed_1d(b.name, *tensors, extras.key_padding_mask, *_numbers_1d(hood, q), extras.scale)
+    window, exact, mode, dilation = _numbers_2d(hood)
+    mode = torch.as_tensor(mode) if drawn_mode is None else drawn_mode
+    return _recomputed_2d(b.name, *tensors, window, exact, mode, dilation, extras.scale)
+
+
+def decomposed_attention(q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> Tensor:
+    """The same function from standard tensor operators, for ONNX exports: the unfold_nnf backend's computation in
+    2D, the reference's masked attention in 1D."""
+    b = BACKENDS["unfold_nnf" if hood.dims == 2 else "reference"]
+    run = split.run_1d if hood.dims == 1 else split.run_2d
+    return run(b.function(hood.dims), b, q, k, v, hood, extras)
+
+
+def _numbers_2d(hood):
+    return hood.window, hood.exact, hood.mode, hood.dilation
+
+
+def _numbers_1d(hood, q):
+    return hood.window, list(hood.dilations(q.shape[1])), hood.causal
+
+
+def _hood_2d(window, exact, mode, dilation):
+    return Neighborhood2d(window, exact, int(mode), dilation)
+
+
+def _hood_1d(window, dilations, causal):
+    return Neighborhood1d(window, tuple(dilations), causal)
+
+
+def _passes(name, dims):
+    return BACKENDS[name].passes(dims)
+
+
+# --- The operators' shared pieces --------------------------------------------------------------------------------
 
 
 def _fake_outputs(q):
@@ -95,9 +141,8 @@ def _attention_2d(
     dilation: int,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    out, lse = _FORWARD_2D[backend](
-        q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale
-    )
+    extras = Extras(scale, global_k, global_v, rel_bias, global_bias)
+    out, lse = _passes(backend, 2).forward(q, k, v, _hood_2d(window, exact, mode, dilation), extras)
     return out.contiguous(), lse.contiguous()
 
 
@@ -126,7 +171,8 @@ def _attention_2d_backward(
     scale: float,
 ) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    grads = _BACKWARD_2D[backend](*inputs, out, lse, grad_out.contiguous(), window, exact, mode, dilation, scale)
+    hood, extras = _hood_2d(window, exact, mode, dilation), Extras(scale, *inputs[3:])
+    grads = _passes(backend, 2).backward(q, k, v, hood, extras, out, lse, grad_out.contiguous())
     return _gradients(inputs, grads)
 
 
@@ -168,38 +214,6 @@ def _backward_2d(ctx, grad_out, grad_lse):
 _attention_2d.register_autograd(_backward_2d, setup_context=_setup_2d)
 
 
-def attention_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
-    """The output of ``backend``'s registered 2D forward through the operator, or of any other backend through
-    the generic one; a ``mode`` drawn in the graph (a tensor) goes to the generic one, which reads it when it runs."""
-    drawn = isinstance(mode, Tensor)
-    if exporting_to_onnx():
-        if drawn:
-            raise ValueError(
-                "A neighbour chunk drawn at random (MODE > 0 in training) cannot be exported to ONNX; "
-                "export the model in evaluation mode (model.eval())."
-            )
-        return _decomposed_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale)
-    if drawn or backend not in _FORWARD_2D:
-        return _recomputed_2d(
-            backend,
-            q,
-            k,
-            v,
-            global_k,
-            global_v,
-            rel_bias,
-            global_bias,
-            window,
-            exact,
-            torch.as_tensor(mode),
-            dilation,
-            scale,
-        )
-    return _attention_2d(
-        backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale
-    )[0]
-
-
 # --- 1D -------------------------------------------------------------------------------------------------------
 
 
@@ -219,9 +233,8 @@ def _attention_1d(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    out, lse = _FORWARD_1D[backend](
-        q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
-    )
+    extras = Extras(scale, global_k, global_v, rel_bias, global_bias, key_padding_mask)
+    out, lse = _passes(backend, 1).forward(q, k, v, _hood_1d(window, dilations, causal), extras)
     return out.contiguous(), lse.contiguous()
 
 
@@ -250,9 +263,8 @@ def _attention_1d_backward(
     scale: float,
 ) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    grads = _BACKWARD_1D[backend](
-        *inputs, key_padding_mask, out, lse, grad_out.contiguous(), window, dilations, causal, scale
-    )
+    hood, extras = _hood_1d(window, dilations, causal), Extras(scale, *inputs[3:], key_padding_mask)
+    grads = _passes(backend, 1).backward(q, k, v, hood, extras, out, lse, grad_out.contiguous())
     return _gradients(inputs, grads)
 
 
@@ -296,94 +308,26 @@ def _backward_1d(ctx, grad_out, grad_lse):
 _attention_1d.register_autograd(_backward_1d, setup_context=_setup_1d)
 
 
-def attention_1d(
-    backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
-):
-    """The output of ``backend``'s registered 1D forward through the operator, or of any other backend through
-    the generic one."""
-    if exporting_to_onnx():
-        return _decomposed_1d(
-            q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
-        )
-    if backend not in _FORWARD_1D:
-        return _recomputed_1d(
-            backend,
-            q,
-            k,
-            v,
-            global_k,
-            global_v,
-            rel_bias,
-            global_bias,
-            key_padding_mask,
-            window,
-            list(dilations),
-            causal,
-            scale,
-        )
-    return _attention_1d(
-        backend,
-        q,
-        k,
-        v,
-        global_k,
-        global_v,
-        rel_bias,
-        global_bias,
-        key_padding_mask,
-        window,
-        list(dilations),
-        causal,
-        scale,
-    )[0]
+# --- Backends without passes under torch.compile and torch.export ------------------------------------------------
+# They run as one generic operator: the forward with the real tensors and no graph, the backward by recomputing the
+# forward with autograd (as activation checkpointing does), so nothing of theirs is traced. Eager calls never come
+# here.
 
 
-# --- Backends whose backward is autograd's ------------------------------------------------------------------
-# Under torch.compile and torch.export they run as one generic operator: the forward with the real tensors and no
-# graph, the backward by recomputing the forward with autograd (as activation checkpointing does), so nothing of
-# theirs is traced. Eager calls never come here.
+def _request_2d(backend, tensors, window, exact, mode, dilation, scale):
+    """The output of ``backend`` for the flat arguments of a 2D operator (``tensors``: q, k, v and the four
+    differentiable extras), with the real tensors."""
+    q, k, v, *rest = tensors
+    extras = Extras(scale, *rest)
+    hood = split.fitted(_hood_2d(window, exact, mode, dilation), q, extras)
+    return run_eagerly(BACKENDS[backend], q, k, v, hood, extras)
 
 
-def _eager_2d(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
-    from .local_attention import local_attention_2d  # the op layer, which imports this file
-
-    return local_attention_2d(
-        q,
-        k,
-        v,
-        window,
-        exact=exact,
-        mode=mode,
-        global_k=global_k,
-        global_v=global_v,
-        rel_bias=rel_bias,
-        global_bias=global_bias,
-        scale=scale,
-        dilation=dilation,
-        backend=backend,
-    )
-
-
-def _eager_1d(
-    backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
-):
-    from .local_attention import local_attention_1d
-
-    return local_attention_1d(
-        q,
-        k,
-        v,
-        window,
-        dilation=dilations,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        global_k=global_k,
-        global_v=global_v,
-        rel_bias=rel_bias,
-        global_bias=global_bias,
-        scale=scale,
-        backend=backend,
-    )
+def _request_1d(backend, tensors, key_padding_mask, window, dilations, causal, scale):
+    q, k, v, *rest = tensors
+    extras = Extras(scale, *rest, key_padding_mask)
+    hood = split.fitted(_hood_1d(window, dilations, causal), q, extras)
+    return run_eagerly(BACKENDS[backend], q, k, v, hood, extras)
 
 
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
@@ -405,10 +349,10 @@ def _autograd_inside_an_operator():
 
 
 def _autograd_gradients(forward, inputs, grad_out):
-    """The gradients of ``forward(*inputs)`` (None for absent inputs), recomputing it with autograd."""
+    """The gradients of ``forward(inputs)`` (None for absent inputs), recomputing it with autograd."""
     leaves = [None if x is None else x.detach().requires_grad_() for x in inputs]
     with _autograd_inside_an_operator():
-        out = forward(*leaves)
+        out = forward(leaves)
         present = [x for x in leaves if x is not None]
         grads = iter(torch.autograd.grad(out, present, grad_out, allow_unused=True))
     return [None if x is None else next(grads) for x in leaves]
@@ -430,10 +374,9 @@ def _recomputed_2d(
     dilation: int,
     scale: float,
 ) -> Tensor:
+    tensors = (q, k, v, global_k, global_v, rel_bias, global_bias)
     with torch.no_grad():
-        return _eager_2d(
-            backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, int(mode), dilation, scale
-        ).contiguous()
+        return _request_2d(backend, tensors, window, exact, mode, dilation, scale).contiguous()
 
 
 @_recomputed_2d.register_fake
@@ -459,10 +402,8 @@ def _recomputed_2d_backward(
     scale: float,
 ) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    grads = _autograd_gradients(
-        lambda *xs: _eager_2d(backend, *xs, window, exact, int(mode), dilation, scale), inputs, grad_out
-    )
-    return _gradients(inputs, grads)
+    forward = partial(_request_2d, backend, window=window, exact=exact, mode=mode, dilation=dilation, scale=scale)
+    return _gradients(inputs, _autograd_gradients(forward, inputs, grad_out))
 
 
 @_recomputed_2d_backward.register_fake
@@ -502,22 +443,9 @@ def _recomputed_1d(
     causal: bool,
     scale: float,
 ) -> Tensor:
+    tensors = (q, k, v, global_k, global_v, rel_bias, global_bias)
     with torch.no_grad():
-        return _eager_1d(
-            backend,
-            q,
-            k,
-            v,
-            global_k,
-            global_v,
-            rel_bias,
-            global_bias,
-            key_padding_mask,
-            window,
-            dilations,
-            causal,
-            scale,
-        ).contiguous()
+        return _request_1d(backend, tensors, key_padding_mask, window, dilations, causal, scale).contiguous()
 
 
 @_recomputed_1d.register_fake
@@ -543,10 +471,16 @@ def _recomputed_1d_backward(
     scale: float,
 ) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    grads = _autograd_gradients(
-        lambda *xs: _eager_1d(backend, *xs, key_padding_mask, window, dilations, causal, scale), inputs, grad_out
+    forward = partial(
+        _request_1d,
+        backend,
+        key_padding_mask=key_padding_mask,
+        window=window,
+        dilations=dilations,
+        causal=causal,
+        scale=scale,
     )
-    return _gradients(inputs, grads)
+    return _gradients(inputs, _autograd_gradients(forward, inputs, grad_out))
 
 
 @_recomputed_1d_backward.register_fake
@@ -588,19 +522,15 @@ _recomputed_1d.register_autograd(_backward_recomputed_1d, setup_context=_setup_r
 # --- FLOPs (torch.utils.flop_counter): two products over the scored pairs forward, five backward ---------------
 
 
-def _flops_2d(products, backend, q, global_k, window, exact, mode, dilation):
-    pairs = _PAIRS_2D[backend](q, 0 if global_k is None else global_k.shape[2], window, exact, mode, dilation)
-    return products * 2 * q.shape[0] * q.shape[1] * pairs * q.shape[-1]
-
-
-def _flops_1d(products, backend, q, global_k, window, dilations, causal):
+def _flops(products, backend, q, global_k, hood):
     num_global = 0 if global_k is None else global_k.shape[2]
-    return products * 2 * q.shape[0] * _PAIRS_1D[backend](q, num_global, window, dilations, causal) * q.shape[-1]
+    pairs = _passes(backend, hood.dims).scored_pairs(q, hood, num_global)
+    return products * 2 * q.shape[0] * pairs * q.shape[-1]
 
 
 @register_flop_formula(torch.ops.vil.local_attention_2d, get_raw=True)
 def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale, **kwargs):
-    return _flops_2d(2, backend, q, global_k, window, exact, mode, dilation)
+    return _flops(2, backend, q, global_k, _hood_2d(window, exact, mode, dilation))
 
 
 @register_flop_formula(torch.ops.vil.local_attention_2d_backward, get_raw=True)
@@ -623,7 +553,7 @@ def _(
     scale,
     **kwargs,
 ):
-    return _flops_2d(5, backend, q, global_k, window, exact, mode, dilation)
+    return _flops(5, backend, q, global_k, _hood_2d(window, exact, mode, dilation))
 
 
 @register_flop_formula(torch.ops.vil.local_attention_1d, get_raw=True)
@@ -643,7 +573,7 @@ def _(
     scale,
     **kwargs,
 ):
-    return _flops_1d(2, backend, q, global_k, window, dilations, causal)
+    return _flops(2, backend, q, global_k, _hood_1d(window, dilations, causal))
 
 
 @register_flop_formula(torch.ops.vil.local_attention_1d_backward, get_raw=True)
@@ -666,55 +596,4 @@ def _(
     scale,
     **kwargs,
 ):
-    return _flops_1d(5, backend, q, global_k, window, dilations, causal)
-
-
-# torch has no formula for its CPU kernel of scaled_dot_product_attention, which would count as no work: every full
-# attention (the model's s0 stages, global tokens, other libraries' models) is counted as its CUDA kernels are.
-
-
-@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, get_raw=True)
-def _(query, key, value, *args, **kwargs):
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
-
-
-@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward, get_raw=True)
-def _(grad_out, query, key, value, *args, **kwargs):
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-
-
-# --- Decompositions -------------------------------------------------------------------------------------------
-
-
-def _decomposed_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
-    """The same output from standard tensor operators (the unfold_nnf backend's computation)."""
-    return unfold.UNFOLD_NNF.attention_2d(
-        q,
-        k,
-        v,
-        Neighborhood2d(window, exact, mode, dilation),
-        global_k=global_k,
-        global_v=global_v,
-        rel_bias=rel_bias,
-        global_bias=global_bias,
-        scale=scale,
-    )
-
-
-def _decomposed_1d(
-    q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale
-):
-    """The same output from standard tensor operators (the reference backend's masked attention)."""
-    hood = Neighborhood1d(window, tuple(dilations) if len(set(dilations)) > 1 else dilations[0], causal)
-    return reference.BACKEND.attention_1d(
-        q,
-        k,
-        v,
-        hood,
-        global_k=global_k,
-        global_v=global_v,
-        rel_bias=rel_bias,
-        global_bias=global_bias,
-        key_padding_mask=key_padding_mask,
-        scale=scale,
-    )
+    return _flops(5, backend, q, global_k, _hood_1d(window, dilations, causal))

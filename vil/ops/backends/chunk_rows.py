@@ -14,8 +14,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..base import Backend
 from ..geometry import unfolded_window_tables
-from . import Backend
 
 # Scores per block. A block's working memory is a few times this (scores, probabilities, their gradients,
 # the unfolded windows), which is all the memory this backend needs beyond its inputs, outputs and gradients.
@@ -109,10 +109,12 @@ def _row_scores(geo, r, queries, keys, gk, rel_bias, global_bias, scale):
 
 class _ChunkRows(torch.autograd.Function):
     """Inputs stay as they are (any strides, any float dtype): each block reads its slice and computes in
-    float32 or wider, so no whole-size copy of q, k or v is made."""
+    float32 or wider, so no whole-size copy of q, k or v is made. ``tensors``: q, k, v and the extras' global keys,
+    global values, relative and global bias (None where absent)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
+    def forward(ctx, geo, scale, *tensors):
+        q, k, v, gk, gv, rel_bias, global_bias = tensors
         B, H, X, Y, D = q.shape
         G = 0 if gk is None else gk.shape[2]
         dtype = _compute_dtype(q)
@@ -209,7 +211,7 @@ class _ChunkRows(torch.autograd.Function):
             )
         grads = (dq, dk, dv, dgk, dgv, d_rel_table, d_glob)
         inputs = (q, k, v, gk, gv, rel_bias, global_bias)
-        return (*(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)), None, None)
+        return (None, None, *(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)))
 
 
 def _compute_dtype(q):
@@ -227,9 +229,9 @@ def _bias_rows(rel_bias, h, geo, dtype):
     return None if rel_bias is None else rel_bias[h][:, geo.bias_index].to(dtype)
 
 
-def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+def attention_2d(q, k, v, hood, extras):
     geo = _geometry(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, q.device)
-    return _ChunkRows.apply(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale)
+    return _ChunkRows.apply(geo, extras.scale, q, k, v, *extras.differentiable)
 
 
 BACKEND = Backend("chunk_rows", attention_2d=attention_2d, dilation_2d="split")

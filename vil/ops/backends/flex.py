@@ -11,19 +11,16 @@ from functools import lru_cache
 
 import torch
 
-from .. import operators
+from ..base import Backend, tracing
 from ..geometry import pair_in_band, pair_in_window_2d
-from . import Backend
 
 
 @lru_cache(maxsize=32)  # one per map size, window and mode (random-shift training draws 8 modes)
-def _block_mask(rows, cols, window, exact, mode, dilation, num_global, device):
+def _block_mask(rows, cols, hood, num_global, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    geometry = _geometry(rows, cols, window, exact, mode, dilation, num_global)
-
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx < num_global) | pair_in_window_2d(q_idx, kv_idx, **geometry)[0]
+        return (kv_idx < num_global) | pair_in_window_2d(q_idx, kv_idx, hood, rows, cols, num_global)[0]
 
     return create_block_mask(mask_mod, None, None, rows * cols, num_global + rows * cols, device=device)
 
@@ -31,22 +28,9 @@ def _block_mask(rows, cols, window, exact, mode, dilation, num_global, device):
 def _block_mask_for(q, *args):
     """The cached block mask, or under torch.compile / torch.export a new one, traced (a cached one holds real
     tensors)."""
-    if operators.tracing(q):
+    if tracing(q):
         return _block_mask.__wrapped__(*args)
     return _block_mask(*args)
-
-
-def _geometry(rows, cols, window, exact, mode, dilation, num_global):
-    return dict(
-        cols=cols,
-        window=window,
-        exact=exact,
-        mode=mode,
-        dilation=dilation,
-        num_global=num_global,
-        chunk_rows=-(-rows // window),
-        chunk_cols=-(-cols // window),
-    )
 
 
 @lru_cache(maxsize=1)
@@ -56,31 +40,28 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _no_grad_on_cpu(*tensors):
+def _no_grad_on_cpu(q, k, v, extras):
     """FlexAttention refuses tensors that require grad on the CPU, also under no_grad (the op has refused to
     train there already)."""
-    if tensors[0].device.type != "cpu":
-        return tensors
-    return tuple(None if t is None else t.detach() for t in tensors)
+    if q.device.type != "cpu":
+        return q, k, v, extras
+    return q.detach(), k.detach(), v.detach(), extras.cast(torch.Tensor.detach)
 
 
-def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+def attention_2d(q, k, v, hood, extras):
     from torch.nn.attention.flex_attention import flex_attention
 
-    q, k, v, global_k, global_v, rel_bias, global_bias = _no_grad_on_cpu(
-        q, k, v, global_k, global_v, rel_bias, global_bias
-    )
-    window, exact, mode, dilation = hood.window, hood.exact, hood.mode, hood.dilation
+    q, k, v, extras = _no_grad_on_cpu(q, k, v, extras)
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
     B, H, X, Y, D = q.shape
-    G = 0 if global_k is None else global_k.shape[2]
+    G = extras.num_global
     keys, values = k.reshape(B, H, X * Y, D), v.reshape(B, H, X * Y, D)
     if G:
         keys, values = torch.cat([global_k, keys], dim=2), torch.cat([global_v, values], dim=2)
-    geometry = _geometry(X, Y, window, exact, mode, dilation, G)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if rel_bias is not None:
-            _, row = pair_in_window_2d(q_idx, kv_idx, **geometry)
+            _, row = pair_in_window_2d(q_idx, kv_idx, hood, X, Y, G)
             score = torch.where(kv_idx >= G, score + rel_bias[h, row], score)
         if global_bias is not None:
             score = torch.where(kv_idx < G, score + global_bias[h, kv_idx.clamp(max=G - 1)], score)
@@ -92,25 +73,24 @@ def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, sc
         keys,
         values,
         score_mod=score_mod,
-        block_mask=_block_mask_for(q, X, Y, window, exact, mode, dilation, G, q.device),
-        scale=scale,
+        block_mask=_block_mask_for(q, X, Y, hood, G, q.device),
+        scale=extras.scale,
     )
     return out.reshape(B, H, X, Y, D)
 
 
-def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
+def attention_1d(q, k, v, hood, extras):
     """The band as a block mask over the G global keys and the sequence; per-head dilations and the key padding
     mask are read inside ``mask_mod`` by head and batch index."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    q, k, v, global_k, global_v, rel_bias, global_bias = _no_grad_on_cpu(
-        q, k, v, global_k, global_v, rel_bias, global_bias
-    )
+    q, k, v, extras = _no_grad_on_cpu(q, k, v, extras)
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
     B, H, L, D = q.shape
-    G = 0 if global_k is None else global_k.shape[2]
+    G = extras.num_global
     keys, values = (k, v) if not G else (torch.cat([global_k, k], dim=2), torch.cat([global_v, v], dim=2))
     dilations = torch.tensor(hood.dilations(H), device=q.device)
-    padding = key_padding_mask
+    padding = extras.key_padding_mask
 
     def band(b, h, q_idx, kv_idx):
         local = kv_idx - G
@@ -134,7 +114,7 @@ def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, ke
         mask_mod, None if padding is None else B, H if hood.per_head else None, L, G + L, device=q.device
     )
     attend = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
-    return attend(q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    return attend(q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=extras.scale)
 
 
 # torch's FlexAttention has no CPU backward: forward only there.
@@ -145,5 +125,5 @@ BACKEND = Backend(
     per_head_dilation=True,
     devices=("cpu", "cuda"),
     trains_on=("cuda",),
-    traced_as_is=True,
+    traceable=True,
 )

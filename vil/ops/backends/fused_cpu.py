@@ -8,18 +8,15 @@ grows with tokens x head_dim, as with ``chunk_rows``. Half precision is computed
 """
 
 import logging
-import math
 import platform
 from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
 
-from .. import operators
+from ..base import LOG2E, Backend, FusedPasses
 from ..geometry import neighbour_table
-from . import Backend
 
-LOG2E = math.log2(math.e)
 _log = logging.getLogger(__name__)
 # The x86-64 level the loops are compiled for, by the capability torch detects on this CPU.
 _X86_LEVELS = {"AVX2": "x86-64-v3", "AVX512": "x86-64-v4"}
@@ -77,26 +74,28 @@ def _build():
     return _build_failure(failure)
 
 
-def _scored_pairs(q, num_global, window, exact, mode, dilation):
-    """The (query, key) scores the 2D kernel computes, per (batch, head): every real query of a chunk against the
-    real keys of the chunks its slots read (SW_EXACT 1 masks some of them afterwards) and the global keys. (The
-    op runs dilated windows per sub-lattice, so ``dilation`` is 1.)"""
-    X, Y = q.shape[2:4]
+def _scored_pairs(q, hood, num_global):
+    """The (query, key) scores the 2D kernel computes, per batch item: in every head, every real query of a chunk
+    against the real keys of the chunks its slots read (SW_EXACT 1 masks some of them afterwards) and the global
+    keys. (The op runs dilated windows per sub-lattice, so the dilation is 1.)"""
+    H, X, Y = q.shape[1:4]
+    window = hood.window
     mx, my = -(-X // window), -(-Y // window)
     rows = (X - window * torch.arange(mx)).clamp(max=window)
     cols = (Y - window * torch.arange(my)).clamp(max=window)
     tokens = (rows[:, None] * cols[None, :]).flatten()  # per chunk, row-major
-    neighbour = _slot_table(X, Y, window, exact, mode)[..., 0]
+    neighbour = _slot_table(X, Y, window, hood.exact, hood.mode)[..., 0]
     keys = torch.where(neighbour >= 0, tokens[neighbour.clamp(min=0)], 0).sum(1) + num_global
-    return int((tokens * keys).sum())
+    return H * int((tokens * keys).sum())
 
 
-def _scored_pairs_1d(q, num_global, window, dilations, causal):
+def _scored_pairs_1d(q, hood, num_global):
     """The (query, key) scores the 1D kernel computes, per batch: every query of a block against the span of keys
     its block's windows cover (the band and the masks apply afterwards) and the global keys."""
-    L, block = q.shape[2], _block_1d(window)
+    H, L = q.shape[1:3]
+    window, causal, block = hood.window, hood.causal, _block_1d(hood.window)
     pairs = 0
-    for d in dilations:
+    for d in hood.dilations(H):
         for r in range(min(d, L)):
             n = -(-(L - r) // d)  # the length of residue class r
             t0 = torch.arange(0, n, block)
@@ -139,8 +138,9 @@ def _none_as_empty(t, like):
     return like.new_empty(0) if t is None else t.contiguous()
 
 
-def _kernel_inputs(q, global_k, global_v, rel_bias, global_bias):
+def _kernel_inputs(q, extras):
     """What the kernels take for absent inputs (empty tensors), and the bias tables in base 2."""
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
     if global_k is None:
         global_k = global_v = q.new_empty(*q.shape[:2], 0, q.shape[-1])
     biases = [_none_as_empty(None if t is None else t * LOG2E, q) for t in (rel_bias, global_bias)]
@@ -152,21 +152,19 @@ def _backward_buffers(q, k, v, out, grad_out):
     return (grad_out * out).sum(-1), torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
-def _forward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
-    slots = _slot_table(q.shape[2], q.shape[3], window, exact, mode)
-    global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
+def _forward_2d(q, k, v, hood, extras):
+    slots = _slot_table(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode)
+    global_k, global_v, biases = _kernel_inputs(q, extras)
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
-    _kernels().forward(q, k, v, global_k, global_v, *biases, slots, out, lse, window, exact, scale)
+    _kernels().forward(q, k, v, global_k, global_v, *biases, slots, out, lse, hood.window, hood.exact, extras.scale)
     return out, lse
 
 
-def _backward_2d(
-    q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation, scale
-):
+def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
     B, X, Y = q.shape[0], q.shape[2], q.shape[3]
-    slots = _slot_table(X, Y, window, exact, mode)
-    has_global = global_k is not None
-    global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
+    slots = _slot_table(X, Y, hood.window, hood.exact, hood.mode)
+    rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
+    global_k, global_v, biases = _kernel_inputs(q, extras)
     row_term, grad_q, grad_k, grad_v = _backward_buffers(q, k, v, out, grad_out)
     grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
     # Per (batch, head) partial sums of the bias gradients, added up here.
@@ -190,9 +188,9 @@ def _backward_2d(
         grad_gv,
         grad_rel,
         grad_glob,
-        window,
-        exact,
-        scale,
+        hood.window,
+        hood.exact,
+        extras.scale,
     )
     return (
         grad_q,
@@ -215,8 +213,8 @@ def _masks_1d(q, key_padding_mask):
     return q.new_empty(0, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.contiguous()
 
 
-def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale):
-    global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
+def _forward_1d(q, k, v, hood, extras):
+    global_k, global_v, biases = _kernel_inputs(q, extras)
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
     _kernels().forward_1d(
         q,
@@ -225,38 +223,23 @@ def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_
         global_k,
         global_v,
         *biases,
-        _masks_1d(q, key_padding_mask),
+        _masks_1d(q, extras.key_padding_mask),
         out,
         lse,
-        dilations,
-        window,
-        causal,
-        _block_1d(window),
-        scale,
+        hood.dilations(q.shape[1]),
+        hood.window,
+        hood.causal,
+        _block_1d(hood.window),
+        extras.scale,
     )
     return out, lse
 
 
-def _backward_1d(
-    q,
-    k,
-    v,
-    global_k,
-    global_v,
-    rel_bias,
-    global_bias,
-    key_padding_mask,
-    out,
-    lse,
-    grad_out,
-    window,
-    dilations,
-    causal,
-    scale,
-):
+def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
     B, H, L = q.shape[:3]
-    has_global = global_k is not None
-    global_k, global_v, biases = _kernel_inputs(q, global_k, global_v, rel_bias, global_bias)
+    dilations = hood.dilations(H)
+    rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
+    global_k, global_v, biases = _kernel_inputs(q, extras)
     row_term, grad_q, grad_k, grad_v = _backward_buffers(q, k, v, out, grad_out)
     # Per (batch, head, residue class) partial sums of the global key, value and bias gradients, added up here.
     residues = max(min(d, L) for d in dilations)
@@ -270,7 +253,7 @@ def _backward_1d(
         global_k,
         global_v,
         *biases,
-        _masks_1d(q, key_padding_mask),
+        _masks_1d(q, extras.key_padding_mask),
         grad_out,
         lse,
         row_term,
@@ -282,10 +265,10 @@ def _backward_1d(
         grad_rel,
         grad_glob,
         dilations,
-        window,
-        causal,
-        _block_1d(window),
-        scale,
+        hood.window,
+        hood.causal,
+        _block_1d(hood.window),
+        extras.scale,
     )
     return (
         grad_q,
@@ -298,39 +281,21 @@ def _backward_1d(
     )
 
 
-def _compute_inputs(q, *tensors):
+def _contiguous_float32(q, k, v, hood, extras):
     """Half precision is computed in float32; the kernels take contiguous tensors."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return [None if t is None else t.to(compute).contiguous() for t in (q, *tensors)]
+    q, k, v = (t.to(compute).contiguous() for t in (q, k, v))
+    return q, k, v, extras.cast(lambda t: t.to(compute).contiguous())
 
 
-def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
-    window, exact, mode = hood.window, hood.exact, hood.mode
-    inputs = _compute_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
-    with torch.autocast("cpu", enabled=False):
-        out = operators.attention_2d("fused_cpu", *inputs, window, exact, mode, 1, scale)
-    return out.to(q.dtype)
-
-
-def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
-    inputs = _compute_inputs(q, k, v, global_k, global_v, rel_bias, global_bias)
-    with torch.autocast("cpu", enabled=False):
-        out = operators.attention_1d(
-            "fused_cpu", *inputs, key_padding_mask, hood.window, hood.dilations(q.shape[1]), hood.causal, scale
-        )
-    return out.to(q.dtype)
-
-
-operators.register_2d("fused_cpu", _forward_2d, _backward_2d, _scored_pairs)
-operators.register_1d("fused_cpu", _forward_1d, _backward_1d, _scored_pairs_1d)
 BACKEND = Backend(
     "fused_cpu",
-    attention_2d=attention_2d,
-    attention_1d=attention_1d,
+    passes_2d=FusedPasses(_forward_2d, _backward_2d, _scored_pairs),
+    passes_1d=FusedPasses(_forward_1d, _backward_1d, _scored_pairs_1d),
+    prepare=_contiguous_float32,
     dilation_2d="split",
     per_head_dilation=True,
     devices=("cpu",),
     trains_on=("cpu",),
     available=check_fused_cpu,
-    traced_as_is=True,
 )

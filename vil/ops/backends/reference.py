@@ -9,7 +9,7 @@ from functools import lru_cache
 
 import torch
 
-from . import Backend
+from ..base import Backend
 
 
 @lru_cache(maxsize=4)  # tokens^2 entries each
@@ -67,9 +67,10 @@ def band_pairs(length, window, dilations, causal, device):
     return allowed, (a + window).clamp(0, 2 * window)
 
 
-def _attend(q, k, v, allowed, bias, global_k, global_v, global_bias, scale):
-    """Softmax attention of q ``(B, H, N, D)`` over the keys ``allowed`` ``(.., N, N)`` and the global keys;
-    a query that sees no key outputs zeros (and gets zero gradients)."""
+def _attend(q, k, v, allowed, bias, extras):
+    """Softmax attention of q ``(B, H, N, D)`` over the keys ``allowed`` ``(.., N, N)`` with ``bias`` added, and
+    over the global keys; a query that sees no key outputs zeros (and gets zero gradients)."""
+    global_k, global_v, global_bias, scale = extras.global_k, extras.global_v, extras.global_bias, extras.scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if bias is not None:
         scores = scores + bias
@@ -86,22 +87,22 @@ def _attend(q, k, v, allowed, bias, global_k, global_v, global_bias, scale):
     return torch.matmul(probs, v)
 
 
-def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+def attention_2d(q, k, v, hood, extras):
     B, H, X, Y, D = q.shape
     allowed, bias_index = window_pairs(X, Y, hood.window, hood.exact, hood.mode, q.device, hood.dilation)
-    bias = None if rel_bias is None else rel_bias[:, bias_index]
+    bias = None if extras.rel_bias is None else extras.rel_bias[:, bias_index]
     flat = [t.reshape(B, H, X * Y, D) for t in (q, k, v)]
-    return _attend(*flat, allowed, bias, global_k, global_v, global_bias, scale).reshape(B, H, X, Y, D)
+    return _attend(*flat, allowed, bias, extras).reshape(B, H, X, Y, D)
 
 
-def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
+def attention_1d(q, k, v, hood, extras):
     B, H, L, D = q.shape
     allowed, bias_row = band_pairs(L, hood.window, hood.dilations(H), hood.causal, q.device)
     allowed = allowed[None]
-    if key_padding_mask is not None:
-        allowed = allowed & ~key_padding_mask[:, None, None, :]
-    bias = None if rel_bias is None else rel_bias.gather(1, bias_row.flatten(1)).view(H, L, L)
-    return _attend(q, k, v, allowed, bias, global_k, global_v, global_bias, scale)
+    if extras.key_padding_mask is not None:
+        allowed = allowed & ~extras.key_padding_mask[:, None, None, :]
+    bias = None if extras.rel_bias is None else extras.rel_bias.gather(1, bias_row.flatten(1)).view(H, L, L)
+    return _attend(q, k, v, allowed, bias, extras)
 
 
 BACKEND = Backend("reference", attention_2d=attention_2d, attention_1d=attention_1d, per_head_dilation=True)

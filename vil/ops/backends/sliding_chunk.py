@@ -17,26 +17,17 @@ Scores are computed in base 2 (queries and biases times log2(e), ``exp2`` for ``
 2x, underflowing ones 4x slower), while ``torch.exp2`` is a plain vectorised kernel.
 """
 
-import math
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 
-from .. import operators
+from ..base import LOG2E, Backend, FusedPasses, in_float32_or_wider
 from ..geometry import band_block_tables, chunk_plan
-from . import Backend
-from .chunked import (
+from .band_blocks import band_blocks, band_masks, band_scores, band_windows, scatter_band_windows_
+from .chunk_windows import (
     add_rel_bias_grad_,
-    apply_in_float32,
-    band_blocks,
-    band_masks,
-    band_scores,
-    band_windows,
     from_chunks,
     gather_windows,
     global_scores,
-    scatter_band_windows_,
     scatter_windows_,
     to_chunks,
     window_bias,
@@ -45,7 +36,6 @@ from .chunked import (
 
 # Scores per block: small enough for the CPU's caches and allocator, large enough to fill a GPU.
 BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 1 << 30}
-LOG2E = math.log2(math.e)
 
 
 def _blocks(x, plan):
@@ -82,12 +72,14 @@ def _base2(bias):
     return None if bias is None else bias * LOG2E
 
 
-def _plan(q, window, exact, mode):
-    return chunk_plan(q.shape[2], q.shape[3], window, exact, mode, q.device)
+def _plan(q, hood):
+    return chunk_plan(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, q.device)
 
 
-def _forward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
-    plan = _plan(q, window, exact, mode)
+def _forward_2d(q, k, v, hood, extras):
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
+    scale = extras.scale
+    plan = _plan(q, hood)
     queries = to_chunks(q * (scale * LOG2E), plan)
     keys, values = to_chunks(k, plan), to_chunks(v, plan)
     biases = {group: window_bias(group, _base2(rel_bias), q.dtype) for group in plan.groups}
@@ -113,10 +105,10 @@ def _forward_2d(q, k, v, global_k, global_v, rel_bias, global_bias, window, exac
     return from_chunks(out, plan), from_chunks(lse[..., None], plan)[..., 0]
 
 
-def _backward_2d(
-    q, k, v, global_k, global_v, rel_bias, global_bias, out, lse, grad_out, window, exact, mode, dilation, scale
-):
-    plan = _plan(q, window, exact, mode)
+def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
+    scale = extras.scale
+    plan = _plan(q, hood)
     out, lse = to_chunks(out, plan), to_chunks(lse[..., None], plan)[..., 0]
     # The extra columns of the module docstring: two passes over each block's scores fewer.
     keys, values = to_chunks(k, plan, extra_column=1.0), to_chunks(v, plan, extra_column=1.0)
@@ -173,19 +165,12 @@ def _backward_2d(
     )
 
 
-def _scored_pairs(q, num_global, window, exact, mode, dilation):
-    """The (query, key) scores per (batch, head): every query position of a chunk (padding included) against its
-    group's window keys and the global keys. (The op runs dilated windows per sub-lattice: ``dilation`` is 1.)"""
-    return sum(g.num_chunks * window**2 * (g.window_len + num_global) for g in _plan(q, window, exact, mode).groups)
-
-
-operators.register_2d("sliding_chunk", _forward_2d, _backward_2d, _scored_pairs)
-_OPERATOR_2D = partial(operators.attention_2d, "sliding_chunk")
-
-
-def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
-    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    return apply_in_float32(_OPERATOR_2D, q, inputs, hood.window, hood.exact, hood.mode, 1, scale)
+def _scored_pairs(q, hood, num_global):
+    """The (query, key) scores per batch item: in every head, every query position of a chunk (padding included)
+    against its group's window keys and the global keys. (The op runs dilated windows per sub-lattice: the
+    dilation is 1.)"""
+    pairs = sum(g.num_chunks * hood.window**2 * (g.window_len + num_global) for g in _plan(q, hood).groups)
+    return q.shape[1] * pairs
 
 
 # --- 1D: Longformer's band over a sequence ---------------------------------------------------------------------
@@ -205,12 +190,13 @@ def _band_block_ranges(q, window, blocks):
         yield start, min(blocks, start + step)
 
 
-def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale):
+def _forward_1d(q, k, v, hood, extras):
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
     B, H, L, D = q.shape
-    w, blocks = window, -(-L // window)
-    queries = band_blocks(q * (scale * LOG2E), w, blocks)
+    w, blocks = hood.window, -(-L // hood.window)
+    queries = band_blocks(q * (extras.scale * LOG2E), w, blocks)
     keys, values = band_blocks(k, w, blocks), band_blocks(v, w, blocks)
-    masks = _band_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
+    masks = _band_masks(q, hood, extras, blocks)
     global_bias2 = _base2(global_bias)
     out = q.new_empty(B, H, blocks, w, D)
     lse = q.new_empty(B, H, blocks, w)  # base 2; +inf where a query sees no key
@@ -234,24 +220,9 @@ def _forward_1d(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_
     return out.flatten(2, 3)[:, :, :L], lse.flatten(2)[:, :, :L]
 
 
-def _backward_1d(
-    q,
-    k,
-    v,
-    global_k,
-    global_v,
-    rel_bias,
-    global_bias,
-    key_padding_mask,
-    out,
-    lse,
-    grad_out,
-    window,
-    dilations,
-    causal,
-    scale,
-):
-    w = window
+def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
+    w, scale = hood.window, extras.scale
     B, H, L, D = q.shape
     blocks = -(-L // w)
     lse = F.pad(lse, (0, blocks * w - L)).unflatten(2, (blocks, w))
@@ -259,7 +230,7 @@ def _backward_1d(
     keys, values = band_blocks(k, w, blocks), band_blocks(v, w, blocks)
     grad_outb = band_blocks(grad_out, w, blocks)
     row_term = band_blocks((grad_out * out).sum(-1, keepdim=True), w, blocks)[..., 0]  # rowsum(dO * O)
-    masks = _band_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
+    masks = _band_masks(q, hood, extras, blocks)
     global_bias2 = _base2(global_bias)
     grad_q = q.new_empty(B, H, blocks, w, D)
     grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
@@ -293,15 +264,16 @@ def _backward_1d(
         grad_q[:, :, start:stop] = block_grad_q * scale
     grad_rel_bias = None
     if grad_bias is not None:
-        row = band_block_tables(w, causal, q.device)[1]
+        row = band_block_tables(w, hood.causal, q.device)[1]
         grad_rel_bias = torch.zeros_like(rel_bias).index_add_(1, row.flatten(), grad_bias.flatten(1))
     grad_k, grad_v = (x.flatten(2, 3)[:, :, w : w + L] for x in (grad_keys, grad_values))  # less the padding
     return grad_q.flatten(2, 3)[:, :, :L], grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_gb
 
 
-def _band_masks(rel_bias, key_padding_mask, B, L, window, blocks, causal, device):
-    allowed, bias_row = band_block_tables(window, causal, device)
-    return band_masks(allowed, bias_row, _base2(rel_bias), key_padding_mask, B, L, window, blocks)
+def _band_masks(q, hood, extras, blocks):
+    B, _, L = q.shape[:3]
+    allowed, bias_row = band_block_tables(hood.window, hood.causal, q.device)
+    return band_masks(allowed, bias_row, _base2(extras.rel_bias), extras.key_padding_mask, B, L, hood.window, blocks)
 
 
 def _band_global_scores(queries, global_k, global_bias):
@@ -312,27 +284,21 @@ def _band_global_scores(queries, global_k, global_bias):
     return scores
 
 
-def _scored_pairs_1d(q, num_global, window, dilations, causal):
-    """The (query, key) scores per batch: every query position of a block of w (padding included) against the 3w
-    keys of its window and the global keys, in every head."""
+def _scored_pairs_1d(q, hood, num_global):
+    """The (query, key) scores per batch item: every query position of a block of w (padding included) against
+    the 3w keys of its window and the global keys, in every head."""
     H, L = q.shape[1:3]
-    return H * -(-L // window) * window * (3 * window + num_global)
+    w = hood.window
+    return H * -(-L // w) * w * (3 * w + num_global)
 
 
-operators.register_1d("sliding_chunk", _forward_1d, _backward_1d, _scored_pairs_1d)
-_OPERATOR_1D = partial(operators.attention_1d, "sliding_chunk")
-
-
-def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
-    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    return apply_in_float32(_OPERATOR_1D, q, inputs, key_padding_mask, hood.window, [1], hood.causal, scale)
-
-
+# Half precision is computed in float32: the backward recomputes probabilities from a saved log-sum-exp, which must
+# be exact.
 BACKEND = Backend(
     "sliding_chunk",
-    attention_2d=attention_2d,
-    attention_1d=attention_1d,
+    passes_2d=FusedPasses(_forward_2d, _backward_2d, _scored_pairs),
+    passes_1d=FusedPasses(_forward_1d, _backward_1d, _scored_pairs_1d),
+    prepare=in_float32_or_wider,
     dilation_2d="split",
     dilation_1d="split",
-    traced_as_is=True,
 )

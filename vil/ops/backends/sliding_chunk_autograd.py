@@ -2,14 +2,15 @@
 
 import torch
 
+from ..base import Backend
 from ..geometry import chunk_plan
-from . import Backend
-from .chunked import from_chunks, gather_windows, global_scores, to_chunks, window_bias, window_scores
+from .chunk_windows import from_chunks, gather_windows, global_scores, to_chunks, window_bias, window_scores
 
 
-def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
+def attention_2d(q, k, v, hood, extras):
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
     plan = chunk_plan(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode, q.device)
-    queries = to_chunks(q, plan) * scale
+    queries = to_chunks(q, plan) * extras.scale
     keys, values = to_chunks(k, plan), to_chunks(v, plan)
     outputs = []
     for group in plan.groups:

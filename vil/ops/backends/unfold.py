@@ -1,7 +1,7 @@
 """Windows gathered by unfolding: every query's keys are copied next to it, then one batched product.
 
-``unfold`` uses ``Tensor.unfold`` (a strided view, copied by the product), ``unfold_nnf``
-``torch.nn.functional.unfold`` (im2col). The exact window (SW_EXACT 1) unfolds ``(2w+1) x (2w+1)`` tokens
+``unfold`` gathers them with ``Tensor.unfold`` (a strided view, copied by the product); ``unfold_nnf.py`` computes
+the same with ``torch.nn.functional.unfold`` (im2col). The exact window (SW_EXACT 1) unfolds ``(2w+1) x (2w+1)`` tokens
 around every token; ViL's chunked windows (SW_EXACT 0, -1) unfold the ``3w x 3w`` tokens of the 3x3 chunks
 around every chunk, with stride w, from a map padded by one chunk (zeros, or wrapped around for -1). Which
 unfolded keys are real (not padding, not a second copy under wrap-around, in the mode's chunks) is unfolded
@@ -9,9 +9,12 @@ from a map of ones the same way. Backward is autograd's, which keeps the unfolde
 backends take tokens x window x head_dim memory, the baseline the fused and chunked backends improve on.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
+from ..base import Backend
 from ..geometry import (
     NEIGHBOURS,
     exact_window_bias_index,
@@ -20,7 +23,6 @@ from ..geometry import (
     unfolded_window_offsets,
     unfolded_window_tables,
 )
-from . import Backend
 
 
 def _pad_map(x, window, exact):
@@ -38,14 +40,6 @@ def _tensor_unfold(x, size, step):
     """(N, C, Xp, Yp) -> (N, C, n_rows, n_cols, size * size), with Tensor.unfold."""
     patches = x.unfold(2, size, step).unfold(3, size, step)
     return patches.reshape(*patches.shape[:4], size * size)
-
-
-def _functional_unfold(x, size, step):
-    """The same with torch.nn.functional.unfold."""
-    N, C, Xp, Yp = x.shape
-    rows, cols = (Xp - size) // step + 1, (Yp - size) // step + 1
-    patches = F.unfold(x, size, stride=step)  # (N, C * size * size, rows * cols)
-    return patches.view(N, C, size * size, rows, cols).permute(0, 1, 3, 4, 2)
 
 
 def _window_tables(rows, cols, window, exact, mode, device):
@@ -76,7 +70,11 @@ def _inner_chunk_tables(window, exact, mode, device):
     return allowed.view(1, 1, 1, -1), rel_bias_row(di, dj, window)
 
 
-def _unfolded_attention(unfold, q, k, v, hood, global_k, global_v, rel_bias, global_bias, scale):
+def unfolded_attention(unfold, q, k, v, hood, extras):
+    """The attention of every query to its window, the windows gathered by ``unfold(x, size, step)``: ``(N, C, Xp,
+    Yp) -> (N, C, n_rows, n_cols, size * size)``."""
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
+    scale = extras.scale
     B, H, X, Y, D = q.shape
     window, exact, mode = hood.window, hood.exact, hood.mode
     w = window
@@ -122,12 +120,4 @@ def _unfolded_attention(unfold, q, k, v, hood, global_k, global_v, rel_bias, glo
     return out[:, :, :X, :Y]
 
 
-def _backend(name, unfold):
-    def attention_2d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, scale):
-        return _unfolded_attention(unfold, q, k, v, hood, global_k, global_v, rel_bias, global_bias, scale)
-
-    return Backend(name, attention_2d=attention_2d, dilation_2d="split")
-
-
-UNFOLD = _backend("unfold", _tensor_unfold)
-UNFOLD_NNF = _backend("unfold_nnf", _functional_unfold)
+BACKEND = Backend("unfold", attention_2d=partial(unfolded_attention, _tensor_unfold), dilation_2d="split")

@@ -10,8 +10,8 @@ as the Longformer paper's testing loop.
 import torch
 import torch.nn.functional as F
 
+from ..base import Backend
 from ..geometry import pair_in_band
-from . import Backend
 
 
 def _shifted(x, dilation, offset, window, length):
@@ -32,7 +32,9 @@ def softmax_with_globals(scores, queries, global_k, global_bias):
     return torch.softmax(scores.masked_fill(~sees_any, 0.0), dim=-1) * sees_any
 
 
-def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
+def attention_1d(q, k, v, hood, extras):
+    global_k, global_v, rel_bias, global_bias = extras.differentiable
+    key_padding_mask = extras.key_padding_mask
     B, H, L, D = q.shape
     w, d = hood.window, hood.dilation
     pad = d * w
@@ -40,7 +42,7 @@ def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, ke
     key_ok = torch.zeros(1 if key_padding_mask is None else B, L + 2 * pad, dtype=torch.bool, device=q.device)
     key_ok[:, pad : pad + L] = True if key_padding_mask is None else ~key_padding_mask
     positions = torch.arange(L, device=q.device)
-    queries = q * scale
+    queries = q * extras.scale
     diagonals = []
     for a in hood.offsets:
         allowed, row = pair_in_band(positions, positions + d * a, w, d, hood.causal)

@@ -21,10 +21,10 @@ Undilated windows only, as the paper's chunks.
 
 import torch
 
+from ..base import LOG2E, Backend, in_float32_or_wider
 from ..geometry import band_chunk_tables
-from . import Backend
-from .chunked import apply_in_float32, band_blocks, band_masks, band_scores, band_windows, scatter_band_windows_
-from .sliding_chunk import BLOCK_BYTES, LOG2E
+from .band_blocks import band_blocks, band_masks, band_scores, band_windows, scatter_band_windows_
+from .sliding_chunk import BLOCK_BYTES
 
 SPAN = 2  # padded blocks per chunk
 
@@ -77,8 +77,13 @@ def _merge_(state, rows, part_max, part_sum, part_out):
 
 
 class ChunksAttention1d(torch.autograd.Function):
+    """``tensors``: q, k, v, the global keys and values, the relative and global bias and the key padding mask
+    (None where absent)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, causal, scale):
+    def forward(ctx, hood, scale, *tensors):
+        q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask = tensors
+        window, causal = hood.window, hood.causal
         B, H, L, D = q.shape
         w, blocks = window, -(-L // window)
         masks = _chunk_masks(rel_bias, key_padding_mask, B, L, w, blocks, causal, q.device)
@@ -178,12 +183,16 @@ class ChunksAttention1d(torch.autograd.Function):
         if grad_bias is not None:
             bias_row = band_chunk_tables(w, causal, q.device)[1]
             grad_rel_bias = torch.zeros_like(rel_bias).index_add_(1, bias_row.flatten(), grad_bias.flatten(1))
-        return grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_gb, None, None, None, None
+        return None, None, grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_gb, None
 
 
-def attention_1d(q, k, v, hood, *, global_k, global_v, rel_bias, global_bias, key_padding_mask, scale):
-    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
-    return apply_in_float32(ChunksAttention1d.apply, q, inputs, key_padding_mask, hood.window, hood.causal, scale)
+def attention_1d(q, k, v, hood, extras):
+    """Half precision is computed in float32, autocast off: the backward recomputes probabilities from a saved
+    log-sum-exp, which must be exact."""
+    inputs = in_float32_or_wider(q, k, v, hood, extras)
+    tensors = (*inputs[:3], *inputs[3].differentiable, extras.key_padding_mask)
+    with torch.autocast(q.device.type, enabled=False):
+        return ChunksAttention1d.apply(hood, extras.scale, *tensors).to(q.dtype)
 
 
 BACKEND = Backend("chunks", attention_1d=attention_1d, dilation_1d=None)

@@ -1,0 +1,71 @@
+"""The model a config describes: :func:`build_model`, from the MsViT arguments of ``MODEL.*`` (:func:`model_kwargs`).
+
+``MODEL.VIT.MSVIT.ATTN_TYPE`` names the attention of the ``s1`` stages: ``longformer`` (ViL's local attention, each
+call computed by the fastest backend for it), the name of a local attention backend (``vil.ops.available_backends()``:
+ViL's attention computed by that backend), a name of earlier configs for one (:data:`ATTN_TYPE_ALIASES`), or one of
+the other mechanisms (``full``, ``linformer``, ``srformer``, ``performer``).
+"""
+
+from .models.msvit import MECHANISMS, MsViT
+from .ops import available_backends, check_window_options
+
+# ATTN_TYPE names of earlier configs -> the backend each means: the original release's, and this project's
+# ``longformer_<backend>``.
+ATTN_TYPE_ALIASES = {
+    "longformerhand": "sliding_chunk",
+    "longformerauto": "sliding_chunk_autograd",
+    "longformer_cuda": "triton",  # the original release's custom kernel
+    "longformer_triton": "triton",
+    "longformer_fused_cpu": "fused_cpu",
+    "longformer_flex": "flex",
+    "longformer_unfold": "unfold",
+    "longformer_unfold_nnf": "unfold_nnf",
+    "longformer_chunk_rows": "chunk_rows",
+}
+
+
+def attn_types() -> list:
+    """Every name ``MODEL.VIT.MSVIT.ATTN_TYPE`` takes."""
+    return [*MECHANISMS, *available_backends(2), *ATTN_TYPE_ALIASES]
+
+
+def attention_of(attn_type: str) -> tuple:
+    """``(attention, attn_backend)``, the :class:`MsViT` arguments an ATTN_TYPE stands for."""
+    if attn_type in MECHANISMS:
+        return attn_type, None
+    backend = ATTN_TYPE_ALIASES.get(attn_type, attn_type)
+    if backend not in available_backends(2):
+        raise ValueError(f"Unknown MODEL.VIT.MSVIT.ATTN_TYPE {attn_type!r}; known: {', '.join(attn_types())}.")
+    return "longformer", backend
+
+
+def model_kwargs(cfg) -> dict:
+    """The :class:`MsViT` arguments (``arch`` included) that ``cfg`` (from :func:`vil.config.load_cfg`) describes."""
+    if cfg.MODEL.ARCH != "msvit":
+        raise ValueError(f"MODEL.ARCH {cfg.MODEL.ARCH!r} is not a model of this project; it must be 'msvit'.")
+    vit, msvit = cfg.MODEL.VIT, cfg.MODEL.VIT.MSVIT
+    attention, backend = attention_of(msvit.ATTN_TYPE)
+    check_window_options(msvit.SW_EXACT, msvit.MODE)  # also where no layer is a longformer one
+    return dict(
+        arch=msvit.ARCH,
+        img_size=cfg.INPUT.IMAGE_SIZE,
+        num_classes=cfg.DATA.NUM_CLASSES,
+        drop_rate=vit.DROP,
+        drop_path_rate=vit.DROP_PATH,
+        norm_embed=vit.NORM_EMBED,
+        avg_pool=vit.AVG_POOL,
+        attention=attention,
+        attn_backend=backend,
+        share_w=msvit.SHARE_W,
+        share_kv=msvit.SHARE_KV,
+        only_global=msvit.ONLY_GLOBAL,
+        sw_exact=msvit.SW_EXACT,
+        mode=msvit.MODE,
+        ln_eps=msvit.LN_EPS,
+        dynamic_img_pad=vit.DYNAMIC_IMG_PAD,
+    )
+
+
+def build_model(cfg) -> MsViT:
+    """The model ``cfg`` (a config from :func:`vil.config.load_cfg`) describes."""
+    return MsViT(**model_kwargs(cfg))

@@ -1,0 +1,144 @@
+"""What every layer of the local attention op shares: the optional inputs of a call as one value (:class:`Extras`),
+what a backend declares about itself (:class:`Backend`, with its :class:`FusedPasses`), and whether a call is being
+traced or exported. It imports nothing else of the package, so that every other module of it may import it.
+"""
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+LOG2E = math.log2(math.e)  # scores in base 2: exp(x) = exp2(x * LOG2E)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def tracing(q: Tensor) -> bool:
+    """Under torch.compile or torch.export: fake tensors, perhaps symbolic sizes."""
+    return torch.compiler.is_compiling() or is_fake(q)
+
+
+def exporting_to_onnx() -> bool:
+    """ONNX exports (either exporter) and TorchScript's tracer record standard operators only."""
+    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
+
+
+@dataclass(frozen=True, eq=False)
+class Extras:
+    """The optional inputs of one local attention call, validated by the op: ``global_k``, ``global_v``
+    ``(B, heads, G >= 1, head_dim)`` or None; ``rel_bias`` ``(heads, rows)`` and ``global_bias`` ``(heads, G)`` in
+    q's dtype or None; ``key_padding_mask`` ``(B, L)`` bool or None (1D only); ``scale``, the factor of the scores."""
+
+    scale: float
+    global_k: Optional[Tensor] = None
+    global_v: Optional[Tensor] = None
+    rel_bias: Optional[Tensor] = None
+    global_bias: Optional[Tensor] = None
+    key_padding_mask: Optional[Tensor] = None
+
+    @property
+    def num_global(self) -> int:
+        return 0 if self.global_k is None else self.global_k.shape[2]
+
+    @property
+    def differentiable(self) -> tuple:
+        """``(global_k, global_v, rel_bias, global_bias)``: the inputs with gradients besides q, k and v, in the
+        order of the operators' arguments and of :attr:`FusedPasses.backward`'s results."""
+        return self.global_k, self.global_v, self.rel_bias, self.global_bias
+
+    def cast(self, convert: Callable[[Tensor], Tensor]) -> "Extras":
+        """The same inputs with ``convert`` applied to each differentiable tensor present."""
+        tensors = (None if t is None else convert(t) for t in self.differentiable)
+        return replace(self, **dict(zip(("global_k", "global_v", "rel_bias", "global_bias"), tensors)))
+
+    def of_heads(self, heads: Tensor) -> "Extras":
+        """The inputs of the heads ``heads`` (an index tensor)."""
+        return replace(
+            self,
+            global_k=None if self.global_k is None else self.global_k[:, heads],
+            global_v=None if self.global_v is None else self.global_v[:, heads],
+            rel_bias=None if self.rel_bias is None else self.rel_bias[heads],
+            global_bias=None if self.global_bias is None else self.global_bias[heads],
+        )
+
+
+def in_float32_or_wider(q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> tuple:
+    """A :attr:`Backend.prepare` for passes that compute half precision in float32: q, k, v and the extras' tensors
+    in ``promote_types(q.dtype, float32)``."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    return q.to(compute), k.to(compute), v.to(compute), extras.cast(lambda t: t.to(compute))
+
+
+@dataclass(frozen=True)
+class FusedPasses:
+    """A backend's own forward and hand-written backward. The op runs them as its ``torch.library`` operators
+    (``vil/ops/operators.py``): torch.compile and torch.export see one opaque operator and never trace the passes,
+    and autograd calls the backward.
+
+    ``forward(q, k, v, hood, extras) -> (out, lse)``: ``lse`` one float per query (``q.shape[:-1]``, in q's dtype
+    promoted to float32) that only the backward reads. ``backward(q, k, v, hood, extras, out, lse, grad_out)`` -> the
+    gradients of ``q, k, v`` and of ``extras.differentiable`` (None for absent inputs). ``scored_pairs(q, hood,
+    num_global)``: how many (query, key) scores the forward computes per batch item over all heads, for torch's FLOP
+    counter (two products over them forward, five backward).
+    """
+
+    forward: Callable
+    backward: Callable
+    scored_pairs: Callable
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What one way of computing local attention computes and supports; the op layer reads nothing else of it.
+
+    A backend computes 2D windows, 1D bands or both, each either as a function ``attention_2d`` / ``attention_1d``
+    ``(q, k, v, hood, extras) -> out`` whose backward is autograd's, or as :class:`FusedPasses` ``passes_2d`` /
+    ``passes_1d``. ``prepare(q, k, v, hood, extras) -> (q, k, v, extras)``: the tensors as the passes take them (their
+    compute dtype, their memory layout); it may raise ``ValueError`` for inputs they cannot take.
+
+    ``dilation_2d``, ``dilation_1d``: ``"native"`` (dilated windows in the backend), ``"split"`` (the op runs the
+    backend once per sub-lattice of positions with equal residues modulo the dilation, where the window is the
+    undilated one), or None (refused). ``per_head_dilation``: 1D, different dilations per head in one call
+    (otherwise the op runs the heads of each dilation together). ``devices``: device types it runs on (None: any);
+    ``trains_on``: device types where it has a backward (None: wherever it runs). ``available()``: raises
+    ``ValueError`` with one sentence where the backend cannot run on this machine (a build, an import).
+    ``check(hood, head_dim)``: raises for options the backend cannot take. ``traceable``: torch.compile and
+    torch.export trace its functions as they are (FlexAttention, which the compiler knows); under them, the op runs
+    a backend that has neither passes nor this as one generic operator whose backward recomputes its forward.
+    """
+
+    name: str
+    attention_2d: Optional[Callable] = None
+    attention_1d: Optional[Callable] = None
+    passes_2d: Optional[FusedPasses] = None
+    passes_1d: Optional[FusedPasses] = None
+    prepare: Optional[Callable] = None
+    dilation_2d: Optional[str] = "native"
+    dilation_1d: Optional[str] = "native"
+    per_head_dilation: bool = False
+    devices: Optional[tuple] = None
+    trains_on: Optional[tuple] = None
+    dtypes: tuple = FLOATS
+    available: Optional[Callable] = None
+    check: Optional[Callable] = None
+    traceable: bool = False
+
+    def function(self, dims: int) -> Optional[Callable]:
+        return self.attention_1d if dims == 1 else self.attention_2d
+
+    def passes(self, dims: int) -> Optional[FusedPasses]:
+        return self.passes_1d if dims == 1 else self.passes_2d
+
+    def computes(self, dims: int) -> bool:
+        return self.function(dims) is not None or self.passes(dims) is not None
+
+    def dilation(self, dims: int) -> Optional[str]:
+        return self.dilation_1d if dims == 1 else self.dilation_2d
+
+    def runs_on(self, device_type: str) -> bool:
+        return self.devices is None or device_type in self.devices
+
+    def trains_on_device(self, device_type: str) -> bool:
+        return self.runs_on(device_type) and (self.trains_on is None or device_type in self.trains_on)

@@ -1,0 +1,66 @@
+"""A local attention request run as pieces a backend can take: dilated windows per sub-lattice (2D) or residue class
+(1D), where the backend computes only undilated ones, and different dilations per head by groups of heads.
+
+``attend(q, k, v, hood, extras)`` computes one piece with the chosen backend; the op functions and the generic
+operator (``vil/ops/operators.py``) both run requests through here.
+"""
+
+from dataclasses import replace
+
+import torch
+
+from .base import Backend, Extras
+from .neighborhood import Neighborhood1d, Neighborhood2d
+
+
+def fitted(hood, q, extras: Extras):
+    """The neighbourhood fitted to q's map or sequence (``Neighborhood2d.fitted``, ``Neighborhood1d.fitted``) where
+    nothing depends on its window: no relative position bias table, and sizes that are numbers (not symbolic)."""
+    sizes = q.shape[2:4] if hood.dims == 2 else q.shape[2:3]
+    if extras.rel_bias is not None or not all(isinstance(n, int) for n in sizes):
+        return hood
+    return hood.fitted(*sizes)
+
+
+def run_2d(attend, b: Backend, q, k, v, hood: Neighborhood2d, extras: Extras):
+    """``attend`` on the whole map, or per sub-lattice where ``b`` splits dilated windows or the dilation reaches
+    past a side of the map (which leaves too little of it for a backend's own dilated windows)."""
+    rows, cols = q.shape[2:4]
+    static = isinstance(rows, int) and isinstance(cols, int)
+    if hood.dilated and (b.dilation(2) == "split" or (static and hood.dilation >= min(rows, cols))):
+        return _per_sub_lattice(attend, q, k, v, hood, extras)
+    return attend(q, k, v, hood, extras)
+
+
+def _per_sub_lattice(attend, q, k, v, hood, extras):
+    """The positions whose row and column have the same residues modulo the dilation form a map of their own, on
+    which the window is the undilated one."""
+    d, out = hood.dilation, torch.empty_like(q)
+    for r in range(min(d, q.shape[2])):
+        for c in range(min(d, q.shape[3])):
+            part = (slice(None), slice(None), slice(r, None, d), slice(c, None, d))
+            pieces = (q[part].contiguous(), k[part].contiguous(), v[part].contiguous())
+            out[part] = attend(*pieces, hood.with_dilation(1), extras)
+    return out
+
+
+def run_1d(attend, b: Backend, q, k, v, hood: Neighborhood1d, extras: Extras):
+    """``attend`` on the whole sequence; by head, where ``b`` cannot take different dilations per head in one call;
+    by residue class, where it has no dilated windows of its own (the positions ``r, r+d, r+2d, ...`` are a
+    sequence of their own, on which the window is the undilated one)."""
+    if hood.per_head and not b.per_head_dilation:
+        out = torch.empty_like(q)
+        dilations = hood.dilation
+        for d in sorted(set(dilations)):
+            heads = torch.tensor([h for h, x in enumerate(dilations) if x == d], device=q.device)
+            pieces = (q[:, heads], k[:, heads], v[:, heads])
+            out[:, heads] = run_1d(attend, b, *pieces, hood.with_dilation(d), extras.of_heads(heads))
+        return out
+    if hood.dilated and b.dilation(1) == "split":
+        d, out = hood.dilation, torch.empty_like(q)
+        mask = extras.key_padding_mask
+        for r in range(min(d, q.shape[2])):
+            part = replace(extras, key_padding_mask=None if mask is None else mask[:, r::d])
+            out[:, :, r::d] = attend(q[:, :, r::d], k[:, :, r::d], v[:, :, r::d], hood.with_dilation(1), part)
+        return out
+    return attend(q, k, v, hood, extras)
