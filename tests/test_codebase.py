@@ -1,9 +1,16 @@
 """Rules the package keeps about its own shape, read from its source with ``ast``: no import cycle in ``vil/``
-(imports inside functions included), and no function with more than 8 parameters outside the boundaries where
-arguments must travel flat."""
+(imports inside functions included), no function with more than 8 parameters outside the boundaries where
+arguments must travel flat; and the README's example of a new backend, which takes one file and one line."""
 
 import ast
+import types
 from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+from vil.ops import available_backends, local_attention_2d, registry
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vil"
@@ -118,3 +125,62 @@ def test_no_function_takes_more_than_eight_parameters():
             if _parameters(node) > MAX_PARAMETERS and not flat:
                 offenders.append(f"{where}:{node.lineno} {name} ({_parameters(node)})")
     assert not offenders, offenders
+
+
+def _readme_backend():
+    """The backend of the README's "Adding a backend", run as the module it shows."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Adding a backend") :]
+    start = section.index("```python\n") + len("```python\n")
+    module = types.ModuleType("dense")
+    exec(compile(section[start : section.index("```\n", start)], "README.md", "exec"), module.__dict__)
+    return module.BACKEND
+
+
+@pytest.fixture
+def dense(monkeypatch):
+    """The README's backend, in the table as its line there puts it."""
+    backend = _readme_backend()
+    monkeypatch.setitem(registry.BACKENDS, backend.name, backend)
+    return backend
+
+
+@pytest.mark.parametrize("exact,mode,dilation", [(0, 0, 1), (-1, 3, 1), (1, 0, 2), (0, -1, 1)])
+def test_the_readme_backend_computes_the_reference(dense, exact, mode, dilation):
+    assert dense.name in available_backends(2)
+    torch.manual_seed(0)
+    B, H, X, Y, D, w = 2, 2, 7, 9, 8, 2
+    q, k, v = (torch.randn(B, H, X, Y, D, requires_grad=True) for _ in range(3))
+    global_k, global_v = (torch.randn(B, H, 1, D, requires_grad=True) for _ in range(2))
+    rel_bias = torch.randn(H, (4 * w - 1) ** 2, requires_grad=True)
+    global_bias = torch.randn(H, 1, requires_grad=True)
+    leaves = (q, k, v, global_k, global_v, rel_bias, global_bias)
+    results = []
+    for backend in ("reference", dense.name):
+        out = local_attention_2d(
+            q,
+            k,
+            v,
+            w,
+            exact=exact,
+            mode=mode,
+            dilation=dilation,
+            global_k=global_k,
+            global_v=global_v,
+            rel_bias=rel_bias,
+            global_bias=global_bias,
+            backend=backend,
+        )
+        results.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_readme_backend_serves_timm_models_by_its_name(dense):
+    torch.manual_seed(0)
+    model = timm.create_model("vil_tiny", img_size=64, num_classes=3, attn_backend=dense.name).eval()
+    reference = timm.create_model("vil_tiny", img_size=64, num_classes=3, attn_backend="reference").eval()
+    reference.load_state_dict(model.state_dict())
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), reference(images), rtol=1e-5, atol=1e-5)
