@@ -188,7 +188,7 @@ def test_faster_rcnn_and_retinanet_take_the_backbone():
 
 
 def test_fpn_backbone_from_a_config_and_a_classification_checkpoint(tmp_path):
-    overrides = ["INPUT.IMAGE_SIZE", "64", "MODEL.VIT.MSVIT.ATTN_TYPE", "longformerauto"]
+    overrides = ["INPUT.IMAGE_SIZE", "64", "MODEL.VIT.MSVIT.ATTN_TYPE", "sliding_chunk_autograd"]
     cfg = load_cfg(Path(__file__).resolve().parents[1] / "configs" / "vil_tiny.yaml", overrides)
     torch.manual_seed(0)
     source = MsViT(cfg.MODEL.VIT.MSVIT.ARCH, img_size=64, num_classes=10).eval()

@@ -357,7 +357,7 @@ def test_kernels_package_is_importable_under_its_own_name():
     assert vil_kernels.__name__ == "vil_kernels"
 
 
-@pytest.mark.parametrize("attn_type", ["longformerhand", "longformerauto"])
+@pytest.mark.parametrize("attn_type", ["sliding_chunk", "sliding_chunk_autograd"])
 def test_relative_bias_model_trains_under_bfloat16_autocast(attn_type):
     torch.manual_seed(0)
     model = build_model(

@@ -45,7 +45,7 @@ def test_a_wheel_in_a_fresh_environment_trains_the_digits_demo_from_outside_the_
     for script in ("vil-train", "vil-eval", "vil-export", "vil-export-onnx", "vil-benchmark", "vil-make-shards"):
         assert (venv / "bin" / script).is_file(), script
     # One epoch of the digits demo (two of its classes), by preset name; the repository is nowhere on the path.
-    # longformerhand: the C++ kernel's build is tested elsewhere.
+    # sliding_chunk: the C++ kernel's build is tested elsewhere.
     overrides = [
         "OPTIM.EPOCHS",
         "1",
@@ -56,7 +56,7 @@ def test_a_wheel_in_a_fresh_environment_trains_the_digits_demo_from_outside_the_
         "OUTPUT_DIR",
         tmp_path / "run",
         "MODEL.VIT.MSVIT.ATTN_TYPE",
-        "longformerhand",
+        "sliding_chunk",
     ]
     run(venv / "bin" / "vil-train", "--config-file", "vil_digits", *overrides, cwd=tmp_path)
     assert "epoch 1/1: loss" in (tmp_path / "run" / "log.txt").read_text()
