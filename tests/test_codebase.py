@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from test_local_attention import make_inputs
 
 from vil.ops import available_backends, local_attention_2d, registry
 
@@ -148,32 +149,15 @@ def dense(monkeypatch):
 @pytest.mark.parametrize("exact,mode,dilation", [(0, 0, 1), (-1, 3, 1), (1, 0, 2), (0, -1, 1)])
 def test_the_readme_backend_computes_the_reference(dense, exact, mode, dilation):
     assert dense.name in available_backends(2)
-    torch.manual_seed(0)
-    B, H, X, Y, D, w = 2, 2, 7, 9, 8, 2
-    q, k, v = (torch.randn(B, H, X, Y, D, requires_grad=True) for _ in range(3))
-    global_k, global_v = (torch.randn(B, H, 1, D, requires_grad=True) for _ in range(2))
-    rel_bias = torch.randn(H, (4 * w - 1) ** 2, requires_grad=True)
-    global_bias = torch.randn(H, 1, requires_grad=True)
-    leaves = (q, k, v, global_k, global_v, rel_bias, global_bias)
+    inputs = make_inputs(7, 9, 2, 1, rel=True, glob_bias=True, D=8)
+    q, k, v, *optional = inputs.values()
     results = []
     for backend in ("reference", dense.name):
-        out = local_attention_2d(
-            q,
-            k,
-            v,
-            w,
-            exact=exact,
-            mode=mode,
-            dilation=dilation,
-            global_k=global_k,
-            global_v=global_v,
-            rel_bias=rel_bias,
-            global_bias=global_bias,
-            backend=backend,
-        )
-        results.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+        window = dict(exact=exact, mode=mode, dilation=dilation, backend=backend)
+        out = local_attention_2d(q, k, v, 2, **window, **dict(zip(list(inputs)[3:], optional)))
+        results.append((out, *torch.autograd.grad(out.square().sum(), list(inputs.values()))))
     for want, got in zip(*results):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want)
 
 
 def test_the_readme_backend_serves_timm_models_by_its_name(dense):
