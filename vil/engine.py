@@ -33,8 +33,9 @@ from tqdm import tqdm
 
 from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint
 from .config import warn_compatibility_keys
-from .data import build_dataset, build_loss, build_mixup, collate_skipping
+from .data import build_dataset, build_mixup, collate_skipping
 from .files import FolderLock, atomic_write, check_writable_file, check_writable_folder, remove_temporaries
+from .loss import build_loss
 from .models import arch_string, build_model, parse_arch, pretrained_checkpoint
 from .models.attention import LongformerAttention
 from .models.convert import fit_to_model
