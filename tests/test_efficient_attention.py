@@ -17,7 +17,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
 from vil.detection import ViLBackbone
-from vil.engine import load_weights
 from vil.export import export_program
 from vil.models import COMPARISONS, build_model
 from vil.models.efficient_attention import (
@@ -27,6 +26,7 @@ from vil.models.efficient_attention import (
     SpatialReductionAttention,
     orthogonal_random_features,
 )
+from vil.weights import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
