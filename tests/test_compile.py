@@ -255,8 +255,8 @@ def test_export_onnx_tool_writes_and_checks_a_file(tmp_path):
 
 def test_compile_key_compiles_the_training_step():
     from vil.config import load_cfg
-    from vil.engine import _training_net
     from vil.runtime import Runtime
+    from vil.training.setup import _training_net
 
     model = small_model("fused_cpu")
     runtime = Runtime("")

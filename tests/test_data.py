@@ -13,7 +13,8 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import DataLoader
 
 from vil.config import load_cfg
-from vil.data import DigitsDataset, build_dataset, build_loss, build_mixup, build_transform, collate_skipping
+from vil.data import DigitsDataset, build_dataset, build_mixup, build_transform, collate_skipping
+from vil.loss import build_loss
 
 
 def make_folder(root, classes=("cat", "dog"), per_class=3, size=40, corrupt=True):

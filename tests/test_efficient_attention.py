@@ -16,7 +16,6 @@ from tool_runner import run_tool
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
 from vil.detection import ViLBackbone
-from vil.engine import load_weights
 from vil.export import export_program
 from vil.model_config import build_model
 from vil.models import COMPARISONS
@@ -28,6 +27,7 @@ from vil.models.efficient_attention import (
     orthogonal_random_features,
 )
 from vil.profiling import flop_counter
+from vil.weights import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,11 @@ from test_train import ROOT, TINY_ARCH, tiny_cfg
 
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
-from vil.engine import evaluate_checkpoint, load_weights, train
 from vil.models import MsViT
 from vil.models.convert import resize_tables
+from vil.training.evaluation import evaluate_checkpoint
+from vil.training.loop import train
+from vil.weights import load_weights
 
 # The original release's recipes (../shared/reference/original-recipes.md), as its YAML files wrote them.
 IMAGENET_RECIPE = """

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from PIL import Image
 from test_train import tiny_cfg
 
-import vil.engine as engine
+import vil.training.epoch as training_epoch
 from vil.config import config_items, get_cfg
-from vil.engine import train
 from vil.ops import local_attention_2d
+from vil.training.loop import train
 
 EXAMPLES = int(os.environ.get("VIL_FUZZ_EXAMPLES", 0))
 
@@ -143,13 +143,13 @@ def test_random_config_overrides_train_a_step_or_stop_with_one_sentence(tmp_path
     from test_data import make_folder
 
     data = make_folder(root / "data", per_class=4, corrupt=False)
-    real_step = engine.optimizer_step
+    real_step = training_epoch.optimizer_step
 
     def one_step(run, where):
         real_step(run, where)
         raise OneStepDone
 
-    monkeypatch.setattr(engine, "optimizer_step", one_step)
+    monkeypatch.setattr(training_epoch, "optimizer_step", one_step)
     flat = [x for pair in pairs for x in pair]
     try:
         cfg = tiny_cfg(data, root / "out", "OPTIM.EPOCHS", "1", *flat)

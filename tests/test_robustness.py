@@ -17,14 +17,14 @@ from PIL import Image
 from test_data import make_folder
 from test_train import TINY_ARCH, assert_same_weights, break_loss, final_weights, tiny_cfg, tiny_overrides
 
-import vil.engine as engine
 import vil.files as files
+import vil.training.evaluation as evaluation
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
-from vil.engine import train
 from vil.files import FolderLock, OutputError, atomic_write
 from vil.models import MsViT
 from vil.optim import build_optimizer, build_scheduler
+from vil.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,7 +201,7 @@ def test_eval_checks_its_report_path_first_and_prints_before_writing(data, tmp_p
             f"Writing {path} failed (No space left on device); nothing was written: free some space and run again."
         )
 
-    monkeypatch.setattr(engine, "atomic_write", full)
+    monkeypatch.setattr(evaluation, "atomic_write", full)
     monkeypatch.setattr(sys, "argv", ["eval.py", *map(str, common), "OUTPUT_DIR", str(tmp_path / "report")])
     with pytest.raises(SystemExit, match=r"^error: Writing \S+eval.json failed \(No space left on device\)"):
         runpy.run_path(str(ROOT / "tools" / "eval.py"), run_name="__main__")
@@ -386,7 +386,7 @@ KILLED_DURING_WRITE = """
 import os, signal, sys
 import torch
 from vil.config import load_cfg
-from vil.engine import train
+from vil.training.loop import train
 
 real_save, writes = torch.save, []
 
@@ -480,7 +480,7 @@ def test_resume_check_follows_schedule_changes_and_names_other_changes(caplog):
 
 
 def test_an_arch_string_with_fields_left_out_is_logged_as_resolved(caplog):
-    from vil.engine import _log_resolved_arch
+    from vil.training.setup import _log_resolved_arch
 
     cfg = load_cfg(overrides=["MODEL.VIT.MSVIT.ARCH", "l1,h1,d16,n1_l2,h2,d32,n1_l3,h2,d32,n1"])
     with caplog.at_level("INFO", logger="vil"):

@@ -9,8 +9,8 @@ from test_train import tiny_cfg
 from tool_runner import run_tool
 
 from vil.checkpoint import read_checkpoint
-from vil.engine import train
 from vil.shards import ShardDataset
+from vil.training.loop import train
 
 
 def identity(image_and_target):

@@ -298,7 +298,7 @@ def test_pretrained_tags_download_once_into_the_hub_cache_under_their_own_names(
     model_best.pth) lands in torch hub's cache as <tag>.pth, and gives the logits of the file loaded directly;
     MODEL.MODEL_PATH takes the tag too."""
     from vil.config import load_cfg
-    from vil.engine import resolve_model_path
+    from vil.weights import resolve_model_path
 
     monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
     assert {

@@ -12,11 +12,11 @@ import torch
 from test_data import make_folder
 from tool_runner import run_tool
 
-import vil.engine as engine
+import vil.training.setup as training_setup
 import vil.training_state as training_state
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
-from vil.engine import train
+from vil.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ARCH = "l1,h1,d16,n1,s1,g1,p4,f2,a1_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g1,p2,f2,a1"
@@ -242,7 +242,7 @@ def test_config_typo_and_missing_data_are_one_sentence(args, message, tmp_path):
 
 def break_loss(monkeypatch, at_call, broken):
     """Make the training loss ``broken(criterion, logits, targets)`` at its ``at_call``-th call."""
-    real_loss = engine.build_loss
+    real_loss = training_setup.build_loss
     calls = []
 
     def build(cfg, mixup):
@@ -254,7 +254,7 @@ def break_loss(monkeypatch, at_call, broken):
 
         return loss
 
-    monkeypatch.setattr(engine, "build_loss", build)
+    monkeypatch.setattr(training_setup, "build_loss", build)
 
 
 def test_nan_loss_stops_before_the_last_good_checkpoint_is_overwritten(data, tmp_path, monkeypatch):

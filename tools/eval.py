@@ -9,7 +9,7 @@ class's with ``OUTPUT_PERCLASS_ACC True``. Works under ``torchrun`` too.
 import sys
 
 from vil.config import config_from_command_line
-from vil.engine import evaluate_checkpoint, write_eval_report
+from vil.training.evaluation import evaluate_checkpoint, write_eval_report
 
 
 def main():

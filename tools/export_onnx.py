@@ -14,9 +14,9 @@ import sys
 import torch
 
 from vil.config import load_cfg
-from vil.engine import load_weights
 from vil.export import export_onnx, onnx_outputs
 from vil.model_config import build_model
+from vil.weights import load_weights
 
 TOLERANCE = 1e-4
 

@@ -9,7 +9,8 @@ evaluates that checkpoint instead, as ``tools/eval.py`` does, and exits.
 import sys
 
 from vil.config import config_from_command_line
-from vil.engine import evaluate_checkpoint, train, write_eval_report
+from vil.training.evaluation import evaluate_checkpoint, write_eval_report
+from vil.training.loop import train
 
 
 def main():

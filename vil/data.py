@@ -1,4 +1,4 @@
-"""Datasets, transforms, batch mixing and the loss, built from the config.
+"""Datasets, transforms and batch mixing, built from the config.
 
 ``DATA.TRAIN`` / ``DATA.TEST`` name the data: ``('imagenet',)`` (or any other name) reads ImageNet-style
 folders under ``DATA.PATH``; ``('digits',)`` is the 1,797 handwritten digits that scikit-learn ships.
@@ -11,26 +11,17 @@ import numpy as np
 import torch
 from PIL import Image
 from timm.data import Mixup, auto_augment, create_transform
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import Dataset, default_collate
 from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from .shards import ShardDataset
+from .unreadable import Unreadable, skipped
+
 EXPECTED_LAYOUT = "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<image>"
 # INPUT.INTERPOLATION holds PIL's codes, as in the original release.
 _INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}
-
-
-class Unreadable(str):
-    """What a dataset returns for an image that cannot be loaded: the file and the reason, as one string that
-    :func:`collate_skipping` collects (it crosses from worker processes as a plain string)."""
-
-
-def skipped(name, error):
-    """The :class:`Unreadable` sample ``name``, with the first line of ``error`` as the reason."""
-    reason = next(iter(str(error).splitlines()), "") or type(error).__name__
-    return Unreadable(f"{name} ({reason})")
 
 
 class SkippingImageFolder(ImageFolder):
@@ -224,8 +215,6 @@ def build_dataset(cfg, train):
                 "DATA.CLASSES picks classes of image folders; shards hold their classes' labels, so write "
                 "shards of the classes wanted (tools/make_shards.py) and leave DATA.CLASSES empty."
             )
-        from .shards import ShardDataset  # here: vil.shards imports this file
-
         dataset = ShardDataset(os.path.join(cfg.DATA.PATH, "train" if train else "val"), transform)
     else:
         root = os.path.join(cfg.DATA.PATH, "train" if train else "val")
@@ -259,15 +248,3 @@ def build_mixup(cfg):
         label_smoothing=cfg.LOSS.LABEL_SMOOTHING,
         num_classes=cfg.DATA.NUM_CLASSES,
     )
-
-
-def build_loss(cfg, mixup):
-    """The training loss: soft-target cross entropy with Mixup (its targets carry the smoothing), else
-    label-smoothed or plain cross entropy."""
-    if cfg.LOSS.LOSS != "xentropy":
-        raise ValueError(f"LOSS.LOSS {cfg.LOSS.LOSS!r} is not supported; use 'xentropy'.")
-    if mixup is not None:
-        return SoftTargetCrossEntropy()
-    if cfg.LOSS.LABEL_SMOOTHING > 0:
-        return LabelSmoothingCrossEntropy(smoothing=cfg.LOSS.LABEL_SMOOTHING)
-    return torch.nn.CrossEntropyLoss()

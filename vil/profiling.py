@@ -1,4 +1,5 @@
-"""This project's measurements of a block of code: its peak memory, on a GPU or on the CPU, and its FLOPs."""
+"""This project's measurements of a block of code: its peak memory (or that of the process so far), on a GPU or
+on the CPU, and its FLOPs."""
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -65,3 +66,13 @@ class PeakMemory:
                 held += event.nbytes()
                 peak = max(peak, held)
         self.mib = peak / 2**20
+
+
+def peak_memory_mib(device):
+    """The peak memory of this process so far: of torch's allocator on CUDA, else of the process's resident set
+    (which, unlike :class:`PeakMemory`, needs no profiler running)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource  # Unix only
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -7,7 +7,7 @@ with its sample count, so that every process knows an epoch's length without rea
 
 Each process reads its own shards (every world-th, in an order shuffled per epoch that all processes share) and
 each DataLoader worker every workers-th of those, through a shuffle buffer; an image that cannot be decoded or
-transformed is an :class:`~vil.data.Unreadable` sample, skipped and counted as in image folders. In training
+transformed is an :class:`~vil.unreadable.Unreadable` sample, skipped and counted as in image folders. In training
 every process takes the same number of batches, the full batches the process with the fewest samples has, so
 with as many samples per process (shards of one size, a shard count that the processes divide) every sample
 is seen once an epoch; otherwise the few that exceed it wait for a later epoch's order.
@@ -22,8 +22,8 @@ from itertools import islice
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from .data import skipped
 from .files import atomic_write
+from .unreadable import skipped
 
 INDEX = "index.json"
 

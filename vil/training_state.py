@@ -76,7 +76,9 @@ class Snapshot:
     epoch: int  # epochs completed, or the epoch in progress when batch_in_epoch > 0
     batch_in_epoch: int
     step: int
-    rng: list
+    best: float  # the best top-1 so far
+    lr_drop: float  # the product of OPTIM.VAL's learning-rate drops so far
+    rng: list  # every process's random state, in rank order
 
     def where(self):
         if self.batch_in_epoch:
@@ -84,35 +86,33 @@ class Snapshot:
         return f"optimizer step {self.step} (the end of epoch {self.epoch})"
 
 
-def take_snapshot(run, epoch, batch_in_epoch):
-    """A :class:`Snapshot` of ``run`` now (every process takes part: the random states are gathered)."""
-    rng = [None] * run.runtime.world
-    if run.runtime.world > 1:
-        dist.all_gather_object(rng, get_rng_state())
-    else:
-        rng = [get_rng_state()]
-    return Snapshot(epoch, batch_in_epoch, run.step, rng)
+def gather_rng_states(runtime):
+    """Every process's random state, in rank order (every process takes part)."""
+    if runtime.world == 1:
+        return [get_rng_state()]
+    states = [None] * runtime.world
+    dist.all_gather_object(states, get_rng_state())
+    return states
 
 
-def write_snapshot(run, snapshot):
-    """Write ``checkpoint_last.pth`` from ``snapshot`` and the run's weights and optimizer (main process)."""
-    if run.runtime.is_main:
-        save_checkpoint(
-            os.path.join(run.cfg.OUTPUT_DIR, LAST),
-            run.model,
-            arch=run.cfg.MODEL.ARCH,
-            epoch=snapshot.epoch,
-            batch_in_epoch=snapshot.batch_in_epoch,
-            step=snapshot.step,
-            best_acc=run.best,
-            lr_drop=run.lr_drop,
-            optimizer=run.optimizer.state_dict(),
-            scaler=run.scaler.state_dict(),
-            ema=run.ema.module.state_dict() if run.ema else None,
-            rng=snapshot.rng,
-            config=run.cfg.dump(),
-        )
-    run.kept = snapshot
+def write_snapshot(cfg, snapshot, model, optimizer, scaler, ema):
+    """Write ``checkpoint_last.pth`` from ``snapshot`` and the run's weights, optimizer, gradient scaler and EMA as
+    they are now; the main process writes it."""
+    save_checkpoint(
+        os.path.join(cfg.OUTPUT_DIR, LAST),
+        model,
+        arch=cfg.MODEL.ARCH,
+        epoch=snapshot.epoch,
+        batch_in_epoch=snapshot.batch_in_epoch,
+        step=snapshot.step,
+        best_acc=snapshot.best,
+        lr_drop=snapshot.lr_drop,
+        optimizer=optimizer.state_dict(),
+        scaler=scaler.state_dict(),
+        ema=ema.module.state_dict() if ema else None,
+        rng=snapshot.rng,
+        config=cfg.dump(),
+    )
 
 
 def copy_epoch_checkpoints(cfg, epoch, improved):
@@ -187,36 +187,35 @@ def check_resumable(checkpoint, path, cfg):
         )
 
 
-def restore(run, checkpoint, path):
-    """Load everything a checkpoint holds into ``run``. The schedule and the optimizer's hyper-parameters come
-    from the config (so a changed ``OPTIM.LR`` or schedule is followed); ``OPTIM.VAL``'s drops are kept."""
-    settings = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
-    load_model_state(run.model, model_state(checkpoint, path), path)
+def restore(checkpoint, path, model, optimizer, scaler, ema, rank):
+    """Load the weights, optimizer, gradient scaler and EMA that ``checkpoint`` (read from ``path``) holds, and
+    process ``rank``'s random state; returns the :class:`Snapshot` of where the run stood. The optimizer's
+    hyper-parameters stay the run's, from the config (so a changed ``OPTIM.LR`` or schedule is followed);
+    ``OPTIM.VAL``'s drops are kept."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    load_model_state(model, model_state(checkpoint, path), path)
     try:
         # The run's settings replace the saved ones before loading, so that torch places the state for them
         # (the step counts of fused kernels, say, which a checkpoint written without them keeps on the CPU).
         saved = checkpoint["optimizer"]["param_groups"]
         groups = [{**group, **fresh} for group, fresh in zip(saved, settings)] + saved[len(settings) :]
-        run.optimizer.load_state_dict({**checkpoint["optimizer"], "param_groups": groups})
+        optimizer.load_state_dict({**checkpoint["optimizer"], "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as e:
         raise ValueError(
             f"The optimizer state in {path} does not fit this run's optimizer ({str(e).rstrip('.')}); "
             "choose another OUTPUT_DIR for a new run."
         ) from None
-    run.lr_drop = float(checkpoint.get("lr_drop", 1.0))
-    for group, fresh in zip(run.optimizer.param_groups, settings):
-        group["lr_scale"] = fresh.get("lr_scale", 1.0) * run.lr_drop
+    lr_drop = float(checkpoint.get("lr_drop", 1.0))
+    for group, fresh in zip(optimizer.param_groups, settings):
+        group["lr_scale"] = fresh.get("lr_scale", 1.0) * lr_drop
     if checkpoint.get("scaler"):
-        run.scaler.load_state_dict(checkpoint["scaler"])
-    if run.ema is not None and checkpoint.get("ema"):
-        run.ema.module.load_state_dict(checkpoint["ema"])
-    run.epoch, run.step, run.best, run.batch_in_epoch = (
-        checkpoint[k] for k in ("epoch", "step", "best_acc", "batch_in_epoch")
-    )
-    run.scheduler.step_update(run.step)
-    run.kept = Snapshot(run.epoch, run.batch_in_epoch, run.step, checkpoint["rng"])
-    set_rng_state(checkpoint["rng"][min(run.runtime.rank, len(checkpoint["rng"]) - 1)])
-    log.info(f"Resumed from {path}: epoch {run.epoch + 1}, optimizer step {run.step}.")
+        scaler.load_state_dict(checkpoint["scaler"])
+    if ema is not None and checkpoint.get("ema"):
+        ema.module.load_state_dict(checkpoint["ema"])
+    epoch, batch_in_epoch, step, best = (checkpoint[k] for k in ("epoch", "batch_in_epoch", "step", "best_acc"))
+    set_rng_state(checkpoint["rng"][min(rank, len(checkpoint["rng"]) - 1)])
+    log.info(f"Resumed from {path}: epoch {epoch + 1}, optimizer step {step}.")
+    return Snapshot(epoch, batch_in_epoch, step, best, lr_drop, checkpoint["rng"])
 
 
 def _followed(key):

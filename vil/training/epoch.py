@@ -1,0 +1,189 @@
+"""One epoch of training: the batches of this process, the steps (gradient accumulation, clipping, the
+checkpoint that waits for a finite step), the ``LOG_FREQ`` lines, and the stop when a loss or gradient is not
+finite."""
+
+import logging
+import math
+import os
+import time
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+from timm.data.distributed_sampler import RepeatAugSampler
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from ..data import collate_skipping
+from ..profiling import peak_memory_mib
+from ..shards import ShardDataset
+from ..training_state import LAST
+from ..unreadable import warn_unreadable
+
+log = logging.getLogger("vil")
+
+
+def stop_diverged(run, what, where):
+    """Stop the run because ``what`` is not finite (at ``where``), in one sentence that says what
+    ``checkpoint_last.pth`` holds and how to go on; also written to ``log.txt``."""
+    last = os.path.join(run.cfg.OUTPUT_DIR, LAST)
+    advice = "a lower OPTIM.LR (a resumed run follows it) or OPTIM.CLIP_GRAD set"
+    if run.kept is None:
+        held = f"no checkpoint was written yet, so start again with {advice}"
+    elif run.kept.step == run.step:
+        held = f"{last} holds the state it came from, {run.kept.where()}, so resume it with {advice}"
+    else:
+        held = (
+            f"{last} keeps {run.kept.where()}, the newest state whose loss and gradients were finite: "
+            f"run again with {advice}"
+        )
+    message = f"Training stops before optimizer step {run.step + 1}: {what} at {where}; {held}."
+    log.error(message)
+    raise FloatingPointError(message)
+
+
+def optimizer_step(run, where):
+    """Check the gradients (unscaled, clipped to ``OPTIM.CLIP_GRAD``), write the checkpoint that waited for
+    them, step the optimizer, the schedule and the EMA."""
+    optimizer, scaler = run.optimizer, run.scaler
+    scaler.unscale_(optimizer)
+    if run.cfg.OPTIM.CLIP_GRAD > 0:
+        norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.OPTIM.CLIP_GRAD)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
+    if not scaler.is_enabled() and not math.isfinite(norm):  # fp16's scaler skips such steps by itself
+        stop_diverged(run, f"the gradient norm became {norm.item()}", where)
+    if run.pending:
+        run.write_checkpoint(run.pending)
+        run.pending = None
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    run.scheduler.step_update(run.step)
+    if run.ema is not None:
+        run.ema.update(run.model, step=run.step)
+
+
+def train_one_epoch(run, epoch):
+    """One epoch (or what is left of it after a mid-epoch resume); returns (images seen, images skipped, mean
+    loss) over all processes."""
+    cfg, runtime, accum = run.cfg, run.runtime, run.cfg.OPTIM.ACCUM_STEPS
+    loader = training_batches(run, epoch)
+    run.net.train()
+    seen = skipped = loss_sum = 0.0
+    window = _new_window(time.perf_counter())  # since the last LOG_FREQ line
+    bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}", disable=not runtime.is_main, leave=False)
+    step_end = time.perf_counter()
+    for i, (images, targets, unreadable) in enumerate(bar, start=run.batch_in_epoch):
+        fetched = time.perf_counter()
+        window["data_s"] += fetched - step_end
+        skipped += warn_unreadable(unreadable)
+        where = f"epoch {epoch + 1}, batch {i + 1}"
+        if not len(images):
+            raise ValueError(
+                f"All {len(unreadable)} images of the training batch at {where} are unreadable; "
+                "check the data (the warnings above name them)."
+            )
+        images, targets = images.to(runtime.device, memory_format=run.memory_format), targets.to(runtime.device)
+        if run.mixup is not None:
+            images, targets = run.mixup(images, targets)
+        last_micro = (i + 1) % accum == 0
+        with run.net.no_sync() if runtime.world > 1 and not last_micro else nullcontext(), run.amp():
+            loss = run.criterion(run.net(images), targets)
+        (loss_mean,) = [x / runtime.world for x in runtime.sum(loss.item())]
+        if not math.isfinite(loss_mean):
+            stop_diverged(run, f"the loss became {loss_mean}", where)
+        run.scaler.scale(loss / accum).backward()
+        seen += len(images)
+        loss_sum += loss_mean * len(images)
+        window["loss"] += loss_mean * len(images)
+        window["images"] += len(images) * runtime.world
+        if last_micro:
+            optimizer_step(run, where)
+        step_end = time.perf_counter()
+        window["step_s"] += step_end - fetched
+        window["steps"] += last_micro
+        bar.set_postfix(
+            loss=f"{loss_mean:.4f}",
+            lr=f"{run.optimizer.param_groups[0]['lr']:.2e}",
+            img_s=f"{window['images'] / max(step_end - window['start'], 1e-9):.1f}",
+        )
+        if last_micro and cfg.LOG_FREQ and run.step % cfg.LOG_FREQ == 0:
+            window = _log_steps(run, window, step_end)
+        if last_micro and cfg.CHECKPOINT.EVERY_STEPS and run.step % cfg.CHECKPOINT.EVERY_STEPS == 0:
+            run.pending = run.snapshot(epoch, i + 1)
+    run.batch_in_epoch = 0
+    seen, skipped = runtime.sum(seen, skipped)
+    return seen, skipped, loss_sum / max(seen / runtime.world, 1)
+
+
+def training_batches(run, epoch):
+    """The batches this process trains on in ``epoch``, from the one a resumed run stopped at."""
+    cfg, runtime, collate = run.cfg, run.runtime, partial(collate_skipping, refill=True)
+    if isinstance(run.train_set, ShardDataset):
+        return run.train_set.training_batches(
+            epoch,
+            cfg.SEED,
+            runtime.rank,
+            runtime.world,
+            run.batch,
+            cfg.DATALOADER.WORKERS,
+            collate,
+            skip=run.batch_in_epoch,
+        )
+    order = epoch_order(run.train_set, epoch, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG)[run.batch_in_epoch * run.batch :]
+    # A generator of its own: creating the iterator then draws no number from the global random state.
+    return DataLoader(
+        torch.utils.data.Subset(run.train_set, order),
+        batch_size=run.batch,
+        drop_last=True,
+        num_workers=cfg.DATALOADER.WORKERS,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(cfg.SEED * 1000 + epoch),
+    )
+
+
+def epoch_order(dataset, epoch, seed, runtime, repeated_aug=False):
+    """The sample indices this process trains on in ``epoch``: a permutation seeded by seed and epoch (with
+    ``repeated_aug`` in distributed training: timm's repeated-augmentation sampler, 3 repeats)."""
+    if runtime.world > 1:
+        if repeated_aug:
+            # selected_round 0: every process takes len / world samples, as DistributedSampler (timm's default
+            # rounds down to multiples of 256, which the epoch's step count would not match).
+            sampler = RepeatAugSampler(
+                dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, selected_round=0
+            )
+        else:
+            sampler = DistributedSampler(
+                dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, seed=seed
+            )
+        sampler.set_epoch(epoch)
+        return list(sampler)
+    return torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def _new_window(now):
+    """The sums since the last ``LOG_FREQ`` line: loss x images, images (all processes), optimizer steps, and the
+    seconds spent waiting for batches and computing steps."""
+    return dict(loss=0.0, images=0, steps=0, data_s=0.0, step_s=0.0, start=now)
+
+
+def _log_steps(run, window, now):
+    """The ``LOG_FREQ`` line, also as TensorBoard points under ``train/``: since the last line, the mean loss,
+    images/s, the mean seconds per optimizer step waiting for data and computing, the learning rate and the peak
+    memory. Returns a fresh window."""
+    steps = max(window["steps"], 1)
+    scalars = {
+        "loss": window["loss"] * run.runtime.world / max(window["images"], 1),
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "images_per_s": window["images"] / max(now - window["start"], 1e-9),
+        "data_s": window["data_s"] / steps,
+        "step_s": window["step_s"] / steps,
+        "max_memory_mib": peak_memory_mib(run.runtime.device),
+    }
+    log.info(f"step {run.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items()))
+    if run.writer:
+        for name, value in scalars.items():
+            run.writer.add_scalar(f"train/{name}", value, run.step)
+    return _new_window(now)

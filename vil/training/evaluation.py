@@ -1,0 +1,177 @@
+"""Evaluation: top-1 and top-5 over the evaluation data, all processes together; after each training epoch (the
+EMA weights too, one log line, TensorBoard points), and of a checkpoint on its own (``tools/eval.py``,
+``EVALUATE True``), with its report ``OUTPUT_DIR/eval.json``."""
+
+import datetime
+import json
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ..config import warn_compatibility_keys
+from ..data import build_dataset, collate_skipping
+from ..files import atomic_write, check_writable_file
+from ..model_config import build_model
+from ..models.attention import LongformerAttention
+from ..profiling import peak_memory_mib
+from ..runtime import Runtime
+from ..shards import ShardDataset
+from ..unreadable import warn_unreadable
+from ..weights import load_weights
+from .epoch import stop_diverged
+from .setup import amp_context, memory_format, per_process_batch, setup_logging
+
+log = logging.getLogger("vil")
+
+
+@torch.no_grad()
+def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.contiguous_format):
+    """Top-1 and top-5 accuracy (percent) over the whole evaluation set, all processes together, and per class:
+    ``{"top1", "top5", "per_class": (classes, 3) tensor of images, top-1 hits, top-5 hits, "nonfinite": images
+    whose outputs are not all finite}``. Unreadable images are skipped, each named in a warning."""
+    model.eval()
+    counts = torch.zeros(num_classes, 3, dtype=torch.float64, device=runtime.device)
+    skipped, nonfinite = 0, torch.zeros((), dtype=torch.long, device=runtime.device)
+    for images, targets, unreadable in loader:
+        skipped += warn_unreadable(unreadable)
+        if not len(images):
+            continue
+        images, targets = images.to(runtime.device, memory_format=memory_format), targets.to(runtime.device)
+        with amp():
+            logits = model(images).float()
+        nonfinite += (~torch.isfinite(logits).all(dim=1)).sum()
+        ranks = logits.topk(min(5, num_classes), dim=1).indices.eq(targets[:, None])
+        hits = torch.stack([torch.ones_like(ranks[:, 0]), ranks[:, 0], ranks.any(dim=1)], dim=1)
+        counts.index_add_(0, targets, hits.double())
+    if runtime.world > 1:
+        dist.all_reduce(counts)
+    skipped, nonfinite = runtime.sum(skipped, nonfinite.item())
+    if skipped:
+        log.warning(f"Evaluation skipped {int(skipped)} unreadable images.")
+    images, top1, top5 = counts.sum(dim=0).tolist()
+    return {
+        "top1": 100 * top1 / max(images, 1),
+        "top5": 100 * top5 / max(images, 1),
+        "per_class": counts.cpu(),
+        "nonfinite": int(nonfinite),
+    }
+
+
+def eval_loader(dataset, cfg, runtime):
+    """Each process evaluates every world-th sample (of shards: its own shards), so that all samples count
+    exactly once."""
+    if isinstance(dataset, ShardDataset):
+        return dataset.evaluation_batches(
+            runtime.rank, runtime.world, per_process_batch(cfg, runtime), cfg.DATALOADER.WORKERS, collate_skipping
+        )
+    indices = list(range(runtime.rank, len(dataset), runtime.world))
+    return DataLoader(
+        torch.utils.data.Subset(dataset, indices),
+        batch_size=per_process_batch(cfg, runtime),
+        num_workers=cfg.DATALOADER.WORKERS,
+        collate_fn=collate_skipping,
+    )
+
+
+def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
+    """Evaluate after ``epoch`` (the EMA weights too); one log line and TensorBoard points. Returns top-1."""
+    cfg, runtime, model = run.cfg, run.runtime, run.model
+    if runtime.world > 1:
+        _share_rank0_buffers(run)
+    result = evaluate(
+        model, eval_loader(run.test_set, cfg, runtime), runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format
+    )
+    if result["nonfinite"]:
+        stop_diverged(
+            run,
+            f"the outputs of {result['nonfinite']} evaluation images were not finite",
+            f"the end of epoch {epoch + 1}",
+        )
+    memory = peak_memory_mib(runtime.device)
+    mode = next((m.mode for m in model.modules() if isinstance(m, LongformerAttention)), 0)
+    scalars = {
+        "loss": loss,
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "top1": result["top1"],
+        "top5": result["top5"],
+        "images_per_s": seen / elapsed,
+        "max_memory_mib": memory,
+        "attention_mode": mode,
+    }
+    if run.ema is not None:
+        ema_loader = eval_loader(run.test_set, cfg, runtime)
+        scalars["top1_ema"] = evaluate(
+            run.ema.module, ema_loader, runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format
+        )["top1"]
+    if run.writer:
+        for name, value in scalars.items():
+            run.writer.add_scalar(name, value, epoch + 1)
+        run.writer.flush()
+    log.info(
+        f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}: "
+        + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items())
+        + (f"; skipped {int(skipped)} unreadable images" if skipped else "")
+        + f"; ETA {_run_eta(run, epoch)}"
+    )
+    return result["top1"]
+
+
+def _share_rank0_buffers(run):
+    """Every process takes rank 0's buffers (of the model and its EMA). DistributedDataParallel does so at each
+    training forward; between the last one and the evaluation, a performer layer may have drawn features of its own
+    in each process, and every process must evaluate the model that is saved."""
+    for module in [run.model] + ([run.ema.module] if run.ema else []):
+        for buffer in module.buffers():
+            dist.broadcast(buffer, 0)
+
+
+def _run_eta(run, epoch):
+    """The time the remaining epochs will take at the mean pace (training and evaluation) of this process's
+    epochs so far, as h:mm:ss."""
+    started_at, first_epoch = run.started
+    per_epoch = (time.perf_counter() - started_at) / (epoch + 1 - first_epoch)
+    return str(datetime.timedelta(seconds=round(per_epoch * (run.cfg.OPTIM.EPOCHS - epoch - 1))))
+
+
+def evaluate_checkpoint(cfg):
+    """Evaluate the checkpoint ``MODEL.MODEL_PATH`` (this project's or the original release's) on the
+    evaluation data. Returns, in the main process, the report for :func:`write_eval_report` (top-1, top-5,
+    and with ``OUTPUT_PERCLASS_ACC`` every class's figures); None in the others."""
+    if not cfg.MODEL.MODEL_PATH:
+        raise ValueError("Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth.")
+    runtime = Runtime(cfg.DISTRIBUTED_BACKEND)
+    if runtime.is_main:
+        check_writable_file(eval_report_path(cfg), "The evaluation report")
+    setup_logging(cfg.OUTPUT_DIR, False)
+    warn_compatibility_keys(cfg, log)
+    model = build_model(cfg)
+    path = load_weights(model, cfg)
+    amp, _ = amp_context(cfg, runtime.device)
+    layout = memory_format(cfg)
+    dataset = build_dataset(cfg, train=False)
+    loader = eval_loader(dataset, cfg, runtime)
+    result = evaluate(
+        model.to(runtime.device, memory_format=layout), loader, runtime, amp, cfg.DATA.NUM_CLASSES, layout
+    )
+    if not runtime.is_main:
+        return None
+    report = {"checkpoint": path, "top1": result["top1"], "top5": result["top5"], "images": len(dataset)}
+    if cfg.OUTPUT_PERCLASS_ACC:
+        report["per_class"] = {
+            name: {"images": int(n), "top1": 100 * hit1 / max(n, 1), "top5": 100 * hit5 / max(n, 1)}
+            for name, (n, hit1, hit5) in zip(dataset.classes, result["per_class"].tolist())
+        }
+    return report
+
+
+def eval_report_path(cfg):
+    return os.path.join(cfg.OUTPUT_DIR, "eval.json")
+
+
+def write_eval_report(cfg, report):
+    """``OUTPUT_DIR/eval.json``."""
+    atomic_write(eval_report_path(cfg), lambda f: f.write((json.dumps(report, indent=2) + "\n").encode()))

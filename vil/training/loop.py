@@ -1,0 +1,95 @@
+"""The training run from end to end: set up, resume, then epoch after epoch of training, evaluation and
+checkpoints; at the end, the check that every process holds the same weights."""
+
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+
+from ..optim import drop_learning_rate
+from ..training_state import copy_epoch_checkpoints
+from .epoch import train_one_epoch
+from .evaluation import evaluate_epoch
+from .setup import PLATEAU_OPTIMIZERS, set_up
+
+log = logging.getLogger("vil")
+
+
+def train(cfg):
+    """Train (or resume training) as ``cfg`` says; returns the final top-1 on the evaluation data."""
+    run, resume_point = set_up(cfg)
+    try:
+        if resume_point:
+            run.resume(resume_point[1], resume_point[0])
+        return _train_epochs(run)
+    finally:
+        run.close()
+
+
+def end_epoch(run, epoch, top1):
+    """After an epoch's evaluation: the best top-1, ``OPTIM.VAL``'s learning-rate drop, the checkpoints (the
+    mid-epoch one still waiting is superseded)."""
+    cfg = run.cfg
+    improved = top1 > run.best
+    run.best = max(run.best, top1)
+    if not improved and cfg.OPTIM.VAL and cfg.OPTIM.OPT in PLATEAU_OPTIMIZERS:
+        drop_learning_rate(run.optimizer, cfg.OPTIM.DROP_FACTOR)
+        run.lr_drop /= cfg.OPTIM.DROP_FACTOR
+        log.info(
+            f"Epoch {epoch + 1} did not improve top-1 (OPTIM.VAL): "
+            f"the learning rate is divided by {cfg.OPTIM.DROP_FACTOR:g}."
+        )
+    run.pending = None
+    run.write_checkpoint(run.snapshot(epoch + 1, 0))
+    if run.runtime.is_main:
+        copy_epoch_checkpoints(cfg, epoch + 1, improved)
+
+
+def _train_epochs(run):
+    cfg, runtime, model, out = run.cfg, run.runtime, run.model, run.cfg.OUTPUT_DIR
+    if runtime.is_main:
+        run.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+    log.info(
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(run.train_set)} training and "
+        f"{len(run.test_set)} evaluation images, {runtime.world} process(es) on {runtime.device}."
+    )
+    mode_switch_epoch = cfg.MODEL.VIT.MSVIT.VIL_MODE_SWITCH * cfg.OPTIM.EPOCHS
+    top1 = 0.0
+    run.started = time.perf_counter(), run.epoch
+    for epoch in range(run.epoch, cfg.OPTIM.EPOCHS):
+        if cfg.MODEL.VIT.MSVIT.MODE > 0 and epoch >= mode_switch_epoch:
+            model.reset_vil_mode(0)
+            log.info(f"Epoch {epoch + 1}: random-shift training ends; every attention layer now uses mode 0.")
+        if hasattr(model, "calls_since_last_redraw"):
+            model.set_feature_redraw_interval(1 + 5 * epoch)  # performer: the original release's schedule
+        run.scheduler.step(epoch)  # SOLVER.EPOCH_BASED_SCHEDULE; a per-step schedule ignores it
+        start = time.perf_counter()
+        with torch.autograd.set_detect_anomaly(cfg.SOLVER.DETECT_ANOMALY):
+            seen, skipped, loss = train_one_epoch(run, epoch)
+        top1 = evaluate_epoch(run, epoch, seen, skipped, loss, time.perf_counter() - start)
+        end_epoch(run, epoch, top1)
+    if runtime.world > 1:
+        _check_ranks_agree(model, runtime)
+    log.info(
+        f"Best top-1 {run.best:.2f}. Checkpoints: {out}/checkpoint_last.pth, {out}/model_best.pth; "
+        f"log: {out}/log.txt; TensorBoard: tensorboard --logdir {out}/tensorboard"
+    )
+    runtime.barrier()
+    return top1
+
+
+def _check_ranks_agree(model, runtime):
+    """DistributedDataParallel keeps the replicas equal (parameters and buffers); say so, or fail loudly if they
+    drifted apart."""
+    total = torch.stack([t.detach().double().sum() for t in (*model.parameters(), *model.buffers())]).sum().reshape(1)
+    low, high = total.clone(), total.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if low.item() != high.item():
+        raise RuntimeError(
+            f"The {runtime.world} processes ended with different weights (checksums {low.item()} to {high.item()})."
+        )
+    log.info(f"All {runtime.world} processes hold identical weights.")

@@ -1,0 +1,245 @@
+"""Setting up a training run: the output folder (checked, locked), logging, the checkpoint to resume from
+(checked against the config), data, model, optimizer, schedule and EMA, held together in a :class:`Run`."""
+
+import logging
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from timm.data import Mixup
+from timm.scheduler.scheduler import Scheduler
+from timm.utils import ModelEmaV3
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+from torch.utils.tensorboard import SummaryWriter
+from yacs.config import CfgNode
+
+from ..config import warn_compatibility_keys
+from ..data import build_dataset, build_mixup
+from ..files import FolderLock, atomic_write, check_writable_folder, remove_temporaries
+from ..loss import build_loss
+from ..model_config import build_model
+from ..models import MsViT, arch_string, parse_arch
+from ..optim import build_optimizer, build_scheduler, model_ema
+from ..runtime import Runtime, seed_everything
+from ..shards import ShardDataset
+from ..training_state import Snapshot, check_resumable, gather_rng_states, read_resume_point, restore, write_snapshot
+from ..weights import load_weights
+
+log = logging.getLogger("vil")
+MEMORY_FORMATS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
+# OPTIM.VAL lowers the learning rate of these optimizers only, as in the original release.
+PLATEAU_OPTIMIZERS = ("sgd", "qhm")
+
+
+def setup_logging(output_dir, is_main):
+    log.handlers.clear()
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    log.propagate = False
+    console = logging.StreamHandler()
+    console.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(console)
+    if is_main:
+        file = logging.FileHandler(os.path.join(output_dir, "log.txt"))
+        file.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(file)
+
+
+def per_process_batch(cfg, runtime):
+    """``DATALOADER.BSZ`` is the batch of all processes together, as in the original release."""
+    batch = cfg.DATALOADER.BSZ
+    if batch % runtime.world:
+        raise ValueError(
+            f"DATALOADER.BSZ {batch} is the batch of all {runtime.world} processes together, "
+            f"so it must be a multiple of {runtime.world}."
+        )
+    return batch // runtime.world
+
+
+def amp_context(cfg, device):
+    """Autocast for AMP on CUDA (bf16, or fp16 with gradient scaling), and the gradient scaler, which is a
+    pass-through unless fp16 needs it."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.AMP.DTYPE]
+    on = cfg.AMP.ENABLED and device.type == "cuda"
+    scaler = torch.amp.GradScaler(device.type, enabled=on and dtype == torch.float16)
+    return ((lambda: torch.autocast("cuda", dtype=dtype)) if on else nullcontext), scaler
+
+
+def memory_format(cfg):
+    """``AMP.MEMORY_FORMAT``: ``nchw`` (PyTorch's default layout) or ``nhwc`` (channels last)."""
+    return MEMORY_FORMATS[cfg.AMP.MEMORY_FORMAT]
+
+
+def _training_net(model, cfg, runtime):
+    """What the training step calls: the model, wrapped for several processes, compiled with ``MODEL.COMPILE``."""
+    net = DistributedDataParallel(model) if runtime.world > 1 else model
+    return torch.compile(net) if cfg.MODEL.COMPILE else net
+
+
+@dataclass
+class Run:
+    """What one training run holds; the counters say where it stands."""
+
+    cfg: CfgNode
+    runtime: Runtime
+    model: MsViT
+    net: torch.nn.Module  # what the training step calls: the model, wrapped and compiled as _training_net says
+    optimizer: torch.optim.Optimizer
+    scheduler: Scheduler
+    scaler: torch.amp.GradScaler
+    ema: Optional[ModelEmaV3]
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    mixup: Optional[Mixup]
+    amp: Callable[[], AbstractContextManager]  # a fresh autocast context (or a no-op one) for each forward
+    memory_format: torch.memory_format
+    train_set: Union[Dataset, ShardDataset]
+    test_set: Union[Dataset, ShardDataset]
+    batch: int  # per process
+    lock: Optional[FolderLock] = None  # the main process's lock on OUTPUT_DIR
+    epoch: int = 0
+    step: int = 0
+    best: float = 0.0
+    batch_in_epoch: int = 0
+    lr_drop: float = 1.0  # the product of OPTIM.VAL's learning-rate drops so far
+    kept: Optional[Snapshot] = None  # the one checkpoint_last.pth holds
+    pending: Optional[Snapshot] = None  # to write once the next step's loss and gradients are finite
+    writer: Optional[SummaryWriter] = None
+    started: Optional[tuple[float, int]] = None  # (time.perf_counter(), epoch) when this process began training
+
+    def snapshot(self, epoch, batch_in_epoch):
+        """A :class:`Snapshot` of the run now, at ``batch_in_epoch`` of ``epoch`` (every process takes part)."""
+        return Snapshot(epoch, batch_in_epoch, self.step, self.best, self.lr_drop, gather_rng_states(self.runtime))
+
+    def write_checkpoint(self, snapshot):
+        """Write ``checkpoint_last.pth`` from ``snapshot`` (main process); it becomes the one kept."""
+        if self.runtime.is_main:
+            write_snapshot(self.cfg, snapshot, self.model, self.optimizer, self.scaler, self.ema)
+        self.kept = snapshot
+
+    def resume(self, checkpoint, path):
+        """Continue from ``checkpoint``, read from ``path``: its states, counters and place in the schedule."""
+        kept = restore(checkpoint, path, self.model, self.optimizer, self.scaler, self.ema, self.runtime.rank)
+        self.epoch, self.batch_in_epoch, self.step = kept.epoch, kept.batch_in_epoch, kept.step
+        self.best, self.lr_drop, self.kept = kept.best, kept.lr_drop, kept
+        self.scheduler.step_update(self.step)
+
+    def close(self):
+        if self.writer:
+            self.writer.close()
+        if self.lock:
+            self.lock.release()
+
+
+def set_up(cfg):
+    """Output folder (checked, locked, cleared of the leftovers of interrupted writes), logging, the checkpoint
+    to resume from (checked against the config before anything is written), seeds, data, model (with the
+    weights of ``MODEL.MODEL_PATH`` when the run starts from them), optimizer, schedule, EMA. Returns the
+    :class:`Run` and the ``(path, checkpoint)`` to resume from, or None."""
+    runtime = Runtime(cfg.DISTRIBUTED_BACKEND)
+    out = cfg.OUTPUT_DIR
+    lock = None
+    if runtime.is_main:
+        check_writable_folder(out)
+        lock = FolderLock(out)
+    try:
+        runtime.barrier()
+        setup_logging(out, runtime.is_main)
+        if runtime.is_main and (leftovers := remove_temporaries(out)):
+            log.info(
+                f"Removed {len(leftovers)} temporary files that interrupted writes left in {out}: "
+                f"{', '.join(leftovers)}."
+            )
+        resume_point = read_resume_point(out)
+        if resume_point:
+            check_resumable(resume_point[1], resume_point[0], cfg)
+        if runtime.is_main:
+            atomic_write(os.path.join(out, "config.yaml"), lambda f: f.write(cfg.dump().encode()))
+        warn_compatibility_keys(cfg, log)
+        _log_resolved_arch(cfg)
+        if runtime.world > 1 and runtime.backend != cfg.DISTRIBUTED_BACKEND:
+            log.info(
+                f"DISTRIBUTED_BACKEND {cfg.DISTRIBUTED_BACKEND} serves CUDA devices; these CPU processes use gloo."
+            )
+        seed_everything(cfg.SEED + runtime.rank)
+        return _build_run(cfg, runtime, lock, starts_fresh=resume_point is None), resume_point
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
+
+
+def _log_resolved_arch(cfg):
+    given = cfg.MODEL.VIT.MSVIT.ARCH
+    resolved = arch_string(parse_arch(given))
+    if resolved != given:
+        log.info(
+            f"MODEL.VIT.MSVIT.ARCH resolves to {resolved} "
+            "(the fields it leaves out take the original release's defaults)."
+        )
+
+
+def _build_run(cfg, runtime, lock, starts_fresh):
+    train_set, test_set = build_dataset(cfg, train=True), build_dataset(cfg, train=False)
+    model = build_model(cfg)
+    if cfg.MODEL.MODEL_PATH and starts_fresh:
+        path = load_weights(model, cfg, new_classifier=True)
+        log.info(
+            f"Starting from the weights of {path}{' (its EMA copy)' if cfg.MODEL.LOAD_EMA else ''}; "
+            "optimizer, schedule and epochs start fresh."
+        )
+    layout = memory_format(cfg)
+    model = model.to(runtime.device, memory_format=layout)
+    model.set_grad_checkpointing(cfg.MODEL.GRAD_CHECKPOINT)
+    amp, scaler = amp_context(cfg, runtime.device)
+    if cfg.AMP.ENABLED and runtime.device.type != "cuda":
+        log.info("AMP.ENABLED applies on CUDA; this run trains in float32 on the CPU.")
+    batch, accum = per_process_batch(cfg, runtime), cfg.OPTIM.ACCUM_STEPS
+    mixup = build_mixup(cfg)
+    if mixup is not None and batch % 2:
+        raise ValueError(
+            "Mixup/CutMix pairs the samples of a batch, so each process's batch (DATALOADER.BSZ / processes) "
+            f"must be even, not {batch}."
+        )
+    batches_per_epoch = len(train_set) // runtime.world // batch
+    if batches_per_epoch < accum:
+        raise ValueError(
+            f"{len(train_set)} training images make {batches_per_epoch} batches of {batch} per process, "
+            f"fewer than OPTIM.ACCUM_STEPS {accum}; lower DATALOADER.BSZ."
+        )
+    if cfg.AUG.REPEATED_AUG and cfg.DATA.FORMAT == "shards":
+        raise ValueError(
+            "AUG.REPEATED_AUG repeats samples of image folders; with DATA.FORMAT shards each process "
+            "reads its own shards, so set AUG.REPEATED_AUG False."
+        )
+    if cfg.AUG.REPEATED_AUG and runtime.world == 1:
+        log.info(
+            "AUG.REPEATED_AUG applies to distributed training (as in the original release); "
+            "this single process sees each image once an epoch."
+        )
+    if cfg.OPTIM.VAL and cfg.OPTIM.OPT not in PLATEAU_OPTIMIZERS:
+        log.info(
+            f"OPTIM.VAL lowers the learning rate of {' and '.join(PLATEAU_OPTIMIZERS)} only "
+            f"(as in the original release); this {cfg.OPTIM.OPT} run ignores it."
+        )
+    optimizer = build_optimizer(cfg, model)
+    return Run(
+        cfg=cfg,
+        runtime=runtime,
+        model=model,
+        net=_training_net(model, cfg, runtime),
+        optimizer=optimizer,
+        scheduler=build_scheduler(cfg, optimizer, batches_per_epoch // accum),
+        scaler=scaler,
+        ema=model_ema(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None,
+        criterion=build_loss(cfg, mixup),
+        mixup=mixup,
+        amp=amp,
+        memory_format=layout,
+        train_set=train_set,
+        test_set=test_set,
+        batch=batch,
+        lock=lock,
+    )
