@@ -2,6 +2,7 @@
 
 Compiled results are held against eager ones; eager ones are held against the naive reference elsewhere."""
 
+import onnxruntime
 import pytest
 import torch
 from tool_runner import ROOT, run_tool
@@ -234,6 +235,21 @@ def test_legacy_onnx_exporter_records_the_attention(tmp_path):
             block.only_global = True
     with torch.no_grad():
         assert not torch.allclose(model(x), want, atol=1e-3)
+
+
+class _DilatedWindows(torch.nn.Module):
+    def forward(self, q, k, v):
+        return local_attention_2d(q, k, v, 1, exact=1, dilation=2)
+
+
+def test_onnx_records_dilated_windows(tmp_path):
+    """The decomposition an ONNX file holds computes dilated windows too (per sub-lattice), as the reference does."""
+    q, k, v = (torch.randn(1, 2, 7, 6, 8) for _ in range(3))
+    torch.onnx.export(_DilatedWindows(), (q, k, v), str(tmp_path / "dilated.onnx"), dynamo=False)
+    want = local_attention_2d(q, k, v, 1, exact=1, dilation=2, backend="reference")
+    session = onnxruntime.InferenceSession(str(tmp_path / "dilated.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), (q, k, v))}
+    torch.testing.assert_close(torch.from_numpy(session.run(None, feeds)[0]), want, atol=1e-5, rtol=1e-5)
 
 
 def test_export_onnx_tool_writes_and_checks_a_file(tmp_path):
