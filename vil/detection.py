@@ -8,11 +8,16 @@
   detectron2 and mmdetection, and back.
 """
 
+import os
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
 
+import torch
 import torch.nn as nn
 from timm.layers import LayerNorm2d
-from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
+from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, FeaturePyramidNetwork, LastLevelMaxPool
+from yacs.config import CfgNode
 
 from .checkpoint import load_model_state, model_state, read_checkpoint
 from .config import config_from_text
@@ -21,12 +26,12 @@ from .models import PRESETS, MsViT, arch_string, parse_arch
 from .models.convert import backbone_specs, convert_classification_state, infer_image_size
 
 # Export format -> (the key holding the state dict, the prefix of the backbone's keys in a whole detector).
-EXPORT_FORMATS = {
+EXPORT_FORMATS: dict[str, tuple[str, str]] = {
     "torchvision": ("model", "backbone.body."),  # as torchvision's detection reference scripts save
     "detectron2": ("model", "backbone.bottom_up."),  # as the original ViL detection release
     "mmdet": ("state_dict", "backbone."),
 }
-GLOBAL_TOKENS = ("drop", "average")
+GLOBAL_TOKENS: tuple[str, ...] = ("drop", "average")
 
 
 class ViLBackbone(MsViT):
@@ -44,14 +49,14 @@ class ViLBackbone(MsViT):
 
     def __init__(
         self,
-        arch,
-        out_indices=(0, 1, 2, 3),
-        level_norm=True,
-        global_tokens="drop",
-        frozen_stages=0,
-        dynamic_img_pad=True,
-        **kwargs,
-    ):
+        arch: str,
+        out_indices: Sequence[int] = (0, 1, 2, 3),
+        level_norm: bool = True,
+        global_tokens: str = "drop",
+        frozen_stages: int = 0,
+        dynamic_img_pad: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(arch, num_classes=0, dynamic_img_pad=dynamic_img_pad, **kwargs)
         if global_tokens not in GLOBAL_TOKENS:
             raise ValueError(
@@ -72,16 +77,16 @@ class ViLBackbone(MsViT):
             stage.requires_grad_(False)
         self.train()
 
-    def _frozen(self):
+    def _frozen(self) -> list[nn.Module]:
         return [getattr(self, f"layer{spec.index}") for spec in self.stage_specs[: self.frozen_stages]]
 
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> "ViLBackbone":
         super().train(mode)
         for stage in self._frozen():
             stage.eval()
         return self
 
-    def forward(self, images):
+    def forward(self, images: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
         """Images (B, C, H, W) of any size of at least the total stride -> ``{"0": map, "1": map, ...}``, one
         entry per returned stage, named by its position in ``out_indices``."""
         maps = self.forward_intermediates(
@@ -94,7 +99,9 @@ class ViLWithFPN(nn.Module):
     """A :class:`ViLBackbone` (``body``) followed by torchvision's ``FeaturePyramidNetwork`` (``fpn``), with the
     ``out_channels`` attribute torchvision's detectors read, like torchvision's ``BackboneWithFPN``."""
 
-    def __init__(self, body, out_channels=256, extra_blocks=None):
+    def __init__(
+        self, body: ViLBackbone, out_channels: int = 256, extra_blocks: Optional[ExtraFPNBlock] = None
+    ) -> None:
         super().__init__()
         self.body = body
         self.fpn = FeaturePyramidNetwork(
@@ -102,11 +109,11 @@ class ViLWithFPN(nn.Module):
         )
         self.out_channels = out_channels
 
-    def forward(self, images):
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.fpn(self.body(images))
 
 
-def _model_arguments(name_or_cfg):
+def _model_arguments(name_or_cfg: Union[str, CfgNode]) -> dict[str, Any]:
     """MsViT keyword arguments (``arch`` included) from a preset name, an arch string or a config."""
     if not isinstance(name_or_cfg, str):
         kwargs = model_kwargs(name_or_cfg)
@@ -121,19 +128,19 @@ def _model_arguments(name_or_cfg):
 
 
 def build_fpn_backbone(
-    name_or_cfg,
-    out_channels=256,
-    trainable_stages=None,
-    checkpoint=None,
-    out_indices=(0, 1, 2, 3),
-    extra_blocks=None,
-    level_norm=True,
-    global_tokens="drop",
-    full_attention_to_local=False,
-    num_global=None,
-    global_init="copy",
-    **model_overrides,
-):
+    name_or_cfg: Union[str, CfgNode],
+    out_channels: int = 256,
+    trainable_stages: Optional[int] = None,
+    checkpoint: Optional[Union[str, os.PathLike]] = None,
+    out_indices: Sequence[int] = (0, 1, 2, 3),
+    extra_blocks: Optional[ExtraFPNBlock] = None,
+    level_norm: bool = True,
+    global_tokens: str = "drop",
+    full_attention_to_local: bool = False,
+    num_global: Optional[int] = None,
+    global_init: str = "copy",
+    **model_overrides: Any,
+) -> ViLWithFPN:
     """A ViL backbone with a feature pyramid for torchvision's detectors.
 
     Args:
@@ -181,7 +188,7 @@ def build_fpn_backbone(
     return ViLWithFPN(body, out_channels, extra_blocks)
 
 
-def export_state(state, fmt, arch, image_size):
+def export_state(state: Mapping[str, torch.Tensor], fmt: str, arch: str, image_size: Sequence[int]) -> dict[str, Any]:
     """A backbone state dict in ``fmt``'s layout: keys prefixed as in a whole detector of that framework,
     under its usual key, with the arch string and image size alongside."""
     if fmt not in EXPORT_FORMATS:
@@ -196,7 +203,7 @@ def export_state(state, fmt, arch, image_size):
     return exported
 
 
-def backbone_state(checkpoint):
+def backbone_state(checkpoint: Mapping[str, Any]) -> Optional[dict[str, torch.Tensor]]:
     """The backbone state dict of an exported checkpoint (any of :data:`EXPORT_FORMATS`), or None when the
     checkpoint is not one."""
     for container, prefix in EXPORT_FORMATS.values():
@@ -206,7 +213,9 @@ def backbone_state(checkpoint):
     return None
 
 
-def load_backbone_checkpoint(body, path, source_arch, **conversion):
+def load_backbone_checkpoint(
+    body: ViLBackbone, path: Union[str, os.PathLike], source_arch: str, **conversion: Any
+) -> None:
     """Load into ``body`` an exported backbone checkpoint, or a classification checkpoint of a model of
     ``source_arch`` converted by :func:`~vil.models.convert.convert_classification_state` with ``conversion``
     (position tables resized to the body's image size). The per-level norms are in neither and keep their
@@ -221,7 +230,7 @@ def load_backbone_checkpoint(body, path, source_arch, **conversion):
     load_model_state(body, state, path, may_miss=("level_norms.",))
 
 
-def stored_config(checkpoint, path="The checkpoint"):
+def stored_config(checkpoint: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint") -> Optional[CfgNode]:
     """The config this project's trainer stores in its checkpoints, checked as config files are (crafted
     metadata is refused in one sentence); None for other checkpoints."""
     if "config" not in checkpoint:
@@ -229,7 +238,9 @@ def stored_config(checkpoint, path="The checkpoint"):
     return config_from_text(checkpoint["config"], f"the config stored in {path}")
 
 
-def checkpoint_image_size(checkpoint, arch, path="The checkpoint"):
+def checkpoint_image_size(
+    checkpoint: Mapping[str, Any], arch: str, path: Union[str, os.PathLike] = "The checkpoint"
+) -> Optional[tuple[int, int]]:
     """The image size (H, W) a classification checkpoint was trained for: from its config (this project's
     checkpoints), else from its position tables (taken as square); None when neither tells."""
     cfg = stored_config(checkpoint, path)

@@ -6,12 +6,16 @@ ViL's attention computed by that backend), a name of earlier configs for one (:d
 the other mechanisms (``full``, ``linformer``, ``srformer``, ``performer``).
 """
 
+from typing import Any, Optional
+
+from yacs.config import CfgNode
+
 from .models.msvit import MECHANISMS, MsViT
 from .ops import available_backends, check_window_options
 
 # ATTN_TYPE names of earlier configs -> the backend each means: the original release's, and this project's
 # ``longformer_<backend>``.
-ATTN_TYPE_ALIASES = {
+ATTN_TYPE_ALIASES: dict[str, str] = {
     "longformerhand": "sliding_chunk",
     "longformerauto": "sliding_chunk_autograd",
     "longformer_cuda": "triton",  # the original release's custom kernel
@@ -24,12 +28,12 @@ ATTN_TYPE_ALIASES = {
 }
 
 
-def attn_types() -> list:
+def attn_types() -> list[str]:
     """Every name ``MODEL.VIT.MSVIT.ATTN_TYPE`` takes."""
     return [*MECHANISMS, *available_backends(2), *ATTN_TYPE_ALIASES]
 
 
-def attention_of(attn_type: str) -> tuple:
+def attention_of(attn_type: str) -> tuple[str, Optional[str]]:
     """``(attention, attn_backend)``, the :class:`MsViT` arguments an ATTN_TYPE stands for."""
     if attn_type in MECHANISMS:
         return attn_type, None
@@ -39,7 +43,7 @@ def attention_of(attn_type: str) -> tuple:
     return "longformer", backend
 
 
-def model_kwargs(cfg) -> dict:
+def model_kwargs(cfg: CfgNode) -> dict[str, Any]:
     """The :class:`MsViT` arguments (``arch`` included) that ``cfg`` (from :func:`vil.config.load_cfg`) describes."""
     if cfg.MODEL.ARCH != "msvit":
         raise ValueError(f"MODEL.ARCH {cfg.MODEL.ARCH!r} is not a model of this project; it must be 'msvit'.")
@@ -66,6 +70,6 @@ def model_kwargs(cfg) -> dict:
     )
 
 
-def build_model(cfg) -> MsViT:
+def build_model(cfg: CfgNode) -> MsViT:
     """The model ``cfg`` (a config from :func:`vil.config.load_cfg`) describes."""
     return MsViT(**model_kwargs(cfg))

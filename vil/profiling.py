@@ -1,6 +1,8 @@
 """This project's measurements of a block of code: its peak memory (or that of the process so far), on a GPU or
 on the CPU, and its FLOPs."""
 
+from typing import Union
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -39,11 +41,11 @@ class PeakMemory:
     first time.
     """
 
-    def __init__(self, device):
+    def __init__(self, device: Union[str, torch.device]) -> None:
         self.device = torch.device(device)
         self.mib = 0.0
 
-    def __enter__(self):
+    def __enter__(self) -> "PeakMemory":
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -53,7 +55,7 @@ class PeakMemory:
             self.profiler.__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             self.mib = (torch.cuda.max_memory_allocated() - self.before) / 2**20

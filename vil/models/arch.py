@@ -1,6 +1,8 @@
 """The architecture string of ``MODEL.VIT.MSVIT.ARCH`` and the named presets."""
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 GRAMMAR = (
     'stages separated by "_", each a comma-separated list of <letter><integer> fields: l (stage index, '
@@ -37,7 +39,7 @@ class StageSpec:
     ape: bool  # absolute position embedding; False: relative position bias
 
 
-def parse_arch(arch):
+def parse_arch(arch: str) -> list[StageSpec]:
     """``"l1,h3,d96,..._l2,..."`` -> a list of 3 or 4 :class:`StageSpec`; malformed strings raise ``ValueError``."""
     stages = arch.split("_")
     if len(stages) not in (3, 4):
@@ -81,7 +83,7 @@ def parse_arch(arch):
     return specs
 
 
-def arch_string(specs):
+def arch_string(specs: Iterable[StageSpec]) -> str:
     """The arch string of a list of :class:`StageSpec` (the inverse of :func:`parse_arch`)."""
     return "_".join(
         f"l{s.index},h{s.heads},d{s.dim},n{s.depth},s{int(s.local)},g{s.num_global},p{s.patch},f{s.window},a{int(s.ape)}"
@@ -89,7 +91,9 @@ def arch_string(specs):
     )
 
 
-def stage_map_sizes(specs, image_size, pad=False):
+def stage_map_sizes(
+    specs: Iterable[StageSpec], image_size: tuple[int, int], pad: bool = False
+) -> list[tuple[int, int]]:
     """The (rows, columns) of every stage's feature map for an image of ``image_size`` (H, W): each patch
     embedding drops the rows and columns that do not fill a patch (as the original release's convolution
     does), or, with ``pad``, pads its input at the bottom and right to a multiple of its patch size."""
@@ -122,12 +126,14 @@ _PRESET_STAGES = {
     "vil_base_wide": (((1, 4, 3, 192), (2, 2, 6, 384), (8, 2, 12, 768), (1, 2, 16, 1024)), (8, 8, 7, 7)),
 }
 # Preset name -> arch string (absolute position embedding, as in the paper's parameter counts).
-PRESETS = {name: _arch(stages, windows) for name, (stages, windows) in _PRESET_STAGES.items()}
+PRESETS: dict[str, str] = {name: _arch(stages, windows) for name, (stages, windows) in _PRESET_STAGES.items()}
 # The relative-position-bias variants.
 PRESETS.update({f"{name}_rpb": _arch(stages, windows, ape=False) for name, (stages, windows) in _PRESET_STAGES.items()})
 
 
-def small_arch(local_stages=2, windows=(7, 7, 7, 7), num_global=(1, 1, 1, 0)):
+def small_arch(
+    local_stages: int = 2, windows: Sequence[int] = (7, 7, 7, 7), num_global: Sequence[int] = (1, 1, 1, 0)
+) -> str:
     """A ViL-Small-sized arch string: ViL-Small's stages, the first ``local_stages`` of them s1 (the others full
     attention), with these f fields and global-token counts."""
     return _arch(_PRESET_STAGES["vil_small"][0], windows, local_stages=local_stages, num_global=num_global)
@@ -138,7 +144,7 @@ def small_arch(local_stages=2, windows=(7, 7, 7, 7), num_global=(1, 1, 1, 0)):
 # projected token count, srformer's reduction ratio (per stage, as the published models' parameter counts say) and
 # performer's number of random features; "global" is longformer attention with ONLY_GLOBAL (local queries attend to
 # the global tokens only), 64 global tokens in each of its stages.
-COMPARISONS = {
+COMPARISONS: dict[str, tuple[str, dict[str, Any]]] = {
     "vil_small_full": (PRESETS["vil_small"], dict(attention="full")),
     "vil_small_linformer": (small_arch(4, (256,) * 4), dict(attention="linformer", share_kv=True)),
     "vil_small_linformer_partial": (small_arch(2, (256, 256, 7, 7)), dict(attention="linformer", share_kv=True)),

@@ -7,7 +7,9 @@ Module and parameter names follow the original release (``layer1.0.proj.weight``
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from functools import partial
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -172,26 +174,26 @@ class MsViT(nn.Module):
 
     def __init__(
         self,
-        arch,
-        img_size=224,
-        in_chans=3,
-        num_classes=1000,
-        global_pool=None,
-        drop_rate=0.0,
-        drop_path_rate=0.1,
-        norm_embed=True,
-        avg_pool=False,
-        attention="longformer",
-        attn_backend=None,
-        share_w=True,
-        share_kv=True,
-        only_global=False,
-        sw_exact=0,
-        mode=0,
-        ln_eps=1e-6,
-        dynamic_img_pad=False,
-        output_stride=None,
-    ):
+        arch: str,
+        img_size: Union[int, tuple[int, int]] = 224,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: Optional[str] = None,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.1,
+        norm_embed: bool = True,
+        avg_pool: bool = False,
+        attention: str = "longformer",
+        attn_backend: Optional[str] = None,
+        share_w: bool = True,
+        share_kv: bool = True,
+        only_global: bool = False,
+        sw_exact: int = 0,
+        mode: int = 0,
+        ln_eps: float = 1e-6,
+        dynamic_img_pad: bool = False,
+        output_stride: Optional[int] = None,
+    ) -> None:
         super().__init__()
         self.dynamic_img_pad = dynamic_img_pad
         self.stage_specs = parse_arch(arch)
@@ -265,12 +267,12 @@ class MsViT(nn.Module):
         return PerformerAttention(dim, heads, f, drop=drop)
 
     @property
-    def fixed_input_size(self):
+    def fixed_input_size(self) -> bool:
         """True when the model takes only images of ``img_size`` (linformer attention: its projections are made for
         one token count)."""
         return any(isinstance(m, LinformerAttention) for m in self.modules())
 
-    def set_feature_redraw_interval(self, interval):
+    def set_feature_redraw_interval(self, interval: int) -> None:
         """Performer models: draw new random features every ``interval`` training forwards (the original
         release's schedule sets ``1 + 5 * epoch`` at the start of each epoch; the default is 1)."""
         if not hasattr(self, "calls_since_last_redraw"):
@@ -310,7 +312,7 @@ class MsViT(nn.Module):
         return global_pool
 
     @torch.jit.ignore
-    def no_weight_decay(self):
+    def no_weight_decay(self) -> set[str]:
         """Names of the parameters trained without weight decay (position embeddings, tokens, norms, biases tables)."""
         keywords = (
             "pos_embed",
@@ -324,23 +326,23 @@ class MsViT(nn.Module):
         return {name for name, _ in self.named_parameters() if any(k in name for k in keywords)}
 
     @torch.jit.ignore
-    def group_matcher(self, coarse=False):
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameter groups for layer-wise learning-rate decay: the first patch embedding, then each stage
         (``coarse``) or each of its blocks, then the final norm."""
         blocks = [(r"^layer(\d+)\.", None)] if coarse else [(r"^layer(\d+)\.(\d+)\.", None)]
         return dict(stem=r"^layer1\.0\.", blocks=blocks + [(r"^norm\.", (99999,))])
 
     @torch.jit.ignore
-    def set_grad_checkpointing(self, enable=True):
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in backward instead of keeping them (less memory, more time)."""
         for spec in self.stage_specs:
             getattr(self, f"layer{spec.index}").grad_checkpointing = enable
 
     @torch.jit.ignore
-    def get_classifier(self):
+    def get_classifier(self) -> nn.Module:
         return self.head
 
-    def reset_classifier(self, num_classes, global_pool=None):
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A new, freshly initialised classifier for ``num_classes`` (0: none); optionally another pooling."""
         if global_pool is not None:
             self.global_pool = self._checked_pool(global_pool)
@@ -348,7 +350,7 @@ class MsViT(nn.Module):
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.head.apply(self._init_weights)
 
-    def reset_vil_mode(self, mode):
+    def reset_vil_mode(self, mode: int) -> None:
         """Set the neighbour mode of every longformer attention layer (e.g. 0 when random shifting ends)."""
         layers = [m for m in self.modules() if isinstance(m, LongformerAttention)]
         for m in layers:
@@ -385,7 +387,7 @@ class MsViT(nn.Module):
         return sorted({i % count for i in indices})
 
     @property
-    def output_fmt(self):
+    def output_fmt(self) -> str:
         """The layout of :meth:`forward_features`: ``"NHWC"`` (the last stage's map, as timm's Swin) when the last
         stage has no global tokens, as in the presets; otherwise ``"NLC"``, the global tokens first and then the
         map's tokens row by row (as timm's ViT with its class token), since global tokens have no place on a map."""
@@ -400,14 +402,14 @@ class MsViT(nn.Module):
 
     def forward_intermediates(
         self,
-        x,
-        indices=None,
-        norm=False,
-        stop_early=False,
-        output_fmt="NCHW",
-        intermediates_only=False,
-        global_tokens="drop",
-    ):
+        x: torch.Tensor,
+        indices: Optional[Union[int, Sequence[int]]] = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        global_tokens: str = "drop",
+    ) -> Union[list[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
         """Images (B, C, H, W) -> the stage outputs as maps (at strides 4, 8, 16, 32 for the presets).
 
         Args:
@@ -441,7 +443,9 @@ class MsViT(nn.Module):
             return maps
         return self._final(tokens, nx, ny), maps
 
-    def prune_intermediate_layers(self, indices=1, prune_norm=False, prune_head=True):
+    def prune_intermediate_layers(
+        self, indices: Optional[Union[int, Sequence[int]]] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
         """Remove the stages after the last of ``indices`` (and with them the final norm, which belongs to the
         last stage), the final norm if ``prune_norm``, the classifier and pooling if ``prune_head``; returns
         the stage indices to ask :meth:`forward_intermediates` for."""
@@ -458,13 +462,13 @@ class MsViT(nn.Module):
             self.reset_classifier(0)
         return take
 
-    def forward_features(self, x):
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> the last stage's normalised tokens in :attr:`output_fmt`: (B, H', W', C) for
         the presets, (B, G + H'W', C) where the last stage has global tokens."""
         tokens, (nx, ny) = deque(self._stages(x), maxlen=1).pop()  # the last stage's
         return self._final(tokens, nx, ny)
 
-    def forward_head(self, x, pre_logits=False):
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Final tokens -> pooled features (``pre_logits``) or logits. ``"avg"`` averages every token (global
         ones included), ``"token"`` takes the first global token, ``""`` returns ``x`` as it is."""
         if self.global_pool == "token":
@@ -473,12 +477,12 @@ class MsViT(nn.Module):
             x = x.flatten(1, -2).mean(dim=1)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
 
 # The attention of s1 stages (MsViT's attention argument).
-MECHANISMS = ("longformer", "full", "linformer", "srformer", "performer")
+MECHANISMS: tuple[str, ...] = ("longformer", "full", "linformer", "srformer", "performer")
 
 
 # --- Registration with timm: timm.create_model("vil_small"), features_only, pretrained_cfg_overlay=dict(file=...) ---
@@ -630,7 +634,7 @@ def _downloaded(cfg):
     return download_checkpoint(cfg.url, f"{cfg.architecture}.{cfg.tag}.pth")
 
 
-def pretrained_checkpoint(name):
+def pretrained_checkpoint(name: str) -> Optional[str]:
     """The checkpoint file of the pretrained tag ``name`` (``"vil_small.in1k"``; ``"vil_small"``: its default
     tag), downloaded once into torch hub's cache; None when ``name`` is no published tag."""
     try:
@@ -670,132 +674,132 @@ def _create_vil(variant, pretrained=False, **kwargs):
 
 
 @register_model
-def vil_tiny(pretrained=False, **kwargs):
+def vil_tiny(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Tiny, absolute position embedding."""
     return _create_vil("vil_tiny", pretrained, **kwargs)
 
 
 @register_model
-def vil_tiny_rpb(pretrained=False, **kwargs):
+def vil_tiny_rpb(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Tiny, relative position bias."""
     return _create_vil("vil_tiny_rpb", pretrained, **kwargs)
 
 
 @register_model
-def vil_small(pretrained=False, **kwargs):
+def vil_small(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small, absolute position embedding."""
     return _create_vil("vil_small", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_rpb(pretrained=False, **kwargs):
+def vil_small_rpb(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small, relative position bias."""
     return _create_vil("vil_small_rpb", pretrained, **kwargs)
 
 
 @register_model
-def vil_medium_deep(pretrained=False, **kwargs):
+def vil_medium_deep(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Medium-Deep, absolute position embedding."""
     return _create_vil("vil_medium_deep", pretrained, **kwargs)
 
 
 @register_model
-def vil_medium_deep_rpb(pretrained=False, **kwargs):
+def vil_medium_deep_rpb(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Medium-Deep, relative position bias."""
     return _create_vil("vil_medium_deep_rpb", pretrained, **kwargs)
 
 
 @register_model
-def vil_medium_wide(pretrained=False, **kwargs):
+def vil_medium_wide(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Medium-Wide, absolute position embedding."""
     return _create_vil("vil_medium_wide", pretrained, **kwargs)
 
 
 @register_model
-def vil_medium_wide_rpb(pretrained=False, **kwargs):
+def vil_medium_wide_rpb(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Medium-Wide, relative position bias."""
     return _create_vil("vil_medium_wide_rpb", pretrained, **kwargs)
 
 
 @register_model
-def vil_base_deep(pretrained=False, **kwargs):
+def vil_base_deep(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Base-Deep, absolute position embedding."""
     return _create_vil("vil_base_deep", pretrained, **kwargs)
 
 
 @register_model
-def vil_base_deep_rpb(pretrained=False, **kwargs):
+def vil_base_deep_rpb(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Base-Deep, relative position bias."""
     return _create_vil("vil_base_deep_rpb", pretrained, **kwargs)
 
 
 @register_model
-def vil_base_wide(pretrained=False, **kwargs):
+def vil_base_wide(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Base-Wide, absolute position embedding."""
     return _create_vil("vil_base_wide", pretrained, **kwargs)
 
 
 @register_model
-def vil_base_wide_rpb(pretrained=False, **kwargs):
+def vil_base_wide_rpb(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Base-Wide, relative position bias."""
     return _create_vil("vil_base_wide_rpb", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_full(pretrained=False, **kwargs):
+def vil_small_full(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small with full attention in every stage (the comparison's baseline)."""
     return _create_vil("vil_small_full", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_linformer(pretrained=False, **kwargs):
+def vil_small_linformer(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small-sized, linformer attention (256 projected tokens) in all four stages."""
     return _create_vil("vil_small_linformer", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_linformer_partial(pretrained=False, **kwargs):
+def vil_small_linformer_partial(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small-sized, linformer attention in stages 1-2, full attention after."""
     return _create_vil("vil_small_linformer_partial", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_srformer64(pretrained=False, **kwargs):
+def vil_small_srformer64(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small-sized, spatial-reduction attention in all four stages (ratios 16, 8, 4, 2)."""
     return _create_vil("vil_small_srformer64", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_srformer32(pretrained=False, **kwargs):
+def vil_small_srformer32(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small-sized, spatial-reduction attention in stages 1-3 (ratios 8, 4, 2), full in stage 4."""
     return _create_vil("vil_small_srformer32", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_srformer32_partial(pretrained=False, **kwargs):
+def vil_small_srformer32_partial(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small-sized, spatial-reduction attention in stages 1-2 (ratios 8, 4), full after."""
     return _create_vil("vil_small_srformer32_partial", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_performer(pretrained=False, **kwargs):
+def vil_small_performer(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small-sized, performer attention (256 random features) in all four stages."""
     return _create_vil("vil_small_performer", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_performer_partial(pretrained=False, **kwargs):
+def vil_small_performer_partial(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small-sized, performer attention in stages 1-2, full attention after."""
     return _create_vil("vil_small_performer_partial", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_global(pretrained=False, **kwargs):
+def vil_small_global(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small-sized, global-memory attention (ONLY_GLOBAL, 64 global tokens) in all four stages."""
     return _create_vil("vil_small_global", pretrained, **kwargs)
 
 
 @register_model
-def vil_small_global_partial(pretrained=False, **kwargs):
+def vil_small_global_partial(pretrained: bool = False, **kwargs: Any) -> MsViT:
     """ViL-Small-sized, global-memory attention in stages 1-2, full attention after."""
     return _create_vil("vil_small_global_partial", pretrained, **kwargs)

@@ -10,6 +10,8 @@ once, builds the neighbourhood (``vil/ops/neighborhood.py``) and the optional in
 
 import logging
 import numbers
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import torch
 
@@ -23,21 +25,21 @@ _logged_choices = set()
 
 
 def local_attention_2d(
-    q,
-    k,
-    v,
-    window,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
     *,
-    exact=0,
-    mode=0,
-    global_k=None,
-    global_v=None,
-    rel_bias=None,
-    global_bias=None,
-    scale=None,
-    dilation=1,
-    backend=None,
-):
+    exact: int = 0,
+    mode: Union[int, torch.Tensor] = 0,
+    global_k: Optional[torch.Tensor] = None,
+    global_v: Optional[torch.Tensor] = None,
+    rel_bias: Optional[torch.Tensor] = None,
+    global_bias: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    dilation: int = 1,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
     """Local attention of every position of a 2D map to its window, plus G global keys in the same softmax.
 
     Args:
@@ -76,21 +78,21 @@ def local_attention_2d(
 
 
 def local_attention_1d(
-    q,
-    k,
-    v,
-    window,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
     *,
-    dilation=1,
-    causal=False,
-    key_padding_mask=None,
-    global_k=None,
-    global_v=None,
-    rel_bias=None,
-    global_bias=None,
-    scale=None,
-    backend=None,
-):
+    dilation: Union[int, Sequence[int], torch.Tensor] = 1,
+    causal: bool = False,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    global_k: Optional[torch.Tensor] = None,
+    global_v: Optional[torch.Tensor] = None,
+    rel_bias: Optional[torch.Tensor] = None,
+    global_bias: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
     """Longformer's sliding-window attention over a sequence, plus G global keys in the same softmax.
 
     Query ``i`` attends to the global keys and to the window keys ``i + d*a``, ``-w <= a <= w`` (``a <= 0`` when
@@ -233,7 +235,9 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def check_backend(backend, head_dim, window, exact=0, mode=0, dilation=1):
+def check_backend(
+    backend: Optional[str], head_dim: int, window: int, exact: int = 0, mode: int = 0, dilation: int = 1
+) -> None:
     """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these 2D options (device and dtype
     are checked when it runs)."""
     hood = Neighborhood2d(window, exact, mode, dilation)
@@ -248,7 +252,7 @@ def check_backend(backend, head_dim, window, exact=0, mode=0, dilation=1):
         b.check(hood, head_dim)
 
 
-def check_window_options(exact, mode, dilation=1):
+def check_window_options(exact: int, mode: int, dilation: int = 1) -> None:
     """Raise ``ValueError`` unless ``exact`` (SW_EXACT), ``mode`` (MODE) and ``dilation`` are valid together."""
     Neighborhood2d(1, exact, mode, dilation)
 

@@ -25,7 +25,7 @@ class Neighborhood2d:
     dilation: int = 1
     dims: ClassVar[int] = 2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be a positive integer, got {self.window!r}.")
         if self.exact not in (1, 0, -1):
@@ -45,23 +45,23 @@ class Neighborhood2d:
             )
 
     @property
-    def chunked(self):
+    def chunked(self) -> bool:
         """ViL's chunked windows (SW_EXACT 0 or -1), as opposed to the exact window."""
         return self.exact != 1
 
     @property
-    def cyclic(self):
+    def cyclic(self) -> bool:
         """Chunked windows that wrap around the map (SW_EXACT -1)."""
         return self.exact == -1
 
     @property
-    def dilated(self):
+    def dilated(self) -> bool:
         return self.dilation > 1
 
-    def with_dilation(self, dilation):
+    def with_dilation(self, dilation: int) -> "Neighborhood2d":
         return Neighborhood2d(self.window, self.exact, self.mode, dilation)
 
-    def fitted(self, rows, cols):
+    def fitted(self, rows: int, cols: int) -> "Neighborhood2d":
         """The same neighbourhood on a ``rows x cols`` map with no larger window or dilation than the map can
         use: every query keeps exactly its keys, since a chunk as large as the map holds all of it and a larger
         radius or dilation only reaches outside the map. (The window sets the size of a relative position bias
@@ -73,7 +73,7 @@ class Neighborhood2d:
         return Neighborhood2d(min(self.window, max(1, -(-(reach - 1) // dilation))), self.exact, self.mode, dilation)
 
     @property
-    def bias_rows(self):
+    def bias_rows(self) -> int:
         """Rows of the relative position bias table: ``(4w-1)^2``."""
         return (4 * self.window - 1) ** 2
 
@@ -88,7 +88,7 @@ class Neighborhood1d:
     causal: bool = False
     dims: ClassVar[int] = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(
                 f"window must be a positive integer (keys on each side of the query), got {self.window!r}."
@@ -104,22 +104,22 @@ class Neighborhood1d:
             raise ValueError(f"causal must be True or False, got {self.causal!r}.")
 
     @property
-    def per_head(self):
+    def per_head(self) -> bool:
         """Whether the heads have different dilations."""
         return isinstance(self.dilation, tuple)
 
     @property
-    def dilated(self):
+    def dilated(self) -> bool:
         return max(self.dilation if self.per_head else (self.dilation,)) > 1
 
-    def dilations(self, heads):
+    def dilations(self, heads: int) -> tuple[int, ...]:
         """One dilation per head."""
         return self.dilation if self.per_head else (self.dilation,) * heads
 
-    def with_dilation(self, dilation):
+    def with_dilation(self, dilation: Union[int, tuple[int, ...]]) -> "Neighborhood1d":
         return Neighborhood1d(self.window, dilation, self.causal)
 
-    def fitted(self, length):
+    def fitted(self, length: int) -> "Neighborhood1d":
         """The same band over ``length`` positions with no larger window than it can use (see
         :meth:`Neighborhood2d.fitted`); the dilations are kept, as they are per head."""
         smallest = min(self.dilation if self.per_head else (self.dilation,))
@@ -128,11 +128,11 @@ class Neighborhood1d:
         )
 
     @property
-    def offsets(self):
+    def offsets(self) -> range:
         """The window offsets ``a`` (in steps of the dilation) a query may see: ``-w..w``, or ``-w..0`` causal."""
         return range(-self.window, 1 if self.causal else self.window + 1)
 
     @property
-    def bias_rows(self):
+    def bias_rows(self) -> int:
         """Rows of the relative position bias table: ``2w + 1``, row ``a + w`` for offset ``a``."""
         return 2 * self.window + 1

@@ -6,6 +6,7 @@ is a file in ``vil/ops/backends/`` that declares it, and its line in :data:`BACK
 """
 
 import logging
+from typing import Union
 
 import torch
 
@@ -48,12 +49,12 @@ _log = logging.getLogger(__name__)
 _warned_unavailable = set()
 
 
-def available_backends(dims: int = 2) -> list:
+def available_backends(dims: int = 2) -> list[str]:
     """Names accepted by ``local_attention_2d`` (``dims=2``) or ``local_attention_1d`` (``dims=1``)."""
     return [name for name, b in BACKENDS.items() if b.computes(dims)]
 
 
-def default_backend(device, dtype: torch.dtype, dims: int = 2) -> str:
+def default_backend(device: Union[str, torch.device], dtype: torch.dtype, dims: int = 2) -> str:
     """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: the fastest measured that
     computes ``dims``-D windows there (see BENCHMARKS.md). On the CPU that is ``fused_cpu`` (every dtype; half
     precision is computed in float32), or ``sliding_chunk`` with one warning where its C++ kernel cannot be
