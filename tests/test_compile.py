@@ -143,7 +143,7 @@ def test_fake_tensor_forward_2d(backend):
             )
 
         if not _runs_on_the_cpu(backend):
-            with pytest.raises(ValueError, match=f"The {backend} backend runs on cuda tensors, but q is on cpu"):
+            with pytest.raises(ValueError, match=f"{backend}.*cuda.*cpu"):
                 run()
             return
         out = run()

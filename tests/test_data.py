@@ -83,7 +83,7 @@ def test_missing_or_empty_data_folder_is_one_sentence(tmp_path, layout):
 
 
 def test_class_count_must_match(tmp_path):
-    with pytest.raises(ValueError, match="has 2 classes but DATA.NUM_CLASSES is 5; set DATA.NUM_CLASSES 2"):
+    with pytest.raises(ValueError, match="2 classes.*DATA.NUM_CLASSES is 5.*NUM_CLASSES 2"):
         build_dataset(cfg_for(make_folder(tmp_path), "DATA.NUM_CLASSES", "5"), train=True)
 
 
@@ -120,7 +120,7 @@ def test_a_subset_of_classes_is_labelled_in_the_order_given(tmp_path):
     )
     with pytest.raises(
         ValueError,
-        match=r"DATA.CLASSES names \['cow'\], which are not classes of .*; its classes are \['ant', 'bee', 'cat'\]",
+        match=r"DATA.CLASSES.*'cow'.*\['ant', 'bee', 'cat'\]",
     ):
         build_dataset(cfg_for(root, "DATA.CLASSES", "['cow', 'ant']"), train=True)
     digits = DigitsDataset(train=False, classes=["3", "0"])

@@ -206,13 +206,9 @@ def test_fpn_backbone_from_a_config_and_a_classification_checkpoint(tmp_path):
 
 def test_bad_backbone_input(tmp_path):
     backbone = build_fpn_backbone("vil_tiny", img_size=64)
-    with pytest.raises(
-        ValueError, match="Images of 20x64 are smaller than the model's total stride 32 .* at least 32x32"
-    ):
+    with pytest.raises(ValueError, match=r"20x64.*stride 32.*32x32"):
         backbone(torch.randn(1, 3, 20, 64))
-    with pytest.raises(
-        ValueError, match=r"Stage indices \[0, 7\] are out of range for a model with 4 stages; use indices 0..3"
-    ):
+    with pytest.raises(ValueError, match=r"\[0, 7\].*4 stages.*0..3"):
         build_fpn_backbone("vil_tiny", out_indices=(0, 7))
     with pytest.raises(ValueError, match="trainable_stages 5 is out of range; use 0 to 4"):
         build_fpn_backbone("vil_tiny", trainable_stages=5)

@@ -109,7 +109,7 @@ def test_linformer_matches_the_spec(share_kv):
 
 def test_linformer_refuses_another_token_count():
     layer = LinformerAttention(16, 2, seq_len=1 + 16, k=4, stage=1)
-    with pytest.raises(ValueError, match=r"stage 1 is built for 17 tokens .* got 26 \(5x5 \+ global tokens\)"):
+    with pytest.raises(ValueError, match=r"stage 1.*17 tokens.*26 \(5x5"):
         layer(torch.randn(1, 26, 16), 5, 5)
 
 
@@ -225,7 +225,7 @@ def _parameter_count(model):
 
 
 def test_only_global_belongs_to_longformer_attention():
-    with pytest.raises(ValueError, match="ONLY_GLOBAL .* is an option of longformer attention, not of 'performer'"):
+    with pytest.raises(ValueError, match=r"ONLY_GLOBAL.*longformer.*'performer'"):
         build_model(tiny_cfg("performer", "MODEL.VIT.MSVIT.ONLY_GLOBAL", "True"))
 
 
@@ -255,7 +255,7 @@ def test_performer_redraws_every_interval_training_forwards_and_never_in_evaluat
         assert len(layers) == 2 and layers[0].shape == (3, 8) and layers[1].shape == (2, 16)
     with pytest.raises(ValueError, match="at least 1"):
         model.set_feature_redraw_interval(0)
-    with pytest.raises(ValueError, match="no performer attention, so it has no random features to redraw"):
+    with pytest.raises(ValueError, match=r"no performer attention"):
         build_model(tiny_cfg("srformer")).set_feature_redraw_interval(2)
 
 
@@ -274,7 +274,7 @@ def test_frozen_stages_keep_their_features():
 
 
 def test_fx_feature_extraction_of_a_performer_is_refused():
-    with pytest.raises(ValueError, match="feature_cls 'fx' cannot extract a performer model's features"):
+    with pytest.raises(ValueError, match=r"feature_cls 'fx'.*performer"):
         timm.create_model("vil_small_performer_partial", features_only=True, feature_cls="fx", img_size=64)
 
 
@@ -360,7 +360,7 @@ def test_features_only_and_linformer_refuses_another_size():
     model = timm.create_model("vil_small_linformer_partial", features_only=True, img_size=64)
     maps = model(torch.randn(1, 3, 64, 64))
     assert [m.shape[1:] for m in maps] == [(96, 16, 16), (192, 8, 8), (384, 4, 4), (768, 2, 2)]
-    with pytest.raises(ValueError, match="Linformer attention in stage 1 is built for 257 tokens"):
+    with pytest.raises(ValueError, match=r"stage 1.*257 tokens"):
         model(torch.randn(1, 3, 96, 96))
     srformer = timm.create_model("vil_small_srformer32_partial", features_only=True, img_size=96)
     assert [m.shape[-1] for m in srformer(torch.randn(1, 3, 128, 96))] == [24, 12, 6, 3]  # any size

@@ -177,7 +177,5 @@ def test_bad_export_requests(tmp_path, capsys):
         exit_info.value
     )
     assert not (tmp_path / "out.pth").exists()
-    with pytest.raises(
-        ValueError, match="Export format 'onnx' does not exist; use one of torchvision, detectron2, mmdet"
-    ):
+    with pytest.raises(ValueError, match=r"'onnx'.*torchvision, detectron2, mmdet"):
         export_state({}, "onnx", PRESETS["vil_tiny"], (224, 224))

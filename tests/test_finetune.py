@@ -205,7 +205,7 @@ def test_start_from_the_ema_copy(tmp_path):
     for key, value in model.state_dict().items():
         assert torch.equal(value, ema[key]), key
     original_checkpoint(tmp_path / "no_ema.pth", img_size=32, num_classes=2)
-    with pytest.raises(ValueError, match=r"no_ema.pth holds no EMA weights .* set MODEL.LOAD_EMA False"):
+    with pytest.raises(ValueError, match=r"no_ema.pth.*no EMA.*MODEL.LOAD_EMA False"):
         load_weights(model, load_cfg(overrides=[*common[:-1], str(tmp_path / "no_ema.pth"), "MODEL.LOAD_EMA", "True"]))
 
 
@@ -218,17 +218,15 @@ def test_model_path_is_looked_up_under_data_dir_and_other_architectures_are_refu
         model, load_cfg(overrides=[*common, "DATA.DATA_DIR", str(tmp_path / "weights"), "MODEL.MODEL_PATH", "tiny.pth"])
     )
     assert found == str(tmp_path / "weights" / "tiny.pth")
-    with pytest.raises(FileNotFoundError, match=r"Checkpoint other.pth does not exist \(nor under DATA.DATA_DIR"):
+    with pytest.raises(FileNotFoundError, match=r"other.pth does not exist.*DATA.DATA_DIR"):
         load_weights(model, load_cfg(overrides=[*common, "MODEL.MODEL_PATH", "other.pth"]))
     wider = TINY_ARCH.replace("d16", "d24")
-    with pytest.raises(
-        ValueError, match=r"tiny.pth does not fit this model's architecture: .*mis-shaped .*layer1.0.proj.weight"
-    ):
+    with pytest.raises(ValueError, match=r"tiny.pth.*mis-shaped.*layer1.0.proj.weight"):
         load_weights(
             MsViT(wider, img_size=32, num_classes=2),
             load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "tiny.pth")]),
         )
-    with pytest.raises(ValueError, match=r"has a classifier for 2 classes, not one for the DATA.NUM_CLASSES 3 classes"):
+    with pytest.raises(ValueError, match=r"classifier for 2 classes.*NUM_CLASSES 3"):
         load_weights(
             MsViT(TINY_ARCH, img_size=32, num_classes=3),
             load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "tiny.pth")]),

@@ -141,5 +141,5 @@ def test_products_are_counted_by_the_flop_counter():
 
 def test_refuses_other_devices():
     q, k, v = (torch.empty(1, 2, 8, 4, device="meta") for _ in range(3))
-    with pytest.raises(ValueError, match="^The fused_cpu backend runs on cpu tensors, but q is on meta"):
+    with pytest.raises(ValueError, match=r"fused_cpu.*cpu tensors.*meta"):
         local_attention_1d(q, k, v, 2, backend="fused_cpu")

@@ -345,13 +345,10 @@ def test_flex_gradients_match_reference_on_cuda(exact, mode):
 
 def test_flex_refuses_to_train_on_the_cpu():
     inputs = make_inputs(6, 6, 2, 1, rel=True, glob_bias=True, dtype=torch.float32, D=16)
-    with pytest.raises(
-        ValueError,
-        match=r"^The flex backend cannot train on the CPU \(it has no backward there\); "
-        r"backends that can: sliding_chunk, [a-z_, ]*fused_cpu, [a-z_, ]*reference\.$",
-    ) as err:
+    with pytest.raises(ValueError, match="flex.*cannot train on the CPU") as err:
         run("flex", inputs, 2, 0, 0)
-    assert "flex" not in str(err.value).split(";")[1]
+    can = str(err.value).split(";")[1]
+    assert all(name in can for name in ("sliding_chunk", "fused_cpu", "reference")) and "flex" not in can
 
 
 def test_default_falls_back_to_sliding_chunk_with_one_warning(monkeypatch, caplog):
@@ -396,14 +393,10 @@ def test_fused_cpu_build_failure_is_one_sentence_and_not_retried(monkeypatch, fo
         raise RuntimeError("Ninja is required to load C++ extensions\n(more lines)")
 
     monkeypatch.setattr(cpp_extension, "load", broken_load)
-    message = (
-        r"^The fused_cpu backend could not build its C\+\+ kernel \(Ninja is required to load C\+\+ "
-        r"extensions\); it needs a C\+\+ compiler and the ninja package, or choose another backend such as "
-        r"sliding_chunk\.$"
-    )
     for _ in range(2):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=r"fused_cpu.*\(Ninja is required.*sliding_chunk") as err:
             forget_fused_cpu_build.check_fused_cpu()
+        assert "more lines" not in str(err.value)  # the error's first line only
     assert attempts[-1] == "vil_local_attention_cpu"  # the build for any CPU was tried after the vectorised one
     assert len(attempts) == len(set(attempts))  # and nothing was built twice
 
@@ -435,13 +428,10 @@ def test_fused_cpu_products_are_counted_by_the_flop_counter():
 
 def test_fused_cpu_refuses_other_devices():
     q, k, v = (torch.empty(1, 1, 4, 4, 8, device="meta") for _ in range(3))
-    with pytest.raises(
-        ValueError,
-        match=r"^The fused_cpu backend runs on cpu tensors, but q is on meta; backends that "
-        r"run there: sliding_chunk, sliding_chunk_autograd, unfold, unfold_nnf, "
-        r"chunk_rows, reference\.$",
-    ):
+    with pytest.raises(ValueError, match="fused_cpu.*cpu tensors.*meta") as err:
         local_attention_2d(q, k, v, 2, backend="fused_cpu")
+    there = str(err.value).split(";")[1]
+    assert all(name in there for name in ("sliding_chunk", "unfold", "chunk_rows")) and "fused_cpu" not in there
 
 
 def test_fused_cpu_many_threads_and_uneven_chunks():
@@ -466,21 +456,21 @@ def _qkv(shape=(1, 2, 4, 4, 8), **kw):
     "kwargs,message",
     [
         (dict(window=0), "window must be a positive integer"),
-        (dict(exact=2), "exact (SW_EXACT) must be 1, 0 or -1"),
-        (dict(mode=9), "mode (MODE) must be 0, -1 or one of 1..8, got 9"),
+        (dict(exact=2), r"exact \(SW_EXACT\).*1, 0 or -1"),
+        (dict(mode=9), r"mode \(MODE\).*0, -1 or one of 1..8, got 9"),
         (
             dict(exact=1, mode=2),
-            "mode (MODE) 2 needs chunked windows (SW_EXACT 0 or -1); the exact window (SW_EXACT 1) takes mode 0 only",
+            r"mode \(MODE\) 2.*SW_EXACT 0 or -1.*mode 0",
         ),
-        (dict(backend="nope"), "Unknown local attention backend 'nope'; available: sliding_chunk"),
+        (dict(backend="nope"), r"'nope'.*available: sliding_chunk"),
         (dict(global_k=torch.randn(1, 2, 1, 8)), "global_k and global_v go together"),
         (
             dict(global_k=torch.randn(1, 2, 1, 4), global_v=torch.randn(1, 2, 1, 4)),
-            "global_k must have shape (B, heads, G, head_dim)",
+            r"global_k.*\(1, 2, G, 8\).*\(1, 2, 1, 4\)",
         ),
-        (dict(rel_bias=torch.randn(2, 10)), "rel_bias must have shape (heads, (4w-1)**2) = (2, 49)"),
+        (dict(rel_bias=torch.randn(2, 10)), r"rel_bias.*\(2, 49\).*\(2, 10\)"),
         (dict(global_bias=torch.randn(2, 1)), "global_bias needs global_k and global_v"),
-        (dict(dilation=2), "dilation 2 needs the exact window (SW_EXACT 1); chunked windows take dilation 1"),
+        (dict(dilation=2), r"dilation 2.*SW_EXACT 1.*dilation 1"),
         (dict(exact=1, dilation=0), "dilation must be a positive integer, got 0"),
     ],
 )
@@ -488,21 +478,20 @@ def test_bad_arguments_are_one_sentence(kwargs, message):
     q, k, v = _qkv()
     args = dict(window=2)
     args.update(kwargs)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match=message) as err:
         local_attention_2d(q, k, v, args.pop("window"), **args)
-    assert message in str(err.value)
     assert str(err.value).count("\n") == 0
 
 
 def test_mismatched_tensors_are_refused():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"k must have the shape of q \(1, 2, 4, 4, 8\), got \(1, 2, 4, 5, 8\)"):
+    with pytest.raises(ValueError, match=r"k .*\(1, 2, 4, 4, 8\).*\(1, 2, 4, 5, 8\)"):
         local_attention_2d(q, torch.randn(1, 2, 4, 5, 8), v, 2)
-    with pytest.raises(ValueError, match="v is torch.float64 on cpu but q is torch.float32 on cpu; all must match"):
+    with pytest.raises(ValueError, match=r"v is torch.float64.*q is torch.float32"):
         local_attention_2d(q, k, v.double(), 2)
-    with pytest.raises(ValueError, match=r"q must have shape \(B, heads, X, Y, head_dim\), got \(2, 4, 4, 8\)"):
+    with pytest.raises(ValueError, match=r"q must have shape.*\(2, 4, 4, 8\)"):
         local_attention_2d(q[0], k[0], v[0], 2)
-    with pytest.raises(ValueError, match="k is torch.float32 on meta but q is torch.float32 on cpu; all must match"):
+    with pytest.raises(ValueError, match=r"k is torch.float32 on meta.*on cpu"):
         local_attention_2d(q, k.to("meta"), v, 2)
     with pytest.raises(ValueError, match="must be floating point"):
         local_attention_2d(*(t.long() for t in (q, k, v)), 2)
@@ -574,23 +563,23 @@ def test_an_enormous_window_is_the_whole_map(exact):
     [
         (
             lambda q: local_attention_2d(q.tolist(), q, q, 1),
-            r"^q must be a torch.Tensor, got a list; convert it with torch.as_tensor\.$",
+            r"q must be a torch.Tensor.*list",
         ),
         (
             lambda q: local_attention_2d(q, q.numpy(), q, 1),
-            r"^k must be a torch.Tensor, got a ndarray; convert it with torch.as_tensor\.$",
+            r"k must be a torch.Tensor.*ndarray",
         ),
         (
             lambda q: local_attention_2d(q, q, q, 1, scale="0.5"),
-            r"^scale must be a number \(or None for head_dim \*\* -0.5\), got '0.5'\.$",
+            r"scale must be a number.*'0.5'",
         ),
         (
             lambda q: local_attention_2d(q[..., :0], q[..., :0], q[..., :0], 1),
-            r"^q has head_dim 0 \(shape \(1, 1, 3, 3, 0\)\); attention needs",
+            r"head_dim 0.*\(1, 1, 3, 3, 0\)",
         ),
         (
             lambda q: local_attention_2d(*(q.to("meta"),) * 3, 1),
-            r"^q is on the meta device, which holds no values to attend over",
+            r"q is on the meta device",
         ),
     ],
 )

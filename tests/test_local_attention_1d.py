@@ -226,32 +226,31 @@ def _qkv(shape=(2, 2, 10, 4)):
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(window=0), "window must be a positive integer (keys on each side of the query), got 0."),
-        (dict(shape=(2, 10, 4)), "q must have shape (B, heads, L, head_dim), got (2, 10, 4)."),
-        (dict(shape=(2, 2, 0, 4)), "q has length 0; local_attention_1d needs a sequence of at least one position."),
-        (dict(k_shape=(2, 2, 9, 4)), "k must have the shape of q (2, 2, 10, 4), got (2, 2, 9, 4)."),
+        (dict(window=0), r"window must be a positive integer.*got 0"),
+        (dict(shape=(2, 10, 4)), r"q must have shape.*\(2, 10, 4\)"),
+        (dict(shape=(2, 2, 0, 4)), r"q has length 0"),
+        (dict(k_shape=(2, 2, 9, 4)), r"k must have the shape of q.*\(2, 2, 9, 4\)"),
         (
             dict(dilation=2, backend="chunks"),
-            "The chunks backend computes undilated windows only; backends with "
-            "dilation: sliding_chunk, triton, fused_cpu, flex, loop, reference.",
+            r"chunks .*undilated.*dilation: sliding_chunk",
         ),
-        (dict(dilation=0), "dilation must be a positive integer or one positive integer per head, got 0."),
-        (dict(dilation=[1, 2, 3]), "dilation must be one int or one int per head (2), got 3 values."),
+        (dict(dilation=0), r"dilation must be a positive integer.*got 0"),
+        (dict(dilation=[1, 2, 3]), r"one int per head \(2\), got 3 values"),
         (
             dict(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
-            "key_padding_mask must be a bool tensor of shape (B, L) = (2, 10), got torch.bool of shape (2, 9).",
+            r"key_padding_mask.*\(2, 10\).*bool.*\(2, 9\)",
         ),
         (
             dict(key_padding_mask=torch.zeros(2, 10)),
-            "key_padding_mask must be a bool tensor of shape (B, L) = (2, 10), got torch.float32 of shape (2, 10).",
+            r"key_padding_mask.*\(2, 10\).*torch.float32",
         ),
-        (dict(rel_bias=torch.randn(2, 49)), "rel_bias must have shape (heads, 2w+1) = (2, 7), got (2, 49)."),
-        (dict(causal=1), "causal must be True or False, got 1."),
-        (dict(backend="unfold"), "The unfold backend does not compute 1D windows; 1D backends: "),
-        (dict(backend="nope"), "Unknown local attention backend 'nope'; available: "),
+        (dict(rel_bias=torch.randn(2, 49)), r"rel_bias.*\(2, 7\), got \(2, 49\)"),
+        (dict(causal=1), r"causal must be True or False, got 1"),
+        (dict(backend="unfold"), r"unfold.*does not compute 1D windows"),
+        (dict(backend="nope"), r"'nope'; available: "),
         (
             dict(backend="flex", grad=True),
-            "The flex backend cannot train on the CPU (it has no backward there); backends that can: ",
+            r"flex.*cannot train on the CPU",
         ),
     ],
 )
@@ -263,23 +262,22 @@ def test_bad_arguments_are_one_sentence(change, message):
     if change.pop("grad", False):
         q.requires_grad_()
     window = change.pop("window", 3)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match=message) as err:
         local_attention_1d(q, k, v, window, **change)
-    assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda q: local_attention_1d(q.tolist(), q, q, 1), r"^q must be a torch.Tensor, got a list"),
+        (lambda q: local_attention_1d(q.tolist(), q, q, 1), r"q must be a torch.Tensor, got a list"),
         (
             lambda q: local_attention_1d(q, q, q, 1, key_padding_mask=[[False] * 6]),
-            r"^key_padding_mask must be a torch.Tensor, got a list",
+            r"key_padding_mask must be a torch.Tensor.*list",
         ),
-        (lambda q: local_attention_1d(q, q, q, 1, scale="0.5"), r"^scale must be a number"),
-        (lambda q: local_attention_1d(q[..., :0], q[..., :0], q[..., :0], 1), r"^q has head_dim 0"),
-        (lambda q: local_attention_1d(*(q.to("meta"),) * 3, 1), r"^q is on the meta device"),
+        (lambda q: local_attention_1d(q, q, q, 1, scale="0.5"), r"scale must be a number"),
+        (lambda q: local_attention_1d(q[..., :0], q[..., :0], q[..., :0], 1), r"q has head_dim 0"),
+        (lambda q: local_attention_1d(*(q.to("meta"),) * 3, 1), r"q is on the meta device"),
     ],
 )
 def test_odd_inputs_are_one_sentence(call, message):

@@ -154,7 +154,7 @@ def test_bad_input():
             dict(
                 x=x, key_padding_mask=torch.ones(2, 6, dtype=torch.bool), global_mask=torch.ones(2, 6, dtype=torch.bool)
             ),
-            "global_mask marks padded positions; a padding token cannot have global attention.",
+            "global_mask marks padded positions",
         ),
     ]
     for kwargs, message in bad:
@@ -166,7 +166,7 @@ def test_bad_input():
         causal(x, global_mask=torch.eye(2, 6, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"dim \(16\) must be divisible by num_heads \(3\)\."):
         LongformerSelfAttention(DIM, 3, 2)
-    with pytest.raises(ValueError, match=r"dilation must be one int or one int per head \(4\), got 2 values\."):
+    with pytest.raises(ValueError, match=r"one int per head \(4\), got 2 values"):
         LongformerSelfAttention(DIM, HEADS, 2, dilation=(1, 2))
     with pytest.raises(ValueError, match="window must be a positive integer"):
         LongformerSelfAttention(DIM, HEADS, 0)

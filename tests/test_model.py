@@ -322,9 +322,9 @@ def test_bad_model_configs(overrides, message):
 
 def test_wrong_images_at_forward():
     model = build_model(tiny_cfg())
-    with pytest.raises(ValueError, match=r"takes images of shape \(B, 3, H, W\); got \(1, 1, 96, 96\)"):
+    with pytest.raises(ValueError, match=r"\(B, 3, H, W\).*\(1, 1, 96, 96\)"):
         model(torch.randn(1, 1, 96, 96))
-    with pytest.raises(ValueError, match="Images of 31x96 are smaller than the model's total stride 32"):
+    with pytest.raises(ValueError, match=r"31x96.*stride 32"):
         model(torch.randn(1, 3, 31, 96))
 
 

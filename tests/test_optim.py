@@ -124,7 +124,7 @@ def test_layer_decay_gives_each_block_its_rate():
             assert group["weight_decay"] == (0.002 if undecayed else 0.05), name
             seen += 1
     assert seen == len(names)
-    with pytest.raises(ValueError, match=r"OPTIM.LAYER_DECAY 1.5 is not a decay rate; use a value in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"OPTIM.LAYER_DECAY 1.5.*\(0, 1\]"):
         build_optimizer(cfg_with("OPTIM.LAYER_DECAY", "1.5"), model)
 
 
@@ -227,13 +227,11 @@ def test_step_and_constant_policies():
 
 def test_unknown_optimizer_and_policy_are_one_sentence():
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(
-        ValueError, match="OPTIM.OPT 'rmsprop' is not supported; use one of adamw, sgd, qhm, adam, lamb."
-    ):
+    with pytest.raises(ValueError, match="OPTIM.OPT 'rmsprop'.*adamw, sgd, qhm, adam, lamb"):
         build_optimizer(cfg_with("OPTIM.OPT", "rmsprop"), model)
     with pytest.raises(ValueError, match="SOLVER.LR_POLICY 'poly' is not supported"):
         build_scheduler(cfg_with("SOLVER.LR_POLICY", "poly"), build_optimizer(cfg_with(), model), 3)
-    with pytest.raises(ValueError, match="SOLVER.WARMUP_METHOD 'constant' is not supported; use 'linear'."):
+    with pytest.raises(ValueError, match="SOLVER.WARMUP_METHOD 'constant'.*'linear'"):
         build_scheduler(cfg_with("SOLVER.WARMUP_METHOD", "constant"), build_optimizer(cfg_with(), model), 3)
 
 

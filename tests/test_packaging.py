@@ -72,11 +72,9 @@ def test_python_m_vil_names_its_commands_and_presets_load_by_name(capsys):
     )
     import pytest
 
-    with pytest.raises(
-        ValueError, match=r"^vil_smal is neither a config file nor a preset; give a YAML file or one of "
-    ):
+    with pytest.raises(ValueError, match=r"vil_smal .*config file.*preset"):
         load_cfg("vil_smal")
-    with pytest.raises(SystemExit, match=r"^error: unknown command 'fit'; use python -m vil \{train,eval,export,"):
+    with pytest.raises(SystemExit, match=r"unknown command 'fit'.*\{train,eval,export,"):
         main(["fit"])
     with pytest.raises(SystemExit) as done:  # each command reaches its tool
         main(["export-onnx", "--help"])

@@ -167,7 +167,7 @@ def test_a_full_disk_is_one_sentence_and_keeps_the_previous_checkpoint(data, tmp
     monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
     with pytest.raises(
         OutputError,
-        match=r"checkpoint_last.pth failed \(No space left on device\); the previous file is intact",
+        match=r"checkpoint_last.pth failed \(No space left.*intact",
     ):
         train(tiny_cfg(data, out, "OPTIM.EPOCHS", "2"))
     monkeypatch.setattr(torch, "save", real_save)
@@ -203,7 +203,7 @@ def test_eval_checks_its_report_path_first_and_prints_before_writing(data, tmp_p
 
     monkeypatch.setattr(evaluation, "atomic_write", full)
     monkeypatch.setattr(sys, "argv", ["eval.py", *map(str, common), "OUTPUT_DIR", str(tmp_path / "report")])
-    with pytest.raises(SystemExit, match=r"^error: Writing \S+eval.json failed \(No space left on device\)"):
+    with pytest.raises(SystemExit, match=r"eval.json failed \(No space left on device\)"):
         runpy.run_path(str(ROOT / "tools" / "eval.py"), run_name="__main__")
     assert re.fullmatch(r"top-1 \d+\.\d\d top-5 \d+\.\d\d", capsys.readouterr().out.strip())
 
@@ -300,7 +300,7 @@ def test_a_foreign_last_checkpoint_is_refused(data, tmp_path):
     torch.save(MsViT(TINY_ARCH, img_size=32, num_classes=2).state_dict(), out / "checkpoint_last.pth")  # weights only
     with pytest.raises(
         ValueError,
-        match=r"^\S+checkpoint_last.pth is not a training checkpoint of this project \(it has no net, optimizer, epoch",
+        match=r"checkpoint_last.pth is not a training checkpoint.*net, optimizer, epoch",
     ):
         train(tiny_cfg(data, out))
     assert not (out / "config.yaml").exists()
@@ -326,9 +326,7 @@ def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(data, t
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(
-            OutputError, match=rf"^OUTPUT_DIR {re.escape(str(out))} is in use by another run \(process {holder.pid} on "
-        ):
+        with pytest.raises(OutputError, match=rf"{re.escape(str(out))} is in use.*process {holder.pid}"):
             train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
     finally:
         holder.kill()
@@ -469,13 +467,11 @@ def test_resume_check_follows_schedule_changes_and_names_other_changes(caplog):
     assert "OPTIM.LR 0.1 -> 0.01, SOLVER.MIN_LR 0.0 -> 1e-06." in caplog.text
     with pytest.raises(
         ValueError,
-        match=r"^last.pth was trained with DATALOADER.BSZ 128 \(now 64\), SEED 3 \(now 4\); set those values",
+        match=r"DATALOADER.BSZ 128 \(now 64\), SEED 3 \(now 4\)",
     ):
         check_resumable(checkpoint, "last.pth", load_cfg(overrides=["SEED", "4", "DATALOADER.BSZ", "64"]))
     checkpoint["config"] = "OPTIM: [1, 2]"
-    with pytest.raises(
-        ValueError, match=r"^In the config stored in last.pth, OPTIM is \[1, 2\], but it is a section of keys"
-    ):
+    with pytest.raises(ValueError, match=r"last.pth.*OPTIM is \[1, 2\].*section"):
         check_resumable(checkpoint, "last.pth", saved)
 
 

@@ -190,30 +190,25 @@ def test_hook_and_fx_feature_extractors_return_the_maps(feature_cls):
 def test_feature_options_this_model_does_not_have():
     with pytest.raises(
         ValueError,
-        match="output_stride 16 is not available: this architecture's stages have fixed "
-        "strides .*, so its output stride is 32; leave output_stride out",
+        match="output_stride 16.*output stride is 32",
     ):
         timm.create_model("vil_tiny", features_only=True, output_stride=16)
     assert timm.create_model("vil_tiny", output_stride=32).total_stride == 32
-    with pytest.raises(ValueError, match="feature_cls 'list' does not give this model's maps .*; use 'getter' "):
+    with pytest.raises(ValueError, match="feature_cls 'list'.*'getter'"):
         timm.create_model("vil_tiny", features_only=True, feature_cls="list")
-    with pytest.raises(
-        ValueError, match="feature_cls 'hook' returns NCHW maps; for output_fmt 'NHWC' use feature_cls 'getter'"
-    ):
+    with pytest.raises(ValueError, match="feature_cls 'hook'.*'NHWC'.*'getter'"):
         timm.create_model("vil_tiny", features_only=True, feature_cls="hook", output_fmt="NHWC")
-    with pytest.raises(ValueError, match="output_fmt 'NCL' is not a layout of feature maps; use 'NCHW' or 'NHWC'"):
+    with pytest.raises(ValueError, match="output_fmt 'NCL'.*'NCHW' or 'NHWC'"):
         timm.create_model("vil_tiny", features_only=True, output_fmt="NCL")
-    with pytest.raises(ValueError, match="output_fmt 'NLC' is not a layout of these maps; use 'NCHW' or 'NHWC'"):
+    with pytest.raises(ValueError, match="output_fmt 'NLC'.*'NCHW' or 'NHWC'"):
         timm.create_model("vil_tiny").forward_intermediates(torch.randn(1, 3, 64, 64), output_fmt="NLC")
 
 
 def test_out_indices_out_of_range():
-    with pytest.raises(
-        ValueError, match=r"Stage indices \[1, 4\] are out of range for a model with 4 stages; use indices 0..3"
-    ):
+    with pytest.raises(ValueError, match=r"\[1, 4\].*4 stages.*0..3"):
         timm.create_model("vil_tiny", features_only=True, out_indices=(1, 4))
     model = timm.create_model("vil_tiny")
-    with pytest.raises(ValueError, match="Asked for the last 5 stages of a model with 4; ask for 1 to 4"):
+    with pytest.raises(ValueError, match="last 5 stages.*with 4.*1 to 4"):
         model.forward_intermediates(torch.randn(1, 3, 64, 64), indices=5)
 
 
@@ -221,8 +216,7 @@ def test_checkpoint_of_another_architecture(tmp_path):
     torch.save({"net": timm.create_model("vil_small_rpb", img_size=64).state_dict()}, tmp_path / "small.pth")
     with pytest.raises(
         ValueError,
-        match=r"Checkpoint pretrained_cfg file does not fit this model's architecture: .*"
-        r"mis-shaped \(checkpoint vs model\): layer1.0.cls_token \(1, 1, 96\) vs \(1, 1, 48\)",
+        match=r"layer1.0.cls_token \(1, 1, 96\) vs \(1, 1, 48\)",
     ):
         timm.create_model(
             "vil_tiny_rpb", pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "small.pth"))
@@ -231,11 +225,9 @@ def test_checkpoint_of_another_architecture(tmp_path):
 
 def test_bad_pooling():
     model = timm.create_model("vil_tiny")
-    with pytest.raises(
-        ValueError, match="global_pool 'token' needs global tokens in the last stage, which has g0; use 'avg'"
-    ):
+    with pytest.raises(ValueError, match="global_pool 'token'.*g0.*'avg'"):
         model.reset_classifier(0, "token")
-    with pytest.raises(ValueError, match="global_pool 'max' is not a pooling of this model; use 'token', 'avg' or ''"):
+    with pytest.raises(ValueError, match="global_pool 'max'.*'token', 'avg' or ''"):
         model.reset_classifier(0, "max")
 
 
@@ -331,14 +323,11 @@ def test_pretrained_tags_download_once_into_the_hub_cache_under_their_own_names(
 
     with pytest.raises(
         ValueError,
-        match=r"^Cannot download file:///nowhere/model_best.pth \(.*\); download it by hand "
-        r"and give its path instead\.$",
+        match=r"download file:///nowhere/model_best.pth.*by hand",
     ):
         download_checkpoint("file:///nowhere/model_best.pth", "vil_small.in1k.pth")
     assert not (tmp_path / "hub" / "checkpoints" / "vil_small.in1k.pth").exists()
-    with pytest.raises(
-        FileNotFoundError, match=r"Checkpoint vil_tiny.in9k does not exist .*and is not a pretrained tag"
-    ):
+    with pytest.raises(FileNotFoundError, match=r"vil_tiny.in9k does not exist.*pretrained tag"):
         resolve_model_path(load_cfg(overrides=["MODEL.MODEL_PATH", "vil_tiny.in9k"]))
     # A tag's model is built for the tag's image size (and class count).
     model = timm.create_model("vil_medium_deep.in22k_ft_in1k_384")

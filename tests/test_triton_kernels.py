@@ -226,8 +226,7 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("cpu"))
     with pytest.raises(
         ValueError,
-        match=r"runs on CUDA GPUs \(or on the CPU under TRITON_INTERPRET=1, for tests\), "
-        r"but the inputs are on cpu; use backend 'sliding_chunk' there\.$",
+        match=r"CUDA.*TRITON_INTERPRET=1.*on cpu.*'sliding_chunk'",
     ):
         run("triton", make_inputs(4, 4, 2, 0, False, False), 2)
 
@@ -236,7 +235,7 @@ def test_model_with_an_unsupported_head_dim_is_refused_at_build():
     cfg = _tiny_cfg("triton")
     cfg.defrost()
     cfg.MODEL.VIT.MSVIT.ARCH = cfg.MODEL.VIT.MSVIT.ARCH.replace("d32", "d40", 1)
-    with pytest.raises(ValueError, match="^The triton backend takes head_dim 16, 32, 48, 64, 96, 128, got 20.$"):
+    with pytest.raises(ValueError, match="head_dim 16, 32, 48, 64, 96, 128, got 20"):
         build_model(cfg)
 
 

@@ -214,7 +214,6 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     inputs, padding = make_inputs(8, 2, 0, False, False, None, B=1, H=1)
     with pytest.raises(
         ValueError,
-        match=r"runs on CUDA GPUs \(or on the CPU under TRITON_INTERPRET=1, for tests\), "
-        r"but the inputs are on cpu; use backend 'sliding_chunk' there\.$",
+        match=r"CUDA.*TRITON_INTERPRET=1.*on cpu.*'sliding_chunk'",
     ):
         run("triton", inputs, padding, 2)
