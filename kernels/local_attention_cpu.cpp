@@ -17,22 +17,30 @@
 // of one residue class of one (batch, head), run in order on one thread, so that the key, value and bias
 // gradients they share are added without races.
 //
+// Types: q, k, v, the output, the output's gradient and q, k, v's gradients are in the storage type S (float,
+// double, bfloat16 or half); everything else, the buffers and the sums, in the compute type T (double for double,
+// else float). Half precision is converted to float as the buffers are filled and back as results are written,
+// and the key and value gradients of half precision are summed in float.
+//
 // Scores are in base 2 (queries times scale * log2(e), biases times log2(e) by the caller), so that the
-// softmax needs exp2 only. Tensors are contiguous. 2D: q, k, v, out (B, H, X, Y, D); lse (B, H, X, Y);
-// global_k, global_v (B, H, G, D); rel_bias (H, (4w-1)^2) or empty; global_bias (H, G) or empty; slots
-// (C, n, 3) int64: for each chunk (row-major) and neighbour slot, the chunk it reads (-1: none) and the
-// slot's chunk offset (a, b), which the relative bias uses as if neighbour chunks were adjacent.
-// 1D: q, k, v, out (B, H, L, D); lse (B, H, L); rel_bias (H, 2w+1) or empty; key_padding_mask (B, L) bool or
-// empty; one dilation per head.
+// softmax needs exp2 only. q, k, v, the output and their gradients may be strided, with the elements of one
+// token contiguous. 2D: (B, H, X, Y, D), lse (B, H, X, Y) contiguous; global_k, global_v (B, H, G, D) contiguous;
+// rel_bias (H, (4w-1)^2) or empty; global_bias (H, G) or empty; slots (C, n, 3) int64: for each chunk
+// (row-major) and neighbour slot, the chunk it reads (-1: none) and the slot's chunk offset (a, b), which the
+// relative bias uses as if neighbour chunks were adjacent. 1D: (B, H, L, D), lse (B, H, L); rel_bias (H, 2w+1)
+// or empty; key_padding_mask (B, L) bool or empty; one dilation per head.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -101,34 +109,117 @@ void exponentiate_row(T* row, int n, T& max, T& sum) {
   sum = s;
 }
 
+// A value of the storage type in the compute type, and back (rounding to nearest even). bfloat16 is the upper half
+// of a float: widened and narrowed with integer operations, which the compiler vectorises (c10's conversion
+// checks for NaN first, which it does not).
+template <typename T, typename S>
+inline T widen(S x) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+template <typename S, typename T>
+inline S narrow(T x) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
+  } else {
+    return static_cast<S>(x);
+  }
+}
+
 // One query's output (its unnormalised output o over the row sum) and base-2 log-sum-exp. A query that sees no
 // key outputs zeros, and its log-sum-exp is +inf, so that the backward's probabilities 2^(s - lse) are zeros.
-template <typename T>
-void store_output(T* out, T* lse, const T* o, int64_t D, T max, T sum) {
+template <typename S, typename T>
+void store_output(S* out, T* lse, const T* o, int64_t D, T max, T sum) {
   const T inverse = sum > 0 ? T(1) / sum : T(0);
-  for (int64_t d = 0; d < D; ++d) out[d] = o[d] * inverse;
+  for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(o[d] * inverse);
   *lse = sum > 0 ? max + std::log2(sum) : std::numeric_limits<T>::infinity();
 }
 
-// Copies `rows` runs of n elements, src_stride apart, to dst, dst_stride apart, times factor.
-template <typename T>
-void copy_rows(T* dst, int64_t dst_stride, const T* src, int64_t src_stride, int64_t rows, int64_t n, T factor) {
+// One (batch, head) of a (B, H, X, Y, D) map or a (B, H, L, D) sequence: the D elements of a token are contiguous,
+// tokens are `row` apart from one row (position) to the next and `col` apart from one column to the next (1D: 0).
+template <typename S>
+struct Map {
+  S* data;
+  int64_t row, col;
+  S* at(int64_t r, int64_t c) const { return data + r * row + c * col; }
+  // Residue class r of a dilation d of a sequence: its positions r, r + d, ... as the rows of a map.
+  Map every(int64_t r, int64_t d) const { return {data + r * row, d * row, col}; }
+};
+
+template <typename S>
+Map<S> map_of(const at::Tensor& t, int64_t b, int64_t h) {
+  S* head = static_cast<S*>(t.data_ptr()) + b * t.stride(0) + h * t.stride(1);
+  return {head, t.stride(2), t.dim() == 5 ? t.stride(3) : 0};
+}
+
+// dst (rows x cols tokens of D elements, row-major, contiguous) = factor * the block of src from token (r0, c0).
+template <typename T, typename S>
+void gather(T* dst, Map<const S> src, int64_t r0, int64_t c0, int64_t rows, int64_t cols, int64_t D, T factor) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T* in = src + r * src_stride;
-    T* out = dst + r * dst_stride;
-    for (int64_t i = 0; i < n; ++i) out[i] = in[i] * factor;
+    for (int64_t c = 0; c < cols; ++c) {
+      const S* in = src.at(r0 + r, c0 + c);
+      T* out = dst + (r * cols + c) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = widen<T>(in[d]) * factor;
+    }
   }
 }
 
-// Adds `rows` runs of n elements, src_stride apart, into dst, dst_stride apart.
-template <typename T>
-void add_rows(T* dst, int64_t dst_stride, const T* src, int64_t src_stride, int64_t rows, int64_t n) {
+// The block of dst from token (r0, c0) = src (rows x cols tokens, contiguous), or += src when `add`.
+template <typename S, typename T>
+void scatter(Map<S> dst, int64_t r0, int64_t c0, int64_t rows, int64_t cols, int64_t D, const T* src, bool add) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T* in = src + r * src_stride;
-    T* out = dst + r * dst_stride;
-    for (int64_t i = 0; i < n; ++i) out[i] += in[i];
+    for (int64_t c = 0; c < cols; ++c) {
+      S* out = dst.at(r0 + r, c0 + c);
+      const T* in = src + (r * cols + c) * D;
+      if (add) {
+        for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(widen<T>(out[d]) + in[d]);
+      } else {
+        for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(in[d]);
+      }
+    }
   }
 }
+
+// Adds n elements of src into dst.
+template <typename T>
+void add_into(T* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+// Where a backward sums the key or value gradients of one (batch, head) map or residue class: the gradient
+// tensor itself when it holds the compute type; else a buffer in the compute type, written to the tensor by
+// finish (sums in half precision would lose the small terms).
+template <typename S, typename T>
+struct GradientSum {
+  Map<T> target{};
+  Map<S> out{};
+  std::vector<T> buffer;
+  int64_t rows = 0, cols = 0, D = 0;
+
+  void start(Map<S> gradient, int64_t rows_, int64_t cols_, int64_t D_) {
+    out = gradient, rows = rows_, cols = cols_, D = D_;
+    if constexpr (std::is_same_v<S, T>) {
+      target = gradient;
+    } else {
+      buffer.assign(rows * cols * D, T(0));
+      target = {buffer.data(), cols * D, D};
+    }
+  }
+  void finish() {
+    if constexpr (!std::is_same_v<S, T>) scatter(out, 0, 0, rows, cols, D, buffer.data(), false);
+  }
+};
 
 struct Geometry {
   int64_t B, H, X, Y, D, G;
@@ -188,12 +279,6 @@ void for_each_visible_run(const Geometry& g, const Chunk& c, int qi, int qj, F&&
       fn(c.start[s] + ki * c.k_cols[s] + lo, hi - lo, (di + 2 * w - 1) * side + (dj0 - lo + 2 * w - 1));
     }
   }
-}
-
-// The first token of the block at (r0, c0) of one (X, Y, D) map; its rows are Y * D apart.
-template <typename T>
-T* block_at(T* map, const Geometry& g, int r0, int c0) {
-  return map + (r0 * g.Y + c0) * g.D;
 }
 
 struct Geometry1d {
@@ -261,27 +346,24 @@ struct Workspace {
   explicit Workspace(const Geometry1d& g) : Workspace(g.block, g.span() + g.G, g.D) {}
 
   // Fills queries (times query_scale), keys and values of chunk c of the maps of one (batch, head).
-  void load(const Geometry& g, const Chunk& c, const T* q, const T* k, const T* v, const T* gk, const T* gv,
-            T query_scale) {
-    copy_rows(queries.data(), c.q_cols * g.D, block_at(q, g, c.q_r0, c.q_c0), g.Y * g.D, c.q_rows, c.q_cols * g.D,
-              query_scale);
+  template <typename S>
+  void load(const Geometry& g, const Chunk& c, Map<const S> q, Map<const S> k, Map<const S> v, const T* gk,
+            const T* gv, T query_scale) {
+    gather(queries.data(), q, c.q_r0, c.q_c0, c.q_rows, c.q_cols, g.D, query_scale);
     for (int s = 0; s < c.slots; ++s) {
-      const int64_t n = c.k_cols[s] * g.D;
-      copy_rows(keys.data() + c.start[s] * g.D, n, block_at(k, g, c.k_r0[s], c.k_c0[s]), g.Y * g.D, c.k_rows[s], n,
-                T(1));
-      copy_rows(values.data() + c.start[s] * g.D, n, block_at(v, g, c.k_r0[s], c.k_c0[s]), g.Y * g.D, c.k_rows[s],
-                n, T(1));
+      gather(keys.data() + c.start[s] * g.D, k, c.k_r0[s], c.k_c0[s], c.k_rows[s], c.k_cols[s], g.D, T(1));
+      gather(values.data() + c.start[s] * g.D, v, c.k_r0[s], c.k_c0[s], c.k_rows[s], c.k_cols[s], g.D, T(1));
     }
     load_global(c.keys, gk, gv, g.G, g.D);
   }
 
-  // Fills queries (times query_scale), keys and values of a block of the sequences of one (batch, head).
-  void load(const Geometry1d& g, const Block& blk, const T* q, const T* k, const T* v, const T* gk, const T* gv,
-            T query_scale) {
-    const int64_t stride = blk.d * g.D;
-    copy_rows(queries.data(), g.D, q + (blk.r + blk.d * blk.t0) * g.D, stride, blk.queries, g.D, query_scale);
-    copy_rows(keys.data(), g.D, k + (blk.r + blk.d * blk.k0) * g.D, stride, blk.keys, g.D, T(1));
-    copy_rows(values.data(), g.D, v + (blk.r + blk.d * blk.k0) * g.D, stride, blk.keys, g.D, T(1));
+  // Fills queries (times query_scale), keys and values of a block of one residue class of one (batch, head).
+  template <typename S>
+  void load(const Geometry1d& g, const Block& blk, Map<const S> q, Map<const S> k, Map<const S> v, const T* gk,
+            const T* gv, T query_scale) {
+    gather(queries.data(), q, blk.t0, 0, blk.queries, 1, g.D, query_scale);
+    gather(keys.data(), k, blk.k0, 0, blk.keys, 1, g.D, T(1));
+    gather(values.data(), v, blk.k0, 0, blk.keys, 1, g.D, T(1));
     load_global(blk.keys, gk, gv, g.G, g.D);
   }
 
@@ -393,118 +475,135 @@ T* grad_of(at::Tensor& t, int64_t bh, int64_t per_head) {
   return t.numel() == 0 ? nullptr : t.data_ptr<T>() + bh * per_head;
 }
 
-template <typename T>
+// The softmax backward's row terms delta = rowsum(dO * O) of n queries: dO (n x D, contiguous) and the block of
+// the output `out` from token (r0, c0), rows x cols tokens.
+template <typename S, typename T>
+void row_terms(T* delta, const T* grad_out, Map<const S> out, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
+               int64_t D) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const S* o = out.at(r0 + r, c0 + c);
+      const T* dout = grad_out + (r * cols + c) * D;
+      T sum = 0;
+      for (int64_t d = 0; d < D; ++d) sum += dout[d] * widen<T>(o[d]);
+      delta[r * cols + c] = sum;
+    }
+  }
+}
+
+template <typename S, typename T>
 void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
                   const at::Tensor& global_bias, const int64_t* slot_table, at::Tensor& out, at::Tensor& lse,
                   double scale) {
-  const int64_t map = g.X * g.Y * g.D, C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1);
+  const int64_t C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1);
   at::parallel_for(0, g.B * g.H * C, 1, [&](int64_t begin, int64_t end) {
     Workspace<T> ws(g);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t bh = item / C, h = bh % g.H;
+      const int64_t bh = item / C, b = bh / g.H, h = bh % g.H;
       const Chunk c = make_chunk(g, slot_table, item % C);
-      ws.load(g, c, head_of<T>(q, bh, map), head_of<T>(k, bh, map), head_of<T>(v, bh, map),
+      ws.load(g, c, map_of<const S>(q, b, h), map_of<const S>(k, b, h), map_of<const S>(v, b, h),
               head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
       ws.score(g, c, head_of<T>(rel_bias, h, table), head_of<T>(global_bias, h, g.G));
       const T* o = ws.attend(c.queries(), g.D);
-      T* out_map = out.data_ptr<T>() + bh * map;
+      const Map<S> out_map = map_of<S>(out, b, h);
       T* lse_map = lse.data_ptr<T>() + bh * g.X * g.Y;
       for (int i = 0; i < c.queries(); ++i) {
-        const int64_t token = (c.q_r0 + i / c.q_cols) * g.Y + c.q_c0 + i % c.q_cols;
-        store_output(out_map + token * g.D, lse_map + token, o + i * g.D, g.D, ws.row_max[i], ws.total[i]);
+        const int64_t row = c.q_r0 + i / c.q_cols, col = c.q_c0 + i % c.q_cols;
+        store_output(out_map.at(row, col), lse_map + row * g.Y + col, o + i * g.D, g.D, ws.row_max[i],
+                     ws.total[i]);
       }
     }
   });
 }
 
-template <typename T>
+template <typename S, typename T>
 void backward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
-                   const at::Tensor& global_bias, const int64_t* slot_table, const at::Tensor& grad_out,
-                   const at::Tensor& lse, const at::Tensor& row_term, at::Tensor& grad_q, at::Tensor& grad_k,
+                   const at::Tensor& global_bias, const int64_t* slot_table, const at::Tensor& out,
+                   const at::Tensor& grad_out, const at::Tensor& lse, at::Tensor& grad_q, at::Tensor& grad_k,
                    at::Tensor& grad_v, at::Tensor& grad_gk, at::Tensor& grad_gv, at::Tensor& grad_rel_bias,
                    at::Tensor& grad_global_bias, double scale) {
-  const int64_t map = g.X * g.Y * g.D, C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1), S_max = g.w * g.w;
+  const int64_t C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1), S_max = g.w * g.w;
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
     Workspace<T> ws(g);
     std::vector<T> grad_out_chunk(S_max * g.D), grad_scores(ws.scores.size()), lse_rows(S_max), delta_rows(S_max);
+    GradientSum<S, T> sum_k, sum_v;
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t h = bh % g.H;
+      const int64_t b = bh / g.H, h = bh % g.H;
+      const Map<const S> q_map = map_of<const S>(q, b, h), k_map = map_of<const S>(k, b, h),
+                         v_map = map_of<const S>(v, b, h), out_map = map_of<const S>(out, b, h),
+                         grad_out_map = map_of<const S>(grad_out, b, h);
       const T* rel = head_of<T>(rel_bias, h, table);
       T* grad_rel = grad_of<T>(grad_rel_bias, bh, table);
       T* grad_glob = grad_of<T>(grad_global_bias, bh, g.G);
       const T* lse_map = lse.data_ptr<T>() + bh * g.X * g.Y;
-      const T* row_term_map = row_term.data_ptr<T>() + bh * g.X * g.Y;
+      sum_k.start(map_of<S>(grad_k, b, h), g.X, g.Y, g.D);
+      sum_v.start(map_of<S>(grad_v, b, h), g.X, g.Y, g.D);
       for (int64_t chunk = 0; chunk < C; ++chunk) {
         const Chunk c = make_chunk(g, slot_table, chunk);
-        const int S = c.queries();
-        ws.load(g, c, head_of<T>(q, bh, map), head_of<T>(k, bh, map), head_of<T>(v, bh, map),
-                head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
+        const int n = c.queries();
+        ws.load(g, c, q_map, k_map, v_map, head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D),
+                T(scale * kLog2e));
         ws.score(g, c, rel, head_of<T>(global_bias, h, g.G));
-        copy_rows(grad_out_chunk.data(), c.q_cols * g.D, block_at(head_of<T>(grad_out, bh, map), g, c.q_r0, c.q_c0),
-                  g.Y * g.D, c.q_rows, c.q_cols * g.D, T(1));
-        for (int i = 0; i < S; ++i) {
-          const int64_t token = (c.q_r0 + i / c.q_cols) * g.Y + c.q_c0 + i % c.q_cols;
-          lse_rows[i] = lse_map[token];
-          delta_rows[i] = row_term_map[token];
-        }
+        gather(grad_out_chunk.data(), grad_out_map, c.q_r0, c.q_c0, c.q_rows, c.q_cols, g.D, T(1));
+        row_terms(delta_rows.data(), grad_out_chunk.data(), out_map, c.q_r0, c.q_c0, c.q_rows, c.q_cols, g.D);
+        for (int i = 0; i < n; ++i) lse_rows[i] = lse_map[(c.q_r0 + i / c.q_cols) * g.Y + c.q_c0 + i % c.q_cols];
         T* ds = grad_scores.data();
-        ws.differentiate(S, g.D, grad_out_chunk.data(), lse_rows.data(), delta_rows.data(), ds);
-        for (int i = 0; i < S; ++i) {
+        ws.differentiate(n, g.D, grad_out_chunk.data(), lse_rows.data(), delta_rows.data(), ds);
+        for (int i = 0; i < n; ++i) {
           const T* row = ds + static_cast<int64_t>(i) * ws.ld;
           if (grad_rel != nullptr) {
             for_each_visible_run(g, c, i / c.q_cols, i % c.q_cols, [&](int first, int length, int bias_row) {
               for (int j = 0; j < length; ++j) grad_rel[bias_row - j] += row[first + j];
             });
           }
-          if (grad_glob != nullptr) {
-            for (int j = 0; j < g.G; ++j) grad_glob[j] += row[c.keys + j];
-          }
+          if (grad_glob != nullptr) add_into(grad_glob, row + c.keys, g.G);
         }
         // Written in place: every query belongs to one chunk.
-        copy_rows(block_at(grad_q.data_ptr<T>() + bh * map, g, c.q_r0, c.q_c0), g.Y * g.D,
-                  ws.grad_queries(S, g.D, ds, scale), c.q_cols * g.D, c.q_rows, c.q_cols * g.D, T(1));
+        scatter(map_of<S>(grad_q, b, h), c.q_r0, c.q_c0, c.q_rows, c.q_cols, g.D, ws.grad_queries(n, g.D, ds, scale),
+                false);
         // Gradients of the chunk's keys (or values), (L + G) x D, into the maps and the global ones.
-        auto add_window = [&](const T* block, at::Tensor& grad_map, at::Tensor& grad_global) {
+        auto add_window = [&](const T* block, const GradientSum<S, T>& sum, at::Tensor& grad_global) {
           for (int s = 0; s < c.slots; ++s) {
-            const int64_t n = c.k_cols[s] * g.D;
-            add_rows(block_at(grad_map.data_ptr<T>() + bh * map, g, c.k_r0[s], c.k_c0[s]), g.Y * g.D,
-                     block + c.start[s] * g.D, n, c.k_rows[s], n);
+            scatter(sum.target, c.k_r0[s], c.k_c0[s], c.k_rows[s], c.k_cols[s], g.D, block + c.start[s] * g.D, true);
           }
-          add_rows(grad_global.data_ptr<T>() + bh * g.G * g.D, 0, block + c.keys * g.D, 0, 1, g.G * g.D);
+          add_into(grad_global.data_ptr<T>() + bh * g.G * g.D, block + c.keys * g.D, g.G * g.D);
         };
-        add_window(ws.grad_keys(S, g.D, ds), grad_k, grad_gk);
-        add_window(ws.grad_values(S, g.D, grad_out_chunk.data()), grad_v, grad_gv);
+        add_window(ws.grad_keys(n, g.D, ds), sum_k, grad_gk);
+        add_window(ws.grad_values(n, g.D, grad_out_chunk.data()), sum_v, grad_gv);
       }
+      sum_k.finish();
+      sum_v.finish();
     }
   });
 }
 
-template <typename T>
+template <typename S, typename T>
 void forward_1d_impl(const Geometry1d& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
                      const at::Tensor& global_bias, const at::Tensor& key_padding_mask, at::Tensor& out,
                      at::Tensor& lse, double scale) {
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
-  const int64_t n = static_cast<int64_t>(blocks.size()), seq = g.L * g.D, bias_rows = 2 * g.w + 1;
+  const int64_t n = static_cast<int64_t>(blocks.size()), bias_rows = 2 * g.w + 1;
   at::parallel_for(0, g.B * n, 1, [&](int64_t begin, int64_t end) {
     Workspace<T> ws(g);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / n;
       const Block& blk = blocks[item % n];
       const int64_t bh = b * g.H + blk.h;
-      ws.load(g, blk, head_of<T>(q, bh, seq), head_of<T>(k, bh, seq), head_of<T>(v, bh, seq),
+      ws.load(g, blk, map_of<const S>(q, b, blk.h).every(blk.r, blk.d),
+              map_of<const S>(k, b, blk.h).every(blk.r, blk.d), map_of<const S>(v, b, blk.h).every(blk.r, blk.d),
               head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
       ws.score(g, blk, head_of<T>(rel_bias, blk.h, bias_rows), head_of<T>(global_bias, blk.h, g.G),
                head_of<bool>(key_padding_mask, b, g.L));
       const T* o = ws.attend(blk.queries, g.D);
-      T* out_seq = out.data_ptr<T>() + bh * seq;
+      const Map<S> out_class = map_of<S>(out, b, blk.h).every(blk.r, blk.d);
       T* lse_seq = lse.data_ptr<T>() + bh * g.L;
       for (int i = 0; i < blk.queries; ++i) {
-        const int64_t position = blk.r + blk.d * (blk.t0 + i);
-        store_output(out_seq + position * g.D, lse_seq + position, o + i * g.D, g.D, ws.row_max[i], ws.total[i]);
+        const int64_t t = blk.t0 + i;
+        store_output(out_class.at(t, 0), lse_seq + blk.r + blk.d * t, o + i * g.D, g.D, ws.row_max[i], ws.total[i]);
       }
     }
   });
@@ -512,70 +611,95 @@ void forward_1d_impl(const Geometry1d& g, const at::Tensor& q, const at::Tensor&
 
 // The global key, value and bias gradients are partial sums per (batch, head, residue class), added up by the
 // caller, so that the residue classes of one head can run on different threads.
-template <typename T>
+template <typename S, typename T>
 void backward_1d_impl(const Geometry1d& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
-                      const at::Tensor& global_bias, const at::Tensor& key_padding_mask, const at::Tensor& grad_out,
-                      const at::Tensor& lse, const at::Tensor& row_term, at::Tensor& grad_q, at::Tensor& grad_k,
+                      const at::Tensor& global_bias, const at::Tensor& key_padding_mask, const at::Tensor& out,
+                      const at::Tensor& grad_out, const at::Tensor& lse, at::Tensor& grad_q, at::Tensor& grad_k,
                       at::Tensor& grad_v, at::Tensor& grad_gk, at::Tensor& grad_gv, at::Tensor& grad_rel_bias,
                       at::Tensor& grad_global_bias, double scale) {
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
-  const int64_t classes = static_cast<int64_t>(runs.size()) - 1, seq = g.L * g.D, bias_rows = 2 * g.w + 1;
+  const int64_t classes = static_cast<int64_t>(runs.size()) - 1, bias_rows = 2 * g.w + 1;
   at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
     Workspace<T> ws(g);
     std::vector<T> grad_out_block(g.block * g.D), grad_scores(ws.scores.size()), lse_rows(g.block),
         delta_rows(g.block);
+    GradientSum<S, T> sum_k, sum_v;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / classes, run = item % classes;
       const Block& first = blocks[runs[run]];
-      const int64_t bh = b * g.H + first.h, partial = bh * g.residues + first.r, stride = first.d * g.D;
-      const T* rel = head_of<T>(rel_bias, first.h, bias_rows);
-      const T* glob = head_of<T>(global_bias, first.h, g.G);
+      const int64_t h = first.h, r = first.r, d = first.d, bh = b * g.H + h, partial = bh * g.residues + r;
+      const Map<const S> q_class = map_of<const S>(q, b, h).every(r, d), k_class = map_of<const S>(k, b, h).every(r, d),
+                         v_class = map_of<const S>(v, b, h).every(r, d),
+                         out_class = map_of<const S>(out, b, h).every(r, d),
+                         grad_out_class = map_of<const S>(grad_out, b, h).every(r, d);
+      const T* rel = head_of<T>(rel_bias, h, bias_rows);
+      const T* glob = head_of<T>(global_bias, h, g.G);
+      const T* lse_seq = lse.data_ptr<T>() + bh * g.L;
       const bool* key_padding = head_of<bool>(key_padding_mask, b, g.L);
       T* grad_rel = grad_of<T>(grad_rel_bias, partial, bias_rows);
       T* grad_glob = grad_of<T>(grad_global_bias, partial, g.G);
+      const int64_t length = (g.L - r + d - 1) / d;  // of the residue class
+      sum_k.start(map_of<S>(grad_k, b, h).every(r, d), length, 1, g.D);
+      sum_v.start(map_of<S>(grad_v, b, h).every(r, d), length, 1, g.D);
       for (int64_t index = runs[run]; index < runs[run + 1]; ++index) {
         const Block& blk = blocks[index];
-        const int S = blk.queries;
-        const int64_t q0 = blk.r + blk.d * blk.t0, k0 = blk.r + blk.d * blk.k0;  // positions of the first query, key
-        ws.load(g, blk, head_of<T>(q, bh, seq), head_of<T>(k, bh, seq), head_of<T>(v, bh, seq),
-                head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
+        const int n = blk.queries;
+        ws.load(g, blk, q_class, k_class, v_class, head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D),
+                T(scale * kLog2e));
         ws.score(g, blk, rel, glob, key_padding);
-        copy_rows(grad_out_block.data(), g.D, head_of<T>(grad_out, bh, seq) + q0 * g.D, stride, S, g.D, T(1));
-        copy_rows(lse_rows.data(), 1, head_of<T>(lse, bh, g.L) + q0, blk.d, S, 1, T(1));
-        copy_rows(delta_rows.data(), 1, head_of<T>(row_term, bh, g.L) + q0, blk.d, S, 1, T(1));
+        gather(grad_out_block.data(), grad_out_class, blk.t0, 0, n, 1, g.D, T(1));
+        row_terms(delta_rows.data(), grad_out_block.data(), out_class, blk.t0, 0, n, 1, g.D);
+        for (int i = 0; i < n; ++i) lse_rows[i] = lse_seq[r + d * (blk.t0 + i)];
         T* ds = grad_scores.data();
-        ws.differentiate(S, g.D, grad_out_block.data(), lse_rows.data(), delta_rows.data(), ds);
-        for (int i = 0; i < S; ++i) {
+        ws.differentiate(n, g.D, grad_out_block.data(), lse_rows.data(), delta_rows.data(), ds);
+        for (int i = 0; i < n; ++i) {
           const T* row = ds + static_cast<int64_t>(i) * ws.ld;
           if (grad_rel != nullptr) {
             const Band band = band_of(g, blk, i);
             T* bias = grad_rel + band.bias_row - band.lo;
             for (int j = band.lo; j < band.hi; ++j) bias[j] += row[j];
           }
-          if (grad_glob != nullptr) {
-            for (int j = 0; j < g.G; ++j) grad_glob[j] += row[blk.keys + j];
-          }
+          if (grad_glob != nullptr) add_into(grad_glob, row + blk.keys, g.G);
         }
         // Written in place: every query belongs to one block.
-        copy_rows(grad_q.data_ptr<T>() + bh * seq + q0 * g.D, stride, ws.grad_queries(S, g.D, ds, scale), g.D, S,
-                  g.D, T(1));
+        scatter(map_of<S>(grad_q, b, h).every(r, d), blk.t0, 0, n, 1, g.D, ws.grad_queries(n, g.D, ds, scale), false);
         // Gradients of the span's keys (or values), (keys + G) x D, into the sequence and the global partial sums.
-        auto add_window = [&](const T* block, at::Tensor& grad_seq, at::Tensor& grad_global) {
-          add_rows(grad_seq.data_ptr<T>() + bh * seq + k0 * g.D, stride, block, g.D, blk.keys, g.D);
-          add_rows(grad_global.data_ptr<T>() + partial * g.G * g.D, 0, block + blk.keys * g.D, 0, 1, g.G * g.D);
+        auto add_window = [&](const T* block, const GradientSum<S, T>& sum, at::Tensor& grad_global) {
+          scatter(sum.target, blk.k0, 0, blk.keys, 1, g.D, block, true);
+          add_into(grad_global.data_ptr<T>() + partial * g.G * g.D, block + blk.keys * g.D, g.G * g.D);
         };
-        add_window(ws.grad_keys(S, g.D, ds), grad_k, grad_gk);
-        add_window(ws.grad_values(S, g.D, grad_out_block.data()), grad_v, grad_gv);
+        add_window(ws.grad_keys(n, g.D, ds), sum_k, grad_gk);
+        add_window(ws.grad_values(n, g.D, grad_out_block.data()), sum_v, grad_gv);
       }
+      sum_k.finish();
+      sum_v.finish();
     }
   });
 }
 
+// The elements of each token contiguous, the other dimensions as they come: what the kernels read and write.
+void check_tokens(std::initializer_list<const at::Tensor*> tensors, int64_t dims, at::ScalarType dtype) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->dim() == dims && (t->size(-1) <= 1 || t->stride(-1) == 1) && t->scalar_type() == dtype,
+                "local_attention_cpu: inputs not laid out by the launcher");
+  }
+}
+
+// The compute type's tensors (global keys and values, bias tables, log-sum-exp) are contiguous.
+void check_compute(std::initializer_list<const at::Tensor*> tensors, at::ScalarType compute) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == compute),
+                "local_attention_cpu: inputs not laid out by the launcher");
+  }
+}
+
+at::ScalarType compute_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
 Geometry make_geometry(const at::Tensor& q, const at::Tensor& gk, const at::Tensor& slots, int64_t window,
                        int64_t exact) {
-  TORCH_CHECK(q.dim() == 5 && q.is_contiguous() && slots.dim() == 3 && slots.size(1) <= kMaxSlots,
+  TORCH_CHECK(q.dim() == 5 && slots.dim() == 3 && slots.is_contiguous() && slots.size(1) <= kMaxSlots,
               "local_attention_cpu: inputs not laid out by the launcher");
   Geometry g;
   g.B = q.size(0), g.H = q.size(1), g.X = q.size(2), g.Y = q.size(3), g.D = q.size(4), g.G = gk.size(2);
@@ -587,8 +711,9 @@ Geometry make_geometry(const at::Tensor& q, const at::Tensor& gk, const at::Tens
 
 Geometry1d make_geometry_1d(const at::Tensor& q, const at::Tensor& gk, const at::Tensor& key_padding_mask,
                             at::IntArrayRef dilations, int64_t window, bool causal, int64_t block) {
-  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && static_cast<int64_t>(dilations.size()) == q.size(1) &&
-                  block >= 1 && (key_padding_mask.numel() == 0 || key_padding_mask.scalar_type() == at::kBool),
+  TORCH_CHECK(q.dim() == 4 && static_cast<int64_t>(dilations.size()) == q.size(1) && block >= 1 &&
+                  (key_padding_mask.numel() == 0 ||
+                   (key_padding_mask.scalar_type() == at::kBool && key_padding_mask.is_contiguous())),
               "local_attention_cpu: inputs not laid out by the launcher");
   Geometry1d g;
   g.B = q.size(0), g.H = q.size(1), g.L = q.size(2), g.D = q.size(3), g.G = gk.size(2);
@@ -599,31 +724,46 @@ Geometry1d make_geometry_1d(const at::Tensor& q, const at::Tensor& gk, const at:
   return g;
 }
 
+// Calls fn with a value of the storage type of q and one of its compute type.
+template <typename F>
+void dispatch(const at::Tensor& q, F&& fn) {
+  switch (q.scalar_type()) {
+    case at::kFloat: return fn(float{}, float{});
+    case at::kDouble: return fn(double{}, double{});
+    case at::kBFloat16: return fn(c10::BFloat16{}, float{});
+    case at::kHalf: return fn(c10::Half{}, float{});
+    default: TORCH_CHECK(false, "local_attention_cpu: inputs not laid out by the launcher");
+  }
+}
+
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gk,
              const at::Tensor& gv, const at::Tensor& rel_bias, const at::Tensor& global_bias,
              const at::Tensor& slots, at::Tensor out, at::Tensor lse, int64_t window, int64_t exact, double scale) {
   const Geometry g = make_geometry(q, gk, slots, window, exact);
-  if (q.scalar_type() == at::kFloat) {
-    forward_impl<float>(g, q, k, v, gk, gv, rel_bias, global_bias, slots.data_ptr<int64_t>(), out, lse, scale);
-  } else {
-    forward_impl<double>(g, q, k, v, gk, gv, rel_bias, global_bias, slots.data_ptr<int64_t>(), out, lse, scale);
-  }
+  check_tokens({&q, &k, &v, &out}, 5, q.scalar_type());
+  check_compute({&gk, &gv, &rel_bias, &global_bias, &lse}, compute_type(q));
+  dispatch(q, [&](auto s, auto t) {
+    using S = decltype(s);
+    using T = decltype(t);
+    forward_impl<S, T>(g, q, k, v, gk, gv, rel_bias, global_bias, slots.data_ptr<int64_t>(), out, lse, scale);
+  });
 }
 
 void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gk,
               const at::Tensor& gv, const at::Tensor& rel_bias, const at::Tensor& global_bias,
-              const at::Tensor& slots, const at::Tensor& grad_out, const at::Tensor& lse, const at::Tensor& row_term,
+              const at::Tensor& slots, const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& lse,
               at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v, at::Tensor grad_gk, at::Tensor grad_gv,
               at::Tensor grad_rel_bias, at::Tensor grad_global_bias, int64_t window, int64_t exact, double scale) {
   const Geometry g = make_geometry(q, gk, slots, window, exact);
-  const int64_t* table = slots.data_ptr<int64_t>();
-  if (q.scalar_type() == at::kFloat) {
-    backward_impl<float>(g, q, k, v, gk, gv, rel_bias, global_bias, table, grad_out, lse, row_term, grad_q, grad_k,
-                         grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
-  } else {
-    backward_impl<double>(g, q, k, v, gk, gv, rel_bias, global_bias, table, grad_out, lse, row_term, grad_q,
-                          grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
-  }
+  check_tokens({&q, &k, &v, &out, &grad_out, &grad_q, &grad_k, &grad_v}, 5, q.scalar_type());
+  check_compute({&gk, &gv, &rel_bias, &global_bias, &lse, &grad_gk, &grad_gv, &grad_rel_bias, &grad_global_bias},
+                compute_type(q));
+  dispatch(q, [&](auto s, auto t) {
+    using S = decltype(s);
+    using T = decltype(t);
+    backward_impl<S, T>(g, q, k, v, gk, gv, rel_bias, global_bias, slots.data_ptr<int64_t>(), out, grad_out, lse,
+                        grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
+  });
 }
 
 void forward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gk,
@@ -631,27 +771,31 @@ void forward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
                 const at::Tensor& key_padding_mask, at::Tensor out, at::Tensor lse, at::IntArrayRef dilations,
                 int64_t window, bool causal, int64_t block, double scale) {
   const Geometry1d g = make_geometry_1d(q, gk, key_padding_mask, dilations, window, causal, block);
-  if (q.scalar_type() == at::kFloat) {
-    forward_1d_impl<float>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, out, lse, scale);
-  } else {
-    forward_1d_impl<double>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, out, lse, scale);
-  }
+  check_tokens({&q, &k, &v, &out}, 4, q.scalar_type());
+  check_compute({&gk, &gv, &rel_bias, &global_bias, &lse}, compute_type(q));
+  dispatch(q, [&](auto s, auto t) {
+    using S = decltype(s);
+    using T = decltype(t);
+    forward_1d_impl<S, T>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, out, lse, scale);
+  });
 }
 
 void backward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gk,
                  const at::Tensor& gv, const at::Tensor& rel_bias, const at::Tensor& global_bias,
-                 const at::Tensor& key_padding_mask, const at::Tensor& grad_out, const at::Tensor& lse,
-                 const at::Tensor& row_term, at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v,
-                 at::Tensor grad_gk, at::Tensor grad_gv, at::Tensor grad_rel_bias, at::Tensor grad_global_bias,
+                 const at::Tensor& key_padding_mask, const at::Tensor& out, const at::Tensor& grad_out,
+                 const at::Tensor& lse, at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v, at::Tensor grad_gk,
+                 at::Tensor grad_gv, at::Tensor grad_rel_bias, at::Tensor grad_global_bias,
                  at::IntArrayRef dilations, int64_t window, bool causal, int64_t block, double scale) {
   const Geometry1d g = make_geometry_1d(q, gk, key_padding_mask, dilations, window, causal, block);
-  if (q.scalar_type() == at::kFloat) {
-    backward_1d_impl<float>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, grad_out, lse, row_term,
-                            grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
-  } else {
-    backward_1d_impl<double>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, grad_out, lse, row_term,
-                             grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
-  }
+  check_tokens({&q, &k, &v, &out, &grad_out, &grad_q, &grad_k, &grad_v}, 4, q.scalar_type());
+  check_compute({&gk, &gv, &rel_bias, &global_bias, &lse, &grad_gk, &grad_gv, &grad_rel_bias, &grad_global_bias},
+                compute_type(q));
+  dispatch(q, [&](auto s, auto t) {
+    using S = decltype(s);
+    using T = decltype(t);
+    backward_1d_impl<S, T>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, out, grad_out, lse, grad_q,
+                           grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
+  });
 }
 
 }  // namespace
@@ -662,7 +806,7 @@ TORCH_LIBRARY(vil_local_attention_cpu, m) {
       "Tensor slots, Tensor(a!) out, Tensor(b!) lse, int window, int exact, float scale) -> ()");
   m.def(
       "backward(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, "
-      "Tensor global_bias, Tensor slots, Tensor grad_out, Tensor lse, Tensor row_term, Tensor(a!) grad_q, "
+      "Tensor global_bias, Tensor slots, Tensor out, Tensor grad_out, Tensor lse, Tensor(a!) grad_q, "
       "Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor(d!) grad_global_k, Tensor(e!) grad_global_v, "
       "Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int window, int exact, float scale) -> ()");
   m.def(
@@ -671,7 +815,7 @@ TORCH_LIBRARY(vil_local_attention_cpu, m) {
       "bool causal, int block, float scale) -> ()");
   m.def(
       "backward_1d(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, "
-      "Tensor global_bias, Tensor key_padding_mask, Tensor grad_out, Tensor lse, Tensor row_term, "
+      "Tensor global_bias, Tensor key_padding_mask, Tensor out, Tensor grad_out, Tensor lse, "
       "Tensor(a!) grad_q, Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor(d!) grad_global_k, "
       "Tensor(e!) grad_global_v, Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int[] dilations, "
       "int window, bool causal, int block, float scale) -> ()");

@@ -21,29 +21,23 @@ def test_cpu_peak_is_the_most_held_at_once():
     assert kept.numel() == 3 * MIB
 
 
+# A three-stage ViL small enough for a test, at 32x32 with 3 classes.
+TINY_MODEL = [
+    "INPUT.IMAGE_SIZE",
+    "32",
+    "MODEL.VIT.MSVIT.ARCH",
+    "l1,h1,d16,n1,s1,g1,p4,f2,a0_l2,h1,d16,n1,s0,g1,p2,f2,a0_l3,h1,d16,n1,s0,g1,p2,f2,a0",
+    "DATA.NUM_CLASSES",
+    "3",
+]
+
+
 def test_benchmark_model_compares_with_a_timm_model_and_profiles_both():
     from tool_runner import ROOT, run_tool
 
-    arch = "l1,h1,d16,n1,s1,g1,p4,f2,a0_l2,h1,d16,n1,s0,g1,p2,f2,a0_l3,h1,d16,n1,s0,g1,p2,f2,a0"
+    options = ["--batch", "2", "--steps", "1", "--rounds", "1", "--timm", "resnet10t", "--profile"]
     status, out, err = run_tool(
-        "benchmark_model",
-        "--config-file",
-        ROOT / "configs/vil_tiny.yaml",
-        "--batch",
-        "2",
-        "--steps",
-        "1",
-        "--rounds",
-        "1",
-        "--timm",
-        "resnet10t",
-        "--profile",
-        "INPUT.IMAGE_SIZE",
-        "32",
-        "MODEL.VIT.MSVIT.ARCH",
-        arch,
-        "DATA.NUM_CLASSES",
-        "3",
+        "benchmark_model", "--config-file", ROOT / "configs/vil_tiny.yaml", *options, *TINY_MODEL
     )
     assert status == 0, err
     assert "| eager |" in out and "| timm resnet10t |" in out
@@ -52,6 +46,22 @@ def test_benchmark_model_compares_with_a_timm_model_and_profiles_both():
     eager_profile, timm_profile = out.split("two training steps:")[1:]
     assert "aten::mm" in eager_profile or "aten::addmm" in eager_profile
     assert "convolution" in timm_profile
+
+
+def test_benchmark_model_steps_run_under_the_configs_autocast(monkeypatch):
+    from tool_runner import ROOT, run_tool
+
+    logits = []
+    cross_entropy = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(
+        torch.nn.functional, "cross_entropy", lambda x, y: logits.append(x.dtype) or cross_entropy(x.float(), y)
+    )
+    amp = ["AMP.ENABLED", "True", "AMP.ON_CPU", "True"]
+    config = ["--config-file", ROOT / "configs/vil_tiny.yaml", "--batch", "2", "--steps", "1"]
+    status, out, err = run_tool("benchmark_model", *config, *TINY_MODEL, *amp)
+    assert status == 0, err
+    assert "| autocast bfloat16 |" in out
+    assert logits and set(logits) == {torch.bfloat16}  # the model's logits, computed under autocast
 
 
 def test_cpu_sdpa_is_counted_by_this_projects_counter_only():

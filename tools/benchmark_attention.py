@@ -43,7 +43,6 @@ and tcmalloc do): the times then compare the implementations rather than the pag
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -55,7 +54,7 @@ import torch.nn.functional as F
 from vil.files import atomic_write
 from vil.ops import available_backends, default_backend, local_attention_1d, local_attention_2d
 from vil.ops.registry import BACKENDS, FASTEST, FASTEST_ELSEWHERE
-from vil.profiling import PeakMemory
+from vil.profiling import PeakMemory, cpu_description
 
 SDPA = "sdpa (full attention)"
 # Per --dim (1: sequences, 2: maps), the tokens above which a point is skipped:
@@ -250,15 +249,7 @@ def run_size(args, backends, size):
 
 
 def machine():
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    model = platform.processor() or "unknown CPU"
-    if os.path.exists("/proc/cpuinfo"):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_description()
 
 
 def default_backends(dim, device):

@@ -8,7 +8,8 @@ FLOPs are counted by ``vil.profiling.flop_counter`` (torch's counter, CPU SDPA i
 (``INPUT.IMAGE_SIZE``) image, forward, as multiply-adds (the convention of the paper's 1.43G / 5.12G). Peak
 memory: ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the rise of the resident set during the first
 training step. A training step is the model's forward and backward and a step of the optimizer ``tools/train.py``
-builds from the config (``OPTIM``; torch's fused AdamW for the presets).
+builds from the config (``OPTIM``; torch's fused AdamW for the presets). Every step of every contender runs under the
+autocast training uses (``AMP.ENABLED``, and on the CPU ``AMP.ON_CPU``; ``AMP.DTYPE`` bfloat16 by default).
 
 ``--compile`` and ``--timm NAME`` add a second table: training and inference images/s of the model, of the model
 under ``torch.compile`` (Inductor, after its compilation, whose time is printed) and of timm's model ``NAME``, in
@@ -26,6 +27,7 @@ from vil.config import load_cfg
 from vil.model_config import build_model
 from vil.optim import build_optimizer
 from vil.profiling import PeakMemory, flop_counter
+from vil.training.setup import amp_context
 
 
 def main():
@@ -62,21 +64,25 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    amp, scaler = amp_context(cfg, device)
+
     def steps(net, module=None):
         """(training step, inference step) of ``net`` (``module`` under ``torch.compile``), with its own
-        optimizer, the one ``tools/train.py`` builds from the config."""
+        optimizer, the one ``tools/train.py`` builds from the config, under the config's AMP."""
         optimizer = build_optimizer(cfg, module or net)
 
         def train_step():
             net.train()
-            loss = torch.nn.functional.cross_entropy(net(images), labels)
+            with amp():
+                loss = torch.nn.functional.cross_entropy(net(images), labels)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
 
         def infer_step():
             net.eval()
-            with torch.no_grad():
+            with torch.no_grad(), amp():
                 net(images)
 
         return train_step, infer_step
@@ -95,14 +101,15 @@ def main():
     with PeakMemory(device) as peak:
         train_step()
     train_speed, infer_speed = timed(train_step), timed(infer_step)
+    precision = f"autocast {cfg.AMP.DTYPE}" if cfg.AMP.ENABLED else "float32"
     print(
-        "| model | ATTN_TYPE | device | batch | params | GMACs | train img/s | infer img/s | train peak memory (MiB) |"
+        "| model | ATTN_TYPE | device | precision | batch | params | GMACs | train img/s | infer img/s "
+        "| train peak memory (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| {args.config_file} | {cfg.MODEL.VIT.MSVIT.ATTN_TYPE} | {args.device} | {args.batch} | {params / 1e6:.2f}M "
-        f"| {macs / 1e9:.2f} | "
-        f"{train_speed:.1f} | {infer_speed:.1f} | {peak.mib:.0f} |"
+        f"| {args.config_file} | {cfg.MODEL.VIT.MSVIT.ATTN_TYPE} | {args.device} | {precision} | {args.batch} "
+        f"| {params / 1e6:.2f}M | {macs / 1e9:.2f} | {train_speed:.1f} | {infer_speed:.1f} | {peak.mib:.0f} |"
     )
     if args.compile or args.timm:
         compare(args, model, steps, timed, device)

@@ -23,9 +23,10 @@ _C.INPUT.CROP_PCT = 0.875
 _C.INPUT.INTERPOLATION = 2  # PIL codes: 2 bilinear, 3 bicubic
 
 _C.AMP = CN()
-_C.AMP.ENABLED = False
+_C.AMP.ENABLED = False  # on CUDA; on the CPU too with AMP.ON_CPU
+_C.AMP.ON_CPU = False  # autocast on the CPU as well (pays where it has bfloat16 matrix instructions: AVX512-BF16, AMX)
 _C.AMP.MEMORY_FORMAT = "nchw"  # or "nhwc": the model and its inputs in channels-last layout
-_C.AMP.DTYPE = "bfloat16"  # on CUDA: bfloat16, or float16 with a gradient scaler
+_C.AMP.DTYPE = "bfloat16"  # or float16, with a gradient scaler
 
 _C.AUG = CN()
 _C.AUG.SCALE = (0.08, 1.0)

@@ -57,7 +57,7 @@ def available_backends(dims: int = 2) -> list[str]:
 def default_backend(device: Union[str, torch.device], dtype: torch.dtype, dims: int = 2) -> str:
     """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: the fastest measured that
     computes ``dims``-D windows there (see BENCHMARKS.md). On the CPU that is ``fused_cpu`` (every dtype; half
-    precision is computed in float32), or ``sliding_chunk`` with one warning where its C++ kernel cannot be
+    precision in and out, computed in float32), or ``sliding_chunk`` with one warning where its C++ kernel cannot be
     built; elsewhere ``sliding_chunk``. The Triton kernels are chosen explicitly (``backend="triton"``) until GPU
     measurements make them the default there."""
     device_type = torch.device(device).type

@@ -24,6 +24,7 @@ from ..loss import build_loss
 from ..model_config import build_model
 from ..models import MsViT, arch_string, parse_arch
 from ..optim import build_optimizer, build_scheduler, model_ema
+from ..profiling import cpu_flags
 from ..runtime import Runtime, seed_everything
 from ..shards import ShardDataset
 from ..training_state import Snapshot, check_resumable, gather_rng_states, read_resume_point, restore, write_snapshot
@@ -60,12 +61,29 @@ def per_process_batch(cfg, runtime):
 
 
 def amp_context(cfg, device):
-    """Autocast for AMP on CUDA (bf16, or fp16 with gradient scaling), and the gradient scaler, which is a
-    pass-through unless fp16 needs it."""
+    """Autocast for AMP on CUDA, and on the CPU with ``AMP.ON_CPU`` (bf16, or fp16 with gradient scaling), and the
+    gradient scaler, which is a pass-through unless fp16 needs it. The presets enable AMP for their GPU recipe: on
+    the CPU it is a choice of its own, since only CPUs with half-precision matrix instructions gain from it."""
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.AMP.DTYPE]
-    on = cfg.AMP.ENABLED and device.type == "cuda"
+    on = cfg.AMP.ENABLED and (device.type == "cuda" or (device.type == "cpu" and cfg.AMP.ON_CPU))
+    if on and device.type == "cpu" and not cpu_multiplies_natively(dtype):
+        log.warning(
+            "AMP.DTYPE %s: this CPU has no %s matrix instructions, so torch's %s matrix products run many times slower "
+            "than float32 here; training and evaluation are faster without AMP.ON_CPU on it.",
+            cfg.AMP.DTYPE,
+            "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AVX512-FP16 or AMX-FP16",
+            cfg.AMP.DTYPE,
+        )
     scaler = torch.amp.GradScaler(device.type, enabled=on and dtype == torch.float16)
-    return ((lambda: torch.autocast("cuda", dtype=dtype)) if on else nullcontext), scaler
+    return ((lambda: torch.autocast(device.type, dtype=dtype)) if on else nullcontext), scaler
+
+
+def cpu_multiplies_natively(dtype):
+    """Whether this CPU has matrix instructions for ``dtype`` (bfloat16: AVX512-BF16 or AMX; float16: AVX512-FP16
+    or AMX-FP16), without which torch computes its half-precision matrix products in plain loops."""
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.cpu._is_amx_fp16_supported() or "avx512_fp16" in cpu_flags()
 
 
 def memory_format(cfg):

@@ -4,7 +4,12 @@ scores in cache.
 The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and the ``ninja``
 package; the build is cached by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The
 forward saves q, k, v, the output and the log-sum-exp; the backward recomputes the scores, so training memory
-grows with tokens x head_dim, as with ``chunk_rows``. Half precision is computed in float32.
+grows with tokens x head_dim, as with ``chunk_rows``.
+
+q, k and v go in as they come (strided views of the projections included, as long as the elements of a token are
+contiguous) and in their dtype: bfloat16 and float16 are converted to float32 as the kernel copies a chunk into its
+buffers, computed in float32 and written back in their dtype, so nothing is cast or copied around the kernel. The
+small inputs (global keys and values, bias tables) are cast to the compute dtype here.
 """
 
 import logging
@@ -138,24 +143,41 @@ def _none_as_empty(t, like):
     return like.new_empty(0) if t is None else t.contiguous()
 
 
+def _compute_dtype(q):
+    """The dtype the kernels compute q's dtype in, and keep the small inputs, the log-sum-exp and the sums in."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _kernel_inputs(q, extras):
     """What the kernels take for absent inputs (empty tensors), and the bias tables in base 2."""
     global_k, global_v, rel_bias, global_bias = extras.differentiable
+    compute = _compute_dtype(q)
     if global_k is None:
-        global_k = global_v = q.new_empty(*q.shape[:2], 0, q.shape[-1])
-    biases = [_none_as_empty(None if t is None else t * LOG2E, q) for t in (rel_bias, global_bias)]
+        global_k = global_v = q.new_empty(*q.shape[:2], 0, q.shape[-1], dtype=compute)
+    biases = [_none_as_empty(None if t is None else t * LOG2E, global_k) for t in (rel_bias, global_bias)]
     return global_k, global_v, biases
 
 
-def _backward_buffers(q, k, v, out, grad_out):
-    """The softmax backward's row term rowsum(dO * O), and the gradients of q, k and v to fill."""
-    return (grad_out * out).sum(-1), torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+def _outputs(q):
+    """The output (contiguous, in q's dtype) and the log-sum-exp of every query (in the compute dtype)."""
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q))
+
+
+def _gradient_buffers(q):
+    """The gradients of q, k and v to fill, contiguous, in q's dtype (the kernels sum k's and v's in the compute
+    dtype first where that differs)."""
+    return q.new_empty(q.shape), q.new_zeros(q.shape), q.new_zeros(q.shape)
+
+
+def _token_rows(t):
+    """t as the kernels read it: the elements of each token contiguous."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _forward_2d(q, k, v, hood, extras):
     slots = _slot_table(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode)
     global_k, global_v, biases = _kernel_inputs(q, extras)
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    out, lse = _outputs(q)
     _kernels().forward(q, k, v, global_k, global_v, *biases, slots, out, lse, hood.window, hood.exact, extras.scale)
     return out, lse
 
@@ -165,11 +187,11 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
     slots = _slot_table(X, Y, hood.window, hood.exact, hood.mode)
     rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
     global_k, global_v, biases = _kernel_inputs(q, extras)
-    row_term, grad_q, grad_k, grad_v = _backward_buffers(q, k, v, out, grad_out)
+    grad_q, grad_k, grad_v = _gradient_buffers(q)
     grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
     # Per (batch, head) partial sums of the bias gradients, added up here.
-    grad_rel = q.new_empty(0) if rel_bias is None else q.new_zeros(B, *rel_bias.shape)
-    grad_glob = q.new_empty(0) if global_bias is None else q.new_zeros(B, *global_bias.shape)
+    grad_rel = global_k.new_empty(0) if rel_bias is None else global_k.new_zeros(B, *rel_bias.shape)
+    grad_glob = global_k.new_empty(0) if global_bias is None else global_k.new_zeros(B, *global_bias.shape)
     _kernels().backward(
         q,
         k,
@@ -178,9 +200,9 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
         global_v,
         *biases,
         slots,
-        grad_out,
+        out,
+        _token_rows(grad_out),
         lse,
-        row_term,
         grad_q,
         grad_k,
         grad_v,
@@ -215,7 +237,7 @@ def _masks_1d(q, key_padding_mask):
 
 def _forward_1d(q, k, v, hood, extras):
     global_k, global_v, biases = _kernel_inputs(q, extras)
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    out, lse = _outputs(q)
     _kernels().forward_1d(
         q,
         k,
@@ -240,12 +262,14 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
     dilations = hood.dilations(H)
     rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
     global_k, global_v, biases = _kernel_inputs(q, extras)
-    row_term, grad_q, grad_k, grad_v = _backward_buffers(q, k, v, out, grad_out)
+    grad_q, grad_k, grad_v = _gradient_buffers(q)
     # Per (batch, head, residue class) partial sums of the global key, value and bias gradients, added up here.
     residues = max(min(d, L) for d in dilations)
-    grad_gk, grad_gv = (q.new_zeros(B, H, residues, *global_k.shape[2:]) for _ in range(2))
-    grad_rel = q.new_empty(0) if rel_bias is None else q.new_zeros(B, H, residues, rel_bias.shape[1])
-    grad_glob = q.new_empty(0) if global_bias is None else q.new_zeros(B, H, residues, global_bias.shape[1])
+    grad_gk, grad_gv = (global_k.new_zeros(B, H, residues, *global_k.shape[2:]) for _ in range(2))
+    grad_rel = global_k.new_empty(0) if rel_bias is None else global_k.new_zeros(B, H, residues, rel_bias.shape[1])
+    grad_glob = (
+        global_k.new_empty(0) if global_bias is None else global_k.new_zeros(B, H, residues, global_bias.shape[1])
+    )
     _kernels().backward_1d(
         q,
         k,
@@ -254,9 +278,9 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
         global_v,
         *biases,
         _masks_1d(q, extras.key_padding_mask),
-        grad_out,
+        out,
+        _token_rows(grad_out),
         lse,
-        row_term,
         grad_q,
         grad_k,
         grad_v,
@@ -281,18 +305,17 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
     )
 
 
-def _contiguous_float32(q, k, v, hood, extras):
-    """Half precision is computed in float32; the kernels take contiguous tensors."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q, k, v = (t.to(compute).contiguous() for t in (q, k, v))
-    return q, k, v, extras.cast(lambda t: t.to(compute).contiguous())
+def _as_the_kernels_read(q, k, v, hood, extras):
+    """q, k and v as they come (each token's elements contiguous); the small inputs in the compute dtype."""
+    compute = _compute_dtype(q)
+    return _token_rows(q), _token_rows(k), _token_rows(v), extras.cast(lambda t: t.to(compute).contiguous())
 
 
 BACKEND = Backend(
     "fused_cpu",
     passes_2d=FusedPasses(_forward_2d, _backward_2d, _scored_pairs),
     passes_1d=FusedPasses(_forward_1d, _backward_1d, _scored_pairs_1d),
-    prepare=_contiguous_float32,
+    prepare=_as_the_kernels_read,
     dilation_2d="split",
     per_head_dilation=True,
     devices=("cpu",),

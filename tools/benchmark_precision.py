@@ -1,0 +1,185 @@
+"""Local attention in float32 and in bfloat16 on the CPU: against SDPA in the same dtype, and against the CPU's own
+matrix products in that dtype (the roofline).
+
+    python tools/benchmark_precision.py [--sizes 56 84] [--tokens 4096] [--rounds 5] [--markdown FILE]
+
+The problems, each in inference (no gradients) and training (forward + backward):
+
+- 2D: one attention layer of ViL-Small's first stage: batch 4, 3 heads x 32, w=7, SW_EXACT 0, one global token, a
+  relative position bias table; q, k, v and the global key and value are views of one qkv tensor, as the model's
+  projections give them; ``local_attention_2d`` with ``backend=None``, next to
+  ``scaled_dot_product_attention`` over all tokens;
+- 1D: Longformer-base's attention: batch 1, 12 heads x 64, w=256 keys on each side; ``local_attention_1d``
+  next to ``scaled_dot_product_attention`` over the whole sequence.
+
+The tensors are in the dtype of the row (the bias table stays float32, as a parameter does under autocast).
+Contenders alternate in one process (``--rounds`` rounds, the median of each). GFLOP/s: the local op's products as
+torch's FLOP counter counts them (``vil.profiling.flop_counter``) over its time, next to the same run's
+``--matmul``-sided square matrix product in the same dtype.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from vil.files import atomic_write
+from vil.ops import default_backend, local_attention_1d, local_attention_2d
+from vil.profiling import cpu_description, flop_counter
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYER_2D = dict(batch=4, heads=3, head_dim=32, window=7, num_global=1)
+LAYER_1D = dict(batch=1, heads=12, head_dim=64, window=256)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--sizes", type=int, nargs="+", default=[56, 84], help="2D map sides")
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096], help="1D sequence lengths")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--matmul", type=int, default=2048, help="side of the square matrix product (default 2048)")
+    p.add_argument("--markdown", help="also write the table to this file")
+    return p.parse_args(argv)
+
+
+def layer_2d(side, dtype):
+    """(local attention, SDPA) over one map, each a function of no arguments returning the output."""
+    B, H, D, w, G = (LAYER_2D[k] for k in ("batch", "heads", "head_dim", "window", "num_global"))
+    qkv = torch.randn(B, G + side * side, 3, H, D, dtype=dtype, requires_grad=True)
+    rel_bias = torch.randn(H, (4 * w - 1) ** 2, requires_grad=True)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, G + tokens, D) views
+    grid = (B, H, side, side, D)
+
+    def local():
+        return local_attention_2d(
+            q[:, :, G:].reshape(grid),
+            k[:, :, G:].reshape(grid),
+            v[:, :, G:].reshape(grid),
+            w,
+            global_k=k[:, :, :G],
+            global_v=v[:, :, :G],
+            rel_bias=rel_bias,
+        )
+
+    return local, lambda: F.scaled_dot_product_attention(q, k, v)
+
+
+def layer_1d(tokens, dtype):
+    B, H, D, w = (LAYER_1D[k] for k in ("batch", "heads", "head_dim", "window"))
+    qkv = torch.randn(B, tokens, 3, H, D, dtype=dtype, requires_grad=True)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    return lambda: local_attention_1d(q, k, v, w), lambda: F.scaled_dot_product_attention(q, k, v)
+
+
+def step(attend, training):
+    """One inference or training step of ``attend`` (a function of no arguments returning the output)."""
+    if not training:
+        with torch.no_grad():
+            return attend()
+    out = attend()
+    out.backward(torch.ones_like(out))
+
+
+def seconds(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def counted_flops(attend, training):
+    with flop_counter() as counter:
+        step(attend, training)
+    return counter.get_total_flops()
+
+
+def matmul_gflops(side, dtype, repeats=3):
+    """The best of ``repeats`` products (one, where a product takes over a second: CPUs without bfloat16
+    instructions multiply it in plain loops, a minute at 2048)."""
+    a, b = (torch.randn(side, side, dtype=dtype) for _ in range(2))
+    best = seconds(lambda: a @ b)  # includes the first call's set-up
+    for _ in range(repeats if best < 1 else 0):
+        best = min(best, seconds(lambda: a @ b))
+    return 2 * side**3 / best / 1e9
+
+
+def problems(args):
+    """{(problem name, dtype name): (local, SDPA)} for every size and dtype asked for."""
+    found = {}
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for side in args.sizes:
+            found[f"2D {side}x{side}", dtype_name] = layer_2d(side, dtype)
+        for tokens in args.tokens:
+            found[f"1D {tokens} tokens", dtype_name] = layer_1d(tokens, dtype)
+    return found
+
+
+def measure(args):
+    """{(problem, dtype, mode): (local s, SDPA s, local FLOPs)} and {dtype: matmul GFLOP/s}, alternating."""
+    cases = problems(args)
+    modes = {"inference": False, "training": True}
+    times = {(*key, mode, which): [] for key in cases for mode in modes for which in (0, 1)}
+    for pair in cases.values():  # warm-up: builds, first allocations
+        for attend in pair:
+            step(attend, True)
+    for _ in range(args.rounds):
+        for key, pair in cases.items():
+            for mode, training in modes.items():
+                for which, attend in enumerate(pair):
+                    times[(*key, mode, which)].append(seconds(lambda a=attend, t=training: step(a, t)))
+    results = {
+        (*key, mode): (
+            statistics.median(times[(*key, mode, 0)]),
+            statistics.median(times[(*key, mode, 1)]),
+            counted_flops(cases[key][0], training),
+        )
+        for key in cases
+        for mode, training in modes.items()
+    }
+    return results, {name: matmul_gflops(args.matmul, DTYPES[name]) for name in args.dtypes}
+
+
+def table(results, matmul, matmul_side):
+    lines = [
+        f"| problem | dtype | mode | local (ms) | SDPA (ms) | local vs SDPA | local GFLOP/s "
+        f"| matmul {matmul_side}^2 GFLOP/s | of matmul |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (problem, dtype, mode), (local, sdpa, flops) in results.items():
+        rate = flops / local / 1e9
+        lines.append(
+            f"| {problem} | {dtype} | {mode} | {local * 1e3:.1f} | {sdpa * 1e3:.1f} | {sdpa / local:.2f}x "
+            f"| {rate:.1f} | {matmul[dtype]:.1f} | {rate / matmul[dtype]:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def dtype_ratios(results):
+    """float32 time over bfloat16 time of the local op, per problem and mode: how much bfloat16 gains."""
+    lines = ["| problem | mode | bfloat16 vs float32 |", "|---|---|---|"]
+    for (problem, dtype, mode), (local, _, _) in results.items():
+        if dtype == "bfloat16" and (problem, "float32", mode) in results:
+            lines.append(f"| {problem} | {mode} | {results[problem, 'float32', mode][0] / local:.2f}x |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    print(f"CPU: {cpu_description()}; local attention backend: {default_backend('cpu', torch.float32)}")
+    results, matmul = measure(args)
+    text = table(results, matmul, args.matmul)
+    ratios = dtype_ratios(results)
+    if ratios:
+        text += "\n\n" + ratios
+    print(text)
+    if args.markdown:
+        atomic_write(args.markdown, lambda f: f.write((text + "\n").encode()))
+
+
+if __name__ == "__main__":
+    main()
