@@ -9,7 +9,63 @@ import torch.nn as nn
 from ..ops import Neighborhood1d, local_attention_1d
 
 
-class LongformerSelfAttention(nn.Module):
+class SlidingWindowSelfAttention:
+    """Longformer's self-attention computed with ``local_attention_1d``, for a module that has the projections
+    ``query``, ``key``, ``value``, ``query_global``, ``key_global``, ``value_global`` (``nn.Linear``, dim -> dim)
+    and the attributes ``num_heads``, ``head_dim``, ``window``, ``dilation``, ``causal`` and ``backend``: this
+    project's :class:`LongformerSelfAttention`, and transformers' layers that :func:`vil.accelerate_longformer`
+    converts."""
+
+    def attend(self, x: torch.Tensor, padding: torch.Tensor, is_global: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, L, dim)``; ``padding``, ``is_global`` ``(B, L)`` bool, checked by the caller. Returns
+        ``(B, L, dim)``, zeros at padded positions."""
+        B, L, dim = x.shape
+        if (padding & is_global).any():
+            raise ValueError("global_mask marks padded positions; a padding token cannot have global attention.")
+        counts = is_global.sum(1)
+        sizes = counts.unique().tolist()
+        if self.causal and any(sizes):
+            raise ValueError("A causal layer takes no global tokens: Longformer defines no causal global attention.")
+        q, k, v = (self._heads(proj(x)) for proj in (self.query, self.key, self.value))
+        out = torch.empty_like(q)
+        for g in sizes:
+            rows = slice(None) if len(sizes) == 1 else (counts == g).nonzero().squeeze(1)
+            out[rows] = self._attend(x[rows], q[rows], k[rows], v[rows], padding[rows], is_global[rows], g)
+        return out.transpose(1, 2).reshape(B, L, dim).masked_fill(padding[..., None], 0.0)
+
+    def _heads(self, x):
+        """(B, L, dim) -> (B, heads, L, head_dim)."""
+        B, L, _ = x.shape
+        return x.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _attend(self, x, q, k, v, padding, is_global, g):
+        """The outputs ``(B, heads, L, head_dim)`` of sequences that all have ``g`` global tokens."""
+        B, H, L, D = q.shape
+        scale = D**-0.5
+        positions = is_global.nonzero()[:, 1].view(B, g)  # each sequence's global tokens, in order
+        index = positions[:, None, :, None].expand(B, H, g, D)
+        out = local_attention_1d(
+            q,
+            k,
+            v,
+            self.window,
+            dilation=self.dilation,
+            causal=self.causal,
+            key_padding_mask=padding | is_global,
+            global_k=k.gather(2, index),
+            global_v=v.gather(2, index),
+            scale=scale,
+            backend=self.backend,
+        )
+        if not g:
+            return out
+        global_q = self._heads(self.query_global(x.gather(1, positions[..., None].expand(B, g, x.shape[-1]))))
+        scores = global_q @ self._heads(self.key_global(x)).transpose(-1, -2) * scale
+        probs = scores.masked_fill(padding[:, None, None, :], float("-inf")).softmax(-1)
+        return out.scatter(2, index, probs @ self._heads(self.value_global(x)))
+
+
+class LongformerSelfAttention(SlidingWindowSelfAttention, nn.Module):
     """Multi-head self-attention of a sequence: a sliding window for every token, full attention for a few
     global ones. No output projection (Longformer's self-attention layer has none) and no attention dropout
     (the op computes the softmax inside).
@@ -71,47 +127,4 @@ class LongformerSelfAttention(nn.Module):
                     f"{mask.dtype} of shape {tuple(mask.shape)} on {mask.device}."
                 )
         padding = torch.zeros(B, L, dtype=torch.bool, device=x.device) if key_padding_mask is None else key_padding_mask
-        is_global = torch.zeros_like(padding) if global_mask is None else global_mask
-        if (padding & is_global).any():
-            raise ValueError("global_mask marks padded positions; a padding token cannot have global attention.")
-        counts = is_global.sum(1)
-        sizes = counts.unique().tolist()
-        if self.causal and any(sizes):
-            raise ValueError("A causal layer takes no global tokens: Longformer defines no causal global attention.")
-        q, k, v = (self._heads(proj(x)) for proj in (self.query, self.key, self.value))
-        out = torch.empty_like(q)
-        for g in sizes:
-            rows = slice(None) if len(sizes) == 1 else (counts == g).nonzero().squeeze(1)
-            out[rows] = self._attend(x[rows], q[rows], k[rows], v[rows], padding[rows], is_global[rows], g)
-        return out.transpose(1, 2).reshape(B, L, self.dim).masked_fill(padding[..., None], 0.0)
-
-    def _heads(self, x):
-        """(B, L, dim) -> (B, heads, L, head_dim)."""
-        B, L, _ = x.shape
-        return x.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
-
-    def _attend(self, x, q, k, v, padding, is_global, g):
-        """The outputs ``(B, heads, L, head_dim)`` of sequences that all have ``g`` global tokens."""
-        B, H, L, D = q.shape
-        scale = D**-0.5
-        positions = is_global.nonzero()[:, 1].view(B, g)  # each sequence's global tokens, in order
-        index = positions[:, None, :, None].expand(B, H, g, D)
-        out = local_attention_1d(
-            q,
-            k,
-            v,
-            self.window,
-            dilation=self.dilation,
-            causal=self.causal,
-            key_padding_mask=padding | is_global,
-            global_k=k.gather(2, index),
-            global_v=v.gather(2, index),
-            scale=scale,
-            backend=self.backend,
-        )
-        if not g:
-            return out
-        global_q = self._heads(self.query_global(x.gather(1, positions[..., None].expand(B, g, x.shape[-1]))))
-        scores = global_q @ self._heads(self.key_global(x)).transpose(-1, -2) * scale
-        probs = scores.masked_fill(padding[:, None, None, :], float("-inf")).softmax(-1)
-        return out.scatter(2, index, probs @ self._heads(self.value_global(x)))
+        return self.attend(x, padding, torch.zeros_like(padding) if global_mask is None else global_mask)

@@ -1,0 +1,240 @@
+"""vil.accelerate_longformer against transformers' own Longformer and LED classes: small random configs (nothing
+downloaded), float64, the same outputs and gradients as the model before it was accelerated."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import vil
+
+transformers = pytest.importorskip("transformers", reason="the transformers extra (pip install 'vil[transformers]')")
+
+VOCAB, PAD = 60, 1
+
+
+def longformer_config(**changes):
+    options = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        attention_window=[4, 8],  # a different window per layer
+        max_position_embeddings=96,
+        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=0.0,
+        pad_token_id=PAD,
+        num_labels=3,
+    )
+    return transformers.LongformerConfig(**dict(options, **changes))
+
+
+def led_config():
+    return transformers.LEDConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        attention_window=[4, 8],
+        max_encoder_position_embeddings=96,
+        max_decoder_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=PAD,
+    )
+
+
+def batch(length=29, seed=0, one_global_each=False):
+    """Three sequences of ``length`` (not a multiple of either window): the second and third padded at the end,
+    with 1, 3 and 0 global tokens, at different positions (``one_global_each``: 1, 1 and 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (3, length), generator=gen)
+    mask = torch.ones(3, length, dtype=torch.long)
+    mask[1, 20:] = 0
+    mask[2, 25:] = 0
+    ids[mask == 0] = PAD
+    global_mask = torch.zeros(3, length, dtype=torch.long)
+    global_mask[0, 0] = 1
+    global_mask[1, [5] if one_global_each else [0, 5, 7]] = 1
+    global_mask[2, 3] = int(one_global_each)
+    return ids, mask, global_mask
+
+
+def pair(model_class, config):
+    """(transformers' model, the same model accelerated), float64, equal weights."""
+    torch.manual_seed(0)
+    reference = model_class(config).double()
+    return reference, vil.accelerate_longformer(copy.deepcopy(reference))
+
+
+def assert_same(got, want, mask=None, tol=1e-9):
+    if mask is not None:  # padded positions of a sequence output are not defined by either
+        got, want = got[mask.bool()], want[mask.bool()]
+    assert (got - want).abs().max() <= tol * max(1.0, want.abs().max())
+
+
+def training_results(model, ids, mask, global_mask):
+    """The sequence output, the pooled output and every parameter's gradient of one training step."""
+    model.train()
+    out = model(ids, attention_mask=mask, global_attention_mask=global_mask)
+    (out.last_hidden_state * mask[..., None]).square().sum().backward()
+    return out.last_hidden_state, out.pooler_output, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_longformer_model_gives_the_same_outputs_and_gradients():
+    """One global token per sequence: with other counts, or none, transformers' own gradients are NaN (its masked
+    softmax rows), while the accelerated model's are finite; see the next test."""
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config())
+    assert isinstance(accelerated.encoder.layer[0].attention.self, vil.transformers_longformer._Accelerated)
+    ids, mask, global_mask = batch(one_global_each=True)
+    want, want_pooled, want_grads = training_results(reference, ids, mask, global_mask)
+    got, got_pooled, got_grads = training_results(accelerated, ids, mask, global_mask)
+    assert_same(got, want, mask)
+    assert_same(got_pooled, want_pooled)
+    assert want_grads.keys() == got_grads.keys()
+    for name, grad in want_grads.items():
+        if grad is not None:
+            assert_same(got_grads[name], grad), name
+
+
+def test_different_global_counts_give_the_same_outputs_and_finite_gradients():
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config())
+    ids, mask, global_mask = batch()  # 1, 3 and 0 global tokens
+    want, want_pooled, want_grads = training_results(reference, ids, mask, global_mask)
+    got, got_pooled, got_grads = training_results(accelerated, ids, mask, global_mask)
+    assert_same(got, want, mask)
+    assert_same(got_pooled, want_pooled)
+    assert any(g.isnan().any() for g in want_grads.values() if g is not None)  # transformers' own
+    assert all(g.isfinite().all() for g in got_grads.values() if g is not None)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "LongformerForMaskedLM",
+        "LongformerForSequenceClassification",
+        "LongformerForTokenClassification",
+        "LongformerForQuestionAnswering",
+    ],
+)
+def test_every_longformer_head(head):
+    labels = 2 if head == "LongformerForQuestionAnswering" else 3  # start and end
+    reference, accelerated = pair(getattr(transformers, head), longformer_config(num_labels=labels))
+    ids, mask, global_mask = batch(length=21, seed=1)
+    with torch.no_grad():
+        want = reference.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)
+        got = accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)
+    for key in want.keys():
+        per_token = want[key].dim() >= 2 and want[key].shape[1] == ids.shape[1]
+        assert_same(got[key], want[key], mask if per_token else None)
+
+
+def test_multiple_choice_head():
+    reference, accelerated = pair(transformers.LongformerForMultipleChoice, longformer_config())
+    ids, mask, global_mask = batch(length=17, seed=2)
+    choices = dict(input_ids=ids[None], attention_mask=mask[None], global_attention_mask=global_mask[None])
+    with torch.no_grad():
+        assert_same(accelerated.eval()(**choices).logits, reference.eval()(**choices).logits)
+
+
+def test_led_encoder_is_accelerated_and_the_decoder_stays():
+    reference, accelerated = pair(transformers.LEDForConditionalGeneration, led_config())
+    encoder_layer = accelerated.led.encoder.layers[0].self_attn.longformer_self_attn
+    assert isinstance(encoder_layer, vil.transformers_longformer.AcceleratedLEDEncoderSelfAttention)
+    assert type(accelerated.led.decoder.layers[0].self_attn) is type(reference.led.decoder.layers[0].self_attn)
+    ids, mask, global_mask = batch(length=23, seed=3, one_global_each=True)
+    decoder_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
+    results = []
+    for model in (reference, accelerated):
+        model.train()
+        out = model(ids, attention_mask=mask, global_attention_mask=global_mask, decoder_input_ids=decoder_ids)
+        out.logits.square().mean().backward()
+        results.append((out.logits, out.encoder_last_hidden_state, {n: p.grad for n, p in model.named_parameters()}))
+    (want, want_encoded, want_grads), (got, got_encoded, got_grads) = results
+    assert_same(got, want)
+    assert_same(got_encoded, want_encoded, mask)
+    for name, grad in want_grads.items():
+        if grad is not None:
+            assert_same(got_grads[name], grad), name
+
+
+def test_parameters_and_checkpoints_are_unchanged(tmp_path):
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config())
+    want, got = reference.state_dict(), accelerated.state_dict()
+    assert list(want) == list(got) and all(torch.equal(want[k], got[k]) for k in want)
+    accelerated.save_pretrained(tmp_path)
+    reloaded = transformers.LongformerModel.from_pretrained(tmp_path).double().eval()
+    assert (
+        type(reloaded.encoder.layer[0].attention.self)
+        is transformers.models.longformer.modeling_longformer.LongformerSelfAttention
+    )
+    ids, mask, global_mask = batch(seed=5)
+    with torch.no_grad():
+        assert_same(
+            vil.accelerate_longformer(reloaded)(ids, attention_mask=mask, global_attention_mask=global_mask)[0],
+            reference.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0],
+            mask,
+        )
+
+
+def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_once(caplog):
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config(attention_probs_dropout_prob=0.3))
+    ids, mask, global_mask = batch(seed=6)
+    outputs = []
+    with caplog.at_level(logging.WARNING, logger="vil.transformers_longformer"):
+        vil.transformers_longformer._Accelerated._said_dropout = False
+        for model in (reference, accelerated, accelerated):
+            torch.manual_seed(7)
+            outputs.append(model.train()(ids, attention_mask=mask, global_attention_mask=global_mask)[0])
+    assert_same(outputs[1], outputs[0], mask)  # the same dropout draws: transformers' own attention
+    assert caplog.text.count("attention_probs_dropout_prob is 0.3") == 1
+    with torch.no_grad():  # in evaluation dropout is off: the op
+        assert_same(
+            accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0],
+            reference.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0],
+            mask,
+        )
+
+
+def test_what_is_refused():
+    _, accelerated = pair(transformers.LongformerModel, longformer_config())
+    ids, mask, global_mask = batch()
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask, output_attentions=True)
+    with pytest.raises(ValueError, match="Linear has no Longformer self-attention"):
+        vil.accelerate_longformer(torch.nn.Linear(2, 2))
+    assert vil.accelerate_longformer(accelerated) is accelerated  # a second call changes nothing
+
+
+def test_without_transformers_the_call_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "vil.transformers_longformer", raising=False)
+    for name in [name for name in sys.modules if name.split(".")[0] == "transformers"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"vil\[transformers\]"):
+        vil.accelerate_longformer(torch.nn.Linear(2, 2))
+
+
+def test_benchmark_tool_prints_the_table_and_draws_the_plots(tmp_path):
+    from tool_runner import run_tool
+
+    options = ["--lengths", "16", "32", "--hidden", "24", "--window", "4", "--layers", "1", "--rounds", "1"]
+    status, out, err = run_tool("benchmark_longformer", *options, "--plot", tmp_path / "lf")
+    assert status == 0, err
+    rows = [line for line in out.splitlines() if line.startswith(("| layer |", "| model |"))]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        ["| layer", "16"],
+        ["| layer", "32"],
+        ["| model", "16"],
+        ["| model", "32"],
+    ]
+    for quantity in ("time", "memory"):
+        assert (tmp_path / f"lf_{quantity}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

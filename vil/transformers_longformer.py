@@ -1,0 +1,95 @@
+"""Hugging Face transformers' Longformer models on this project's sliding-window op: :func:`accelerate_longformer`.
+
+transformers' ``LongformerSelfAttention`` (in ``LongformerModel`` and every ``LongformerFor*`` head) and
+``LEDEncoderSelfAttention`` (the encoder of ``LEDModel`` and ``LEDForConditionalGeneration``; LED's decoder is full
+attention and stays) compute what :class:`vil.models.longformer.LongformerSelfAttention` computes: a sliding window
+of ``attention_window // 2`` keys on each side, from which padding and global tokens are removed, the global tokens'
+keys for every token, and full attention with the ``*_global`` projections for the global tokens. The conversion
+changes the class of each such module in place (same parameters, same names, same state dict); the model calls the
+op through ``vil.models.longformer.SlidingWindowSelfAttention.attend``. transformers is imported only here
+(``pip install vil[transformers]``).
+"""
+
+import logging
+
+from transformers.models.led.modeling_led import LEDEncoderSelfAttention
+from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+
+from .models.longformer import SlidingWindowSelfAttention
+
+_log = logging.getLogger(__name__)
+
+
+class _Accelerated(SlidingWindowSelfAttention):
+    """The forward of transformers' layer (its arguments, its tuple of outputs) on the op. Attention dropout in
+    training, which the op has no place for, and ``output_attentions``, whose tensors the op never forms, are the
+    two things it does not take: the first runs transformers' own forward (said once), the second is refused."""
+
+    dilation, causal = 1, False
+    _said_dropout = False
+
+    @property
+    def window(self):
+        return self.one_sided_attn_window_size
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        is_index_masked=None,
+        is_index_global_attn=None,
+        is_global_attn=None,
+        output_attentions=False,
+    ):
+        if output_attentions:
+            raise ValueError(
+                "output_attentions=True needs the attention probabilities, which vil.accelerate_longformer's "
+                "op never forms; call the model without it, or before accelerating it."
+            )
+        if self.training and self.dropout > 0:
+            if not _Accelerated._said_dropout:
+                _Accelerated._said_dropout = True
+                _log.warning(
+                    "attention_probs_dropout_prob is %s: in training the accelerated layers run transformers' own "
+                    "attention, which applies that dropout (set it to 0 to train on the op).",
+                    self.dropout,
+                )
+            return super().forward(
+                hidden_states, attention_mask, is_index_masked, is_index_global_attn, is_global_attn, False
+            )
+        return (self.attend(hidden_states, is_index_masked, is_index_global_attn),)
+
+
+class AcceleratedLongformerSelfAttention(_Accelerated, LongformerSelfAttention):
+    """transformers' ``LongformerSelfAttention`` on ``local_attention_1d``."""
+
+
+class AcceleratedLEDEncoderSelfAttention(_Accelerated, LEDEncoderSelfAttention):
+    """transformers' ``LEDEncoderSelfAttention`` on ``local_attention_1d``."""
+
+
+CONVERSIONS = {
+    LongformerSelfAttention: AcceleratedLongformerSelfAttention,
+    LEDEncoderSelfAttention: AcceleratedLEDEncoderSelfAttention,
+}
+
+
+def accelerate_longformer(model, backend=None):
+    """Every Longformer-style self-attention of the transformers model ``model`` computed by
+    ``vil.ops.local_attention_1d`` (``backend``: the op's backend, None for its default), in place; returns the
+    model. Parameters, their names and the state dict stay as they are, so checkpoints load before or after and
+    ``save_pretrained`` writes what transformers reads. Raises ``ValueError`` where the model has no such layer."""
+    converted = 0
+    for module in model.modules():
+        accelerated = CONVERSIONS.get(type(module))
+        if accelerated is not None:
+            module.__class__ = accelerated
+            converted += 1
+        if isinstance(module, _Accelerated):
+            module.backend = backend
+    if not converted and not any(isinstance(m, _Accelerated) for m in model.modules()):
+        raise ValueError(
+            f"{type(model).__name__} has no Longformer self-attention layer to accelerate; "
+            "vil.accelerate_longformer takes transformers' Longformer and LED models."
+        )
+    return model
