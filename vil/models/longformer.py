@@ -60,9 +60,21 @@ class SlidingWindowSelfAttention:
         if not g:
             return out
         global_q = self._heads(self.query_global(x.gather(1, positions[..., None].expand(B, g, x.shape[-1]))))
-        scores = global_q @ self._heads(self.key_global(x)).transpose(-1, -2) * scale
+        return out.scatter(2, index, self._global_attention(x, global_q * scale, padding))
+
+    def _global_attention(self, x, global_q, padding):
+        """The global queries' full attention over every token that is not padding, ``(B, heads, g, head_dim)``,
+        without projecting all L tokens with ``key_global`` and ``value_global``: per head, ``q . (W_k x + b_k) =
+        (W_k^T q) . x + q . b_k``, and since each softmax row sums to 1, ``P (W_v x + b_v)^T = W_v (P x) + b_v``, so
+        the L x dim x dim products become L x dim x g ones (g global queries)."""
+        B, H, g, D = global_q.shape
+        key_weight, value_weight = (p.weight.view(H, D, -1) for p in (self.key_global, self.value_global))
+        folded = torch.einsum("bhgd,hdc->bhgc", global_q, key_weight).reshape(B, H * g, -1)  # (B, heads*g, dim)
+        key_bias = (global_q * self.key_global.bias.view(H, 1, D)).sum(-1, True)
+        scores = (folded @ x.transpose(1, 2)).view(B, H, g, -1) + key_bias  # x shared by the heads, not copied
         probs = scores.masked_fill(padding[:, None, None, :], float("-inf")).softmax(-1)
-        return out.scatter(2, index, probs @ self._heads(self.value_global(x)))
+        mixed = (probs.view(B, H * g, -1) @ x).view(B, H, g, -1)  # (B, heads, g, dim)
+        return torch.einsum("bhgc,hdc->bhgd", mixed, value_weight) + self.value_global.bias.view(H, 1, D)
 
 
 class LongformerSelfAttention(SlidingWindowSelfAttention, nn.Module):
