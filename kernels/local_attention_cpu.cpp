@@ -197,9 +197,9 @@ void add_into(T* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
-// Where a backward sums the key or value gradients of one (batch, head) map or residue class: the gradient
-// tensor itself when it holds the compute type; else a buffer in the compute type, written to the tensor by
-// finish (sums in half precision would lose the small terms).
+// Where a backward sums the key or value gradients of one (batch, head) map or residue class, from zero: the
+// gradient tensor itself when it holds the compute type; else a buffer in the compute type, written to the tensor
+// by finish (sums in half precision would lose the small terms). Either way the tensor needs no zeroing before.
 template <typename S, typename T>
 struct GradientSum {
   Map<T> target{};
@@ -211,6 +211,9 @@ struct GradientSum {
     out = gradient, rows = rows_, cols = cols_, D = D_;
     if constexpr (std::is_same_v<S, T>) {
       target = gradient;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) std::fill(target.at(r, c), target.at(r, c) + D, T(0));
+      }
     } else {
       buffer.assign(rows * cols * D, T(0));
       target = {buffer.data(), cols * D, D};

@@ -41,6 +41,7 @@ def test_benchmark_model_compares_with_a_timm_model_and_profiles_both():
     )
     assert status == 0, err
     assert "| eager |" in out and "| timm resnet10t |" in out
+    assert "| float32 |" in out  # the preset's AMP.ENABLED is its GPU recipe's: without AMP.ON_CPU, float32
     # One profile per contender, each listing the operators that took the time: the products among them.
     assert out.count("two training steps:") == 2
     eager_profile, timm_profile = out.split("two training steps:")[1:]

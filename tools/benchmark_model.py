@@ -27,7 +27,7 @@ from vil.config import load_cfg
 from vil.model_config import build_model
 from vil.optim import build_optimizer
 from vil.profiling import PeakMemory, flop_counter
-from vil.training.setup import amp_context
+from vil.training.setup import amp_context, amp_enabled
 
 
 def main():
@@ -101,7 +101,7 @@ def main():
     with PeakMemory(device) as peak:
         train_step()
     train_speed, infer_speed = timed(train_step), timed(infer_step)
-    precision = f"autocast {cfg.AMP.DTYPE}" if cfg.AMP.ENABLED else "float32"
+    precision = f"autocast {cfg.AMP.DTYPE}" if amp_enabled(cfg, device) else "float32"
     print(
         "| model | ATTN_TYPE | device | precision | batch | params | GMACs | train img/s | infer img/s "
         "| train peak memory (MiB) |"

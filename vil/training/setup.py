@@ -65,7 +65,7 @@ def amp_context(cfg, device):
     gradient scaler, which is a pass-through unless fp16 needs it. The presets enable AMP for their GPU recipe: on
     the CPU it is a choice of its own, since only CPUs with half-precision matrix instructions gain from it."""
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.AMP.DTYPE]
-    on = cfg.AMP.ENABLED and (device.type == "cuda" or (device.type == "cpu" and cfg.AMP.ON_CPU))
+    on = amp_enabled(cfg, device)
     if on and device.type == "cpu" and not cpu_multiplies_natively(dtype):
         log.warning(
             "AMP.DTYPE %s: this CPU has no %s matrix instructions, so torch's %s matrix products run many times slower "
@@ -76,6 +76,11 @@ def amp_context(cfg, device):
         )
     scaler = torch.amp.GradScaler(device.type, enabled=on and dtype == torch.float16)
     return ((lambda: torch.autocast(device.type, dtype=dtype)) if on else nullcontext), scaler
+
+
+def amp_enabled(cfg, device):
+    """Whether steps on ``device`` run under autocast: ``AMP.ENABLED`` on CUDA, and with ``AMP.ON_CPU`` on the CPU."""
+    return cfg.AMP.ENABLED and (device.type == "cuda" or (device.type == "cpu" and cfg.AMP.ON_CPU))
 
 
 def cpu_multiplies_natively(dtype):

@@ -164,9 +164,9 @@ def _outputs(q):
 
 
 def _gradient_buffers(q):
-    """The gradients of q, k and v to fill, contiguous, in q's dtype (the kernels sum k's and v's in the compute
-    dtype first where that differs)."""
-    return q.new_empty(q.shape), q.new_zeros(q.shape), q.new_zeros(q.shape)
+    """The gradients of q, k and v to fill, contiguous, in q's dtype; the kernels write every element (they sum
+    k's and v's from zero, in the compute dtype)."""
+    return tuple(q.new_empty(q.shape) for _ in range(3))
 
 
 def _token_rows(t):
