@@ -64,6 +64,8 @@ def test_unknown_keys_name_the_key(tmp_path):
     path.write_text("MODEL:\n  VIT:\n    DROPPATH: 0.2\n")
     with pytest.raises(ValueError, match=r"Unknown config key MODEL.VIT.DROPPATH"):
         load_cfg(path)
+    with pytest.raises(ValueError, match=r"Unknown config key AUG.TIMM_AUG.RE_PROBABILITY"):
+        load_cfg(overrides=["AUG.TIMM_AUG.RE_PROBABILITY", "0.25"])  # timm's options are keys like any other
     with pytest.raises(ValueError, match="KEY VALUE pairs"):
         load_cfg(overrides=["OPTIM.LR"])
     with pytest.raises(
@@ -110,6 +112,8 @@ def test_compatibility_only_keys_warn_when_set():
         "MODEL.PRETRAINED True is ignored: this key only lets the original release's YAML files load "
         "(there: torchvision's ResNet weights (ViL weights come from MODEL.MODEL_PATH))."
     ]
+    (warning,) = compatibility_warnings(load_cfg(overrides=["AUG.TIMM_AUG.RE_SPLIT", "True"]))
+    assert warning.startswith("AUG.TIMM_AUG.RE_SPLIT True is ignored") and "augmentation split" in warning
 
 
 def _read_names(paths):

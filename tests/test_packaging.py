@@ -74,8 +74,9 @@ def test_python_m_vil_names_its_commands_and_presets_load_by_name(capsys):
 
     with pytest.raises(ValueError, match=r"vil_smal .*config file.*preset"):
         load_cfg("vil_smal")
-    with pytest.raises(SystemExit, match=r"unknown command 'fit'.*\{train,eval,export,"):
+    with pytest.raises(SystemExit, match=r"unknown command 'fit'") as refused:
         main(["fit"])
+    assert all(command in str(refused.value) for command in ("train", "eval", "predict", "export-hub", "export"))
     with pytest.raises(SystemExit) as done:  # each command reaches its tool
         main(["export-onnx", "--help"])
     assert done.value.code == 0 and "Export a classification model to ONNX" in capsys.readouterr().out

@@ -9,7 +9,7 @@ from timm.models import group_parameters
 import vil  # noqa: F401  (registers the presets)
 from vil.models import COMPARISONS, PRESETS, MsViT
 
-NAMES = sorted([*PRESETS, *COMPARISONS])  # the presets and the attention comparison's models
+NAMES = sorted([*PRESETS, *COMPARISONS, "vil_arch"])  # the presets, the attention comparison's models, any arch
 
 
 def test_every_preset_is_registered_with_its_pretrained_cfg():

@@ -165,6 +165,102 @@ def test_led_encoder_is_accelerated_and_the_decoder_stays():
             assert_same(got_grads[name], grad), name
 
 
+def test_compiled_model_gives_the_same_outputs_and_gradients_at_several_lengths():
+    """torch.compile with dynamic shapes: the accelerated layers add no graph break (transformers' encoder has its
+    own: a ``.item()`` and a log call), and outputs and gradients stay those of transformers' model."""
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config())
+    explanation = torch._dynamo.explain(accelerated.eval())(*batch())
+    assert explanation.graph_break_count >= 1  # transformers' own, below
+    for reason in explanation.break_reasons:
+        assert all("/vil/" not in frame.filename for frame in reason.user_stack), reason
+    torch._dynamo.reset()
+    compiled = torch.compile(accelerated, backend="aot_eager", dynamic=True)
+    for length in (29, 40, 57):
+        ids, mask, global_mask = batch(length=length, seed=length)
+        want, _, want_grads = training_results(reference, ids, mask, global_mask)
+        reference.zero_grad()
+        accelerated.zero_grad()
+        got = training_results(compiled, ids, mask, global_mask)[0]
+        assert_same(got, want, mask)
+        got_grads = {name: p.grad for name, p in accelerated.named_parameters()}
+        for name, grad in want_grads.items():
+            if grad is not None and grad.isfinite().all():  # NaN where transformers' own gradients are
+                assert_same(got_grads[name], grad), name
+
+
+def test_the_layer_compiles_as_one_graph():
+    layer = vil.models.longformer.LongformerSelfAttention(32, 4, 3, dilation=[1, 2, 1, 2]).double()
+    x = torch.randn(3, 20, 32, dtype=torch.float64, requires_grad=True)
+    padding = torch.zeros(3, 20, dtype=torch.bool)
+    padding[1, 15:] = True
+    global_mask = torch.zeros_like(padding)
+    global_mask[0, [0, 4]] = global_mask[1, 7] = True  # 2, 1 and 0 global tokens
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+    results = []
+    for run in (layer, compiled):
+        out = run(x, padding, global_mask)
+        results.append((out, *torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])))
+    for got, want in zip(results[1], results[0]):
+        assert_same(got, want)
+
+
+EXPORT_LENGTH = 8 * torch.export.Dim("blocks", min=1, max=11)  # transformers pads to the largest window, 8
+
+
+def export_inputs(length, seed=0):
+    ids, mask, global_mask = batch(length=length, seed=seed)
+    return dict(input_ids=ids, attention_mask=mask, global_attention_mask=global_mask)
+
+
+def test_exported_program_gives_the_same_outputs_at_other_lengths():
+    torch.manual_seed(0)
+    reference = transformers.LongformerModel(longformer_config(), add_pooling_layer=False).eval()
+    accelerated = vil.accelerate_longformer(copy.deepcopy(reference))
+    shapes = {name: {1: EXPORT_LENGTH} for name in ("input_ids", "attention_mask", "global_attention_mask")}
+    with torch.no_grad():
+        program = torch.export.export(accelerated, (), export_inputs(32), dynamic_shapes=shapes)
+        for length in (32, 48):
+            inputs = export_inputs(length, seed=length)
+            assert_same(program.module()(**inputs)[0], reference(**inputs)[0], inputs["attention_mask"], 1e-5)
+
+
+def test_onnx_export_runs_in_onnxruntime_with_the_same_outputs(tmp_path):
+    pytest.importorskip("onnxscript", reason="the onnx extra (pip install 'vil[onnx]')")
+    onnxruntime = pytest.importorskip("onnxruntime", reason="the onnx extra (pip install 'vil[onnx]')")
+    torch.manual_seed(0)
+    reference = transformers.LongformerModel(longformer_config(), add_pooling_layer=False).eval()
+    accelerated = vil.accelerate_longformer(copy.deepcopy(reference))
+    shapes = {name: {1: EXPORT_LENGTH} for name in ("input_ids", "attention_mask", "global_attention_mask")}
+    with torch.no_grad():
+        program = torch.onnx.export(accelerated, (), kwargs=export_inputs(32), dynamic_shapes=shapes, dynamo=True)
+    program.save(tmp_path / "longformer.onnx")
+    session = onnxruntime.InferenceSession(str(tmp_path / "longformer.onnx"), providers=["CPUExecutionProvider"])
+    for length in (32, 48):
+        inputs = export_inputs(length, seed=length)
+        got = session.run(None, {name: tensor.numpy() for name, tensor in inputs.items()})[0]
+        with torch.no_grad():
+            want = reference(**inputs)[0]
+        assert_same(torch.from_numpy(got), want, inputs["attention_mask"], 1e-5)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-3), (torch.float16, 1e-4)])
+def test_half_precision_autocast_stays_finite_and_close_to_float32(dtype, tol):
+    """The layers compute in ``dtype`` (their outputs are), the op's scores and softmax in float32."""
+    torch.manual_seed(0)
+    reference = transformers.LongformerModel(longformer_config(), add_pooling_layer=False).eval()
+    accelerated = vil.accelerate_longformer(copy.deepcopy(reference))
+    layer_dtypes = []
+    layer = accelerated.encoder.layer[0].attention.self
+    layer.register_forward_hook(lambda module, inputs, out: layer_dtypes.append(out[0].dtype))
+    inputs = export_inputs(29)
+    with torch.no_grad():
+        want = reference(**inputs)[0]
+        with torch.autocast("cpu", dtype=dtype):
+            got = accelerated(**inputs)[0]
+    assert layer_dtypes == [dtype] and got.isfinite().all()
+    assert_same(got, want, inputs["attention_mask"], tol)
+
+
 def test_parameters_and_checkpoints_are_unchanged(tmp_path):
     reference, accelerated = pair(transformers.LongformerModel, longformer_config())
     want, got = reference.state_dict(), accelerated.state_dict()
@@ -227,7 +323,8 @@ def test_benchmark_tool_prints_the_table_and_draws_the_plots(tmp_path):
     from tool_runner import run_tool
 
     options = ["--lengths", "16", "32", "--hidden", "24", "--window", "4", "--layers", "1", "--rounds", "1"]
-    status, out, err = run_tool("benchmark_longformer", *options, "--plot", tmp_path / "lf")
+    what = ["--what", "layer", "model", "autocast"]
+    status, out, err = run_tool("benchmark_longformer", *options, *what, "--plot", tmp_path / "lf")
     assert status == 0, err
     rows = [line for line in out.splitlines() if line.startswith(("| layer |", "| model |"))]
     assert [row.split(" | ")[:2] for row in rows] == [
@@ -235,6 +332,10 @@ def test_benchmark_tool_prints_the_table_and_draws_the_plots(tmp_path):
         ["| layer", "32"],
         ["| model", "16"],
         ["| model", "32"],
+    ]
+    autocast = [line.split(" | ")[:2] for line in out.splitlines() if "float16 |" in line]
+    assert autocast == [["| 16", dtype] for dtype in ("bfloat16", "float16")] + [
+        ["| 32", dtype] for dtype in ("bfloat16", "float16")
     ]
     for quantity in ("time", "memory"):
         assert (tmp_path / f"lf_{quantity}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from vil.files import atomic_write
 from vil.ops import available_backends, default_backend, local_attention_1d, local_attention_2d
 from vil.ops.registry import BACKENDS, FASTEST, FASTEST_ELSEWHERE
+from vil.plots import agg_pyplot
 from vil.profiling import PeakMemory, cpu_description
 
 SDPA = "sdpa (full attention)"
@@ -347,11 +348,8 @@ def main(argv=None):
 def plot_study(study, prefix, title, dim=2):
     """``study[size][backend]`` = (seconds, MiB, ...) or a reason -> PREFIX_time.png, PREFIX_memory.png, against
     the map side (``dim`` 2) or the sequence length (``dim`` 1)."""
-    import matplotlib
+    plt = agg_pyplot()
     import matplotlib.ticker
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     backends = list(dict.fromkeys(name for results in study.values() for name in results))
     for column, what, unit in ((0, "time", "forward + backward time (ms)"), (1, "memory", "peak memory (MiB)")):

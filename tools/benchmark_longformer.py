@@ -9,8 +9,12 @@ one global token (the first), no dropout (transformers' attention dropout has no
 layers run transformers' attention while it is on). The layer is transformers' ``LongformerSelfAttention``, called
 as its encoder calls it; the model is a ``LongformerModel`` of ``--layers`` layers (longformer-base has 12) on
 random token ids. A training step is the forward and the backward of the sum of squares of the output; an inference
-step the forward without gradients. The two contenders alternate in one process, ``--rounds`` times (the median of
+step the forward without gradients. For the model, a third run times the inference of what the two share, the same
+model with each self-attention reduced to its q, k and v projections: transformers' inference time over it bounds
+what any attention can gain. The contenders alternate in one process, ``--rounds`` times (the median of
 each); peak memory is what torch's allocator holds during one training step (``vil.profiling.PeakMemory``).
+``--what autocast`` adds the layer under CPU autocast in bfloat16 and float16: how far each contender's output is
+from transformers' float32 output, whether it is finite, and its inference time.
 """
 
 import argparse
@@ -24,9 +28,19 @@ from transformers.models.longformer.modeling_longformer import LongformerSelfAtt
 
 import vil
 from vil.files import atomic_write
+from vil.plots import agg_pyplot
 from vil.profiling import PeakMemory, cpu_description
 
 CONTENDERS = ("transformers", "accelerated")
+SHARED = "shared parts"  # the model's inference with no attention: what bounds its inference speed-up
+
+
+class SharedPartsOnly(LongformerSelfAttention):
+    """What both contenders compute around the attention, and no attention: the layer's q, k, v projections."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.key(hidden_states), self.value(hidden_states)
+        return (self.query(hidden_states),)
 
 
 def parse_args(argv=None):
@@ -34,7 +48,7 @@ def parse_args(argv=None):
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--what", nargs="+", default=["layer", "model"], choices=["layer", "model"])
+    p.add_argument("--what", nargs="+", default=["layer", "model"], choices=["layer", "model", "autocast"])
     p.add_argument("--layers", type=int, default=2, help="layers of the whole model (longformer-base: 12)")
     p.add_argument("--hidden", type=int, default=768, help="hidden size (12 heads of hidden / 12)")
     p.add_argument("--window", type=int, default=512, help="attention_window (keys on both sides together)")
@@ -57,8 +71,8 @@ def config(args):
     )
 
 
-def layer_steps(args, length):
-    """{contender: a function of ``training`` that runs one step of the layer}."""
+def layer_calls(args, length):
+    """{contender: a function that runs the layer on one sequence}, both with the same weights and input."""
     torch.manual_seed(0)
     layer = LongformerSelfAttention(config(args), layer_id=0)
     x = torch.randn(1, length, args.hidden, requires_grad=True)
@@ -66,7 +80,12 @@ def layer_steps(args, length):
     mask[0, 0] = 10000.0  # the encoder's encoding: < 0 padding, 0 local, > 0 global
     inputs = dict(attention_mask=mask, is_index_masked=mask < 0, is_index_global_attn=mask > 0, is_global_attn=True)
     layers = {"transformers": layer, "accelerated": vil.accelerate_longformer(copy.deepcopy(layer))}
-    return {name: (lambda training, m=m: step(lambda: m(x, **inputs)[0], training)) for name, m in layers.items()}
+    return {name: (lambda m=m: m(x, **inputs)[0]) for name, m in layers.items()}
+
+
+def layer_steps(args, length):
+    """{contender: a function of ``training`` that runs one step of the layer}."""
+    return {name: (lambda training, c=call: step(c, training)) for name, call in layer_calls(args, length).items()}
 
 
 def model_steps(args, length):
@@ -76,6 +95,10 @@ def model_steps(args, length):
     global_mask = torch.zeros_like(ids)
     global_mask[0, 0] = 1
     models = {"transformers": model, "accelerated": vil.accelerate_longformer(copy.deepcopy(model))}
+    models[SHARED] = copy.deepcopy(model)
+    for module in models[SHARED].modules():
+        if type(module) is LongformerSelfAttention:
+            module.__class__ = SharedPartsOnly
     return {
         name: (lambda training, m=m: step(lambda: m(ids, global_attention_mask=global_mask)[0], training))
         for name, m in models.items()
@@ -96,50 +119,76 @@ def seconds(fn):
     return time.perf_counter() - start
 
 
-def measure(args):
-    """{(what, length, contender): (training s, inference s, training peak MiB)}."""
+def measure(args, timed):
+    """{(what, length, contender): (training s, inference s, training peak MiB)} for ``timed`` ("layer", "model");
+    the model's shared parts are timed in inference only (None for the rest)."""
     results = {}
-    for what in args.what:
+    for what in timed:
         for length in args.lengths:
             steps = (layer_steps if what == "layer" else model_steps)(args, length)
+            phases = {name: (False,) if name == SHARED else (True, False) for name in steps}
             peaks = {}
-            for name, run in steps.items():
+            for name in CONTENDERS:
                 with PeakMemory("cpu") as peak:
-                    run(True)
+                    steps[name](True)
                 peaks[name] = peak.mib
-            times = {(name, training): [] for name in steps for training in (True, False)}
+            times = {(name, training): [] for name in steps for training in phases[name]}
             for _ in range(args.rounds):
                 for name, run in steps.items():
-                    for training in (True, False):
+                    for training in phases[name]:
                         times[name, training].append(seconds(lambda r=run, t=training: r(t)))
             for name in steps:
-                train, infer = (statistics.median(times[name, t]) for t in (True, False))
-                results[what, length, name] = (train, infer, peaks[name])
+                train, infer = (
+                    statistics.median(times[key]) if key in times else None for key in ((name, True), (name, False))
+                )
+                results[what, length, name] = (train, infer, peaks.get(name))
     return results
+
+
+def autocast_rows(args):
+    """The layer under CPU autocast in bfloat16 and float16: each contender's largest deviation from transformers'
+    float32 output (relative to that output's largest magnitude), whether every output is finite, inference time."""
+    lines = [
+        "| tokens | autocast | transformers: deviation, finite, infer (ms) "
+        "| accelerated: deviation, finite, infer (ms) |",
+        "|---|---|---|---|",
+    ]
+    for length in args.lengths:
+        calls = layer_calls(args, length)
+        with torch.no_grad():
+            want = calls["transformers"]()
+            for dtype in (torch.bfloat16, torch.float16):
+                cells = []
+                for call in calls.values():
+                    with torch.autocast("cpu", dtype=dtype):
+                        got = call()
+                        took = statistics.median(seconds(call) for _ in range(args.rounds))
+                    deviation = ((got.float() - want).abs().max() / want.abs().max()).item()
+                    cells.append(f"{deviation:.1e}, {bool(got.isfinite().all())}, {took * 1e3:.0f}")
+                lines.append(f"| {length} | {str(dtype).replace('torch.', '')} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
 
 
 def table(results):
     lines = [
         "| what | tokens | transformers train / infer (ms) | accelerated train / infer (ms) | speed-up train / infer "
-        "| training peak MiB: transformers -> accelerated (ratio) |",
-        "|---|---|---|---|---|---|",
+        "| training peak MiB: transformers -> accelerated (ratio) | shared parts infer (ms): bound on the speed-up |",
+        "|---|---|---|---|---|---|---|",
     ]
     for what, length in dict.fromkeys((w, n) for w, n, _ in results):
         (t_train, t_infer, t_peak), (a_train, a_infer, a_peak) = (results[what, length, c] for c in CONTENDERS)
+        shared = results.get((what, length, SHARED), (None, None, None))[1]
+        bound = "-" if shared is None else f"{shared * 1e3:.0f}: {t_infer / shared:.2f}x"
         lines.append(
             f"| {what} | {length} | {t_train * 1e3:.0f} / {t_infer * 1e3:.0f} | {a_train * 1e3:.0f} / "
             f"{a_infer * 1e3:.0f} | {t_train / a_train:.2f}x / {t_infer / a_infer:.2f}x | {t_peak:.0f} -> "
-            f"{a_peak:.0f} ({a_peak / t_peak:.2f}x) |"
+            f"{a_peak:.0f} ({a_peak / t_peak:.2f}x) | {bound} |"
         )
     return "\n".join(lines)
 
 
 def plot(results, prefix):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     for index, quantity, unit in ((0, "time", "training step (ms)"), (2, "memory", "training peak memory (MiB)")):
         fig, ax = plt.subplots(figsize=(6, 4))
         for what in dict.fromkeys(w for w, _, _ in results):
@@ -162,12 +211,13 @@ def plot(results, prefix):
 def main(argv=None):
     args = parse_args(argv)
     print(f"CPU: {cpu_description()}; transformers {transformers.__version__}; model layers: {args.layers}")
-    results = measure(args)
-    text = table(results)
+    timed = [what for what in args.what if what != "autocast"]
+    results = measure(args, timed)
+    text = "\n\n".join(([table(results)] if timed else []) + ([autocast_rows(args)] if "autocast" in args.what else []))
     print(text)
     if args.markdown:
         atomic_write(args.markdown, lambda f: f.write((text + "\n").encode()))
-    if args.plot:
+    if args.plot and timed:
         plot(results, args.plot)
 
 

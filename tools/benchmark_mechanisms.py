@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from vil.files import atomic_write
 from vil.models import COMPARISONS, PRESETS, MsViT, parse_arch, small_arch, stage_map_sizes
 from vil.models.msvit import PRETRAINED
+from vil.plots import agg_pyplot
 from vil.profiling import PeakMemory, flop_counter
 
 try:  # installed, or an editable checkout: the tools are the package vil_tools
@@ -352,11 +353,8 @@ PLOTS = (
 def plot_study(study, prefix, title):
     """``study[size][name]`` -> PREFIX_time.png, PREFIX_memory.png and PREFIX_flops.png: one line per model
     (colour: mechanism; solid: all stages, dashed: stages 1-2) against the image side, log-log."""
-    import matplotlib
+    plt = agg_pyplot()
     import matplotlib.ticker
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(name for results in study.values() for name in results))
     colours = {mechanism: f"C{i}" for i, mechanism in enumerate(MECHANISMS)}

@@ -1,5 +1,6 @@
 """``python -m vil <command> [arguments]``: the command-line tools, as the console scripts ``vil-train``,
-``vil-eval``, ``vil-export``, ``vil-export-onnx``, ``vil-benchmark`` and ``vil-make-shards`` run them."""
+``vil-eval``, ``vil-predict``, ``vil-export``, ``vil-export-onnx``, ``vil-export-hub``, ``vil-benchmark`` and
+``vil-make-shards`` run them."""
 
 import importlib
 import sys
@@ -8,8 +9,10 @@ import sys
 COMMANDS = {
     "train": "train",
     "eval": "eval",
+    "predict": "predict",
     "export": "export_backbone",
     "export-onnx": "export_onnx",
+    "export-hub": "export_hub",
     "benchmark": "benchmark_model",
     "make-shards": "make_shards",
     "timm-train": "timm_train",

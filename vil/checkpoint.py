@@ -3,11 +3,13 @@
 Both are ``torch.save``d dicts whose key ``"net"`` holds the model's state dict (the original release's
 layout, which this project's models share, so no conversion is needed); keys may carry the ``module.``
 prefix of a DistributedDataParallel wrapper. This project adds ``"arch"``, ``"epoch"`` and whatever else
-the trainer stores. A bare state dict is accepted too.
+the trainer stores. A bare state dict is accepted too, and so are a ``.safetensors`` file of one and a folder that
+holds ``model.safetensors`` (a Hugging Face Hub folder, as ``tools/export_hub.py`` writes).
 """
 
 import os
 
+import safetensors.torch
 import torch
 
 from .files import atomic_write
@@ -38,14 +40,30 @@ def download_checkpoint(url, file_name):
     return path
 
 
+SAFETENSORS_NAME = "model.safetensors"  # the weights of a Hub folder
+
+
 def read_checkpoint(path):
-    """The checkpoint dict at ``path``, loaded with ``weights_only=True`` (checkpoints are untrusted input)."""
+    """The checkpoint dict at ``path``, loaded with ``weights_only=True`` (checkpoints are untrusted input); the
+    state dict of a ``.safetensors`` file or of a Hub folder's ``model.safetensors``."""
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, SAFETENSORS_NAME)):
+            raise FileNotFoundError(
+                f"{path} is a folder without {SAFETENSORS_NAME}; give a checkpoint file, or a folder that "
+                "tools/export_hub.py wrote."
+            )
+        path = os.path.join(path, SAFETENSORS_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if os.path.getsize(path) == 0:
         raise ValueError(
             f"{path} is empty (0 bytes), not a checkpoint; its write was interrupted, or it is the wrong file."
         )
+    if str(path).endswith(".safetensors"):
+        try:
+            return safetensors.torch.load_file(path, device="cpu")
+        except Exception as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}).") from None
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -61,6 +79,10 @@ def read_checkpoint(path):
 
 # Where checkpoints keep the EMA weights: this project's trainer, and timm's.
 _EMA_KEYS = ("ema", "state_dict_ema", "model_ema")
+
+
+def has_ema(checkpoint):
+    return any(isinstance(checkpoint.get(k), dict) for k in _EMA_KEYS)
 
 
 def ema_state(checkpoint, path="checkpoint"):

@@ -46,8 +46,17 @@ _C.AUG.MIXUP_SWITCH_PROB = 0.5
 _C.AUG.MIXUP_MODE = "batch"
 _C.AUG.MIXCUT_AND_MIXUP = False
 _C.AUG.REPEATED_AUG = False  # distributed training: timm's repeated-augmentation sampler (3 repeats)
-_C.AUG.TIMM_AUG = CN(new_allowed=True)  # timm's transform options (RE_PROB, AUTO_AUGMENT, ...)
+# timm's training transform (timm.data.create_transform) and its options, with timm's defaults.
+_C.AUG.TIMM_AUG = CN()
 _C.AUG.TIMM_AUG.USE_TRANSFORM = False
+_C.AUG.TIMM_AUG.HFLIP = 0.5  # also the horizontal flip of the other training transforms
+_C.AUG.TIMM_AUG.VFLIP = 0.0
+_C.AUG.TIMM_AUG.COLOR_JITTER = 0.4
+_C.AUG.TIMM_AUG.AUTO_AUGMENT = ""  # a timm policy string, e.g. rand-m9-mstd0.5-inc1; "": none
+_C.AUG.TIMM_AUG.RE_PROB = 0.0  # random erasing
+_C.AUG.TIMM_AUG.RE_MODE = "pixel"
+_C.AUG.TIMM_AUG.RE_COUNT = 1
+_C.AUG.TIMM_AUG.RE_SPLIT = False
 
 _C.DATA = CN()
 _C.DATA.TRAIN = ("imagenet",)
@@ -166,6 +175,8 @@ COMPATIBILITY_KEYS = {
     "AUG.DROPBLOCK_KEEP_PROB": "DropBlock in the original's ResNets",
     "AUG.DROPBLOCK_BLOCK_SIZE": "DropBlock in the original's ResNets",
     "AUG.MIXCUT_AND_MIXUP": "unused by the original's training",
+    "AUG.TIMM_AUG.RE_SPLIT": "random erasing per augmentation split, which neither the original nor this training "
+    "makes",
     "DATA.TARGETMAP": "a label map for the original's TSV datasets",
     "DATALOADER.RE": "unused by the original's training",
     "LOSS.FOCAL.NORMALIZE": "a focal loss the original's training refused",
@@ -333,12 +344,7 @@ def _set(cfg, key, value, source):
                 f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source})."
             )
     if name not in node:
-        if not node.is_new_allowed():
-            raise ValueError(
-                f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source})."
-            )
-        node[name] = value
-        return
+        raise ValueError(f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source}).")
     default = node[name]
     if isinstance(default, CN):
         raise ValueError(

@@ -14,14 +14,14 @@ from timm.data import Mixup, auto_augment, create_transform
 from torch.utils.data import Dataset, default_collate
 from torchvision import transforms
 from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
 from .shards import ShardDataset
 from .unreadable import Unreadable, skipped
 
 EXPECTED_LAYOUT = "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<image>"
 # INPUT.INTERPOLATION holds PIL's codes, as in the original release.
-_INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # INPUT.INTERPOLATION (PIL codes) -> timm's names
 
 
 class SkippingImageFolder(ImageFolder):
@@ -41,11 +41,16 @@ class SkippingImageFolder(ImageFolder):
 
     def __getitem__(self, index):
         path, target = self.samples[index]
-        try:
-            image = self.loader(path)
-            return (self.transform(image) if self.transform else image), target
-        except Exception as e:  # a decoder can fail in many ways on crafted bytes; each is one skipped file
-            return skipped(path, e)
+        return loaded_or_skipped(path, target, self.transform, self.loader)
+
+
+def loaded_or_skipped(path, target, transform, loader=default_loader):
+    """``(transform(image), target)`` of the image file at ``path``, or the :class:`Unreadable` that names it."""
+    try:
+        image = loader(path)
+        return (transform(image) if transform else image), target
+    except Exception as e:  # a decoder can fail in many ways on crafted bytes; each is one skipped file
+        return skipped(path, e)
 
 
 class DigitsDataset(Dataset):
@@ -54,7 +59,12 @@ class DigitsDataset(Dataset):
     (names ``"0"`` to ``"9"``), labelled in that order (None: all ten)."""
 
     def __init__(self, train, transform=None, held_out=0.2, classes=None):
-        from sklearn.datasets import load_digits
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError as error:
+            raise ImportError(
+                f"The digits data set comes with scikit-learn ({error}); install it with pip install 'vil[digits]'."
+            ) from None
 
         names = [str(d) for d in range(10)]
         self.classes = list(classes) if classes else names
@@ -124,15 +134,15 @@ def build_transform(cfg, train):
       probabilities ``AUG.COLOR_JITTER[4]``, ``AUG.GRAY_SCALE``, ``AUG.GAUSSIAN_BLUR`` color jitter
       (``AUG.COLOR_JITTER[:4]``), grayscale and Gaussian blur.
 
-    The horizontal flip has probability ``AUG.TIMM_AUG.HFLIP`` (0.5 unless set)."""
-    if cfg.INPUT.INTERPOLATION not in _INTERPOLATIONS:
+    The horizontal flip has probability ``AUG.TIMM_AUG.HFLIP``."""
+    if cfg.INPUT.INTERPOLATION not in INTERPOLATIONS:
         raise ValueError(
             f"INPUT.INTERPOLATION {cfg.INPUT.INTERPOLATION} is not a PIL code this project knows; use 0, 2 or 3."
         )
-    size, interpolation = cfg.INPUT.IMAGE_SIZE, _INTERPOLATIONS[cfg.INPUT.INTERPOLATION]
+    size, interpolation = cfg.INPUT.IMAGE_SIZE, INTERPOLATIONS[cfg.INPUT.INTERPOLATION]
     common = dict(input_size=size, interpolation=interpolation, mean=tuple(cfg.INPUT.MEAN), std=tuple(cfg.INPUT.STD))
     timm_aug, aug = cfg.AUG.TIMM_AUG, cfg.AUG
-    hflip = timm_aug.get("HFLIP", 0.5)
+    hflip = timm_aug.HFLIP
     if not train:
         return create_transform(is_training=False, crop_pct=cfg.INPUT.CROP_PCT, **common)
     if timm_aug.USE_TRANSFORM:
@@ -142,12 +152,12 @@ def build_transform(cfg, train):
                 scale=tuple(aug.SCALE),
                 ratio=tuple(aug.RATIO),
                 hflip=hflip,
-                vflip=timm_aug.get("VFLIP", 0.0),
-                color_jitter=timm_aug.get("COLOR_JITTER", 0.4),
-                auto_augment=timm_aug.get("AUTO_AUGMENT", None),
-                re_prob=timm_aug.get("RE_PROB", 0.0),
-                re_mode=timm_aug.get("RE_MODE", "pixel"),
-                re_count=timm_aug.get("RE_COUNT", 1),
+                vflip=timm_aug.VFLIP,
+                color_jitter=cfg.AUG.TIMM_AUG.COLOR_JITTER,
+                auto_augment=timm_aug.AUTO_AUGMENT or None,
+                re_prob=timm_aug.RE_PROB,
+                re_mode=timm_aug.RE_MODE,
+                re_count=timm_aug.RE_COUNT,
                 **common,
             )
         )
@@ -163,19 +173,19 @@ def build_transform(cfg, train):
                 transforms.Normalize(cfg.INPUT.MEAN, cfg.INPUT.STD),
             ]
         )
-    if len(aug.COLOR_JITTER) != 5:
+    if len(cfg.AUG.COLOR_JITTER) != 5:
         raise ValueError(
-            f"AUG.COLOR_JITTER {list(aug.COLOR_JITTER)} must hold 5 numbers: "
+            f"AUG.COLOR_JITTER {list(cfg.AUG.COLOR_JITTER)} must hold 5 numbers: "
             "brightness, contrast, saturation, hue, probability."
         )
-    jitter_prob = aug.COLOR_JITTER[4]
+    jitter_prob = cfg.AUG.COLOR_JITTER[4]
     return create_transform(
         is_training=True,
         scale=tuple(aug.SCALE),
         ratio=tuple(aug.RATIO),
         hflip=hflip,
         vflip=0.0,
-        color_jitter=tuple(aug.COLOR_JITTER[:4]) if jitter_prob > 0 else None,
+        color_jitter=tuple(cfg.AUG.COLOR_JITTER[:4]) if jitter_prob > 0 else None,
         color_jitter_prob=jitter_prob,
         grayscale_prob=aug.GRAY_SCALE,
         gaussian_blur_prob=aug.GAUSSIAN_BLUR,

@@ -11,10 +11,11 @@ Every failure here is an :class:`OutputError`: one sentence naming the path, wha
 """
 
 import errno
-import fcntl
 import os
 import socket
 import tempfile
+
+import filelock
 
 TEMPORARY_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
@@ -97,26 +98,42 @@ def remove_temporaries(folder):
     return names
 
 
+_HELD = set()  # the held locks: filelock releases one that is garbage-collected, FolderLock's last until released
+
+
 class FolderLock:
-    """An exclusive lock on a folder, held until :meth:`release` or the end of the process (however it ends:
-    the operating system drops the lock with the process). A second holder is refused in one sentence that
-    names the process holding it."""
+    """An exclusive lock on a folder (``filelock``'s, on every system), held until :meth:`release` or the end of the
+    process (however it ends: the operating system drops the lock with the process). A second holder is refused in
+    one sentence that names the process holding it, where the system lets it read the holder's note."""
 
     def __init__(self, folder, what="OUTPUT_DIR"):
         path = os.path.join(folder, LOCK_NAME)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        self._lock = filelock.FileLock(path, timeout=0)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(self._fd, 256, 0).decode(errors="replace").strip() or "another process"
-            os.close(self._fd)
+            self._lock.acquire()
+        except filelock.Timeout:
             raise OutputError(
-                f"{what} {folder} is in use by another run ({holder}); wait for it to end or choose another {what}."
+                f"{what} {folder} is in use by another run ({_holder(path)}); wait for it to end or choose another "
+                f"{what}."
             ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        _HELD.add(self._lock)
+        try:  # a note for a refused second holder; Windows locks the bytes, so there it stays unwritten
+            with open(path, "w") as note:
+                note.write(f"process {os.getpid()} on {socket.gethostname()}")
+        except OSError:
+            pass
 
     def release(self):
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the lock
-            self._fd = None
+        if self._lock is not None:
+            self._lock.release()
+            _HELD.discard(self._lock)
+            self._lock = None
+
+
+def _holder(path):
+    """The note the holder of a lock wrote into its file, or "another process"."""
+    try:
+        with open(path) as note:
+            return note.read(256).strip() or "another process"
+    except OSError:
+        return "another process"

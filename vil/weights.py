@@ -15,11 +15,12 @@ log = logging.getLogger("vil")
 
 
 def resolve_model_path(cfg):
-    """``MODEL.MODEL_PATH``; when that is not a file, the same path under ``DATA.DATA_DIR`` (as the original
-    release looked it up), or the checkpoint of a pretrained tag (``vil_small.in1k``), downloaded once."""
+    """``MODEL.MODEL_PATH`` (a checkpoint file, a ``.safetensors`` file or a Hub folder); when that does not exist,
+    the same path under ``DATA.DATA_DIR`` (as the original release looked it up), or the checkpoint of a pretrained
+    tag (``vil_small.in1k``), downloaded once."""
     path = cfg.MODEL.MODEL_PATH
     for candidate in (path, os.path.join(cfg.DATA.DATA_DIR, path)):
-        if os.path.isfile(candidate):
+        if path and os.path.exists(candidate):
             return candidate
     downloaded = pretrained_checkpoint(path)
     if downloaded:

@@ -1,12 +1,35 @@
 """Longformer's self-attention layer (Beltagy et al., 2020) on the sliding-window op ``local_attention_1d``.
 
 Parameter names follow Hugging Face transformers' ``LongformerSelfAttention``, so its state dicts load unchanged.
+
+Sequences of one batch may have different numbers of global tokens, at any positions: the computation depends on
+the data (which tokens are global, how many per sequence). Eagerly it runs as it is. Under torch.compile and
+torch.export it runs as one operator (``vil::longformer_attention``) whose backward recomputes its forward with
+autograd, so the compiler sees no data-dependent shape and adds no graph break. An ONNX export records the same
+function from standard operators, densely (every query against every key, as the op's own ONNX decomposition does).
 """
+
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
 
 from ..ops import Neighborhood1d, local_attention_1d
+from ..ops.base import exporting_to_onnx, tracing
+from ..ops.geometry import pair_in_band
+from ..ops.operators import autograd_gradients, fake_gradients, operator_gradients
+
+
+class Band(NamedTuple):
+    """How the layer's op call attends: ``window`` keys on each side, one dilation per head, causal or not, and
+    the op's backend (None: its default)."""
+
+    window: int
+    dilations: list
+    causal: bool
+    backend: Optional[str]
 
 
 class SlidingWindowSelfAttention:
@@ -16,65 +39,183 @@ class SlidingWindowSelfAttention:
     project's :class:`LongformerSelfAttention`, and transformers' layers that :func:`vil.accelerate_longformer`
     converts."""
 
-    def attend(self, x: torch.Tensor, padding: torch.Tensor, is_global: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: Tensor, padding: Tensor, is_global: Tensor) -> Tensor:
         """``x`` ``(B, L, dim)``; ``padding``, ``is_global`` ``(B, L)`` bool, checked by the caller. Returns
         ``(B, L, dim)``, zeros at padded positions."""
         B, L, dim = x.shape
-        if (padding & is_global).any():
-            raise ValueError("global_mask marks padded positions; a padding token cannot have global attention.")
-        counts = is_global.sum(1)
-        sizes = counts.unique().tolist()
-        if self.causal and any(sizes):
-            raise ValueError("A causal layer takes no global tokens: Longformer defines no causal global attention.")
         q, k, v = (self._heads(proj(x)) for proj in (self.query, self.key, self.value))
-        out = torch.empty_like(q)
-        for g in sizes:
-            rows = slice(None) if len(sizes) == 1 else (counts == g).nonzero().squeeze(1)
-            out[rows] = self._attend(x[rows], q[rows], k[rows], v[rows], padding[rows], is_global[rows], g)
-        return out.transpose(1, 2).reshape(B, L, dim).masked_fill(padding[..., None], 0.0)
+        tensors = [x, q, k, v, padding, is_global]
+        for proj in (self.query_global, self.key_global, self.value_global):
+            tensors += [proj.weight, proj.bias]
+        dilations = list(Neighborhood1d(self.window, self.dilation, self.causal).dilations(self.num_heads))
+        band = Band(self.window, dilations, self.causal, self.backend)
+        if exporting_to_onnx():
+            out = dense_attention(tensors, band)
+        elif tracing(q):
+            out = _longformer_attention(tensors, *band)
+        else:
+            out = sliding_window_attention(tensors, band)
+        return out.transpose(1, 2).reshape(B, L, dim)
 
     def _heads(self, x):
         """(B, L, dim) -> (B, heads, L, head_dim)."""
         B, L, _ = x.shape
         return x.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def _attend(self, x, q, k, v, padding, is_global, g):
-        """The outputs ``(B, heads, L, head_dim)`` of sequences that all have ``g`` global tokens."""
-        B, H, L, D = q.shape
-        scale = D**-0.5
-        positions = is_global.nonzero()[:, 1].view(B, g)  # each sequence's global tokens, in order
-        index = positions[:, None, :, None].expand(B, H, g, D)
-        out = local_attention_1d(
-            q,
-            k,
-            v,
-            self.window,
-            dilation=self.dilation,
-            causal=self.causal,
-            key_padding_mask=padding | is_global,
-            global_k=k.gather(2, index),
-            global_v=v.gather(2, index),
-            scale=scale,
-            backend=self.backend,
-        )
-        if not g:
-            return out
-        global_q = self._heads(self.query_global(x.gather(1, positions[..., None].expand(B, g, x.shape[-1]))))
-        return out.scatter(2, index, self._global_attention(x, global_q * scale, padding))
 
-    def _global_attention(self, x, global_q, padding):
-        """The global queries' full attention over every token that is not padding, ``(B, heads, g, head_dim)``,
-        without projecting all L tokens with ``key_global`` and ``value_global``: per head, ``q . (W_k x + b_k) =
-        (W_k^T q) . x + q . b_k``, and since each softmax row sums to 1, ``P (W_v x + b_v)^T = W_v (P x) + b_v``, so
-        the L x dim x dim products become L x dim x g ones (g global queries)."""
-        B, H, g, D = global_q.shape
-        key_weight, value_weight = (p.weight.view(H, D, -1) for p in (self.key_global, self.value_global))
-        folded = torch.einsum("bhgd,hdc->bhgc", global_q, key_weight).reshape(B, H * g, -1)  # (B, heads*g, dim)
-        key_bias = (global_q * self.key_global.bias.view(H, 1, D)).sum(-1, True)
-        scores = (folded @ x.transpose(1, 2)).view(B, H, g, -1) + key_bias  # x shared by the heads, not copied
-        probs = scores.masked_fill(padding[:, None, None, :], float("-inf")).softmax(-1)
-        mixed = (probs.view(B, H * g, -1) @ x).view(B, H, g, -1)  # (B, heads, g, dim)
-        return torch.einsum("bhgc,hdc->bhgd", mixed, value_weight) + self.value_global.bias.view(H, 1, D)
+def sliding_window_attention(tensors: list, band: Band) -> Tensor:
+    """The layer's attention ``(B, heads, L, head_dim)``, zeros at padded positions, from ``tensors``: ``x (B, L,
+    dim)``, ``q, k, v (B, heads, L, head_dim)``, ``padding``, ``is_global`` ``(B, L)`` bool, then the weight and the
+    bias of ``query_global``, ``key_global`` and ``value_global``. Every tensor in q's dtype but the masks, whatever
+    autocast does around it; scores and softmax of the global queries in float32 or wider."""
+    x, q, k, v, padding, is_global, *projections = tensors
+    if (padding & is_global).any():
+        raise ValueError("global_mask marks padded positions; a padding token cannot have global attention.")
+    counts = is_global.sum(1)
+    sizes = counts.unique().tolist()
+    if band.causal and any(sizes):
+        raise ValueError("A causal layer takes no global tokens: Longformer defines no causal global attention.")
+    cast = [x.to(q.dtype)] + [t.to(q.dtype) for t in projections]
+    if len(sizes) == 1:
+        out = _same_count_attention([cast[0], q, k, v, padding, is_global, *cast[1:]], sizes[0], band)
+    else:
+        out = q.new_empty(q.shape)
+        for g in sizes:
+            rows = (counts == g).nonzero().squeeze(1)
+            group = [t[rows] for t in (cast[0], q, k, v, padding, is_global)]
+            out[rows] = _same_count_attention(group + cast[1:], g, band)
+    return out.masked_fill(padding[:, None, :, None], 0.0) if padding.any() else out
+
+
+def _same_count_attention(tensors, g, band):
+    """:func:`sliding_window_attention` of sequences that all have ``g`` global tokens."""
+    x, q, k, v, padding, is_global, query_weight, query_bias, *key_value = tensors
+    B, H, L, D = q.shape
+    scale = D**-0.5
+    positions = is_global.nonzero()[:, 1].view(B, g)  # each sequence's global tokens, in order
+    index = positions[:, None, :, None].expand(B, H, g, D)
+    out = local_attention_1d(
+        q,
+        k,
+        v,
+        band.window,
+        dilation=tuple(band.dilations),
+        causal=band.causal,
+        key_padding_mask=padding | is_global,
+        global_k=k.gather(2, index),
+        global_v=v.gather(2, index),
+        scale=scale,
+        backend=band.backend,
+    )
+    if not g:
+        return out
+    chosen = x.gather(1, positions[..., None].expand(B, g, x.shape[-1]))
+    global_q = F.linear(chosen, query_weight, query_bias).view(B, g, H, D).transpose(1, 2)
+    global_out = _global_attention(x, global_q * scale, padding, key_value)
+    if out.requires_grad or global_out.requires_grad:
+        return out.scatter(2, index, global_out)
+    return out.scatter_(2, index, global_out)  # nothing saved the op's output for a backward: no copy
+
+
+def _global_attention(x, global_q, padding, key_value):
+    """The global queries' full attention over every token that is not padding, ``(B, heads, g, head_dim)``,
+    without projecting all L tokens with ``key_global`` and ``value_global`` (``key_value``: their weights and
+    biases): per head, ``q . (W_k x + b_k) = (W_k^T q) . x + q . b_k``, and since each softmax row sums to 1,
+    ``P (W_v x + b_v)^T = W_v (P x) + b_v``, so the L x dim x dim products become L x dim x g ones (g global
+    queries)."""
+    B, H, g, D = global_q.shape
+    key_weight, key_bias, value_weight, value_bias = key_value
+    folded = torch.einsum("bhgd,hdc->bhgc", global_q, key_weight.view(H, D, -1)).reshape(B, H * g, -1)
+    scores = (folded @ x.transpose(1, 2)).view(B, H, g, -1) + (global_q * key_bias.view(H, 1, D)).sum(-1, True)
+    probs = _softmax(scores.masked_fill(padding[:, None, None, :], float("-inf")))
+    mixed = (probs.view(B, H * g, -1) @ x).view(B, H, g, -1)  # (B, heads, g, dim), x shared by the heads
+    return torch.einsum("bhgc,hdc->bhgd", mixed, value_weight.view(H, D, -1)) + value_bias.view(H, 1, D)
+
+
+def _softmax(scores):
+    """Softmax over the last dimension in float32 or wider, returned in the scores' dtype."""
+    return scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(-1).to(scores.dtype)
+
+
+def dense_attention(tensors: list, band: Band) -> Tensor:
+    """:func:`sliding_window_attention` from standard operators with shapes that depend on the input's shape only,
+    for ONNX: every query scores every key (L x L per head) and masks what it may not see. It does not check the
+    masks (no data-dependent error in an exported graph)."""
+    x, q, k, v, padding, is_global, *projections = tensors
+    B, H, L, D = q.shape
+    index = torch.arange(L, device=q.device)
+    dilation = torch.tensor(band.dilations, device=q.device)[:, None, None]
+    in_band, _ = pair_in_band(index[:, None], index[None, :], band.window, dilation, band.causal)  # (H, L, L)
+    local_keys = in_band & ~(padding | is_global)[:, None, None, :]
+    out = _masked_attention(q, k, v, local_keys | is_global[:, None, None, :])
+    x, *projections = (t.to(q.dtype) for t in [x] + projections)
+    global_q, global_k, global_v = (
+        F.linear(x, weight, bias).view(B, L, H, D).transpose(1, 2)
+        for weight, bias in zip(projections[::2], projections[1::2])
+    )
+    global_out = _masked_attention(global_q, global_k, global_v, ~padding[:, None, None, :])
+    out = torch.where(is_global[:, None, :, None], global_out, out)
+    return out.masked_fill(padding[:, None, :, None], 0.0)
+
+
+def _masked_attention(q, k, v, seen):
+    """Softmax attention of every query over the keys ``seen`` (broadcast to ``(B, heads, L, L)``); a query that
+    sees no key (a padded one) gives NaN, which the caller replaces."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return _softmax(scores.masked_fill(~seen, float("-inf"))) @ v
+
+
+# --- Under torch.compile and torch.export: one operator --------------------------------------------------------
+
+
+@torch.library.custom_op("vil::longformer_attention", mutates_args=())
+def _longformer_attention(
+    tensors: list[Tensor], window: int, dilations: list[int], causal: bool, backend: Optional[str]
+) -> Tensor:
+    with torch.no_grad():
+        return sliding_window_attention(tensors, Band(window, dilations, causal, backend)).contiguous()
+
+
+@_longformer_attention.register_fake
+def _(tensors, window, dilations, causal, backend):
+    q = tensors[1]
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("vil::longformer_attention_backward", mutates_args=())
+def _longformer_attention_backward(
+    tensors: list[Tensor], grad_out: Tensor, window: int, dilations: list[int], causal: bool, backend: Optional[str]
+) -> list[Tensor]:
+    x, q, k, v, padding, is_global, *projections = tensors
+    band = Band(window, dilations, causal, backend)
+
+    def forward(leaves):
+        x, q, k, v, *projections = leaves
+        return sliding_window_attention([x, q, k, v, padding, is_global, *projections], band)
+
+    differentiable = [x, q, k, v, *projections]
+    return operator_gradients(differentiable, autograd_gradients(forward, differentiable, grad_out))
+
+
+@_longformer_attention_backward.register_fake
+def _(tensors, grad_out, window, dilations, causal, backend):
+    x, q, k, v, padding, is_global, *projections = tensors
+    return fake_gradients([x, q, k, v, *projections])
+
+
+def _setup_longformer_attention(ctx, inputs, output):
+    tensors, *band = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.band = band
+
+
+def _backward_longformer_attention(ctx, grad_out):
+    tensors = list(ctx.saved_tensors)
+    x, q, k, v, *projections = _longformer_attention_backward(tensors, grad_out, *ctx.band)
+    return [x, q, k, v, None, None, *projections], None, None, None, None
+
+
+_longformer_attention.register_autograd(_backward_longformer_attention, setup_context=_setup_longformer_attention)
 
 
 class LongformerSelfAttention(SlidingWindowSelfAttention, nn.Module):

@@ -6,6 +6,7 @@ Module and parameter names follow the original release (``layer1.0.proj.weight``
 """
 
 import math
+import os
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
@@ -23,9 +24,10 @@ from timm.models import (
     register_model,
     resolve_pretrained_cfg,
 )
+from torch.fx._symbolic_trace import is_fx_tracing
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpoint import download_checkpoint
+from ..checkpoint import SAFETENSORS_NAME, download_checkpoint
 from ..ops import check_window_options
 from .arch import COMPARISONS, PRESETS, parse_arch, stage_map_sizes
 from .attention import FullAttention, LongformerAttention, LongformerOptions
@@ -362,8 +364,8 @@ class MsViT(nn.Module):
         """Yields every stage's tokens (B, G + nx*ny, C) and map size (nx, ny). Between stages the global tokens
         are dropped and the local ones, as an image, are the next stage's input."""
         check_images(x, self.in_chans, self.total_stride)
-        if self.training and hasattr(self, "calls_since_last_redraw"):
-            self._count_training_forward()
+        if self.training and hasattr(self, "calls_since_last_redraw") and not is_fx_tracing():
+            self._count_training_forward()  # not while torch.fx traces: that would redraw the model's features
         for spec, to_map in zip(self.stage_specs, self.stage_maps):
             tokens, (nx, ny) = getattr(self, f"layer{spec.index}")(x)
             yield tokens, (nx, ny)
@@ -488,11 +490,26 @@ MECHANISMS: tuple[str, ...] = ("longformer", "full", "linformer", "srformer", "p
 # --- Registration with timm: timm.create_model("vil_small"), features_only, pretrained_cfg_overlay=dict(file=...) ---
 
 
+def _smallest_image(arch, attention):
+    """The side of the smallest square image an srformer model takes (a multiple of its total stride): each stage
+    reduces its map by its f to at least 2x2 positions for its instance norm. None for the other mechanisms."""
+    if attention.get("attention") != "srformer":
+        return None
+    specs, stride, side = parse_arch(arch), 1, 1
+    for spec in specs:
+        stride *= spec.patch
+        if spec.local:
+            side = max(side, 2 * spec.window * stride)
+    return -(-side // stride) * stride
+
+
 def _cfg(name, url="", size=224, num_classes=1000, description=None):
     arch, attention = VARIANTS[name]
     stride = math.prod(spec.patch for spec in parse_arch(arch))
     fixed_input_size = attention.get("attention") == "linformer"  # its projections are made for one token count
+    smallest = _smallest_image(arch, attention)
     return {
+        **({"min_input_size": (3, smallest, smallest)} if smallest else {}),
         "url": url,
         "num_classes": num_classes,
         "input_size": (3, size, size),
@@ -579,8 +596,13 @@ PRETRAINED = {
     "vil_small_performer.in1k": ("performer/fullperformer1281/model_best.pth", 78.7, 94.3),
     "vil_small_performer_partial.in1k": ("performer/partialperformer1281/model_best.pth", 81.7, 95.7),
 }
-# Every registered model: name -> (arch string, its attention's MsViT arguments).
-VARIANTS = {**{name: (arch, {}) for name, arch in PRESETS.items()}, **COMPARISONS}
+# Every registered model: name -> (arch string, its attention's MsViT arguments). vil_arch: any arch string (its
+# argument ``arch``), ViL-Small's by default: the models trained from a config, as Hub folders rebuild them.
+VARIANTS = {
+    **{name: (arch, {}) for name, arch in PRESETS.items()},
+    **COMPARISONS,
+    "vil_arch": (PRESETS["vil_small"], {}),
+}
 
 
 def _tag_cfg(tag, file, top1, top5):
@@ -647,7 +669,11 @@ def pretrained_checkpoint(name: str) -> Optional[str]:
 def _create_vil(variant, pretrained=False, **kwargs):
     """The preset ``variant`` at its pretrained tag's image size; with ``pretrained``, a published checkpoint is
     downloaded into torch hub's cache under its tag's name (the original release names every file
-    model_best.pth, which the cache, keyed by file name, would mix up) and converted on load."""
+    model_best.pth, which the cache, keyed by file name, would mix up) and converted on load. A
+    ``pretrained_cfg_overlay`` file may be a Hub folder (tools/export_hub.py): its weights are loaded."""
+    overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    if os.path.isdir(overlay.get("file") or ""):
+        kwargs["pretrained_cfg_overlay"] = dict(overlay, file=os.path.join(overlay["file"], SAFETENSORS_NAME))
     cfg = resolve_pretrained_cfg(
         variant,
         pretrained_cfg=kwargs.get("pretrained_cfg"),
@@ -655,6 +681,7 @@ def _create_vil(variant, pretrained=False, **kwargs):
     )
     kwargs.setdefault("img_size", cfg.input_size[-1])
     arch, attention = VARIANTS[variant]
+    arch = kwargs.pop("arch", arch)
     if kwargs.get("feature_cls") == "fx" and kwargs.get("attention", attention.get("attention")) == "performer":
         raise ValueError(
             "feature_cls 'fx' cannot extract a performer model's features: tracing drops the redraw of its "
@@ -671,6 +698,12 @@ def _create_vil(variant, pretrained=False, **kwargs):
         feature_cfg=_feature_cfg(kwargs),
         **{**attention, **kwargs},
     )
+
+
+@register_model
+def vil_arch(pretrained: bool = False, **kwargs: Any) -> MsViT:
+    """A ViL of the architecture string ``arch`` (ViL-Small's when not given)."""
+    return _create_vil("vil_arch", pretrained, **kwargs)
 
 
 @register_model

@@ -105,7 +105,7 @@ def _fake_outputs(q):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
 
 
-def _gradients(inputs, grads):
+def operator_gradients(inputs, grads):
     """Contiguous gradients, as the fake implementations promise; operators cannot return None, so absent
     gradients travel as empty tensors."""
     return [
@@ -114,11 +114,11 @@ def _gradients(inputs, grads):
     ]
 
 
-def _fake_gradients(inputs):
-    return _gradients(inputs, [None if x is None else x.new_empty(x.shape) for x in inputs])
+def fake_gradients(inputs):
+    return operator_gradients(inputs, [None if x is None else x.new_empty(x.shape) for x in inputs])
 
 
-def _or_none(grads, inputs):
+def gradients_or_none(grads, inputs):
     return tuple(None if x is None else g for x, g in zip(inputs, grads))
 
 
@@ -173,7 +173,7 @@ def _attention_2d_backward(
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     hood, extras = _hood_2d(window, exact, mode, dilation), Extras(scale, *inputs[3:])
     grads = _passes(backend, 2).backward(q, k, v, hood, extras, out, lse, grad_out.contiguous())
-    return _gradients(inputs, grads)
+    return operator_gradients(inputs, grads)
 
 
 @_attention_2d_backward.register_fake
@@ -195,7 +195,7 @@ def _(
     dilation,
     scale,
 ):
-    return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
+    return fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
 
 
 def _setup_2d(ctx, inputs, output):
@@ -208,7 +208,7 @@ def _backward_2d(ctx, grad_out, grad_lse):
     backend, window, exact, mode, dilation, scale = ctx.options
     *inputs, out, lse = ctx.saved_tensors
     grads = _attention_2d_backward(backend, *inputs, out, lse, grad_out, window, exact, mode, dilation, scale)
-    return (None, *_or_none(grads, inputs), None, None, None, None, None)
+    return (None, *gradients_or_none(grads, inputs), None, None, None, None, None)
 
 
 _attention_2d.register_autograd(_backward_2d, setup_context=_setup_2d)
@@ -265,7 +265,7 @@ def _attention_1d_backward(
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     hood, extras = _hood_1d(window, dilations, causal), Extras(scale, *inputs[3:], key_padding_mask)
     grads = _passes(backend, 1).backward(q, k, v, hood, extras, out, lse, grad_out.contiguous())
-    return _gradients(inputs, grads)
+    return operator_gradients(inputs, grads)
 
 
 @_attention_1d_backward.register_fake
@@ -287,7 +287,7 @@ def _(
     causal,
     scale,
 ):
-    return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
+    return fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
 
 
 def _setup_1d(ctx, inputs, output):
@@ -302,7 +302,7 @@ def _backward_1d(ctx, grad_out, grad_lse):
     grads = _attention_1d_backward(
         backend, *inputs, key_padding_mask, out, lse, grad_out, window, dilations, causal, scale
     )
-    return (None, *_or_none(grads, inputs), None, None, None, None, None)
+    return (None, *gradients_or_none(grads, inputs), None, None, None, None, None)
 
 
 _attention_1d.register_autograd(_backward_1d, setup_context=_setup_1d)
@@ -348,7 +348,7 @@ def _autograd_inside_an_operator():
             torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
 
 
-def _autograd_gradients(forward, inputs, grad_out):
+def autograd_gradients(forward, inputs, grad_out):
     """The gradients of ``forward(inputs)`` (None for absent inputs), recomputing it with autograd."""
     leaves = [None if x is None else x.detach().requires_grad_() for x in inputs]
     with _autograd_inside_an_operator():
@@ -403,12 +403,12 @@ def _recomputed_2d_backward(
 ) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     forward = partial(_request_2d, backend, window=window, exact=exact, mode=mode, dilation=dilation, scale=scale)
-    return _gradients(inputs, _autograd_gradients(forward, inputs, grad_out))
+    return operator_gradients(inputs, autograd_gradients(forward, inputs, grad_out))
 
 
 @_recomputed_2d_backward.register_fake
 def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, grad_out, window, exact, mode, dilation, scale):
-    return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
+    return fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
 
 
 def _setup_recomputed_2d(ctx, inputs, output):
@@ -421,7 +421,7 @@ def _backward_recomputed_2d(ctx, grad_out):
     backend, window, exact, dilation, scale = ctx.options
     *inputs, mode = ctx.saved_tensors
     grads = _recomputed_2d_backward(backend, *inputs, grad_out, window, exact, mode, dilation, scale)
-    return (None, *_or_none(grads, inputs), None, None, None, None, None)
+    return (None, *gradients_or_none(grads, inputs), None, None, None, None, None)
 
 
 _recomputed_2d.register_autograd(_backward_recomputed_2d, setup_context=_setup_recomputed_2d)
@@ -480,7 +480,7 @@ def _recomputed_1d_backward(
         causal=causal,
         scale=scale,
     )
-    return _gradients(inputs, _autograd_gradients(forward, inputs, grad_out))
+    return operator_gradients(inputs, autograd_gradients(forward, inputs, grad_out))
 
 
 @_recomputed_1d_backward.register_fake
@@ -500,7 +500,7 @@ def _(
     causal,
     scale,
 ):
-    return _fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
+    return fake_gradients((q, k, v, global_k, global_v, rel_bias, global_bias))
 
 
 def _setup_recomputed_1d(ctx, inputs, output):
@@ -513,7 +513,7 @@ def _backward_recomputed_1d(ctx, grad_out):
     backend, window, dilations, causal, scale = ctx.options
     *inputs, key_padding_mask = ctx.saved_tensors
     grads = _recomputed_1d_backward(backend, *inputs, key_padding_mask, grad_out, window, dilations, causal, scale)
-    return (None, *_or_none(grads, inputs), None, None, None, None, None)
+    return (None, *gradients_or_none(grads, inputs), None, None, None, None, None)
 
 
 _recomputed_1d.register_autograd(_backward_recomputed_1d, setup_context=_setup_recomputed_1d)

@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from ..config import warn_compatibility_keys
 from ..data import build_dataset, collate_skipping
@@ -36,7 +37,7 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
     model.eval()
     counts = torch.zeros(num_classes, 3, dtype=torch.float64, device=runtime.device)
     skipped, nonfinite = 0, torch.zeros((), dtype=torch.long, device=runtime.device)
-    for images, targets, unreadable in loader:
+    for images, targets, unreadable in tqdm(loader, desc="evaluation", disable=not runtime.is_main, leave=False):
         skipped += warn_unreadable(unreadable)
         if not len(images):
             continue

@@ -1,0 +1,221 @@
+"""Models out into the world: Hub folders (tools/export_hub.py) that timm and every checkpoint reader of this
+project load, torch.hub's entry points, and tools/predict.py."""
+
+import csv
+import importlib.util
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+from test_data import make_folder
+from test_train import TINY_ARCH
+from tool_runner import ROOT, run_tool
+from torchvision.datasets.folder import default_loader
+
+import vil  # noqa: F401  (registers the models)
+from vil.checkpoint import save_checkpoint
+from vil.config import load_cfg
+from vil.data import build_transform
+from vil.model_config import build_model
+from vil.models import MsViT
+from vil.weights import load_weights
+
+TINY = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "2"]
+PREPROCESSING = ["INPUT.MEAN", "[0.5, 0.4, 0.3]", "INPUT.STD", "[0.2, 0.25, 0.3]", "INPUT.CROP_PCT", "0.9"]
+PREPROCESSING += ["INPUT.INTERPOLATION", "2"]  # the presets say 3 (bicubic)
+
+
+def random_model(cfg, seed):
+    torch.manual_seed(seed)
+    model = build_model(cfg).eval()
+    for p in model.parameters():  # not the initial values: a load that kept them would go unnoticed
+        p.data.normal_(0, 0.05)
+    return model
+
+
+@pytest.fixture
+def exported(tmp_path):
+    """A folder of images, a training checkpoint with EMA weights of a model on it, and its Hub folder."""
+    data = make_folder(tmp_path / "data", classes=("cat", "dog"), per_class=2)
+    overrides = [*TINY, *PREPROCESSING, "DATA.PATH", str(data)]
+    cfg = load_cfg("vil_tiny", overrides)
+    model, ema = random_model(cfg, 0), random_model(cfg, 1)
+    checkpoint = tmp_path / "checkpoint_last.pth"
+    save_checkpoint(checkpoint, model, ema=ema.state_dict(), best_acc=87.5, epoch=4)
+    out = tmp_path / "hub"
+    status, stdout, err = run_tool(
+        "export_hub", "--config-file", "vil_tiny", "--out", out, *overrides, "MODEL.MODEL_PATH", checkpoint
+    )
+    assert status == 0, err
+    assert "local-dir:" in stdout
+    return dict(cfg=cfg, data=data, out=out, ema=ema, checkpoint=checkpoint)
+
+
+def test_a_hub_folder_rebuilds_the_ema_weights_through_timm(exported):
+    out, ema, cfg = exported["out"], exported["ema"], exported["cfg"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architecture"] == "vil_arch" and config["model_args"]["arch"] == TINY_ARCH
+    assert config["label_names"] == ["cat", "dog"] and config["num_classes"] == 2
+    pretrained = config["pretrained_cfg"]
+    assert pretrained["input_size"] == [3, 32, 32] and pretrained["crop_pct"] == 0.9
+    assert pretrained["mean"] == [0.5, 0.4, 0.3] and pretrained["std"] == [0.2, 0.25, 0.3]
+    assert pretrained["interpolation"] == "bilinear"  # INPUT.INTERPOLATION 2
+    images = torch.randn(2, 3, 32, 32)
+    rebuilt = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    with torch.no_grad():
+        assert torch.equal(rebuilt(images), ema(images))
+    card = (out / "README.md").read_text()
+    parameters = sum(p.numel() for p in ema.parameters())
+    assert TINY_ARCH in card and f"{parameters / 1e6:.2f}M" in card and "87.50%" in card and "EMA" in card
+    assert "license: mit" in card and "arXiv:2103.15358" in card
+    assert tuple(timm.data.resolve_data_config({}, model=rebuilt)["mean"]) == (0.5, 0.4, 0.3)
+    assert cfg.INPUT.IMAGE_SIZE == 32
+
+
+def test_every_checkpoint_reader_takes_the_folder_and_the_safetensors_file(exported):
+    out, ema = exported["out"], exported["ema"]
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = ema(images)
+        for path in (out, out / "model.safetensors"):
+            cfg = load_cfg("vil_tiny", [*TINY, "MODEL.MODEL_PATH", str(path)])
+            model = build_model(cfg).eval()
+            load_weights(model, cfg)
+            assert torch.equal(model(images), want)
+        overlay = timm.create_model(
+            "vil_arch",
+            arch=TINY_ARCH,
+            img_size=32,
+            num_classes=2,
+            pretrained=True,
+            pretrained_cfg_overlay=dict(file=str(out), num_classes=2),  # timm keeps a classifier of its count
+        ).eval()
+        assert torch.equal(overlay(images), want)
+    evaluation = ["DATA.PATH", exported["data"], "OUTPUT_DIR", out.parent / "eval", "DATALOADER.WORKERS", "0"]
+    evaluation += ["MODEL.MODEL_PATH", out]
+    status, stdout, err = run_tool("eval", "--config-file", "vil_tiny", *TINY, *evaluation)
+    assert status == 0, err
+    assert stdout.strip().splitlines()[-1].startswith("top-1 ")
+
+
+@pytest.mark.parametrize("preset, size", [("vil_digits", 32), ("vil_tiny", 64)])
+def test_presets_export_and_rebuild(tmp_path, preset, size):
+    cfg = load_cfg(preset, ["INPUT.IMAGE_SIZE", str(size), "DATA.NUM_CLASSES", "10"])
+    model = random_model(cfg, 2)
+    save_checkpoint(tmp_path / "model.pth", model)
+    status, _, err = run_tool(
+        "export_hub", "--config-file", preset, "--out", tmp_path / "hub", "INPUT.IMAGE_SIZE", str(size),
+        "DATA.NUM_CLASSES", "10", "MODEL.MODEL_PATH", tmp_path / "model.pth",
+    )  # fmt: skip
+    assert status == 0, err
+    rebuilt = timm.create_model(f"local-dir:{tmp_path / 'hub'}", pretrained=True).eval()
+    images = torch.randn(1, 3, size, size)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(images), model(images))
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    assert config["model_args"]["arch"] == cfg.MODEL.VIT.MSVIT.ARCH and config["num_classes"] == 10
+    if preset == "vil_digits":
+        assert config["label_names"] == [str(d) for d in range(10)]
+
+
+def test_export_refuses_a_missing_checkpoint_in_one_sentence(tmp_path):
+    status, _, err = run_tool("export_hub", "--config-file", "vil_tiny", "--out", tmp_path / "hub", *TINY)
+    assert status == 1 and "MODEL.MODEL_PATH" in err
+    status, _, err = run_tool(
+        "export_hub", "--config-file", "vil_tiny", "--out", tmp_path / "hub", *TINY, "MODEL.MODEL_PATH", tmp_path
+    )
+    assert status == 1 and "without model.safetensors" in err and str(tmp_path) in err
+    assert not (tmp_path / "hub").exists()
+
+
+def test_vil_arch_builds_any_architecture_string():
+    model = timm.create_model("vil_arch", arch=TINY_ARCH, img_size=32, num_classes=3)
+    assert model.stage_specs == MsViT(TINY_ARCH, img_size=32, num_classes=3).stage_specs
+    assert timm.create_model("vil_arch").stage_specs == timm.create_model("vil_small").stage_specs
+
+
+def test_torch_hub_has_an_entry_per_registered_model():
+    spec = importlib.util.spec_from_file_location("hubconf", ROOT / "hubconf.py")
+    hubconf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hubconf)
+    entries = [name for name in dir(hubconf) if callable(getattr(hubconf, name)) and not name.startswith("_")]
+    assert sorted(entries) == sorted(timm.list_models("vil_*"))  # what torch.hub.list lists for a repository
+    model = torch.hub.load(str(ROOT), "vil_arch", source="local", arch=TINY_ARCH, img_size=32, num_classes=3)
+    assert isinstance(model, MsViT) and model.num_classes == 3
+
+
+def test_predict_labels_files_folders_and_globs_and_skips_unreadable_images(exported, tmp_path, caplog):
+    out, ema, data, cfg = exported["out"], exported["ema"], exported["data"], exported["cfg"]
+    inputs = [data / "val", str(data / "train" / "dog" / "*.JPEG"), data / "train" / "cat" / "broken.JPEG"]
+    with caplog.at_level(logging.WARNING):
+        status, stdout, err = run_tool(
+            "predict", "--model", f"local-dir:{out}", "--top-k", "2", "--batch-size", "3", *inputs,
+            "--output", tmp_path / "labels.csv",
+        )  # fmt: skip
+    assert status == 0, err
+    assert "broken.JPEG" in caplog.text and "6 of 7 images labelled" in err
+    with open(tmp_path / "labels.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["path"] for row in rows] == [
+        *(str(data / "val" / c / f"{i}.JPEG") for c in ("cat", "dog") for i in range(2)),
+        *(str(data / "train" / "dog" / f"{i}.JPEG") for i in range(2)),
+    ]
+    transform = build_transform(cfg, train=False)  # the same preprocessing, from the run's config
+    for row in rows:
+        with torch.no_grad():
+            probabilities = ema(transform(default_loader(row["path"]))[None]).softmax(-1)[0]
+        best = int(probabilities.argmax())
+        assert row["class_1"] == ["cat", "dog"][best]
+        assert float(row["probability_1"]) == pytest.approx(float(probabilities[best]), abs=1e-5)
+        assert float(row["probability_1"]) >= float(row["probability_2"])
+    assert len(stdout.strip().splitlines()) == 6
+    status, _, err = run_tool(
+        "predict", "--config-file", "vil_tiny", *TINY, *PREPROCESSING, "DATA.PATH", data, "MODEL.MODEL_PATH", out,
+        str(data / "val"), "--output", tmp_path / "labels.json",
+    )  # fmt: skip
+    assert status == 0, err
+    records = json.loads((tmp_path / "labels.json").read_text())
+    assert [r["path"] for r in records] == [r["path"] for r in rows[:4]]
+    assert [r["classes"][0] for r in records] == [r["class_1"] for r in rows[:4]]
+
+
+def test_predict_refuses_inputs_that_name_nothing(exported, tmp_path):
+    status, _, err = run_tool("predict", "--model", f"local-dir:{exported['out']}", tmp_path / "nothing*.png")
+    assert status == 1 and "nothing*.png" in err
+    status, _, err = run_tool("predict", "--model", "vil_tiny", "--output", tmp_path / "x.txt", tmp_path)
+    assert status == 2 and "x.txt" in err
+
+
+def test_imagenet_models_show_imagenet_descriptions():
+    from vil.hub import default_class_names
+    from vil.predict import readable_names
+
+    names = readable_names(default_class_names(1000))
+    assert len(names) == 1000 and names[0].startswith("tench")
+    assert readable_names(["a", "b"]) == ["a", "b"]
+
+
+def test_the_package_imports_and_locks_without_fcntl(tmp_path):
+    """As on Windows: no fcntl module."""
+    code = (
+        "import sys; sys.modules['fcntl'] = None; import vil, vil.files, vil.training; "
+        f"lock = vil.files.FolderLock({str(tmp_path)!r}); print('locked')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "locked"
+
+
+def test_a_broken_safetensors_file_is_named_in_one_sentence(tmp_path):
+    from vil.checkpoint import read_checkpoint
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(ValueError, match="not a readable safetensors file") as refused:
+        read_checkpoint(path)
+    assert str(path) in str(refused.value)

@@ -1,0 +1,39 @@
+"""Write a checkpoint as a Hugging Face Hub folder: ``python tools/export_hub.py --config-file F MODEL.MODEL_PATH
+ckpt --out DIR [KEY VALUE ...]`` (console script ``vil-export-hub``).
+
+DIR gets ``model.safetensors`` (the weights alone: the checkpoint's EMA weights when it has them, as MODEL.LOAD_EMA
+evaluation reads them, else its model weights), ``config.json`` in timm's layout (architecture ``vil_arch`` with the
+config's arch string and model arguments, the class count and names, and the ``pretrained_cfg`` with mean, std,
+input size, crop and interpolation from INPUT) and a ``README.md`` model card. ``timm.create_model("local-dir:DIR")``
+(after ``import vil``) rebuilds the model; ``MODEL.MODEL_PATH DIR`` and every tool that takes a checkpoint read it.
+Upload it with ``huggingface-cli upload``.
+"""
+
+import argparse
+import sys
+
+from vil.config import load_cfg
+from vil.hub import export_hub_folder
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config-file", required=True, help="the run's config: a YAML file or a preset's name")
+    parser.add_argument("--out", required=True, help="the folder to write (created if needed)")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ... (MODEL.MODEL_PATH)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_cfg(args.config_file, args.opts)
+        if not cfg.MODEL.MODEL_PATH:
+            raise ValueError("Give the checkpoint to export: MODEL.MODEL_PATH path/to/checkpoint.pth.")
+        card = export_hub_folder(cfg, args.out)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    print(
+        f"{args.out}: {card['arch']}, {card['parameters'] / 1e6:.2f}M parameters, {card['classes']} classes, "
+        f"{card['weights']} weights; load it with timm.create_model('local-dir:{args.out}')."
+    )
+
+
+if __name__ == "__main__":
+    main()

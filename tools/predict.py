@@ -1,0 +1,112 @@
+"""Label images with a model: ``python tools/predict.py --model NAME|local-dir:DIR IMAGES...`` or ``python
+tools/predict.py --config-file F MODEL.MODEL_PATH ckpt [KEY VALUE ...] IMAGES...`` (console script ``vil-predict``).
+
+IMAGES are image files, folders (their images, recursively) and globs (quoted, ``"photos/**/*.jpg"``). ``--model``
+takes a registered model with its published weights (``vil_small``, ``vil_small.in1k``) or a Hub folder that
+``tools/export_hub.py`` wrote (``local-dir:DIR``), with the preprocessing its pretrained_cfg records;
+``--config-file`` a run's config and checkpoint, with the config's evaluation preprocessing. Every image gets the
+model's top-k classes (ImageNet's descriptions for 1000-class ImageNet models, the folder's or the config's class
+names otherwise) and their probabilities: one line each on stdout, and with ``--output`` a CSV or JSON file (one
+record per image). An image that cannot be read is named in a warning and skipped.
+"""
+
+import argparse
+import csv
+import io
+import json
+import logging
+import re
+import sys
+
+import timm
+import torch
+from timm.data import create_transform, resolve_data_config
+
+from vil.config import load_cfg
+from vil.data import build_transform
+from vil.files import atomic_write
+from vil.hub import class_names, default_class_names
+from vil.model_config import build_model
+from vil.predict import image_paths, predict, readable_names
+from vil.weights import load_weights
+
+CONFIG_KEY = re.compile(r"^[A-Z][A-Z0-9_]*(\.[A-Z0-9_]+)+$")  # MODEL.MODEL_PATH: a config override, not an image
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a registered model (vil_small, vil_small.in1k) or local-dir:DIR")
+    source.add_argument("--config-file", help="a run's config (YAML file or preset name), with MODEL.MODEL_PATH")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workers", type=int, default=0, help="image loading processes")
+    p.add_argument("--output", help="also write the records to this .csv or .json file")
+    p.add_argument("inputs", nargs="+", help="images, folders, globs; with --config-file also KEY VALUE overrides")
+    args = p.parse_args(argv)
+    args.overrides, args.images = [], []
+    tokens = iter(args.inputs)
+    for token in tokens:
+        if CONFIG_KEY.match(token):
+            args.overrides += [token, next(tokens, "")]
+        else:
+            args.images.append(token)
+    if args.overrides and args.model:
+        p.error(f"config overrides ({args.overrides[0]} ...) go with --config-file, not with --model.")
+    if args.output and not args.output.endswith((".csv", ".json")):
+        p.error(f"--output {args.output} must end in .csv or .json.")
+    if args.top_k < 1 or args.batch_size < 1:
+        p.error("--top-k and --batch-size must be at least 1.")
+    return args
+
+
+def model_and_preprocessing(args):
+    """(model, its evaluation transform, its class names)."""
+    if args.model:
+        model = timm.create_model(args.model, pretrained=True)
+        transform = create_transform(**resolve_data_config({}, model=model))
+        names = model.pretrained_cfg.get("label_names") or default_class_names(model.num_classes)
+    else:
+        cfg = load_cfg(args.config_file, args.overrides)
+        if not cfg.MODEL.MODEL_PATH:
+            raise ValueError("Give the checkpoint to predict with: MODEL.MODEL_PATH path/to/checkpoint.pth.")
+        model = build_model(cfg)
+        load_weights(model, cfg)
+        transform, names = build_transform(cfg, train=False), class_names(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model.to(device), transform, readable_names(names)
+
+
+def table(records, top_k):
+    """The records as CSV: path, then the name and probability of each of the top k classes."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["path"] + [f"{what}_{i + 1}" for i in range(top_k) for what in ("class", "probability")])
+    for record in records:
+        cells = [x for pair in zip(record["classes"], record["probabilities"]) for x in pair]
+        writer.writerow([record["path"]] + [f"{x:.6f}" if isinstance(x, float) else x for x in cells])
+    return out.getvalue()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        paths = image_paths(args.images)
+        model, transform, names = model_and_preprocessing(args)
+        records = predict(model, transform, paths, names, args.top_k, args.batch_size, args.workers)
+    except (ValueError, OSError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+    for record in records:
+        shown = ", ".join(f"{n} ({p:.3f})" for n, p in zip(record["classes"], record["probabilities"]))
+        print(f"{record['path']}\t{shown}")
+    if args.output:
+        text = table(records, args.top_k) if args.output.endswith(".csv") else json.dumps(records, indent=2) + "\n"
+        atomic_write(args.output, lambda f: f.write(text.encode()))
+    print(f"{len(records)} of {len(paths)} images labelled.", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""A trained model as a Hugging Face Hub folder, in timm's layout: ``model.safetensors`` (the weights alone),
+``config.json`` (the architecture, its arguments and the ``pretrained_cfg``: class count and names, mean, std, input
+size, crop, interpolation) and a ``README.md`` model card. ``timm.create_model("local-dir:DIR")`` rebuilds the model
+from it; every place of this project that takes a checkpoint takes the folder too.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+import safetensors.torch
+import timm
+import torch
+from timm.data import ImageNetInfo
+from timm.models._hub import save_config_for_hf  # timm's writer of config.json (save_for_hf without the weights)
+from torchvision.datasets.folder import find_classes
+
+from .checkpoint import SAFETENSORS_NAME, ema_state, has_ema, model_state, read_checkpoint
+from .data import INTERPOLATIONS
+from .files import atomic_write
+from .model_config import model_kwargs
+from .models.convert import fit_to_model
+from .profiling import flop_counter
+from .weights import resolve_model_path
+
+# What a model is built from, as config.json records it (the rest of model_kwargs is training's: dropout rates,
+# and the backend, which the loading machine chooses).
+_TRAINING_ONLY = ("drop_rate", "drop_path_rate", "attn_backend")
+
+CITATION = (  # the original release's
+    "@article{zhang2021multi,\n"
+    "  title={Multi-Scale Vision Longformer: A New Vision Transformer for High-Resolution Image Encoding},\n"
+    "  author={Zhang, Pengchuan and Dai, Xiyang and Yang, Jianwei and Xiao, Bin and Yuan, Lu and Zhang, Lei and "
+    "Gao, Jianfeng},\n"
+    "  journal={arXiv preprint arXiv:2103.15358},\n"
+    "  year={2021}\n"
+    "}"
+)
+
+
+def hub_model_args(cfg) -> dict:
+    """The arguments of the registered model ``vil_arch`` that rebuild the model ``cfg`` describes."""
+    return {k: v for k, v in model_kwargs(cfg).items() if k not in _TRAINING_ONLY}
+
+
+def class_names(cfg) -> list:
+    """The names of the classes of ``cfg``'s training data, by class index: ``DATA.CLASSES`` when set, the digits,
+    the class folders of ``DATA.PATH/train`` when they are there, ImageNet's (timm's) for 1000 classes; else the
+    indices as text."""
+    if cfg.DATA.CLASSES:
+        return list(cfg.DATA.CLASSES)
+    if cfg.DATA.TRAIN[0] == "digits":
+        return [str(d) for d in range(10)]
+    folder = os.path.join(cfg.DATA.PATH, "train")
+    if cfg.DATA.FORMAT == "folder" and os.path.isdir(folder):
+        names = find_classes(folder)[0]
+        if len(names) == cfg.DATA.NUM_CLASSES:
+            return names
+    return default_class_names(cfg.DATA.NUM_CLASSES)
+
+
+def default_class_names(num_classes: int) -> list:
+    """ImageNet's synsets (timm's) for 1000 classes, else the class indices as text."""
+    return list(ImageNetInfo().label_names()) if num_classes == 1000 else [str(i) for i in range(num_classes)]
+
+
+def export_hub_folder(cfg, out: str) -> dict:
+    """Write the Hub folder of ``MODEL.MODEL_PATH`` (its EMA weights when it has them) under ``cfg`` to ``out``;
+    returns what the model card states."""
+    path = resolve_model_path(cfg)
+    checkpoint = read_checkpoint(path)
+    args = hub_model_args(cfg)
+    model = timm.create_model("vil_arch", **args).eval()
+    ema = has_ema(checkpoint)
+    state = (ema_state if ema else model_state)(checkpoint, path)
+    model.load_state_dict(fit_to_model(state, model, path))
+    size = cfg.INPUT.IMAGE_SIZE
+    data_config = dict(  # timm's names
+        input_size=(3, size, size),
+        crop_pct=cfg.INPUT.CROP_PCT,
+        interpolation=INTERPOLATIONS[cfg.INPUT.INTERPOLATION],
+        mean=tuple(cfg.INPUT.MEAN),
+        std=tuple(cfg.INPUT.STD),
+    )
+    names = class_names(cfg)
+    card = dict(
+        arch=args["arch"],
+        weights="EMA" if ema else "model",
+        parameters=sum(p.numel() for p in model.parameters()),
+        gmacs=_gmacs(model, size),
+        top1=checkpoint.get("best_acc"),
+        epoch=checkpoint.get("epoch"),
+        classes=len(names),
+        **data_config,
+    )
+    tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}  # no shared storage
+    os.makedirs(out, exist_ok=True)
+    atomic_write(os.path.join(out, SAFETENSORS_NAME), lambda f: f.write(safetensors.torch.save(tensors)))
+    pool = size // model.total_stride
+    model.pretrained_cfg = dict(model.pretrained_cfg, **data_config, pool_size=(pool, pool))  # config.json's
+    with tempfile.TemporaryDirectory() as scratch:
+        config_path = Path(scratch, "config.json")
+        save_config_for_hf(model, config_path, model_config=dict(label_names=names), model_args=args)
+        config = config_path.read_bytes()
+    atomic_write(os.path.join(out, "config.json"), lambda f: f.write(config))
+    atomic_write(os.path.join(out, "README.md"), lambda f: f.write(model_card(card).encode()))
+    return card
+
+
+def _gmacs(model, size):
+    with torch.no_grad(), flop_counter() as counter:
+        model(torch.zeros(1, 3, size, size))
+    return counter.get_total_flops() / 2e9
+
+
+def model_card(card: dict) -> str:
+    """The folder's README.md: Hub metadata, then what the model is and how to use it."""
+    top1 = "not recorded" if card["top1"] is None else f"{card['top1']:.2f}% (the run's best)"
+    return f"""---
+tags:
+- image-classification
+- timm
+- vil
+library_name: timm
+license: mit
+---
+# ViL: a Multi-Scale Vision Longformer
+
+- Architecture string: `{card["arch"]}`
+- Parameters: {card["parameters"] / 1e6:.2f}M; GMACs at {card["input_size"][-1]}x{card["input_size"][-1]}: \
+{card["gmacs"]:.2f}
+- Classes: {card["classes"]} (their names in config.json, `label_names`)
+- Weights: the checkpoint's {card["weights"]} weights{"" if card["epoch"] is None else f", after epoch {card['epoch']}"}
+- Top-1 on the run's evaluation data: {top1}
+- Preprocessing: resize to {card["input_size"][-1]} / {card["crop_pct"]}, center crop {card["input_size"][-1]}, \
+{card["interpolation"]} interpolation, mean {list(card["mean"])}, std {list(card["std"])}
+
+## Use
+
+```python
+import timm
+import vil  # registers the ViL models with timm
+
+model = timm.create_model("local-dir:path/to/this/folder").eval()
+config = timm.data.resolve_data_config({{}}, model=model)
+transform = timm.data.create_transform(**config)
+```
+
+Or `vil-predict --model local-dir:path/to/this/folder images/`.
+
+## License
+
+MIT, as the original release of ViL.
+
+## Citation
+
+```bibtex
+{CITATION}
+```
+"""

@@ -1,0 +1,75 @@
+"""Labels for image files: a classifier's top-k classes, with their probabilities, for every image of some files,
+folders and globs, in batches with a progress bar. An image that cannot be read is named in a warning and skipped.
+"""
+
+import glob
+import os
+
+import torch
+from timm.data import ImageNetInfo
+from torch.utils.data import DataLoader, Dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS
+from tqdm import tqdm
+
+from .data import collate_skipping, loaded_or_skipped
+from .unreadable import warn_unreadable
+
+
+def image_paths(inputs) -> list:
+    """The image files that ``inputs`` name: files as they are, folders' images (recursively, sorted), globs'
+    matches (sorted). An input that names nothing is refused in one sentence."""
+    paths = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(
+                os.path.join(root, name)
+                for root, _, names in os.walk(item)
+                for name in names
+                if name.lower().endswith(IMG_EXTENSIONS)
+            )
+        elif os.path.isfile(item):
+            found = [item]
+        else:
+            found = sorted(path for path in glob.glob(item, recursive=True) if os.path.isfile(path))
+        if not found:
+            raise ValueError(f"{item} is not an image file, a folder with images or a glob that matches files.")
+        paths += found
+    return paths
+
+
+def readable_names(names: list) -> list:
+    """Class names to show: ImageNet's descriptions (timm's) for its 1000 synsets, the names themselves else."""
+    imagenet = ImageNetInfo()
+    return imagenet.label_descriptions() if list(names) == list(imagenet.label_names()) else list(names)
+
+
+class ImageFiles(Dataset):
+    """The images at ``paths``, transformed; the target of each is its index in ``paths``."""
+
+    def __init__(self, paths, transform):
+        self.paths, self.transform = paths, transform
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        return loaded_or_skipped(self.paths[index], index, self.transform)
+
+
+@torch.no_grad()
+def predict(model, transform, paths, names, top_k=5, batch_size=32, workers=0) -> list:
+    """One record per readable image of ``paths``: ``{"path", "classes": top_k names, "probabilities"}``, best
+    first. ``names``: the model's classes by index."""
+    model.eval()
+    device = next(model.parameters()).device
+    loader = DataLoader(ImageFiles(paths, transform), batch_size, num_workers=workers, collate_fn=collate_skipping)
+    records = []
+    for images, indices, unreadable in tqdm(loader, desc="predict", unit="batch", leave=False):
+        warn_unreadable(unreadable)
+        if not len(indices):
+            continue
+        probabilities = model(images.to(device)).float().softmax(-1)
+        top = probabilities.topk(min(top_k, probabilities.shape[-1]), dim=-1)
+        for index, values, classes in zip(indices.tolist(), top.values.tolist(), top.indices.tolist()):
+            records.append(dict(path=paths[index], classes=[names[c] for c in classes], probabilities=values))
+    return records
