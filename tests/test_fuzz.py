@@ -136,7 +136,7 @@ class OneStepDone(Exception):
 
 
 @seed(20261123)
-@fuzz_settings(80)
+@fuzz_settings(50)
 @given(pairs=overrides)
 def test_random_config_overrides_train_a_step_or_stop_with_one_sentence(tmp_path_factory, monkeypatch, pairs):
     root = tmp_path_factory.mktemp("config")

@@ -2,11 +2,13 @@
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_data import make_folder
@@ -133,6 +135,61 @@ def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, m
     monkeypatch.setattr(training_state, "save_checkpoint", real_save)
     train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2"))
     assert_same_weights(final_weights(straight), final_weights(killed))
+
+
+def test_workers_change_nothing_and_a_resume_with_workers_is_exact(data, tmp_path, monkeypatch):
+    """Each sample's augmentation is seeded by (SEED, epoch, index): a run with two persistent loading workers,
+    killed mid-epoch and resumed, ends with the weights of a straight run that loads in its own process."""
+    straight = tmp_path / "straight"
+    train(tiny_cfg(data, straight, "CHECKPOINT.EVERY_STEPS", "2", "DATALOADER.WORKERS", "0"))
+    killed, saves = tmp_path / "killed", []
+    real_save = training_state.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        saves.append(kwargs["batch_in_epoch"])
+        if len(saves) == 1:  # step 2, mid epoch 1
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(training_state, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2", "DATALOADER.WORKERS", "2"))
+    monkeypatch.setattr(training_state, "save_checkpoint", real_save)
+    train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2", "DATALOADER.WORKERS", "2"))
+    assert_same_weights(final_weights(straight), final_weights(killed))
+
+
+def test_the_training_loader_is_built_once_and_seeds_each_sample(data, tmp_path):
+    from types import SimpleNamespace
+
+    from vil.data import build_dataset
+    from vil.runtime import Runtime
+    from vil.training.epoch import SeededSamples, training_batches
+
+    cfg = tiny_cfg(data, tmp_path / "out", "DATALOADER.WORKERS", "1")
+    train_set = build_dataset(cfg, train=True)
+    run = SimpleNamespace(cfg=cfg, runtime=Runtime(), train_set=train_set, batch=4, batch_in_epoch=0, train_loader=None)
+    first = training_batches(run, 0)
+    assert first.persistent_workers and not first.pin_memory  # pinned memory is for CUDA
+    epochs = [[targets.tolist() for _, targets, _ in training_batches(run, epoch)] for epoch in (0, 1)]
+    assert training_batches(run, 1) is first and epochs[0] != epochs[1]  # one loader, a new order each epoch
+    run.batch_in_epoch = 1
+    assert [t.tolist() for _, t, _ in training_batches(run, 1)] == epochs[1][1:]  # a resume skips what was trained
+    draws = SeededSamples(RandomDraws(), cfg.SEED)  # what a random augmentation draws, from each generator
+    torch.manual_seed(123)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist()
+    first = draws[(0, 1)]
+    assert torch.equal(torch.get_rng_state(), states[0])  # the caller's random states are left as they were
+    assert (random.getstate(), np.random.get_state()[1].tolist()) == states[1:]
+    assert draws[(0, 1)] == first and draws[(1, 1)] != first and draws[(0, 2)] != first
+
+
+class RandomDraws(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return torch.rand(1).item(), random.random(), float(np.random.rand())
 
 
 def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp_path):

@@ -175,7 +175,7 @@ def test_compiled_model_gives_the_same_outputs_and_gradients_at_several_lengths(
         assert all("/vil/" not in frame.filename for frame in reason.user_stack), reason
     torch._dynamo.reset()
     compiled = torch.compile(accelerated, backend="aot_eager", dynamic=True)
-    for length in (29, 40, 57):
+    for length in (29, 57):
         ids, mask, global_mask = batch(length=length, seed=length)
         want, _, want_grads = training_results(reference, ids, mask, global_mask)
         reference.zero_grad()

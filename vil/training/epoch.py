@@ -5,13 +5,15 @@ finite."""
 import logging
 import math
 import os
+import random
 import time
 from contextlib import nullcontext
 from functools import partial
 
+import numpy as np
 import torch
 from timm.data.distributed_sampler import RepeatAugSampler
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 from tqdm import tqdm
 
 from ..data import collate_skipping
@@ -85,7 +87,8 @@ def train_one_epoch(run, epoch):
                 f"All {len(unreadable)} images of the training batch at {where} are unreadable; "
                 "check the data (the warnings above name them)."
             )
-        images, targets = images.to(runtime.device, memory_format=run.memory_format), targets.to(runtime.device)
+        images = images.to(runtime.device, memory_format=run.memory_format, non_blocking=True)
+        targets = targets.to(runtime.device, non_blocking=True)
         if run.mixup is not None:
             images, targets = run.mixup(images, targets)
         last_micro = (i + 1) % accum == 0
@@ -119,7 +122,8 @@ def train_one_epoch(run, epoch):
 
 
 def training_batches(run, epoch):
-    """The batches this process trains on in ``epoch``, from the one a resumed run stopped at."""
+    """The batches this process trains on in ``epoch``, from the one a resumed run stopped at. Image folders go
+    through one loader for the whole run (its workers persist from epoch to epoch); shards through one per epoch."""
     cfg, runtime, collate = run.cfg, run.runtime, partial(collate_skipping, refill=True)
     if isinstance(run.train_set, ShardDataset):
         return run.train_set.training_batches(
@@ -132,16 +136,75 @@ def training_batches(run, epoch):
             collate,
             skip=run.batch_in_epoch,
         )
-    order = epoch_order(run.train_set, epoch, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG)[run.batch_in_epoch * run.batch :]
-    # A generator of its own: creating the iterator then draws no number from the global random state.
-    return DataLoader(
-        torch.utils.data.Subset(run.train_set, order),
-        batch_size=run.batch,
-        drop_last=True,
-        num_workers=cfg.DATALOADER.WORKERS,
-        collate_fn=collate,
-        generator=torch.Generator().manual_seed(cfg.SEED * 1000 + epoch),
-    )
+    if run.train_loader is None:
+        workers = cfg.DATALOADER.WORKERS
+        run.train_loader = DataLoader(
+            SeededSamples(run.train_set, cfg.SEED),
+            batch_size=run.batch,
+            sampler=EpochSampler(run.train_set, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG, run.batch),
+            drop_last=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=runtime.device.type == "cuda",
+            collate_fn=collate,
+            # its own generator: starting workers then draws no number from the global random state
+            generator=torch.Generator().manual_seed(cfg.SEED),
+        )
+    run.train_loader.sampler.set_epoch(epoch, run.batch_in_epoch)
+    return run.train_loader
+
+
+class EpochSampler(Sampler):
+    """The samples this process trains on in the epoch set by :meth:`set_epoch`, from its batch ``skip`` on, as
+    ``(epoch, index)`` pairs: :class:`SeededSamples` seeds each sample's augmentation by them."""
+
+    def __init__(self, dataset, seed, runtime, repeated_aug, batch):
+        self.dataset, self.seed, self.runtime, self.batch = dataset, seed, runtime, batch
+        self.repeated_aug, self.epoch, self.skip = repeated_aug, 0, 0
+
+    def set_epoch(self, epoch, skip=0):
+        self.epoch, self.skip = epoch, skip
+
+    def _order(self):
+        order = epoch_order(self.dataset, self.epoch, self.seed, self.runtime, self.repeated_aug)
+        return order[self.skip * self.batch :]
+
+    def __iter__(self):
+        return iter([(self.epoch, index) for index in self._order()])
+
+    def __len__(self):
+        return len(self._order())
+
+
+class SeededSamples(Dataset):
+    """Sample ``(epoch, index)`` of ``dataset``, loaded and augmented with torch's, Python's and NumPy's random
+    states seeded by ``(seed, epoch, index)`` and restored after: each sample gets the same augmentation whichever
+    process or worker loads it, so a run resumed anywhere, with any number of workers, sees the same images."""
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        sample_seed = int(np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0])
+        if get_worker_info() is not None:  # a loading worker: nothing else draws from its random states
+            return self._seeded(index, sample_seed)
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            try:
+                return self._seeded(index, sample_seed)
+            finally:
+                random.setstate(python_state)
+                np.random.set_state(numpy_state)
+
+    def _seeded(self, index, sample_seed):
+        torch.default_generator.manual_seed(sample_seed)  # the CPU's only: torch.manual_seed costs 20x more
+        random.seed(sample_seed)
+        np.random.seed(sample_seed)
+        return self.dataset[index]
 
 
 def epoch_order(dataset, epoch, seed, runtime, repeated_aug=False):

@@ -13,7 +13,7 @@ from timm.data import Mixup
 from timm.scheduler.scheduler import Scheduler
 from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.tensorboard import SummaryWriter
 from yacs.config import CfgNode
 
@@ -122,6 +122,7 @@ class Run:
     test_set: Union[Dataset, ShardDataset]
     batch: int  # per process
     lock: Optional[FolderLock] = None  # the main process's lock on OUTPUT_DIR
+    train_loader: Optional[DataLoader] = None  # image folders' training loader, built at the first epoch
     epoch: int = 0
     step: int = 0
     best: float = 0.0
