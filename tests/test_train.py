@@ -425,3 +425,11 @@ def test_ema_weights_are_kept_and_differ_from_the_model(data, tmp_path):
     assert state["ema"].keys() == state["net"].keys()
     assert any(not torch.equal(state["ema"][k], state["net"][k]) for k in state["net"])
     assert "top1_ema" in (tmp_path / "ema" / "log.txt").read_text()
+
+
+def test_the_digits_check_asks_one_image_of_margin():
+    from tool_runner import load_tool
+
+    passes = load_tool("check_digits_demo").passes_with_margin
+    assert passes(98.89, 180, 98.0) and not passes(98.33, 180, 98.0)  # 178 of 180 passes, 177 (98% rounded up) not
+    assert passes(95.54, 359, 95.0) and not passes(95.26, 359, 95.0)  # 343 and 342 of 359

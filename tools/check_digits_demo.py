@@ -4,6 +4,9 @@
 2. ``configs/vil_digits_finetune.yaml`` fine-tunes step 1's ``model_best.pth`` for the digits 0-4 at 24x24
    to at least 98% held-out top-1 within 2 minutes.
 
+A step passes with at least one held-out image of margin over its bar (343 of 359 digits for step 1, 178 of 180
+for step 2), so that a machine whose arithmetic differs a little still keeps the promise.
+
     python tools/check_digits_demo.py [--seeds 0 1 2]
 
 For each seed and step it runs ``tools/train.py`` in a fresh output folder, times it, evaluates the final
@@ -11,6 +14,8 @@ checkpoint with ``tools/eval.py``, and prints one row; it exits non-zero when an
 """
 
 import argparse
+import json
+import math
 import os
 import subprocess
 import sys
@@ -26,7 +31,7 @@ STEPS = {
 
 
 def run_step(config, out, overrides):
-    """Train, then evaluate the last checkpoint; returns (seconds, top-1, top-5)."""
+    """Train, then evaluate the last checkpoint; returns (seconds, top-1, top-5, held-out images)."""
     start = time.perf_counter()
     subprocess.run(
         [
@@ -60,7 +65,15 @@ def run_step(config, out, overrides):
         text=True,
     )
     _, top1, _, top5 = done.stdout.strip().splitlines()[-1].split()
-    return seconds, float(top1), float(top5)
+    with open(os.path.join(out, "eval.json")) as f:
+        images = json.load(f)["images"]
+    return seconds, float(top1), float(top5), images
+
+
+def passes_with_margin(top1, images, bar):
+    """At least one image more right than the bar asks: bar 98% of 180 images wants 177, this 178."""
+    right = round(top1 * images / 100)
+    return right >= math.ceil(bar * images / 100 - 1e-9) + 1
 
 
 def main():
@@ -78,8 +91,8 @@ def main():
                 overrides = ["SEED", str(seed)]
                 if step == "fine-tune":
                     overrides += ["MODEL.MODEL_PATH", os.path.join(trained, "model_best.pth")]
-                seconds, top1, top5 = run_step(config, os.path.join(folder, step), overrides)
-                passes = top1 >= top1_bar and seconds <= seconds_bar
+                seconds, top1, top5, images = run_step(config, os.path.join(folder, step), overrides)
+                passes = passes_with_margin(top1, images, top1_bar) and seconds <= seconds_bar
                 failed |= not passes
                 print(
                     f"| {seed} | {step} | {seconds:.0f} | {top1:.2f} | {top5:.2f} | {'yes' if passes else 'no'} |",
