@@ -81,13 +81,17 @@ def read_checkpoint(path):
 _EMA_KEYS = ("ema", "state_dict_ema", "model_ema")
 
 
+def _ema(checkpoint):
+    return next((checkpoint[k] for k in _EMA_KEYS if isinstance(checkpoint.get(k), dict)), None)
+
+
 def has_ema(checkpoint):
-    return any(isinstance(checkpoint.get(k), dict) for k in _EMA_KEYS)
+    return _ema(checkpoint) is not None
 
 
 def ema_state(checkpoint, path="checkpoint"):
     """The EMA weights of a checkpoint dict, as :func:`model_state` returns model weights."""
-    ema = next((checkpoint[k] for k in _EMA_KEYS if isinstance(checkpoint.get(k), dict)), None)
+    ema = _ema(checkpoint)
     if ema is None:
         raise ValueError(
             f"{path} holds no EMA weights (it was trained without MODEL.EMA); "

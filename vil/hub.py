@@ -15,13 +15,12 @@ from timm.data import ImageNetInfo
 from timm.models._hub import save_config_for_hf  # timm's writer of config.json (save_for_hf without the weights)
 from torchvision.datasets.folder import find_classes
 
-from .checkpoint import SAFETENSORS_NAME, ema_state, has_ema, model_state, read_checkpoint
+from .checkpoint import SAFETENSORS_NAME, has_ema, load_model_state, read_checkpoint
 from .data import INTERPOLATIONS
 from .files import atomic_write
 from .model_config import model_kwargs
-from .models.convert import fit_to_model
 from .profiling import flop_counter
-from .weights import resolve_model_path
+from .weights import fitted_state, resolve_model_path
 
 # What a model is built from, as config.json records it (the rest of model_kwargs is training's: dropout rates,
 # and the backend, which the loading machine chooses).
@@ -72,8 +71,7 @@ def export_hub_folder(cfg, out: str) -> dict:
     args = hub_model_args(cfg)
     model = timm.create_model("vil_arch", **args).eval()
     ema = has_ema(checkpoint)
-    state = (ema_state if ema else model_state)(checkpoint, path)
-    model.load_state_dict(fit_to_model(state, model, path))
+    load_model_state(model, fitted_state(checkpoint, path, model, ema), path)
     size = cfg.INPUT.IMAGE_SIZE
     data_config = dict(  # timm's names
         input_size=(3, size, size),

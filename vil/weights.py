@@ -31,16 +31,19 @@ def resolve_model_path(cfg):
     )
 
 
+def fitted_state(checkpoint, path, model, ema=False):
+    """The model weights of the checkpoint dict read from ``path`` (its EMA weights with ``ema``), position tables
+    resized to ``model``'s image size."""
+    return fit_to_model((ema_state if ema else model_state)(checkpoint, path), model, path)
+
+
 def load_weights(model, cfg, new_classifier=False):
     """Load the weights of ``MODEL.MODEL_PATH`` (this project's checkpoint, the original release's, a bare state
     dict; its EMA weights with ``MODEL.LOAD_EMA``) into ``model``, position tables resized to the model's image
     size. With ``new_classifier``, a classifier of another class count stays the model's fresh one, and the
     log says so; otherwise it is refused with the rest of a checkpoint that does not fit."""
     path = resolve_model_path(cfg)
-    checkpoint = read_checkpoint(path)
-    state = fit_to_model(
-        ema_state(checkpoint, path) if cfg.MODEL.LOAD_EMA else model_state(checkpoint, path), model, path
-    )
+    state = fitted_state(read_checkpoint(path), path, model, cfg.MODEL.LOAD_EMA)
     head = {k: v.shape for k, v in state.items() if k.startswith("head.")}
     if head != {k: v.shape for k, v in model.state_dict().items() if k.startswith("head.")}:
         found = f"a classifier for {head['head.weight'][0]} classes" if "head.weight" in head else "no classifier"
