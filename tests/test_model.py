@@ -243,14 +243,24 @@ def test_random_shift_mode_draws_per_layer_in_training_and_uses_mode_0_in_eval(m
 
 
 def test_pooling_follows_the_spec():
+    """The pooled feature is the first global token, or the mean over all tokens (global ones included): computed
+    here from the last stage's tokens, which a hook on the final norm sees."""
     torch.manual_seed(0)
     model = MsViT(PRESETS["vil_tiny"].replace("g0", "g2"), img_size=64, num_classes=5).eval()
+    seen = []
+    model.norm.register_forward_hook(lambda module, args, out: seen.append(out))
     feats = model.forward_features(torch.randn(1, 3, 64, 64))
-    assert model.output_fmt == "NLC" and feats.shape == (1, 2 + 2 * 2, model.num_features)  # global tokens first
-    torch.testing.assert_close(model.forward_head(feats), model.head(feats[:, 0]))
-    torch.testing.assert_close(model.forward_head(feats, pre_logits=True), feats[:, 0])
+    (tokens,) = seen  # (1, 2 global + 2 x 2, C)
+    assert model.output_fmt == "NHWC" and feats.shape == (1, 2, 2, model.num_features)
+    torch.testing.assert_close(feats, tokens[:, 2:].reshape(1, 2, 2, -1))
+    torch.testing.assert_close(model.forward_head(feats), model.head(tokens[:, 0]))
+    torch.testing.assert_close(model.forward_head(feats, pre_logits=True), tokens[:, 0])
     model.reset_classifier(5, "avg")
-    torch.testing.assert_close(model.forward_head(feats), model.head(feats.mean(1)))
+    torch.testing.assert_close(model.forward_head(feats), model.head(tokens.mean(1)))
+    with pytest.raises(ValueError, match="'avg'.*global_tokens"):
+        model.forward_head(feats.clone())  # a copy of the map has lost its global tokens
+    model.reset_classifier(0, "")
+    assert model.forward_head(feats) is feats
     assert MsViT(PRESETS["vil_tiny"].replace("g0", "g2"), img_size=64, avg_pool=True).global_pool == "avg"
     assert MsViT(PRESETS["vil_tiny"], img_size=64).global_pool == "avg"  # the last stage has g0
 

@@ -144,13 +144,17 @@ def test_original_release_checkpoint_through_pretrained_cfg_overlay(tmp_path):
             torch.testing.assert_close(head_less(x), source.forward_head(source.forward_features(x), pre_logits=True))
 
 
-def test_what_timms_model_tests_check():
-    """timm's own model tests, on vil_tiny: forward_features at the default size against ``pool_size`` in
-    ``output_fmt``, the head-less and pool-less model, and the model traced by torch.fx with timm's leaf modules."""
+@pytest.mark.parametrize("last_stage_global", [0, 2], ids=["g0", "g2"])
+def test_what_timms_model_tests_check(last_stage_global):
+    """timm's own model tests, on vil_tiny and on vil_tiny with global tokens in the last stage (classified from
+    its first one): forward_features at the default size against ``pool_size`` in ``output_fmt``, the head-less
+    and pool-less model, and the model traced by torch.fx with timm's leaf modules."""
     from timm.layers import create_feature_extractor, get_channel_dim, get_graph_node_names, get_spatial_dim
 
     torch.manual_seed(0)
-    model = timm.create_model("vil_tiny").eval()
+    arch = PRESETS["vil_tiny"].replace("g0", f"g{last_stage_global}")
+    model = timm.create_model("vil_arch", arch=arch).eval()
+    assert model.global_pool == ("token" if last_stage_global else "avg")
     cfg = model.pretrained_cfg
     x = torch.randn(1, *cfg["input_size"])
     feat_axis, (rows, cols) = get_channel_dim(model.output_fmt), get_spatial_dim(model.output_fmt)
@@ -158,7 +162,7 @@ def test_what_timms_model_tests_check():
         out = model.forward_features(x)
         assert (out.shape[rows], out.shape[cols]) == cfg["pool_size"] and out.shape[feat_axis] == model.num_features
         assert model.forward_head(out, pre_logits=True).shape == (1, model.head_hidden_size)
-        bare = timm.create_model("vil_tiny", num_classes=0, global_pool="").eval()
+        bare = timm.create_model("vil_arch", arch=arch, num_classes=0, global_pool="").eval()
         bare.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("head.")})
         torch.testing.assert_close(bare(x), out)
 

@@ -174,6 +174,8 @@ class MsViT(nn.Module):
             strides are their patch sizes, there are no dilated stages.
     """
 
+    output_fmt = "NHWC"  # forward_features' layout: the last stage's map, channels last, as timm's Swin
+
     def __init__(
         self,
         arch: str,
@@ -388,19 +390,16 @@ class MsViT(nn.Module):
             )
         return sorted({i % count for i in indices})
 
-    @property
-    def output_fmt(self) -> str:
-        """The layout of :meth:`forward_features`: ``"NHWC"`` (the last stage's map, as timm's Swin) when the last
-        stage has no global tokens, as in the presets; otherwise ``"NLC"``, the global tokens first and then the
-        map's tokens row by row (as timm's ViT with its class token), since global tokens have no place on a map."""
-        return "NLC" if self.stage_specs[-1].num_global else "NHWC"
-
     def _final(self, tokens, nx, ny):
-        """The last stage's tokens, normalised, in :attr:`output_fmt`."""
+        """The last stage's tokens, normalised, as a map (B, nx, ny, C). Global tokens have no place on a map: where
+        the last stage has them, they go along as the map's attribute ``global_tokens`` (B, G, C), which
+        :meth:`forward_head` pools from (a tensor attribute survives torch.compile, torch.export and torch.fx)."""
         tokens = self.norm(tokens)
-        if self.output_fmt == "NLC":
-            return tokens
-        return tokens.reshape(tokens.shape[0], nx, ny, tokens.shape[-1])
+        G = self.stage_specs[-1].num_global
+        final_map = tokens[:, G:].reshape(tokens.shape[0], nx, ny, tokens.shape[-1])
+        if G:
+            final_map.global_tokens = tokens[:, :G]
+        return final_map
 
     def forward_intermediates(
         self,
@@ -465,19 +464,27 @@ class MsViT(nn.Module):
         return take
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> the last stage's normalised tokens in :attr:`output_fmt`: (B, H', W', C) for
-        the presets, (B, G + H'W', C) where the last stage has global tokens."""
+        """Images (B, C, H, W) -> the last stage's normalised map (B, H', W', C); its global tokens, if it has any,
+        in the map's attribute ``global_tokens``."""
         tokens, (nx, ny) = deque(self._stages(x), maxlen=1).pop()  # the last stage's
         return self._final(tokens, nx, ny)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Final tokens -> pooled features (``pre_logits``) or logits. ``"avg"`` averages every token (global
-        ones included), ``"token"`` takes the first global token, ``""`` returns ``x`` as it is."""
-        if self.global_pool == "token":
-            x = x[:, 0]
-        elif self.global_pool == "avg":
-            x = x.flatten(1, -2).mean(dim=1)
-        return x if pre_logits else self.head(x)
+        """The map of :meth:`forward_features` -> pooled features (``pre_logits``) or logits. ``"token"`` takes the
+        first global token, ``"avg"`` averages every token (global ones included), ``""`` returns ``x`` as it is."""
+        if self.global_pool == "":
+            return x if pre_logits else self.head(x)
+        tokens = x.flatten(1, 2)
+        if self.stage_specs[-1].num_global:
+            global_tokens = getattr(x, "global_tokens", None)
+            if global_tokens is None:
+                raise ValueError(
+                    f"global_pool {self.global_pool!r} pools this model's global tokens, which forward_head finds in "
+                    "the attribute global_tokens of forward_features' output; pass that output as it is."
+                )
+            tokens = global_tokens if self.global_pool == "token" else torch.cat([global_tokens, tokens], dim=1)
+        pooled = tokens[:, 0] if self.global_pool == "token" else tokens.mean(dim=1)
+        return pooled if pre_logits else self.head(pooled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
