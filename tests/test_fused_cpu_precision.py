@@ -100,7 +100,8 @@ def test_1d_strided_inputs_in_their_dtype_match_the_reference(dtype, dilation, c
 def test_nothing_as_large_as_q_is_copied_or_cast_around_the_kernel(dims):
     """Under bfloat16 autocast, the op's forward and backward on the views of a bfloat16 projection: no operator
     outside the kernels copies, casts or scales a tensor of q's size (the kernels write the output and the
-    gradients; only the small inputs, global keys and bias tables, are cast)."""
+    gradients; only the small inputs, global keys and bias tables, are cast), and the output is laid out as q is,
+    token-major, so that going back to (B, tokens, heads * head_dim) copies nothing either."""
     B, H, D, tokens = 2, 3, 16, 64
     qkv, global_k, global_v, rel_bias, global_bias = leaves(B, tokens, H, D, 1, 9 if dims == 1 else 121, torch.bfloat16)
     q, k, v = split_qkv(qkv)
@@ -112,6 +113,7 @@ def test_nothing_as_large_as_q_is_copied_or_cast_around_the_kernel(dims):
         out = attend(q, k, v, 4 if dims == 1 else 3, backend="fused_cpu", **extras)
         grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    assert out.movedim(1, -2).is_contiguous() and all(g.movedim(1, -2).is_contiguous() for g in grads)
     moved = [
         (event.name, shapes)
         for event in prof.events()

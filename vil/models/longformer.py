@@ -79,7 +79,7 @@ def sliding_window_attention(tensors: list, band: Band) -> Tensor:
     if len(sizes) == 1:
         out = _same_count_attention([cast[0], q, k, v, padding, is_global, *cast[1:]], sizes[0], band)
     else:
-        out = q.new_empty(q.shape)
+        out = torch.empty_like(q)  # laid out as q, as the op's output is
         for g in sizes:
             rows = (counts == g).nonzero().squeeze(1)
             group = [t[rows] for t in (cast[0], q, k, v, padding, is_global)]

@@ -100,22 +100,32 @@ def _passes(name, dims):
 # --- The operators' shared pieces --------------------------------------------------------------------------------
 
 
+def laid_out_as(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` (of ``like``'s shape) with the strides ``torch.empty_like(like)`` has, copied only if it has others: an
+    operator's output is laid out as its q, a gradient as its input, as the fake implementations promise. ``like``'s
+    own strides where it is dense, so that the output of q's head view of a (B, L, heads * head_dim) projection is
+    such a view too, and going back to (B, L, dim) copies nothing."""
+    if t.stride() == torch.empty_like(like, device="meta").stride():
+        return t
+    return torch.empty_like(like, dtype=t.dtype).copy_(t)
+
+
 def _fake_outputs(q):
     """The output and the per-query residual (one value per query, in the dtype the backends compute in)."""
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
 
 
 def operator_gradients(inputs, grads):
-    """Contiguous gradients, as the fake implementations promise; operators cannot return None, so absent
-    gradients travel as empty tensors."""
+    """Gradients laid out as their inputs, as the fake implementations promise; operators cannot return None, so
+    absent gradients travel as empty tensors."""
     return [
-        g.contiguous() if g is not None else x.new_empty(0) if x is not None else torch.empty(0)
+        laid_out_as(g, x) if g is not None else x.new_empty(0) if x is not None else torch.empty(0)
         for x, g in zip(inputs, grads)
     ]
 
 
 def fake_gradients(inputs):
-    return operator_gradients(inputs, [None if x is None else x.new_empty(x.shape) for x in inputs])
+    return operator_gradients(inputs, [None if x is None else torch.empty_like(x) for x in inputs])
 
 
 def gradients_or_none(grads, inputs):
@@ -143,7 +153,7 @@ def _attention_2d(
 ) -> tuple[Tensor, Tensor]:
     extras = Extras(scale, global_k, global_v, rel_bias, global_bias)
     out, lse = _passes(backend, 2).forward(q, k, v, _hood_2d(window, exact, mode, dilation), extras)
-    return out.contiguous(), lse.contiguous()
+    return laid_out_as(out, q), lse.contiguous()
 
 
 @_attention_2d.register_fake
@@ -172,7 +182,7 @@ def _attention_2d_backward(
 ) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     hood, extras = _hood_2d(window, exact, mode, dilation), Extras(scale, *inputs[3:])
-    grads = _passes(backend, 2).backward(q, k, v, hood, extras, out, lse, grad_out.contiguous())
+    grads = _passes(backend, 2).backward(q, k, v, hood, extras, out, lse, laid_out_as(grad_out, out))
     return operator_gradients(inputs, grads)
 
 
@@ -235,7 +245,7 @@ def _attention_1d(
 ) -> tuple[Tensor, Tensor]:
     extras = Extras(scale, global_k, global_v, rel_bias, global_bias, key_padding_mask)
     out, lse = _passes(backend, 1).forward(q, k, v, _hood_1d(window, dilations, causal), extras)
-    return out.contiguous(), lse.contiguous()
+    return laid_out_as(out, q), lse.contiguous()
 
 
 @_attention_1d.register_fake
@@ -264,7 +274,7 @@ def _attention_1d_backward(
 ) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     hood, extras = _hood_1d(window, dilations, causal), Extras(scale, *inputs[3:], key_padding_mask)
-    grads = _passes(backend, 1).backward(q, k, v, hood, extras, out, lse, grad_out.contiguous())
+    grads = _passes(backend, 1).backward(q, k, v, hood, extras, out, lse, laid_out_as(grad_out, out))
     return operator_gradients(inputs, grads)
 
 
@@ -376,12 +386,12 @@ def _recomputed_2d(
 ) -> Tensor:
     tensors = (q, k, v, global_k, global_v, rel_bias, global_bias)
     with torch.no_grad():
-        return _request_2d(backend, tensors, window, exact, mode, dilation, scale).contiguous()
+        return laid_out_as(_request_2d(backend, tensors, window, exact, mode, dilation, scale), q)
 
 
 @_recomputed_2d.register_fake
 def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, window, exact, mode, dilation, scale):
-    return q.new_empty(q.shape)
+    return torch.empty_like(q)
 
 
 @torch.library.custom_op("vil::recomputed_local_attention_2d_backward", mutates_args=())
@@ -445,12 +455,12 @@ def _recomputed_1d(
 ) -> Tensor:
     tensors = (q, k, v, global_k, global_v, rel_bias, global_bias)
     with torch.no_grad():
-        return _request_1d(backend, tensors, key_padding_mask, window, dilations, causal, scale).contiguous()
+        return laid_out_as(_request_1d(backend, tensors, key_padding_mask, window, dilations, causal, scale), q)
 
 
 @_recomputed_1d.register_fake
 def _(backend, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, window, dilations, causal, scale):
-    return q.new_empty(q.shape)
+    return torch.empty_like(q)
 
 
 @torch.library.custom_op("vil::recomputed_local_attention_1d_backward", mutates_args=())

@@ -159,14 +159,15 @@ def _kernel_inputs(q, extras):
 
 
 def _outputs(q):
-    """The output (contiguous, in q's dtype) and the log-sum-exp of every query (in the compute dtype)."""
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q))
+    """The output, laid out as q is (a head view of a (B, L, heads * head_dim) projection gives an output that is
+    such a view too, with no copy to go back), and the log-sum-exp of every query (in the compute dtype)."""
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q))
 
 
-def _gradient_buffers(q):
-    """The gradients of q, k and v to fill, contiguous, in q's dtype; the kernels write every element (they sum
-    k's and v's from zero, in the compute dtype)."""
-    return tuple(q.new_empty(q.shape) for _ in range(3))
+def _gradient_buffers(q, k, v):
+    """The gradients of q, k and v to fill, each laid out as its input is; the kernels write every element (they
+    sum k's and v's from zero, in the compute dtype)."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _token_rows(t):
@@ -187,7 +188,7 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
     slots = _slot_table(X, Y, hood.window, hood.exact, hood.mode)
     rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
     global_k, global_v, biases = _kernel_inputs(q, extras)
-    grad_q, grad_k, grad_v = _gradient_buffers(q)
+    grad_q, grad_k, grad_v = _gradient_buffers(q, k, v)
     grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
     # Per (batch, head) partial sums of the bias gradients, added up here.
     grad_rel = global_k.new_empty(0) if rel_bias is None else global_k.new_zeros(B, *rel_bias.shape)
@@ -262,7 +263,7 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
     dilations = hood.dilations(H)
     rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
     global_k, global_v, biases = _kernel_inputs(q, extras)
-    grad_q, grad_k, grad_v = _gradient_buffers(q)
+    grad_q, grad_k, grad_v = _gradient_buffers(q, k, v)
     # Per (batch, head, residue class) partial sums of the global key, value and bias gradients, added up here.
     residues = max(min(d, L) for d in dilations)
     grad_gk, grad_gv = (global_k.new_zeros(B, H, residues, *global_k.shape[2:]) for _ in range(2))
