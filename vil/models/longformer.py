@@ -19,7 +19,7 @@ from torch import Tensor
 from ..ops import Neighborhood1d, local_attention_1d
 from ..ops.base import exporting_to_onnx, tracing
 from ..ops.geometry import pair_in_band
-from ..ops.operators import autograd_gradients, fake_gradients, operator_gradients
+from ..ops.operators import IntList, TensorList, autograd_gradients, fake_gradients, laid_out_as, operator_gradients
 
 
 class Band(NamedTuple):
@@ -170,22 +170,21 @@ def _masked_attention(q, k, v, seen):
 
 @torch.library.custom_op("vil::longformer_attention", mutates_args=())
 def _longformer_attention(
-    tensors: list[Tensor], window: int, dilations: list[int], causal: bool, backend: Optional[str]
+    tensors: TensorList, window: int, dilations: IntList, causal: bool, backend: Optional[str]
 ) -> Tensor:
     with torch.no_grad():
-        return sliding_window_attention(tensors, Band(window, dilations, causal, backend)).contiguous()
+        return laid_out_as(sliding_window_attention(tensors, Band(window, dilations, causal, backend)), tensors[1])
 
 
 @_longformer_attention.register_fake
 def _(tensors, window, dilations, causal, backend):
-    q = tensors[1]
-    return q.new_empty(q.shape)
+    return torch.empty_like(tensors[1])
 
 
 @torch.library.custom_op("vil::longformer_attention_backward", mutates_args=())
 def _longformer_attention_backward(
-    tensors: list[Tensor], grad_out: Tensor, window: int, dilations: list[int], causal: bool, backend: Optional[str]
-) -> list[Tensor]:
+    tensors: TensorList, grad_out: Tensor, window: int, dilations: IntList, causal: bool, backend: Optional[str]
+) -> TensorList:
     x, q, k, v, padding, is_global, *projections = tensors
     band = Band(window, dilations, causal, backend)
 
