@@ -2,9 +2,8 @@
 //
 // 2D: one query chunk (w x w queries) of one (batch, head) at a time: its keys, the blocks of the chunks its
 // queries see (the "slots"), and the G global keys are copied into small buffers, and the whole softmax of
-// the chunk runs on an S x (L + G) score matrix that stays in the core's cache. The matrix products are BLAS
-// calls on those buffers (sgemm_/dgemm_, which torch's CPU library exports); the masking, the bias tables
-// and the softmax are loops over one score row at a time.
+// the chunk runs on an S x (L + G) score matrix that stays in the core's cache; the masking, the bias tables and
+// the softmax are loops over one score row at a time.
 //
 // 1D: the positions r, r+d, r+2d, ... of a head with dilation d (one residue class r) form a sequence of their
 // own, on which the window is the undilated one. One block of consecutive queries of such a sequence at a
@@ -17,21 +16,29 @@
 // of one residue class of one (batch, head), run in order on one thread, so that the key, value and bias
 // gradients they share are added without races.
 //
-// Types: q, k, v, the output, the output's gradient and q, k, v's gradients are in the storage type S (float,
-// double, bfloat16 or half); everything else, the buffers and the sums, in the compute type T (double for double,
-// else float). Half precision is converted to float as the buffers are filled and back as results are written,
-// and the key and value gradients of half precision are summed in float.
+// The matrix products, two ways (the caller chooses; the rest is the same code):
+// - FloatProducts: in the compute type T (double for double, else float) with BLAS (sgemm_/dgemm_, which torch's
+//   CPU library exports). q, k, v in the storage type S (float, double, bfloat16 or half) are converted to T as
+//   the buffers are filled; queries are scaled then.
+// - HalfProducts (bfloat16 and half): the products read the half-precision values themselves and sum in float, on
+//   the CPU's matrix instructions, through torch's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm,
+//   oneDNN's: AMX tiles where the CPU has them, AVX512-BF16 dot products otherwise). Its operands are copied into
+//   the layouts it reads (below); scores, softmax and all sums stay float, and the probabilities and score
+//   gradients are rounded to the half type only for the products that read them.
+// Either way the output, the output's gradient and q, k, v's gradients are in S; the log-sum-exp, the bias tables
+// and the global key and value gradients in T; the key and value gradients of half precision are summed in float.
 //
 // Scores are in base 2 (queries times scale * log2(e), biases times log2(e) by the caller), so that the
 // softmax needs exp2 only. q, k, v, the output and their gradients may be strided, with the elements of one
-// token contiguous. 2D: (B, H, X, Y, D), lse (B, H, X, Y) contiguous; global_k, global_v (B, H, G, D) contiguous;
-// rel_bias (H, (4w-1)^2) or empty; global_bias (H, G) or empty; slots (C, n, 3) int64: for each chunk
-// (row-major) and neighbour slot, the chunk it reads (-1: none) and the slot's chunk offset (a, b), which the
-// relative bias uses as if neighbour chunks were adjacent. 1D: (B, H, L, D), lse (B, H, L); rel_bias (H, 2w+1)
-// or empty; key_padding_mask (B, L) bool or empty; one dilation per head.
+// token contiguous. 2D: (B, H, X, Y, D), lse (B, H, X, Y) contiguous; global_k, global_v (B, H, G, D) contiguous
+// (in T, or in S for HalfProducts); rel_bias (H, (4w-1)^2) or empty; global_bias (H, G) or empty; slots (C, n, 3)
+// int64: for each chunk (row-major) and neighbour slot, the chunk it reads (-1: none) and the slot's chunk offset
+// (a, b), which the relative bias uses as if neighbour chunks were adjacent. 1D: (B, H, L, D), lse (B, H, L);
+// rel_bias (H, 2w+1) or empty; key_padding_mask (B, L) bool or empty; one dilation per head.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -42,8 +49,24 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <map>
 #include <type_traits>
 #include <vector>
+
+// The layouts of the half-precision products move 16 x 16 words at a time where the compiler targets AVX-512.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define VIL_AVX512 1
+#else
+#define VIL_AVX512 0
+#endif
+
+// torch's brgemm takes bfloat16 and half operands from torch 2.6 on (the macros say which it has).
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
+#define VIL_HALF_PRODUCTS 1
+#else
+#define VIL_HALF_PRODUCTS 0
+#endif
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
@@ -68,6 +91,18 @@ void matmul(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a
   } else {
     dgemm_(&op_b, &op_a, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
   }
+}
+
+// Row-major c (m x n, float) = a b, a m x k row-major, b in pairs: k/2 rows of n pairs (b[2i][j], b[2i+1][j]), the
+// layout the CPU's half-precision dot-product instructions (and AMX tiles) read; k even.
+template <typename S>
+void half_product(int m, int n, int k, const S* a, int lda, const S* b_pairs, int ldb, float* c, int ldc) {
+  if (m == 0 || n == 0) return;
+#if VIL_HALF_PRODUCTS
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, false, a, b_pairs, c, true);
+#else
+  TORCH_CHECK(false, "local_attention_cpu: this torch has no half-precision brgemm");
+#endif
 }
 
 // exp2 for t <= 0 (scores less their maximum or log-sum-exp): 2^round(t) times a degree-6 polynomial of the
@@ -109,6 +144,77 @@ void exponentiate_row(T* row, int n, T& max, T& sum) {
   sum = s;
 }
 
+// The backward of the softmax of n score rows (row length ld): the probabilities 2^(s - lse) in place of the
+// scores, and the score gradients dS = P * (dP - delta) in place of dP (delta = rowsum(dO * O)).
+template <typename T>
+void softmax_backward(int n, int ld, T* scores, T* grad_scores, const T* lse, const T* delta) {
+  for (int i = 0; i < n; ++i) {
+    T* p = scores + static_cast<int64_t>(i) * ld;
+    T* ds = grad_scores + static_cast<int64_t>(i) * ld;
+    const T row_lse = lse[i], row_delta = delta[i];
+#pragma omp simd
+    for (int j = 0; j < ld; ++j) {
+      p[j] = exp2_nonpositive(p[j] - row_lse);
+      ds[j] = p[j] * (ds[j] - row_delta);
+    }
+  }
+}
+
+#if VIL_AVX512
+// The vector forms of the loops above for float: 16 scores at a time, the row's tail under a mask.
+inline __mmask16 tail_mask(int remaining) { return static_cast<__mmask16>((1u << remaining) - 1u); }
+
+// As exp2_nonpositive: p(t - n) * 2^n; t <= -150 (and -inf) gives 0, NaN stays NaN.
+inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(_mm512_set1_ps(-150.0f), t);  // the second operand where either is NaN
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void exponentiate_row(float* row, int n, float& max, float& sum) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int whole = n - n % 16;
+  const __mmask16 tail = tail_mask(n % 16);
+  __m512 m = _mm512_mask_loadu_ps(lowest, tail, row + whole);
+  for (int j = 0; j < whole; j += 16) m = _mm512_max_ps(_mm512_loadu_ps(row + j), m);
+  float row_max = _mm512_reduce_max_ps(m);
+  if (row_max == -std::numeric_limits<float>::infinity()) row_max = 0;
+  const __m512 shift = _mm512_set1_ps(row_max);
+  __m512 s = _mm512_setzero_ps();
+  for (int j = 0; j < whole; j += 16) {
+    const __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+    _mm512_storeu_ps(row + j, p);
+    s = _mm512_add_ps(s, p);
+  }
+  const __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_mask_loadu_ps(lowest, tail, row + whole), shift));
+  _mm512_mask_storeu_ps(row + whole, tail, p);
+  max = row_max;
+  sum = _mm512_reduce_add_ps(_mm512_add_ps(s, p));
+}
+
+inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const float* delta) {
+  const int whole = ld - ld % 16;
+  const __mmask16 tail = tail_mask(ld % 16);
+  for (int i = 0; i < n; ++i) {
+    float* p = scores + static_cast<int64_t>(i) * ld;
+    float* ds = grad_scores + static_cast<int64_t>(i) * ld;
+    const __m512 row_lse = _mm512_set1_ps(lse[i]), row_delta = _mm512_set1_ps(delta[i]);
+    for (int j = 0; j <= whole; j += 16) {
+      const __mmask16 lanes = j < whole ? __mmask16(0xffff) : tail;
+      const __m512 prob = exp2_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, p + j), row_lse));
+      _mm512_mask_storeu_ps(p + j, lanes, prob);
+      const __m512 grad = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, ds + j), row_delta);
+      _mm512_mask_storeu_ps(ds + j, lanes, _mm512_mul_ps(prob, grad));
+    }
+  }
+}
+#endif
+
 // A value of the storage type in the compute type, and back (rounding to nearest even). bfloat16 is the upper half
 // of a float: widened and narrowed with integer operations, which the compiler vectorises (c10's conversion
 // checks for NaN first, which it does not).
@@ -146,6 +252,11 @@ void store_output(S* out, T* lse, const T* o, int64_t D, T max, T sum) {
   *lse = sum > 0 ? max + std::log2(sum) : std::numeric_limits<T>::infinity();
 }
 
+// A token's place in a map: its row and column (1D: its position in a residue class, and column 0).
+struct Position {
+  int64_t row, col;
+};
+
 // One (batch, head) of a (B, H, X, Y, D) map or a (B, H, L, D) sequence: the D elements of a token are contiguous,
 // tokens are `row` apart from one row (position) to the next and `col` apart from one column to the next (1D: 0).
 template <typename S>
@@ -153,6 +264,7 @@ struct Map {
   S* data;
   int64_t row, col;
   S* at(int64_t r, int64_t c) const { return data + r * row + c * col; }
+  S* at(Position p) const { return at(p.row, p.col); }
   // Residue class r of a dilation d of a sequence: its positions r, r + d, ... as the rows of a map.
   Map every(int64_t r, int64_t d) const { return {data + r * row, d * row, col}; }
 };
@@ -163,30 +275,32 @@ Map<S> map_of(const at::Tensor& t, int64_t b, int64_t h) {
   return {head, t.stride(2), t.dim() == 5 ? t.stride(3) : 0};
 }
 
-// dst (rows x cols tokens of D elements, row-major, contiguous) = factor * the block of src from token (r0, c0).
+// The tokens of one query chunk (2D) or block (1D): its queries, and the local keys of its window in the order of
+// the score columns (the G global keys come after them).
+struct Window {
+  std::vector<Position> queries, keys;
+};
+
+// dst (one token of D elements after the other) = factor * the tokens of src at `at`.
 template <typename T, typename S>
-void gather(T* dst, Map<const S> src, int64_t r0, int64_t c0, int64_t rows, int64_t cols, int64_t D, T factor) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const S* in = src.at(r0 + r, c0 + c);
-      T* out = dst + (r * cols + c) * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = widen<T>(in[d]) * factor;
-    }
+void gather(T* dst, Map<const S> src, const std::vector<Position>& at, int64_t D, T factor) {
+  for (size_t i = 0; i < at.size(); ++i) {
+    const S* in = src.at(at[i]);
+    T* out = dst + static_cast<int64_t>(i) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = widen<T>(in[d]) * factor;
   }
 }
 
-// The block of dst from token (r0, c0) = src (rows x cols tokens, contiguous), or += src when `add`.
+// The tokens of dst at `at` = src (one token after the other), or += src when `add`.
 template <typename S, typename T>
-void scatter(Map<S> dst, int64_t r0, int64_t c0, int64_t rows, int64_t cols, int64_t D, const T* src, bool add) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      S* out = dst.at(r0 + r, c0 + c);
-      const T* in = src + (r * cols + c) * D;
-      if (add) {
-        for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(widen<T>(out[d]) + in[d]);
-      } else {
-        for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(in[d]);
-      }
+void scatter(Map<S> dst, const std::vector<Position>& at, int64_t D, const T* src, bool add) {
+  for (size_t i = 0; i < at.size(); ++i) {
+    S* out = dst.at(at[i]);
+    const T* in = src + static_cast<int64_t>(i) * D;
+    if (add) {
+      for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(widen<T>(out[d]) + in[d]);
+    } else {
+      for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(in[d]);
     }
   }
 }
@@ -220,7 +334,15 @@ struct GradientSum {
     }
   }
   void finish() {
-    if constexpr (!std::is_same_v<S, T>) scatter(out, 0, 0, rows, cols, D, buffer.data(), false);
+    if constexpr (!std::is_same_v<S, T>) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const T* in = target.at(r, c);
+          S* to = out.at(r, c);
+          for (int64_t d = 0; d < D; ++d) to[d] = narrow<S>(in[d]);
+        }
+      }
+    }
   }
 };
 
@@ -228,6 +350,8 @@ struct Geometry {
   int64_t B, H, X, Y, D, G;
   int w, exact, chunk_cols, num_slots;
   int64_t chunks() const { return ((X + w - 1) / w) * chunk_cols; }
+  int64_t max_queries() const { return static_cast<int64_t>(w) * w; }
+  int64_t max_keys() const { return kMaxSlots * max_queries() + G; }
 };
 
 // One query chunk: its queries (rows q_r0.., columns q_c0..) and the key block of each slot it reads, laid out
@@ -263,6 +387,19 @@ Chunk make_chunk(const Geometry& g, const int64_t* slot_table, int64_t chunk) {
   return c;
 }
 
+void set_window(const Chunk& c, Window& win) {
+  win.queries.clear();
+  win.keys.clear();
+  for (int r = 0; r < c.q_rows; ++r) {
+    for (int col = 0; col < c.q_cols; ++col) win.queries.push_back({c.q_r0 + r, c.q_c0 + col});
+  }
+  for (int s = 0; s < c.slots; ++s) {
+    for (int r = 0; r < c.k_rows[s]; ++r) {
+      for (int col = 0; col < c.k_cols[s]; ++col) win.keys.push_back({c.k_r0[s] + r, c.k_c0[s] + col});
+    }
+  }
+}
+
 // Calls fn(first key, length, bias row of the first key) for each run of keys that query (qi, qj) of the chunk
 // (in-chunk row and column) sees, in increasing key order; along a run the bias row decreases by one per key.
 template <typename F>
@@ -292,6 +429,8 @@ struct Geometry1d {
   int64_t residues;                // the most residue classes of a head, min(d, L): partial sums per (batch, head)
   // The most keys a block's windows cover.
   int64_t span() const { return std::min<int64_t>(block + (causal ? 1 : 2) * w, L); }
+  int64_t max_queries() const { return block; }
+  int64_t max_keys() const { return span() + G; }
 };
 
 // A block of queries t0 <= t < t0 + queries of residue class r of head h (positions r + d*t), and the span of
@@ -321,6 +460,14 @@ std::vector<Block> make_blocks(const Geometry1d& g, std::vector<int64_t>& runs) 
   return blocks;
 }
 
+// The positions of a block in its residue class: its queries, and its span of keys.
+void set_window(const Block& blk, Window& win) {
+  win.queries.clear();
+  win.keys.clear();
+  for (int i = 0; i < blk.queries; ++i) win.queries.push_back({blk.t0 + i, 0});
+  for (int j = 0; j < blk.keys; ++j) win.keys.push_back({blk.k0 + j, 0});
+}
+
 // The window of query i of a block, before the padding mask: columns lo <= j < hi of its span, and the bias row
 // of key lo; the bias row grows by one per key.
 struct Band {
@@ -334,143 +481,9 @@ Band band_of(const Geometry1d& g, const Block& blk, int i) {
   return {lo, hi, static_cast<int>(blk.k0 + lo - t + g.w)};
 }
 
-// The buffers of one query chunk (2D) or block (1D): queries, keys and values of its window (local keys, then
-// the global ones), scores.
-template <typename T>
-struct Workspace {
-  std::vector<T> queries, keys, values, scores, extra, row_max, total;
-  std::vector<T> key_mask;  // 1D: 0, or -inf at a padded key of the span
-  int ld = 0;  // score row length, local keys + G
-
-  Workspace(int64_t S, int64_t L, int64_t D)
-      : queries(S * D), keys(L * D), values(L * D), scores(S * L), extra(std::max(S * L, L * D)), row_max(S),
-        total(S), key_mask(L) {}
-  explicit Workspace(const Geometry& g) : Workspace(g.w * g.w, kMaxSlots * g.w * g.w + g.G, g.D) {}
-  explicit Workspace(const Geometry1d& g) : Workspace(g.block, g.span() + g.G, g.D) {}
-
-  // Fills queries (times query_scale), keys and values of chunk c of the maps of one (batch, head).
-  template <typename S>
-  void load(const Geometry& g, const Chunk& c, Map<const S> q, Map<const S> k, Map<const S> v, const T* gk,
-            const T* gv, T query_scale) {
-    gather(queries.data(), q, c.q_r0, c.q_c0, c.q_rows, c.q_cols, g.D, query_scale);
-    for (int s = 0; s < c.slots; ++s) {
-      gather(keys.data() + c.start[s] * g.D, k, c.k_r0[s], c.k_c0[s], c.k_rows[s], c.k_cols[s], g.D, T(1));
-      gather(values.data() + c.start[s] * g.D, v, c.k_r0[s], c.k_c0[s], c.k_rows[s], c.k_cols[s], g.D, T(1));
-    }
-    load_global(c.keys, gk, gv, g.G, g.D);
-  }
-
-  // Fills queries (times query_scale), keys and values of a block of one residue class of one (batch, head).
-  template <typename S>
-  void load(const Geometry1d& g, const Block& blk, Map<const S> q, Map<const S> k, Map<const S> v, const T* gk,
-            const T* gv, T query_scale) {
-    gather(queries.data(), q, blk.t0, 0, blk.queries, 1, g.D, query_scale);
-    gather(keys.data(), k, blk.k0, 0, blk.keys, 1, g.D, T(1));
-    gather(values.data(), v, blk.k0, 0, blk.keys, 1, g.D, T(1));
-    load_global(blk.keys, gk, gv, g.G, g.D);
-  }
-
-  // scores = queries keys^T, with the biases added and -inf where a query does not see a key.
-  void score(const Geometry& g, const Chunk& c, const T* rel_bias, const T* global_bias) {
-    const int S = c.queries();
-    matmul<T>(false, true, S, ld, g.D, T(1), queries.data(), g.D, keys.data(), g.D, T(0), scores.data(), ld);
-    const T masked = -std::numeric_limits<T>::infinity();
-    for (int i = 0; i < S; ++i) {
-      T* row = scores.data() + static_cast<int64_t>(i) * ld;
-      int next = 0;
-      for_each_visible_run(g, c, i / c.q_cols, i % c.q_cols, [&](int first, int length, int bias_row) {
-        std::fill(row + next, row + first, masked);
-        if (rel_bias != nullptr) {
-          for (int j = 0; j < length; ++j) row[first + j] += rel_bias[bias_row - j];
-        }
-        next = first + length;
-      });
-      std::fill(row + next, row + c.keys, masked);
-      add_global_bias(row, c.keys, global_bias, g.G);
-    }
-  }
-
-  // scores = queries keys^T, with the biases added and -inf outside each query's band, after the query when
-  // causal, and at padded keys (key_padding: the batch entry's mask, or null).
-  void score(const Geometry1d& g, const Block& blk, const T* rel_bias, const T* global_bias, const bool* key_padding) {
-    matmul<T>(false, true, blk.queries, ld, g.D, T(1), queries.data(), g.D, keys.data(), g.D, T(0), scores.data(),
-              ld);
-    const T masked = -std::numeric_limits<T>::infinity();
-    if (key_padding != nullptr) {
-      for (int j = 0; j < blk.keys; ++j) key_mask[j] = key_padding[blk.r + blk.d * (blk.k0 + j)] ? masked : T(0);
-    }
-    for (int i = 0; i < blk.queries; ++i) {
-      T* row = scores.data() + static_cast<int64_t>(i) * ld;
-      const Band band = band_of(g, blk, i);
-      std::fill(row, row + band.lo, masked);
-      std::fill(row + band.hi, row + blk.keys, masked);
-      if (rel_bias != nullptr) {
-        const T* bias = rel_bias + band.bias_row - band.lo;
-        for (int j = band.lo; j < band.hi; ++j) row[j] += bias[j];
-      }
-      if (key_padding != nullptr) {
-        for (int j = band.lo; j < band.hi; ++j) row[j] += key_mask[j];
-      }
-      add_global_bias(row, blk.keys, global_bias, g.G);
-    }
-  }
-
-  // The softmax numerators of the S score rows (their maxima and sums in row_max and total) times the values:
-  // the unnormalised outputs, S x D in `extra`.
-  const T* attend(int S, int64_t D) {
-    for (int i = 0; i < S; ++i) exponentiate_row(scores.data() + static_cast<int64_t>(i) * ld, ld, row_max[i], total[i]);
-    matmul<T>(false, false, S, D, ld, T(1), scores.data(), ld, values.data(), D, T(0), extra.data(), D);
-    return extra.data();
-  }
-
-  // The backward of the softmax of the S score rows: the probabilities 2^(s - lse) in place of the scores, and
-  // the score gradients dS = P * (dP - delta), dP = dO V^T, in grad_scores; delta = rowsum(dO * O).
-  void differentiate(int S, int64_t D, const T* grad_out, const T* lse, const T* delta, T* grad_scores) {
-    matmul<T>(false, true, S, ld, D, T(1), grad_out, D, values.data(), D, T(0), grad_scores, ld);
-    for (int i = 0; i < S; ++i) {
-      T* p = scores.data() + static_cast<int64_t>(i) * ld;
-      T* ds = grad_scores + static_cast<int64_t>(i) * ld;
-      const T row_lse = lse[i], row_delta = delta[i];
-#pragma omp simd
-      for (int j = 0; j < ld; ++j) {
-        p[j] = exp2_nonpositive(p[j] - row_lse);
-        ds[j] = p[j] * (ds[j] - row_delta);
-      }
-    }
-  }
-
-  // After differentiate: the gradients of the S queries (scale dS K, S x D), of the window's keys (scale dS^T q,
-  // as the buffer holds q * scale * log2(e); ld x D) or of its values (P^T dO, ld x D), in `extra`.
-  const T* grad_queries(int S, int64_t D, const T* grad_scores, double scale) {
-    matmul<T>(false, false, S, D, ld, T(scale), grad_scores, ld, keys.data(), D, T(0), extra.data(), D);
-    return extra.data();
-  }
-  const T* grad_keys(int S, int64_t D, const T* grad_scores) {
-    matmul<T>(true, false, ld, D, S, T(1 / kLog2e), grad_scores, ld, queries.data(), D, T(0), extra.data(), D);
-    return extra.data();
-  }
-  const T* grad_values(int S, int64_t D, const T* grad_out) {
-    matmul<T>(true, false, ld, D, S, T(1), scores.data(), ld, grad_out, D, T(0), extra.data(), D);
-    return extra.data();
-  }
-
- private:
-  // The G global keys and values after the window's `local` ones.
-  void load_global(int local, const T* gk, const T* gv, int64_t G, int64_t D) {
-    std::copy(gk, gk + G * D, keys.begin() + local * D);
-    std::copy(gv, gv + G * D, values.begin() + local * D);
-    ld = local + static_cast<int>(G);
-  }
-
-  static void add_global_bias(T* row, int local, const T* global_bias, int64_t G) {
-    if (global_bias == nullptr) return;
-    for (int64_t j = 0; j < G; ++j) row[local + j] += global_bias[j];
-  }
-};
-
 template <typename T>
 const T* head_of(const at::Tensor& t, int64_t bh, int64_t per_head) {
-  return t.numel() == 0 ? nullptr : t.data_ptr<T>() + bh * per_head;
+  return t.numel() == 0 ? nullptr : static_cast<const T*>(t.data_ptr()) + bh * per_head;
 }
 
 template <typename T>
@@ -478,129 +491,695 @@ T* grad_of(at::Tensor& t, int64_t bh, int64_t per_head) {
   return t.numel() == 0 ? nullptr : t.data_ptr<T>() + bh * per_head;
 }
 
-// The softmax backward's row terms delta = rowsum(dO * O) of n queries: dO (n x D, contiguous) and the block of
-// the output `out` from token (r0, c0), rows x cols tokens.
-template <typename S, typename T>
-void row_terms(T* delta, const T* grad_out, Map<const S> out, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
-               int64_t D) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const S* o = out.at(r0 + r, c0 + c);
-      const T* dout = grad_out + (r * cols + c) * D;
+template <typename T>
+void add_global_bias(T* row, int local, const T* global_bias, int64_t G) {
+  if (global_bias == nullptr) return;
+  for (int64_t j = 0; j < G; ++j) row[local + j] += global_bias[j];
+}
+
+// Adds the biases to the scores of a chunk (row length ld), and -inf where a query does not see a key.
+template <typename T>
+void mask_scores(const Geometry& g, const Chunk& c, T* scores, int ld, const T* rel_bias, const T* global_bias) {
+  const T masked = -std::numeric_limits<T>::infinity();
+  for (int i = 0; i < c.queries(); ++i) {
+    T* row = scores + static_cast<int64_t>(i) * ld;
+    int next = 0;
+    for_each_visible_run(g, c, i / c.q_cols, i % c.q_cols, [&](int first, int length, int bias_row) {
+      std::fill(row + next, row + first, masked);
+      if (rel_bias != nullptr) {
+        for (int j = 0; j < length; ++j) row[first + j] += rel_bias[bias_row - j];
+      }
+      next = first + length;
+    });
+    std::fill(row + next, row + c.keys, masked);
+    add_global_bias(row, c.keys, global_bias, g.G);
+  }
+}
+
+// Scores times `factor`, plus the biases of a dense table of the same shape, -inf where it is -inf (a key the query
+// does not see, whatever its score).
+template <typename T>
+void finish_scores(T* scores, int64_t size, T factor, const T* table) {
+  const T masked = -std::numeric_limits<T>::infinity();
+#pragma omp simd
+  for (int64_t i = 0; i < size; ++i) scores[i] = table[i] == masked ? masked : scores[i] * factor + table[i];
+}
+
+// The biases and masks a chunk's scores get depend only on its kind: its shape, and the shape and offset of each
+// slot it reads. Interior chunks are all of one kind, so each (kind, head) has its biases written once per call,
+// by mask_scores on zeros, into a dense queries x (keys + G) table that finish_scores adds in one vectorised pass;
+// the backward sums the score gradients of each kind in such a table and adds them to the bias gradients once per
+// kind. Where the tables would exceed kTableBudget values, the scores are masked row by row instead.
+constexpr int64_t kTableBudget = int64_t(1) << 22;
+
+template <typename T>
+struct ChunkBiases {
+  std::vector<int> kind_of;     // per chunk
+  std::vector<int64_t> sample;  // per kind: a chunk of that kind
+  std::vector<int64_t> start;   // per (kind, head): where its table begins in `tables`
+  std::vector<T> tables;
+  bool none = false;   // no bias and no mask: the scores stay as they are
+  bool dense = false;  // the tables are built
+  int64_t H = 0;
+  const T* table(int kind, int64_t h) const { return tables.data() + start[kind * H + h]; }
+  int64_t size(int kind) const { return start[kind * H + 1] - start[kind * H]; }  // per head
+};
+
+template <typename T>
+ChunkBiases<T> chunk_biases(const Geometry& g, const int64_t* slot_table, const at::Tensor& rel_bias,
+                            const at::Tensor& global_bias) {
+  ChunkBiases<T> cb;
+  cb.H = g.H;
+  cb.none = rel_bias.numel() == 0 && global_bias.numel() == 0 && g.exact != 1;
+  if (cb.none) return cb;
+  std::map<std::vector<int>, int> kinds;
+  for (int64_t chunk = 0; chunk < g.chunks(); ++chunk) {
+    const Chunk c = make_chunk(g, slot_table, chunk);
+    std::vector<int> shape{c.q_rows, c.q_cols};
+    for (int s = 0; s < c.slots; ++s) shape.insert(shape.end(), {c.a[s], c.b[s], c.k_rows[s], c.k_cols[s]});
+    const auto found = kinds.emplace(shape, static_cast<int>(cb.sample.size()));
+    if (found.second) cb.sample.push_back(chunk);
+    cb.kind_of.push_back(found.first->second);
+  }
+  int64_t total = 0;
+  for (const int64_t chunk : cb.sample) {
+    const Chunk c = make_chunk(g, slot_table, chunk);
+    for (int64_t h = 0; h < g.H; ++h) {
+      cb.start.push_back(total);
+      total += c.queries() * (c.keys + g.G);
+    }
+  }
+  cb.start.push_back(total);
+  if (total > kTableBudget) return cb;
+  cb.tables.assign(total, T(0));
+  const int64_t table = (4 * g.w - 1) * (4 * g.w - 1);
+  at::parallel_for(0, static_cast<int64_t>(cb.sample.size()) * g.H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Chunk c = make_chunk(g, slot_table, cb.sample[item / g.H]);
+      const int64_t h = item % g.H;
+      mask_scores(g, c, cb.tables.data() + cb.start[item], c.keys + static_cast<int>(g.G),
+                  head_of<T>(rel_bias, h, table), head_of<T>(global_bias, h, g.G));
+    }
+  });
+  cb.dense = true;
+  return cb;
+}
+
+// The scores of chunk `chunk` of head h, from the products: times `factor` (the scale, where the products did not
+// apply it), plus the biases and masks.
+template <typename T>
+void finish_scores(const Geometry& g, const Chunk& c, int64_t chunk, int64_t h, const ChunkBiases<T>& biases,
+                   T* scores, int ld, T factor, const T* rel_bias, const T* global_bias) {
+  const int64_t size = static_cast<int64_t>(c.queries()) * ld;
+  if (biases.dense) return finish_scores(scores, size, factor, biases.table(biases.kind_of[chunk], h));
+  if (factor != T(1)) {
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) scores[i] *= factor;
+  }
+  if (!biases.none) mask_scores(g, c, scores, ld, rel_bias, global_bias);
+}
+
+// Adds the score gradients of a chunk (its queries' rows, of length ld) to the bias gradients: those of the
+// relative bias table (grad_rel, or null) along the runs of keys each query sees, those of the global biases
+// (grad_glob, or null).
+template <typename T>
+void add_bias_gradients(const Geometry& g, const Chunk& c, const T* grad_scores, int ld, T* grad_rel, T* grad_glob) {
+  for (int i = 0; i < c.queries(); ++i) {
+    const T* row = grad_scores + static_cast<int64_t>(i) * ld;
+    if (grad_rel != nullptr) {
+      for_each_visible_run(g, c, i / c.q_cols, i % c.q_cols, [&](int first, int length, int bias_row) {
+        for (int j = 0; j < length; ++j) grad_rel[bias_row - j] += row[first + j];
+      });
+    }
+    if (grad_glob != nullptr) add_into(grad_glob, row + c.keys, g.G);
+  }
+}
+
+// The scores of a block (row length ld), from the products: times `factor` (the scale, where the products did not
+// apply it), plus the biases, and -inf outside each query's band, after the query when causal, and at padded keys
+// (key_padding: the batch entry's mask, or null; key_mask: a buffer of the span's length).
+template <typename T>
+void finish_scores(const Geometry1d& g, const Block& blk, T* scores, int ld, T factor, const T* rel_bias,
+                   const T* global_bias, const bool* key_padding, T* key_mask) {
+  const T masked = -std::numeric_limits<T>::infinity();
+  if (key_padding != nullptr) {
+    for (int j = 0; j < blk.keys; ++j) key_mask[j] = key_padding[blk.r + blk.d * (blk.k0 + j)] ? masked : T(0);
+  }
+  for (int i = 0; i < blk.queries; ++i) {
+    T* row = scores + static_cast<int64_t>(i) * ld;
+    const Band band = band_of(g, blk, i);
+    std::fill(row, row + band.lo, masked);
+    std::fill(row + band.hi, row + blk.keys, masked);
+    if (factor != T(1)) {
+#pragma omp simd
+      for (int j = band.lo; j < band.hi; ++j) row[j] *= factor;
+      for (int64_t j = 0; j < g.G; ++j) row[blk.keys + j] *= factor;
+    }
+    if (rel_bias != nullptr) {
+      const T* bias = rel_bias + band.bias_row - band.lo;
+#pragma omp simd
+      for (int j = band.lo; j < band.hi; ++j) row[j] += bias[j];
+    }
+    if (key_padding != nullptr) {
+#pragma omp simd
+      for (int j = band.lo; j < band.hi; ++j) row[j] += key_mask[j];
+    }
+    add_global_bias(row, blk.keys, global_bias, g.G);
+  }
+}
+
+// The products of one chunk (block) in the compute type T with BLAS. Buffers: queries (times scale * log2(e)),
+// keys and values of the window (local keys, then the global ones), the output's gradient, scores and their
+// gradients, and the results the caller reads. Every method below is HalfProducts' too; see there.
+template <typename T>
+struct FloatProducts {
+  using Compute = T;
+  using Global = T;  // the type of the global keys and values it reads
+  std::vector<T> queries, keys, values, grad_out, scores, grad_scores, result, row_max, total, delta;
+  int ld = 0;  // score row length: local keys + G
+
+  FloatProducts(int64_t S, int64_t L, int64_t D)
+      : queries(S * D), keys(L * D), values(L * D), grad_out(S * D), scores(S * L), grad_scores(S * L),
+        result(std::max(S, L) * D), row_max(S), total(S), delta(S) {}
+
+  template <typename S>
+  void load(const Window& win, Map<const S> q, Map<const S> k, Map<const S> v, const T* gk, const T* gv, int64_t G,
+            int64_t D, double scale, bool /*backward*/) {
+    const int local = static_cast<int>(win.keys.size());
+    gather(queries.data(), q, win.queries, D, T(scale * kLog2e));
+    gather(keys.data(), k, win.keys, D, T(1));
+    gather(values.data(), v, win.keys, D, T(1));
+    std::copy(gk, gk + G * D, keys.begin() + local * D);
+    std::copy(gv, gv + G * D, values.begin() + local * D);
+    ld = local + static_cast<int>(G);
+  }
+
+  // The products of the queries and keys; the scale is in the queries already.
+  T* multiply_scores(int n, int64_t D) {
+    matmul<T>(false, true, n, ld, D, T(1), queries.data(), D, keys.data(), D, T(0), scores.data(), ld);
+    return scores.data();
+  }
+  T score_factor() const { return T(1); }
+
+  const T* attend(int n, int64_t D) {
+    for (int i = 0; i < n; ++i) exponentiate_row(scores.data() + static_cast<int64_t>(i) * ld, ld, row_max[i], total[i]);
+    matmul<T>(false, false, n, D, ld, T(1), scores.data(), ld, values.data(), D, T(0), result.data(), D);
+    return result.data();
+  }
+
+  template <typename S>
+  void load_grad_out(const Window& win, Map<const S> grad_out_map, Map<const S> out, int64_t D) {
+    gather(grad_out.data(), grad_out_map, win.queries, D, T(1));
+    for (size_t i = 0; i < win.queries.size(); ++i) {
+      const S* o = out.at(win.queries[i]);
+      const T* dout = grad_out.data() + static_cast<int64_t>(i) * D;
       T sum = 0;
       for (int64_t d = 0; d < D; ++d) sum += dout[d] * widen<T>(o[d]);
-      delta[r * cols + c] = sum;
+      delta[i] = sum;
+    }
+  }
+
+  void differentiate(int n, int64_t D, const T* lse) {
+    matmul<T>(false, true, n, ld, D, T(1), grad_out.data(), D, values.data(), D, T(0), grad_scores.data(), ld);
+    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta.data());
+  }
+
+  const T* grad_queries(int n, int64_t D, double scale) {
+    matmul<T>(false, false, n, D, ld, T(scale), grad_scores.data(), ld, keys.data(), D, T(0), result.data(), D);
+    return result.data();
+  }
+  const T* grad_keys(int n, int64_t D, double /*scale: in the queries*/) {
+    matmul<T>(true, false, ld, D, n, T(1 / kLog2e), grad_scores.data(), ld, queries.data(), D, T(0), result.data(),
+              D);
+    return result.data();
+  }
+  const T* grad_values(int n, int64_t D) {
+    matmul<T>(true, false, ld, D, n, T(1), scores.data(), ld, grad_out.data(), D, T(0), result.data(), D);
+    return result.data();
+  }
+
+  static void release() {}
+};
+
+inline int64_t even(int64_t n) { return n + (n & 1); }
+
+// The half-precision operand layouts: each writes n tokens (pointers to D contiguous elements) or n rows of a
+// float matrix, with zeros where a layout is longer than its data.
+//
+// A operands (row-major, the summed index contiguous): the tokens as rows (n x Dp), or as columns (D x np).
+template <typename S>
+void write_rows(S* dst, const S* const* tokens, int n, int64_t D, int64_t Dp) {
+  for (int j = 0; j < n; ++j) {
+    std::copy(tokens[j], tokens[j] + D, dst + j * Dp);
+    std::fill(dst + j * Dp + D, dst + (j + 1) * Dp, S(0));
+  }
+}
+
+template <typename S>
+void write_columns(S* dst, const S* const* tokens, int n, int np, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) {
+    S* row = dst + d * np;
+    for (int j = 0; j < n; ++j) row[j] = tokens[j][d];
+    std::fill(row + n, row + np, S(0));
+  }
+}
+
+#if VIL_AVX512
+// Transposes 16 rows of 16 32-bit words in registers: 32-bit, then 64-bit interleaves within 128-bit lanes, then two
+// rounds of lane shuffles.
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + c], lane k: rows g..g+3 of column 4k + c
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), y = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i z = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i w = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(x, z, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(y, w, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(x, z, 0xdd);
+    r[12 + c] = _mm512_shuffle_i32x4(y, w, 0xdd);
+  }
+}
+
+// The 16-bit lanes that interleave a (0..31) and b (32..63): the first 16 elements of each, or the last 16.
+inline __m512i interleave_index(int first) {
+  alignas(64) uint16_t index[32];
+  for (int k = 0; k < 16; ++k) {
+    index[2 * k] = static_cast<uint16_t>(first + k);
+    index[2 * k + 1] = static_cast<uint16_t>(32 | (first + k));
+  }
+  return _mm512_load_si512(index);
+}
+#endif
+
+// B operands (pairs): summing over the tokens' elements, Dp/2 rows of n pairs (token j's elements 2e and 2e + 1);
+// summing over the tokens, np/2 rows of D pairs (element d of tokens 2i and 2i + 1).
+template <typename S>
+void write_element_pairs(S* dst, const S* const* tokens, int n, int64_t D) {
+  const int64_t words = D / 2;  // whole pairs of a token
+  int j0 = 0;
+#if VIL_AVX512
+  for (; j0 + 16 <= n; j0 += 16) {  // 16 tokens x 16 pairs at a time
+    for (int64_t e0 = 0; e0 + 16 <= words; e0 += 16) {
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(tokens[j0 + t] + 2 * e0);
+      transpose_16x16(r);
+      for (int t = 0; t < 16; ++t) _mm512_storeu_si512(dst + 2 * ((e0 + t) * n + j0), r[t]);
+    }
+  }
+  const int64_t done = words - words % 16;  // pairs written above for tokens before j0
+#else
+  const int64_t done = 0;
+#endif
+  for (int j = 0; j < n; ++j) {
+    const S* t = tokens[j];
+    for (int64_t e = j < j0 ? done : 0; e < words; ++e) {
+      uint32_t pair;
+      std::memcpy(&pair, t + 2 * e, sizeof(pair));
+      std::memcpy(dst + 2 * (e * n + j), &pair, sizeof(pair));
+    }
+    if (D % 2) {
+      dst[2 * ((D / 2) * n + j)] = t[D - 1];
+      dst[2 * ((D / 2) * n + j) + 1] = S(0);
     }
   }
 }
 
-template <typename S, typename T>
-void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
-                  const at::Tensor& global_bias, const int64_t* slot_table, at::Tensor& out, at::Tensor& lse,
+template <typename S>
+void write_token_pairs(S* dst, const S* const* tokens, int n, int64_t D) {
+#if VIL_AVX512
+  const __m512i low = interleave_index(0), high = interleave_index(16);
+#endif
+  const std::vector<S> zeros(n % 2 ? D : 0, S(0));
+  for (int i = 0; i < n; i += 2) {
+    const S* first = tokens[i];
+    const S* second = i + 1 < n ? tokens[i + 1] : zeros.data();
+    S* out = dst + static_cast<int64_t>(i) * D;
+    int64_t d = 0;
+#if VIL_AVX512
+    for (; d + 32 <= D; d += 32) {
+      const __m512i a = _mm512_loadu_si512(first + d), b = _mm512_loadu_si512(second + d);
+      _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(a, high, b));
+    }
+#endif
+    for (; d < D; ++d) {
+      out[2 * d] = first[d];
+      out[2 * d + 1] = second[d];
+    }
+  }
+}
+
+// A float matrix (n rows of length ld, row stride ld) rounded to S: as an A operand (rows of length lp), or as a B
+// operand summing over its rows (np/2 rows of ld pairs).
+template <typename S>
+void round_rows(S* dst, const float* m, int n, int ld, int lp) {
+  for (int i = 0; i < n; ++i) {
+    const float* row = m + static_cast<int64_t>(i) * ld;
+    S* out = dst + static_cast<int64_t>(i) * lp;
+    for (int j = 0; j < ld; ++j) out[j] = narrow<S>(row[j]);
+    std::fill(out + ld, out + lp, S(0));
+  }
+}
+
+template <typename S>
+void round_row_pairs(S* dst, const float* m, int n, int ld) {
+  for (int i = 0; i < n; i += 2) {
+    const float* first = m + static_cast<int64_t>(i) * ld;
+    const float* second = first + ld;
+    S* out = dst + static_cast<int64_t>(i) * ld;
+    const bool pair = i + 1 < n;
+    for (int j = 0; j < ld; ++j) {
+      out[2 * j] = narrow<S>(first[j]);
+      out[2 * j + 1] = pair ? narrow<S>(second[j]) : S(0);
+    }
+  }
+}
+
+#if VIL_AVX512
+// 16 floats rounded to bfloat16 (to nearest even, NaN kept), as narrow does one.
+inline __m256i round_to_bfloat16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)));
+}
+
+inline void round_rows(c10::BFloat16* dst, const float* m, int n, int ld, int lp) {
+  const int whole = ld - ld % 16;
+  const __mmask16 tail = tail_mask(ld % 16);
+  for (int i = 0; i < n; ++i) {
+    const float* row = m + static_cast<int64_t>(i) * ld;
+    c10::BFloat16* out = dst + static_cast<int64_t>(i) * lp;
+    for (int j = 0; j < whole; j += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), round_to_bfloat16(_mm512_loadu_ps(row + j)));
+    }
+    _mm256_mask_storeu_epi16(out + whole, tail, round_to_bfloat16(_mm512_maskz_loadu_ps(tail, row + whole)));
+    std::fill(out + ld, out + lp, c10::BFloat16(0));
+  }
+}
+
+inline void round_row_pairs(c10::BFloat16* dst, const float* m, int n, int ld) {
+  alignas(64) uint16_t order[32];  // the 16 elements of the first row interleaved with the 16 of the second
+  for (int k = 0; k < 16; ++k) order[2 * k] = static_cast<uint16_t>(k), order[2 * k + 1] = static_cast<uint16_t>(16 + k);
+  const __m512i interleave = _mm512_load_si512(order);
+  const int whole = ld - ld % 16;
+  const __mmask16 tail = tail_mask(ld % 16);
+  for (int i = 0; i < n; i += 2) {
+    const float* first = m + static_cast<int64_t>(i) * ld;
+    const float* second = first + ld;
+    c10::BFloat16* out = dst + static_cast<int64_t>(i) * ld;
+    for (int j = 0; j <= whole; j += 16) {
+      const __mmask16 lanes = j < whole ? __mmask16(0xffff) : tail;
+      const __m256i a = round_to_bfloat16(_mm512_maskz_loadu_ps(lanes, first + j));
+      const __m256i b = i + 1 < n ? round_to_bfloat16(_mm512_maskz_loadu_ps(lanes, second + j)) : _mm256_setzero_si256();
+      const __m512i pairs = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+      _mm512_mask_storeu_epi32(out + 2 * j, lanes, pairs);
+    }
+  }
+}
+#endif
+
+// dst (cols x rows) = factor * src (rows x cols), both row-major.
+inline void transpose(float* dst, const float* src, int64_t rows, int64_t cols, float factor) {
+  int64_t c0 = 0;
+#if VIL_AVX512
+  const __m512 f = _mm512_set1_ps(factor);
+  for (; c0 + 16 <= cols; c0 += 16) {
+    int64_t r0 = 0;
+    for (; r0 + 16 <= rows; r0 += 16) {
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(src + (r0 + t) * cols + c0);
+      transpose_16x16(r);
+      for (int t = 0; t < 16; ++t) {
+        _mm512_storeu_ps(dst + (c0 + t) * rows + r0, _mm512_mul_ps(_mm512_castsi512_ps(r[t]), f));
+      }
+    }
+    for (int64_t c = c0; c < c0 + 16; ++c) {
+      for (int64_t r = r0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c] * factor;
+    }
+  }
+#endif
+  for (int64_t c = c0; c < cols; ++c) {
+    for (int64_t r = 0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c] * factor;
+  }
+}
+
+// The products of one chunk (block) in half precision S (bfloat16, half) with float sums, on the CPU's matrix
+// instructions (half_product). q, k, v, the output's gradient, the probabilities P and the score gradients dS go into
+// the layouts the products read: rows (A operands) or pairs (B operands), see the writers above.
+//   forward:  scores = q k^T       (q rows, k element pairs)     out = P v      (P rows, v token pairs)
+//   backward: dP = dO v^T          (dO rows, v element pairs)    dq = dS k      (dS rows, k token pairs)
+//             dk^T = q^T dS        (q columns, dS row pairs)     dv^T = dO^T P  (dO columns, P row pairs)
+// The key and value gradients come out transposed (D x keys) and are transposed back for the caller. The scale
+// multiplies the scores (and dq, dk) in float, so that q is read unrounded.
+template <typename S>
+struct HalfProducts {
+  using Compute = float;
+  using Global = S;
+  int64_t D, Dp;                  // head dim, rounded up to even
+  int n = 0, np = 0;              // queries, rounded up to even
+  int ld = 0, lp = 0;             // score row length (local keys + G), rounded up to even
+  float score_scale = 0;          // scale * log2(e)
+  std::vector<const S*> query_tokens, key_tokens, value_tokens, grad_out_tokens;
+  std::vector<S> q_rows, q_columns, k_element_pairs, k_token_pairs, v_element_pairs, v_token_pairs;
+  std::vector<S> grad_out_rows, grad_out_columns, p_rows, p_row_pairs, ds_rows, ds_row_pairs;
+  std::vector<float> scores, grad_scores, result, transposed, row_max, total, delta;
+
+  HalfProducts(int64_t S_, int64_t L, int64_t D_)
+      : D(D_), Dp(even(D_)), q_rows(S_ * Dp), q_columns(D_ * even(S_)), k_element_pairs(Dp * L),
+        k_token_pairs(even(L) * D_), v_element_pairs(Dp * L), v_token_pairs(even(L) * D_), grad_out_rows(S_ * Dp),
+        grad_out_columns(D_ * even(S_)), p_rows(S_ * even(L)), p_row_pairs(even(S_) * L), ds_rows(S_ * even(L)),
+        ds_row_pairs(even(S_) * L), scores(S_ * L), grad_scores(S_ * L), result(std::max(S_, L) * D_),
+        transposed(L * D_), row_max(S_), total(S_), delta(S_) {}
+
+  void load(const Window& win, Map<const S> q, Map<const S> k, Map<const S> v, const S* gk, const S* gv, int64_t G,
+            int64_t /*D*/, double scale, bool backward) {
+    const int local = static_cast<int>(win.keys.size());
+    n = static_cast<int>(win.queries.size()), np = static_cast<int>(even(n));
+    ld = local + static_cast<int>(G), lp = static_cast<int>(even(ld));
+    score_scale = static_cast<float>(scale * kLog2e);
+    query_tokens.resize(n);
+    key_tokens.resize(ld);
+    value_tokens.resize(ld);
+    for (int i = 0; i < n; ++i) query_tokens[i] = q.at(win.queries[i]);
+    for (int j = 0; j < ld; ++j) {
+      key_tokens[j] = j < local ? k.at(win.keys[j]) : gk + (j - local) * D;
+      value_tokens[j] = j < local ? v.at(win.keys[j]) : gv + (j - local) * D;
+    }
+    write_rows(q_rows.data(), query_tokens.data(), n, D, Dp);
+    write_element_pairs(k_element_pairs.data(), key_tokens.data(), ld, D);
+    if (backward) {
+      write_columns(q_columns.data(), query_tokens.data(), n, np, D);
+      write_token_pairs(k_token_pairs.data(), key_tokens.data(), ld, D);
+      write_element_pairs(v_element_pairs.data(), value_tokens.data(), ld, D);
+    } else {
+      write_token_pairs(v_token_pairs.data(), value_tokens.data(), ld, D);
+    }
+  }
+
+  // The products of the queries and keys, to be multiplied by score_factor().
+  float* multiply_scores(int /*n*/, int64_t /*D*/) {
+    half_product(n, ld, Dp, q_rows.data(), Dp, k_element_pairs.data(), ld, scores.data(), ld);
+    return scores.data();
+  }
+  float score_factor() const { return score_scale; }
+
+  const float* attend(int /*n*/, int64_t /*D*/) {
+    for (int i = 0; i < n; ++i) exponentiate_row(scores.data() + static_cast<int64_t>(i) * ld, ld, row_max[i], total[i]);
+    round_rows(p_rows.data(), scores.data(), n, ld, lp);
+    half_product(n, D, lp, p_rows.data(), lp, v_token_pairs.data(), D, result.data(), D);
+    return result.data();
+  }
+
+  void load_grad_out(const Window& win, Map<const S> grad_out, Map<const S> out, int64_t /*D*/) {
+    grad_out_tokens.resize(n);
+    for (int i = 0; i < n; ++i) {
+      const S* dout = grad_out_tokens[i] = grad_out.at(win.queries[i]);
+      const S* o = out.at(win.queries[i]);
+      float sum = 0;
+      for (int64_t d = 0; d < D; ++d) sum += widen<float>(dout[d]) * widen<float>(o[d]);
+      delta[i] = sum;
+    }
+    write_rows(grad_out_rows.data(), grad_out_tokens.data(), n, D, Dp);
+    write_columns(grad_out_columns.data(), grad_out_tokens.data(), n, np, D);
+  }
+
+  void differentiate(int /*n*/, int64_t /*D*/, const float* lse) {
+    half_product(n, ld, Dp, grad_out_rows.data(), Dp, v_element_pairs.data(), ld, grad_scores.data(), ld);
+    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta.data());
+    round_rows(ds_rows.data(), grad_scores.data(), n, ld, lp);
+    round_row_pairs(ds_row_pairs.data(), grad_scores.data(), n, ld);
+    round_row_pairs(p_row_pairs.data(), scores.data(), n, ld);
+  }
+
+  const float* grad_queries(int /*n*/, int64_t /*D*/, double scale) {
+    half_product(n, D, lp, ds_rows.data(), lp, k_token_pairs.data(), D, result.data(), D);
+    const float factor = static_cast<float>(scale);
+    for (int64_t i = 0; i < n * D; ++i) result[i] *= factor;
+    return result.data();
+  }
+  const float* grad_keys(int /*n*/, int64_t /*D*/, double scale) {
+    half_product(D, ld, np, q_columns.data(), np, ds_row_pairs.data(), ld, transposed.data(), ld);
+    transpose(result.data(), transposed.data(), D, ld, static_cast<float>(scale));
+    return result.data();
+  }
+  const float* grad_values(int /*n*/, int64_t /*D*/) {
+    half_product(D, ld, np, grad_out_columns.data(), np, p_row_pairs.data(), ld, transposed.data(), ld);
+    transpose(result.data(), transposed.data(), D, ld, 1.0f);
+    return result.data();
+  }
+
+  // Gives back what the micro-kernel holds on this thread (AMX's tile configuration).
+  static void release() {
+#if VIL_HALF_PRODUCTS
+    at::native::cpublas::brgemm_release(true);
+#endif
+  }
+};
+
+// The tensors of one call.
+struct Inputs {
+  const at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
+};
+
+struct Gradients {
+  at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
+};
+
+template <typename S, typename W>
+void forward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_table, at::Tensor& out, at::Tensor& lse,
                   double scale) {
+  using T = typename W::Compute;
+  using Global = typename W::Global;
   const int64_t C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1);
+  const ChunkBiases<T> biases = chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
   at::parallel_for(0, g.B * g.H * C, 1, [&](int64_t begin, int64_t end) {
-    Workspace<T> ws(g);
+    W ws(g.max_queries(), g.max_keys(), g.D);
+    Window win;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t bh = item / C, b = bh / g.H, h = bh % g.H;
-      const Chunk c = make_chunk(g, slot_table, item % C);
-      ws.load(g, c, map_of<const S>(q, b, h), map_of<const S>(k, b, h), map_of<const S>(v, b, h),
-              head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
-      ws.score(g, c, head_of<T>(rel_bias, h, table), head_of<T>(global_bias, h, g.G));
+      const int64_t bh = item / C, b = bh / g.H, h = bh % g.H, chunk = item % C;
+      const Chunk c = make_chunk(g, slot_table, chunk);
+      set_window(c, win);
+      ws.load(win, map_of<const S>(in.q, b, h), map_of<const S>(in.k, b, h), map_of<const S>(in.v, b, h),
+              head_of<Global>(in.global_k, bh, g.G * g.D), head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D,
+              scale, false);
+      finish_scores(g, c, chunk, h, biases, ws.multiply_scores(c.queries(), g.D), ws.ld, ws.score_factor(),
+                    head_of<T>(in.rel_bias, h, table), head_of<T>(in.global_bias, h, g.G));
       const T* o = ws.attend(c.queries(), g.D);
       const Map<S> out_map = map_of<S>(out, b, h);
       T* lse_map = lse.data_ptr<T>() + bh * g.X * g.Y;
       for (int i = 0; i < c.queries(); ++i) {
-        const int64_t row = c.q_r0 + i / c.q_cols, col = c.q_c0 + i % c.q_cols;
-        store_output(out_map.at(row, col), lse_map + row * g.Y + col, o + i * g.D, g.D, ws.row_max[i],
-                     ws.total[i]);
+        const Position p = win.queries[i];
+        store_output(out_map.at(p), lse_map + p.row * g.Y + p.col, o + i * g.D, g.D, ws.row_max[i], ws.total[i]);
       }
     }
+    W::release();
   });
 }
 
-template <typename S, typename T>
-void backward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
-                   const at::Tensor& global_bias, const int64_t* slot_table, const at::Tensor& out,
-                   const at::Tensor& grad_out, const at::Tensor& lse, at::Tensor& grad_q, at::Tensor& grad_k,
-                   at::Tensor& grad_v, at::Tensor& grad_gk, at::Tensor& grad_gv, at::Tensor& grad_rel_bias,
-                   at::Tensor& grad_global_bias, double scale) {
-  const int64_t C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1), S_max = g.w * g.w;
+template <typename S, typename W>
+void backward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_table, const at::Tensor& out,
+                   const at::Tensor& grad_out, const at::Tensor& lse, Gradients& grad, double scale) {
+  using T = typename W::Compute;
+  using Global = typename W::Global;
+  const int64_t C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1);
+  const ChunkBiases<T> biases = chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
-    Workspace<T> ws(g);
-    std::vector<T> grad_out_chunk(S_max * g.D), grad_scores(ws.scores.size()), lse_rows(S_max), delta_rows(S_max);
+    W ws(g.max_queries(), g.max_keys(), g.D);
+    Window win;
+    std::vector<T> lse_rows(g.max_queries());
+    std::vector<std::vector<T>> kind_grads(biases.sample.size());  // the score gradients of each kind, summed
     GradientSum<S, T> sum_k, sum_v;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / g.H, h = bh % g.H;
-      const Map<const S> q_map = map_of<const S>(q, b, h), k_map = map_of<const S>(k, b, h),
-                         v_map = map_of<const S>(v, b, h), out_map = map_of<const S>(out, b, h),
+      const Map<const S> q_map = map_of<const S>(in.q, b, h), k_map = map_of<const S>(in.k, b, h),
+                         v_map = map_of<const S>(in.v, b, h), out_map = map_of<const S>(out, b, h),
                          grad_out_map = map_of<const S>(grad_out, b, h);
-      const T* rel = head_of<T>(rel_bias, h, table);
-      T* grad_rel = grad_of<T>(grad_rel_bias, bh, table);
-      T* grad_glob = grad_of<T>(grad_global_bias, bh, g.G);
+      const T* rel = head_of<T>(in.rel_bias, h, table);
+      const T* glob = head_of<T>(in.global_bias, h, g.G);
+      T* grad_rel = grad_of<T>(grad.rel_bias, bh, table);
+      T* grad_glob = grad_of<T>(grad.global_bias, bh, g.G);
+      const bool bias_gradients = grad_rel != nullptr || grad_glob != nullptr;
       const T* lse_map = lse.data_ptr<T>() + bh * g.X * g.Y;
-      sum_k.start(map_of<S>(grad_k, b, h), g.X, g.Y, g.D);
-      sum_v.start(map_of<S>(grad_v, b, h), g.X, g.Y, g.D);
+      sum_k.start(map_of<S>(grad.k, b, h), g.X, g.Y, g.D);
+      sum_v.start(map_of<S>(grad.v, b, h), g.X, g.Y, g.D);
+      if (biases.dense && bias_gradients) {
+        for (size_t kind = 0; kind < kind_grads.size(); ++kind) kind_grads[kind].assign(biases.size(kind), T(0));
+      }
       for (int64_t chunk = 0; chunk < C; ++chunk) {
         const Chunk c = make_chunk(g, slot_table, chunk);
         const int n = c.queries();
-        ws.load(g, c, q_map, k_map, v_map, head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D),
-                T(scale * kLog2e));
-        ws.score(g, c, rel, head_of<T>(global_bias, h, g.G));
-        gather(grad_out_chunk.data(), grad_out_map, c.q_r0, c.q_c0, c.q_rows, c.q_cols, g.D, T(1));
-        row_terms(delta_rows.data(), grad_out_chunk.data(), out_map, c.q_r0, c.q_c0, c.q_rows, c.q_cols, g.D);
-        for (int i = 0; i < n; ++i) lse_rows[i] = lse_map[(c.q_r0 + i / c.q_cols) * g.Y + c.q_c0 + i % c.q_cols];
-        T* ds = grad_scores.data();
-        ws.differentiate(n, g.D, grad_out_chunk.data(), lse_rows.data(), delta_rows.data(), ds);
-        for (int i = 0; i < n; ++i) {
-          const T* row = ds + static_cast<int64_t>(i) * ws.ld;
-          if (grad_rel != nullptr) {
-            for_each_visible_run(g, c, i / c.q_cols, i % c.q_cols, [&](int first, int length, int bias_row) {
-              for (int j = 0; j < length; ++j) grad_rel[bias_row - j] += row[first + j];
-            });
-          }
-          if (grad_glob != nullptr) add_into(grad_glob, row + c.keys, g.G);
+        set_window(c, win);
+        ws.load(win, q_map, k_map, v_map, head_of<Global>(in.global_k, bh, g.G * g.D),
+                head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
+        finish_scores(g, c, chunk, h, biases, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel, glob);
+        ws.load_grad_out(win, grad_out_map, out_map, g.D);
+        for (int i = 0; i < n; ++i) lse_rows[i] = lse_map[win.queries[i].row * g.Y + win.queries[i].col];
+        ws.differentiate(n, g.D, lse_rows.data());
+        if (biases.dense && bias_gradients) {
+          add_into(kind_grads[biases.kind_of[chunk]].data(), ws.grad_scores.data(), static_cast<int64_t>(n) * ws.ld);
+        } else if (bias_gradients) {
+          add_bias_gradients(g, c, ws.grad_scores.data(), ws.ld, grad_rel, grad_glob);
         }
         // Written in place: every query belongs to one chunk.
-        scatter(map_of<S>(grad_q, b, h), c.q_r0, c.q_c0, c.q_rows, c.q_cols, g.D, ws.grad_queries(n, g.D, ds, scale),
-                false);
+        scatter(map_of<S>(grad.q, b, h), win.queries, g.D, ws.grad_queries(n, g.D, scale), false);
         // Gradients of the chunk's keys (or values), (L + G) x D, into the maps and the global ones.
         auto add_window = [&](const T* block, const GradientSum<S, T>& sum, at::Tensor& grad_global) {
-          for (int s = 0; s < c.slots; ++s) {
-            scatter(sum.target, c.k_r0[s], c.k_c0[s], c.k_rows[s], c.k_cols[s], g.D, block + c.start[s] * g.D, true);
-          }
+          scatter(sum.target, win.keys, g.D, block, true);
           add_into(grad_global.data_ptr<T>() + bh * g.G * g.D, block + c.keys * g.D, g.G * g.D);
         };
-        add_window(ws.grad_keys(n, g.D, ds), sum_k, grad_gk);
-        add_window(ws.grad_values(n, g.D, grad_out_chunk.data()), sum_v, grad_gv);
+        add_window(ws.grad_keys(n, g.D, scale), sum_k, grad.global_k);
+        add_window(ws.grad_values(n, g.D), sum_v, grad.global_v);
       }
       sum_k.finish();
       sum_v.finish();
+      if (biases.dense && bias_gradients) {
+        for (size_t kind = 0; kind < kind_grads.size(); ++kind) {
+          const Chunk c = make_chunk(g, slot_table, biases.sample[kind]);
+          add_bias_gradients(g, c, kind_grads[kind].data(), c.keys + static_cast<int>(g.G), grad_rel, grad_glob);
+        }
+      }
     }
+    W::release();
   });
 }
 
-template <typename S, typename T>
-void forward_1d_impl(const Geometry1d& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
-                     const at::Tensor& global_bias, const at::Tensor& key_padding_mask, at::Tensor& out,
+template <typename S, typename W>
+void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& key_padding_mask, at::Tensor& out,
                      at::Tensor& lse, double scale) {
+  using T = typename W::Compute;
+  using Global = typename W::Global;
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
   const int64_t n = static_cast<int64_t>(blocks.size()), bias_rows = 2 * g.w + 1;
   at::parallel_for(0, g.B * n, 1, [&](int64_t begin, int64_t end) {
-    Workspace<T> ws(g);
+    W ws(g.max_queries(), g.max_keys(), g.D);
+    Window win;
+    std::vector<T> key_mask(g.span());
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / n;
       const Block& blk = blocks[item % n];
       const int64_t bh = b * g.H + blk.h;
-      ws.load(g, blk, map_of<const S>(q, b, blk.h).every(blk.r, blk.d),
-              map_of<const S>(k, b, blk.h).every(blk.r, blk.d), map_of<const S>(v, b, blk.h).every(blk.r, blk.d),
-              head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D), T(scale * kLog2e));
-      ws.score(g, blk, head_of<T>(rel_bias, blk.h, bias_rows), head_of<T>(global_bias, blk.h, g.G),
-               head_of<bool>(key_padding_mask, b, g.L));
+      set_window(blk, win);
+      ws.load(win, map_of<const S>(in.q, b, blk.h).every(blk.r, blk.d),
+              map_of<const S>(in.k, b, blk.h).every(blk.r, blk.d), map_of<const S>(in.v, b, blk.h).every(blk.r, blk.d),
+              head_of<Global>(in.global_k, bh, g.G * g.D), head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D,
+              scale, false);
+      finish_scores(g, blk, ws.multiply_scores(blk.queries, g.D), ws.ld, ws.score_factor(),
+                    head_of<T>(in.rel_bias, blk.h, bias_rows), head_of<T>(in.global_bias, blk.h, g.G),
+                    head_of<bool>(key_padding_mask, b, g.L), key_mask.data());
       const T* o = ws.attend(blk.queries, g.D);
       const Map<S> out_class = map_of<S>(out, b, blk.h).every(blk.r, blk.d);
       T* lse_seq = lse.data_ptr<T>() + bh * g.L;
@@ -609,56 +1188,56 @@ void forward_1d_impl(const Geometry1d& g, const at::Tensor& q, const at::Tensor&
         store_output(out_class.at(t, 0), lse_seq + blk.r + blk.d * t, o + i * g.D, g.D, ws.row_max[i], ws.total[i]);
       }
     }
+    W::release();
   });
 }
 
 // The global key, value and bias gradients are partial sums per (batch, head, residue class), added up by the
 // caller, so that the residue classes of one head can run on different threads.
-template <typename S, typename T>
-void backward_1d_impl(const Geometry1d& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& gk, const at::Tensor& gv, const at::Tensor& rel_bias,
-                      const at::Tensor& global_bias, const at::Tensor& key_padding_mask, const at::Tensor& out,
-                      const at::Tensor& grad_out, const at::Tensor& lse, at::Tensor& grad_q, at::Tensor& grad_k,
-                      at::Tensor& grad_v, at::Tensor& grad_gk, at::Tensor& grad_gv, at::Tensor& grad_rel_bias,
-                      at::Tensor& grad_global_bias, double scale) {
+template <typename S, typename W>
+void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& key_padding_mask, const at::Tensor& out,
+                      const at::Tensor& grad_out, const at::Tensor& lse, Gradients& grad, double scale) {
+  using T = typename W::Compute;
+  using Global = typename W::Global;
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
   const int64_t classes = static_cast<int64_t>(runs.size()) - 1, bias_rows = 2 * g.w + 1;
   at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
-    Workspace<T> ws(g);
-    std::vector<T> grad_out_block(g.block * g.D), grad_scores(ws.scores.size()), lse_rows(g.block),
-        delta_rows(g.block);
+    W ws(g.max_queries(), g.max_keys(), g.D);
+    Window win;
+    std::vector<T> lse_rows(g.block), key_mask(g.span());
     GradientSum<S, T> sum_k, sum_v;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / classes, run = item % classes;
       const Block& first = blocks[runs[run]];
       const int64_t h = first.h, r = first.r, d = first.d, bh = b * g.H + h, partial = bh * g.residues + r;
-      const Map<const S> q_class = map_of<const S>(q, b, h).every(r, d), k_class = map_of<const S>(k, b, h).every(r, d),
-                         v_class = map_of<const S>(v, b, h).every(r, d),
+      const Map<const S> q_class = map_of<const S>(in.q, b, h).every(r, d),
+                         k_class = map_of<const S>(in.k, b, h).every(r, d),
+                         v_class = map_of<const S>(in.v, b, h).every(r, d),
                          out_class = map_of<const S>(out, b, h).every(r, d),
                          grad_out_class = map_of<const S>(grad_out, b, h).every(r, d);
-      const T* rel = head_of<T>(rel_bias, h, bias_rows);
-      const T* glob = head_of<T>(global_bias, h, g.G);
+      const T* rel = head_of<T>(in.rel_bias, h, bias_rows);
+      const T* glob = head_of<T>(in.global_bias, h, g.G);
       const T* lse_seq = lse.data_ptr<T>() + bh * g.L;
       const bool* key_padding = head_of<bool>(key_padding_mask, b, g.L);
-      T* grad_rel = grad_of<T>(grad_rel_bias, partial, bias_rows);
-      T* grad_glob = grad_of<T>(grad_global_bias, partial, g.G);
+      T* grad_rel = grad_of<T>(grad.rel_bias, partial, bias_rows);
+      T* grad_glob = grad_of<T>(grad.global_bias, partial, g.G);
       const int64_t length = (g.L - r + d - 1) / d;  // of the residue class
-      sum_k.start(map_of<S>(grad_k, b, h).every(r, d), length, 1, g.D);
-      sum_v.start(map_of<S>(grad_v, b, h).every(r, d), length, 1, g.D);
+      sum_k.start(map_of<S>(grad.k, b, h).every(r, d), length, 1, g.D);
+      sum_v.start(map_of<S>(grad.v, b, h).every(r, d), length, 1, g.D);
       for (int64_t index = runs[run]; index < runs[run + 1]; ++index) {
         const Block& blk = blocks[index];
         const int n = blk.queries;
-        ws.load(g, blk, q_class, k_class, v_class, head_of<T>(gk, bh, g.G * g.D), head_of<T>(gv, bh, g.G * g.D),
-                T(scale * kLog2e));
-        ws.score(g, blk, rel, glob, key_padding);
-        gather(grad_out_block.data(), grad_out_class, blk.t0, 0, n, 1, g.D, T(1));
-        row_terms(delta_rows.data(), grad_out_block.data(), out_class, blk.t0, 0, n, 1, g.D);
+        set_window(blk, win);
+        ws.load(win, q_class, k_class, v_class, head_of<Global>(in.global_k, bh, g.G * g.D),
+                head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
+        finish_scores(g, blk, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel, glob, key_padding,
+                      key_mask.data());
+        ws.load_grad_out(win, grad_out_class, out_class, g.D);
         for (int i = 0; i < n; ++i) lse_rows[i] = lse_seq[r + d * (blk.t0 + i)];
-        T* ds = grad_scores.data();
-        ws.differentiate(n, g.D, grad_out_block.data(), lse_rows.data(), delta_rows.data(), ds);
+        ws.differentiate(n, g.D, lse_rows.data());
         for (int i = 0; i < n; ++i) {
-          const T* row = ds + static_cast<int64_t>(i) * ws.ld;
+          const T* row = ws.grad_scores.data() + static_cast<int64_t>(i) * ws.ld;
           if (grad_rel != nullptr) {
             const Band band = band_of(g, blk, i);
             T* bias = grad_rel + band.bias_row - band.lo;
@@ -667,18 +1246,19 @@ void backward_1d_impl(const Geometry1d& g, const at::Tensor& q, const at::Tensor
           if (grad_glob != nullptr) add_into(grad_glob, row + blk.keys, g.G);
         }
         // Written in place: every query belongs to one block.
-        scatter(map_of<S>(grad_q, b, h).every(r, d), blk.t0, 0, n, 1, g.D, ws.grad_queries(n, g.D, ds, scale), false);
+        scatter(map_of<S>(grad.q, b, h).every(r, d), win.queries, g.D, ws.grad_queries(n, g.D, scale), false);
         // Gradients of the span's keys (or values), (keys + G) x D, into the sequence and the global partial sums.
         auto add_window = [&](const T* block, const GradientSum<S, T>& sum, at::Tensor& grad_global) {
-          scatter(sum.target, blk.k0, 0, blk.keys, 1, g.D, block, true);
+          scatter(sum.target, win.keys, g.D, block, true);
           add_into(grad_global.data_ptr<T>() + partial * g.G * g.D, block + blk.keys * g.D, g.G * g.D);
         };
-        add_window(ws.grad_keys(n, g.D, ds), sum_k, grad_gk);
-        add_window(ws.grad_values(n, g.D, grad_out_block.data()), sum_v, grad_gv);
+        add_window(ws.grad_keys(n, g.D, scale), sum_k, grad.global_k);
+        add_window(ws.grad_values(n, g.D), sum_v, grad.global_v);
       }
       sum_k.finish();
       sum_v.finish();
     }
+    W::release();
   });
 }
 
@@ -690,15 +1270,27 @@ void check_tokens(std::initializer_list<const at::Tensor*> tensors, int64_t dims
   }
 }
 
-// The compute type's tensors (global keys and values, bias tables, log-sum-exp) are contiguous.
-void check_compute(std::initializer_list<const at::Tensor*> tensors, at::ScalarType compute) {
+// Contiguous tensors of one dtype (or empty): the global keys and values, the bias tables, the log-sum-exp.
+void check_contiguous(std::initializer_list<const at::Tensor*> tensors, at::ScalarType dtype) {
   for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == compute),
+    TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == dtype),
                 "local_attention_cpu: inputs not laid out by the launcher");
   }
 }
 
 at::ScalarType compute_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+bool is_half(const at::Tensor& q) { return q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf; }
+
+// What every entry point checks: the storage layout of q, k, v (and the others of `tokens`), and the dtypes of the
+// small inputs: the global keys and values in the compute type, or in q's with half-precision products.
+void check_inputs(const Inputs& in, std::initializer_list<const at::Tensor*> tokens,
+                  std::initializer_list<const at::Tensor*> computed, int64_t dims, bool half_products) {
+  check_tokens(tokens, dims, in.q.scalar_type());
+  check_contiguous(computed, compute_type(in.q));
+  TORCH_CHECK(!half_products || is_half(in.q), "local_attention_cpu: inputs not laid out by the launcher");
+  check_contiguous({&in.global_k, &in.global_v}, half_products ? in.q.scalar_type() : compute_type(in.q));
+}
 
 Geometry make_geometry(const at::Tensor& q, const at::Tensor& gk, const at::Tensor& slots, int64_t window,
                        int64_t exact) {
@@ -727,28 +1319,34 @@ Geometry1d make_geometry_1d(const at::Tensor& q, const at::Tensor& gk, const at:
   return g;
 }
 
-// Calls fn with a value of the storage type of q and one of its compute type.
+// Calls fn with a value of the storage type of q and a null pointer to the products' type: half-precision products
+// for bfloat16 and half where asked (half_products), else products in the compute type.
 template <typename F>
-void dispatch(const at::Tensor& q, F&& fn) {
+void dispatch(const at::Tensor& q, bool half_products, F&& fn) {
   switch (q.scalar_type()) {
-    case at::kFloat: return fn(float{}, float{});
-    case at::kDouble: return fn(double{}, double{});
-    case at::kBFloat16: return fn(c10::BFloat16{}, float{});
-    case at::kHalf: return fn(c10::Half{}, float{});
+    case at::kFloat: return fn(float{}, static_cast<FloatProducts<float>*>(nullptr));
+    case at::kDouble: return fn(double{}, static_cast<FloatProducts<double>*>(nullptr));
+    case at::kBFloat16:
+      if (half_products) return fn(c10::BFloat16{}, static_cast<HalfProducts<c10::BFloat16>*>(nullptr));
+      return fn(c10::BFloat16{}, static_cast<FloatProducts<float>*>(nullptr));
+    case at::kHalf:
+      if (half_products) return fn(c10::Half{}, static_cast<HalfProducts<c10::Half>*>(nullptr));
+      return fn(c10::Half{}, static_cast<FloatProducts<float>*>(nullptr));
     default: TORCH_CHECK(false, "local_attention_cpu: inputs not laid out by the launcher");
   }
 }
 
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gk,
              const at::Tensor& gv, const at::Tensor& rel_bias, const at::Tensor& global_bias,
-             const at::Tensor& slots, at::Tensor out, at::Tensor lse, int64_t window, int64_t exact, double scale) {
+             const at::Tensor& slots, at::Tensor out, at::Tensor lse, int64_t window, int64_t exact, double scale,
+             bool half_products) {
   const Geometry g = make_geometry(q, gk, slots, window, exact);
-  check_tokens({&q, &k, &v, &out}, 5, q.scalar_type());
-  check_compute({&gk, &gv, &rel_bias, &global_bias, &lse}, compute_type(q));
-  dispatch(q, [&](auto s, auto t) {
+  const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
+  check_inputs(in, {&q, &k, &v, &out}, {&rel_bias, &global_bias, &lse}, 5, half_products);
+  dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
-    using T = decltype(t);
-    forward_impl<S, T>(g, q, k, v, gk, gv, rel_bias, global_bias, slots.data_ptr<int64_t>(), out, lse, scale);
+    using W = std::remove_pointer_t<decltype(w)>;
+    forward_impl<S, W>(g, in, slots.data_ptr<int64_t>(), out, lse, scale);
   });
 }
 
@@ -756,30 +1354,32 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const at::Tensor& gv, const at::Tensor& rel_bias, const at::Tensor& global_bias,
               const at::Tensor& slots, const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& lse,
               at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v, at::Tensor grad_gk, at::Tensor grad_gv,
-              at::Tensor grad_rel_bias, at::Tensor grad_global_bias, int64_t window, int64_t exact, double scale) {
+              at::Tensor grad_rel_bias, at::Tensor grad_global_bias, int64_t window, int64_t exact, double scale,
+              bool half_products) {
   const Geometry g = make_geometry(q, gk, slots, window, exact);
-  check_tokens({&q, &k, &v, &out, &grad_out, &grad_q, &grad_k, &grad_v}, 5, q.scalar_type());
-  check_compute({&gk, &gv, &rel_bias, &global_bias, &lse, &grad_gk, &grad_gv, &grad_rel_bias, &grad_global_bias},
-                compute_type(q));
-  dispatch(q, [&](auto s, auto t) {
+  const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
+  Gradients grad{grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias};
+  check_inputs(in, {&q, &k, &v, &out, &grad_out, &grad_q, &grad_k, &grad_v},
+               {&rel_bias, &global_bias, &lse, &grad_gk, &grad_gv, &grad_rel_bias, &grad_global_bias}, 5,
+               half_products);
+  dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
-    using T = decltype(t);
-    backward_impl<S, T>(g, q, k, v, gk, gv, rel_bias, global_bias, slots.data_ptr<int64_t>(), out, grad_out, lse,
-                        grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
+    using W = std::remove_pointer_t<decltype(w)>;
+    backward_impl<S, W>(g, in, slots.data_ptr<int64_t>(), out, grad_out, lse, grad, scale);
   });
 }
 
 void forward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gk,
                 const at::Tensor& gv, const at::Tensor& rel_bias, const at::Tensor& global_bias,
                 const at::Tensor& key_padding_mask, at::Tensor out, at::Tensor lse, at::IntArrayRef dilations,
-                int64_t window, bool causal, int64_t block, double scale) {
+                int64_t window, bool causal, int64_t block, double scale, bool half_products) {
   const Geometry1d g = make_geometry_1d(q, gk, key_padding_mask, dilations, window, causal, block);
-  check_tokens({&q, &k, &v, &out}, 4, q.scalar_type());
-  check_compute({&gk, &gv, &rel_bias, &global_bias, &lse}, compute_type(q));
-  dispatch(q, [&](auto s, auto t) {
+  const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
+  check_inputs(in, {&q, &k, &v, &out}, {&rel_bias, &global_bias, &lse}, 4, half_products);
+  dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
-    using T = decltype(t);
-    forward_1d_impl<S, T>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, out, lse, scale);
+    using W = std::remove_pointer_t<decltype(w)>;
+    forward_1d_impl<S, W>(g, in, key_padding_mask, out, lse, scale);
   });
 }
 
@@ -788,40 +1388,47 @@ void backward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const at::Tensor& key_padding_mask, const at::Tensor& out, const at::Tensor& grad_out,
                  const at::Tensor& lse, at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v, at::Tensor grad_gk,
                  at::Tensor grad_gv, at::Tensor grad_rel_bias, at::Tensor grad_global_bias,
-                 at::IntArrayRef dilations, int64_t window, bool causal, int64_t block, double scale) {
+                 at::IntArrayRef dilations, int64_t window, bool causal, int64_t block, double scale,
+                 bool half_products) {
   const Geometry1d g = make_geometry_1d(q, gk, key_padding_mask, dilations, window, causal, block);
-  check_tokens({&q, &k, &v, &out, &grad_out, &grad_q, &grad_k, &grad_v}, 4, q.scalar_type());
-  check_compute({&gk, &gv, &rel_bias, &global_bias, &lse, &grad_gk, &grad_gv, &grad_rel_bias, &grad_global_bias},
-                compute_type(q));
-  dispatch(q, [&](auto s, auto t) {
+  const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
+  Gradients grad{grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias};
+  check_inputs(in, {&q, &k, &v, &out, &grad_out, &grad_q, &grad_k, &grad_v},
+               {&rel_bias, &global_bias, &lse, &grad_gk, &grad_gv, &grad_rel_bias, &grad_global_bias}, 4,
+               half_products);
+  dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
-    using T = decltype(t);
-    backward_1d_impl<S, T>(g, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, out, grad_out, lse, grad_q,
-                           grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias, scale);
+    using W = std::remove_pointer_t<decltype(w)>;
+    backward_1d_impl<S, W>(g, in, key_padding_mask, out, grad_out, lse, grad, scale);
   });
 }
+
+// Whether this build has half-precision products (torch's brgemm for bfloat16 and half).
+bool half_products_built() { return VIL_HALF_PRODUCTS == 1; }
 
 }  // namespace
 
 TORCH_LIBRARY(vil_local_attention_cpu, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, Tensor global_bias, "
-      "Tensor slots, Tensor(a!) out, Tensor(b!) lse, int window, int exact, float scale) -> ()");
+      "Tensor slots, Tensor(a!) out, Tensor(b!) lse, int window, int exact, float scale, bool half_products) -> ()");
   m.def(
       "backward(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, "
       "Tensor global_bias, Tensor slots, Tensor out, Tensor grad_out, Tensor lse, Tensor(a!) grad_q, "
       "Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor(d!) grad_global_k, Tensor(e!) grad_global_v, "
-      "Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int window, int exact, float scale) -> ()");
+      "Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int window, int exact, float scale, "
+      "bool half_products) -> ()");
   m.def(
       "forward_1d(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, "
       "Tensor global_bias, Tensor key_padding_mask, Tensor(a!) out, Tensor(b!) lse, int[] dilations, int window, "
-      "bool causal, int block, float scale) -> ()");
+      "bool causal, int block, float scale, bool half_products) -> ()");
   m.def(
       "backward_1d(Tensor q, Tensor k, Tensor v, Tensor global_k, Tensor global_v, Tensor rel_bias, "
       "Tensor global_bias, Tensor key_padding_mask, Tensor out, Tensor grad_out, Tensor lse, "
       "Tensor(a!) grad_q, Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor(d!) grad_global_k, "
       "Tensor(e!) grad_global_v, Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int[] dilations, "
-      "int window, bool causal, int block, float scale) -> ()");
+      "int window, bool causal, int block, float scale, bool half_products) -> ()");
+  m.def("half_products_built() -> bool", &half_products_built);
 }
 
 TORCH_LIBRARY_IMPL(vil_local_attention_cpu, CPU, m) {

@@ -74,7 +74,10 @@ def pair(model_class, config):
     return reference, vil.accelerate_longformer(copy.deepcopy(reference))
 
 
-def assert_same(got, want, mask=None, tol=1e-9):
+def assert_same(got, want, mask=None, tol=1e-7):
+    """Within float32's rounding of the largest value: transformers' layers compute their softmax in float32 even in
+    a float64 model (the accelerated ones in float64), so the two differ by up to about 1e-8 of an attention output
+    (1e-9 relative after the layer norm, depending on the CPU's float32 kernels)."""
     if mask is not None:  # padded positions of a sequence output are not defined by either
         got, want = got[mask.bool()], want[mask.bool()]
     assert (got - want).abs().max() <= tol * max(1.0, want.abs().max())

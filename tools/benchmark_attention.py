@@ -51,11 +51,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from vil.cpu import cpu_description
 from vil.files import atomic_write
 from vil.ops import available_backends, default_backend, local_attention_1d, local_attention_2d
 from vil.ops.registry import BACKENDS, FASTEST, FASTEST_ELSEWHERE
 from vil.plots import agg_pyplot
-from vil.profiling import PeakMemory, cpu_description
+from vil.profiling import PeakMemory
 
 SDPA = "sdpa (full attention)"
 # Per --dim (1: sequences, 2: maps), the tokens above which a point is skipped:

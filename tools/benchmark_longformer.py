@@ -27,9 +27,10 @@ import transformers
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
 import vil
+from vil.cpu import cpu_description
 from vil.files import atomic_write
 from vil.plots import agg_pyplot
-from vil.profiling import PeakMemory, cpu_description
+from vil.profiling import PeakMemory
 
 CONTENDERS = ("transformers", "accelerated")
 SHARED = "shared parts"  # the model's inference with no attention: what bounds its inference speed-up

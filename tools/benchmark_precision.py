@@ -25,9 +25,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from vil.cpu import cpu_description
 from vil.files import atomic_write
 from vil.ops import default_backend, local_attention_1d, local_attention_2d
-from vil.profiling import cpu_description, flop_counter
+from vil.profiling import flop_counter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYER_2D = dict(batch=4, heads=3, head_dim=32, window=7, num_global=1)

@@ -1,9 +1,6 @@
 """This project's measurements of a block of code: its peak memory (or that of the process so far), on a GPU or
-on the CPU, and its FLOPs; and the CPU they were taken on."""
+on the CPU, and its FLOPs (the CPU they were taken on: ``vil/cpu.py``)."""
 
-import os
-import platform
-from pathlib import Path
 from typing import Union
 
 import torch
@@ -81,27 +78,3 @@ def peak_memory_mib(device):
     import resource  # Unix only
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-# The flags of the CPU's half-precision matrix instructions, which decide how fast bfloat16 and float16 products run.
-HALF_PRECISION_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
-
-
-def cpu_flags() -> set:
-    """The CPU's feature flags as Linux lists them in /proc/cpuinfo (empty elsewhere)."""
-    return set(_cpuinfo_field("flags").split())
-
-
-def cpu_description() -> str:
-    """The CPU's model name, cores, torch's threads and its half-precision matrix flags, to write beside a timing."""
-    model = _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
-    flags = " ".join(flag for flag in HALF_PRECISION_FLAGS if flag in cpu_flags()) or "none"
-    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, half-precision matrix flags: {flags}"
-
-
-def _cpuinfo_field(name):
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line.partition(":")[2].strip() for line in lines if line.split(":")[0].strip() == name), "")

@@ -18,13 +18,13 @@ from torch.utils.tensorboard import SummaryWriter
 from yacs.config import CfgNode
 
 from ..config import warn_compatibility_keys
+from ..cpu import cpu_multiplies_natively
 from ..data import build_dataset, build_mixup
 from ..files import FolderLock, atomic_write, check_writable_folder, remove_temporaries
 from ..loss import build_loss
 from ..model_config import build_model
 from ..models import MsViT, arch_string, parse_arch
 from ..optim import build_optimizer, build_scheduler, model_ema
-from ..profiling import cpu_flags
 from ..runtime import Runtime, seed_everything
 from ..shards import ShardDataset
 from ..training_state import Snapshot, check_resumable, gather_rng_states, read_resume_point, restore, write_snapshot
@@ -81,14 +81,6 @@ def amp_context(cfg, device):
 def amp_enabled(cfg, device):
     """Whether steps on ``device`` run under autocast: ``AMP.ENABLED`` on CUDA, and with ``AMP.ON_CPU`` on the CPU."""
     return cfg.AMP.ENABLED and (device.type == "cuda" or (device.type == "cpu" and cfg.AMP.ON_CPU))
-
-
-def cpu_multiplies_natively(dtype):
-    """Whether this CPU has matrix instructions for ``dtype`` (bfloat16: AVX512-BF16 or AMX; float16: AVX512-FP16
-    or AMX-FP16), without which torch computes its half-precision matrix products in plain loops."""
-    if dtype == torch.bfloat16:
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.cpu._is_amx_fp16_supported() or "avx512_fp16" in cpu_flags()
 
 
 def memory_format(cfg):

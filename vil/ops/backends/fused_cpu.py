@@ -7,24 +7,42 @@ forward saves q, k, v, the output and the log-sum-exp; the backward recomputes t
 grows with tokens x head_dim, as with ``chunk_rows``.
 
 q, k and v go in as they come (strided views of the projections included, as long as the elements of a token are
-contiguous) and in their dtype: bfloat16 and float16 are converted to float32 as the kernel copies a chunk into its
-buffers, computed in float32 and written back in their dtype, so nothing is cast or copied around the kernel. The
-small inputs (global keys and values, bias tables) are cast to the compute dtype here.
+contiguous) and in their dtype, so nothing of q's size is cast or copied around the kernels. Their matrix products
+run one of two ways:
+
+- **half precision** (bfloat16, and float16 where the CPU multiplies it): the products read the half-precision
+  values and sum in float32 on the CPU's matrix instructions (torch's ``brgemm`` micro-kernel, oneDNN's: AMX tiles
+  where the CPU has them, AVX512-BF16 dot products otherwise); scores, softmax and every sum stay float32;
+- **float32** (float64 for float64): everything else, and half precision on CPUs without such instructions,
+  converted to float32 as the kernel copies a chunk into its buffers.
+
+``VIL_FUSED_CPU_PRODUCTS`` chooses: ``auto`` (the default: half precision wherever the CPU has the instructions for
+the dtype), ``half`` (half precision, or one sentence saying why this CPU cannot) or ``float32``. Which instructions
+oneDNN uses for the half-precision products can be capped with its own ``ONEDNN_MAX_CPU_ISA`` (e.g.
+``AVX512_CORE_BF16`` on a CPU with AMX), set before the process starts. The first half-precision call of a process
+checks the products against float32 ones on a small problem; if they disagree, it says so once and computes in
+float32.
 """
 
 import logging
+import os
 import platform
 from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
 
-from ..base import LOG2E, Backend, FusedPasses
+from ...cpu import cpu_multiplies_natively
+from ..base import LOG2E, Backend, Extras, FusedPasses
 from ..geometry import neighbour_table
+from ..neighborhood import Neighborhood2d
 
 _log = logging.getLogger(__name__)
 # The x86-64 level the loops are compiled for, by the capability torch detects on this CPU.
 _X86_LEVELS = {"AVX2": "x86-64-v3", "AVX512": "x86-64-v4"}
+PRODUCTS_VARIABLE = "VIL_FUSED_CPU_PRODUCTS"
+PRODUCTS = ("auto", "half", "float32")
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _kernels():
@@ -139,22 +157,87 @@ def _slot_table(rows, cols, window, exact, mode):
     return torch.cat([table[..., None], offsets.expand(table.shape[0], -1, -1)], dim=-1)
 
 
-def _none_as_empty(t, like):
-    return like.new_empty(0) if t is None else t.contiguous()
-
-
 def _compute_dtype(q):
-    """The dtype the kernels compute q's dtype in, and keep the small inputs, the log-sum-exp and the sums in."""
+    """The dtype the kernels compute q's dtype in, and keep the bias tables, the log-sum-exp and the sums in."""
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def _kernel_inputs(q, extras):
-    """What the kernels take for absent inputs (empty tensors), and the bias tables in base 2."""
+def half_products(dtype: torch.dtype) -> bool:
+    """Whether the kernels multiply ``dtype`` inputs in half precision on the CPU's matrix instructions (else in
+    float32), as ``VIL_FUSED_CPU_PRODUCTS`` and the CPU decide."""
+    choice = os.environ.get(PRODUCTS_VARIABLE, "auto")
+    if choice not in PRODUCTS:
+        raise ValueError(f"{PRODUCTS_VARIABLE} must be one of {', '.join(PRODUCTS)}, got {choice!r}.")
+    if dtype not in HALF_DTYPES or choice == "float32":
+        return False
+    missing = _half_products_missing(dtype)
+    if missing and choice == "half":
+        raise ValueError(f"{PRODUCTS_VARIABLE}=half asks for {_name(dtype)} products, but {missing}; unset it.")
+    return not missing
+
+
+def _name(dtype):
+    return str(dtype).split(".")[-1]
+
+
+@cache
+def _half_products_missing(dtype):
+    """Why this process cannot multiply ``dtype`` in half precision (a clause), or "" where it can. Checked once."""
+    if not cpu_multiplies_natively(dtype):
+        instructions = "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AVX512-FP16 or AMX-FP16"
+        return f"this CPU has no {_name(dtype)} matrix instructions ({instructions})"
+    if not _kernels().half_products_built():
+        return f"torch {torch.__version__} has no {_name(dtype)} brgemm micro-kernel"
+    error = _half_products_error(dtype)
+    if error > _AGREEMENT:
+        missing = f"its {_name(dtype)} products disagree with float32 ones on this CPU (relative error {error:.2g})"
+        _log.warning("fused_cpu: %s; computing %s in float32 instead.", missing, _name(dtype))
+        return missing
+    return ""
+
+
+# How far half-precision products may be from float32 ones on the check's problem: the probabilities and score
+# gradients are rounded to bfloat16 (8 significant bits) there; a layout the micro-kernel reads otherwise is off by
+# the size of the values.
+_AGREEMENT = 0.05
+
+
+def _half_products_error(dtype):
+    """The largest relative difference between the outputs and gradients of half-precision and float32 products on a
+    small 2D problem with a global key and both bias tables (head_dim 20 and 7x9 chunks of 3x3: every layout's
+    padding and tails); inf where the micro-kernel fails."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (torch.randn(1, 2, 7, 9, 20, generator=gen).to(dtype) for _ in range(4))
+    global_k, global_v = (torch.randn(1, 2, 1, 20, generator=gen).to(dtype) for _ in range(2))
+    extras = Extras(
+        0.25, global_k.float(), global_v.float(), torch.randn(2, 121, generator=gen), torch.randn(2, 1, generator=gen)
+    )
+    hood = Neighborhood2d(3)
+    results = []
+    for half in (False, True):
+        try:
+            results.append(_check_problem(q, k, v, hood, extras, grad_out, half))
+        except RuntimeError:
+            return float("inf")
+    return max(
+        float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1))
+        for got, want in zip(results[1], results[0])
+    )
+
+
+def _kernel_inputs(q, extras, half):
+    """What the kernels take: the global keys and values in q's dtype (half-precision products) or the compute
+    dtype, empty where absent; the bias tables in base 2, in the compute dtype."""
     global_k, global_v, rel_bias, global_bias = extras.differentiable
     compute = _compute_dtype(q)
+    kernel_global = q.dtype if half else compute
     if global_k is None:
-        global_k = global_v = q.new_empty(*q.shape[:2], 0, q.shape[-1], dtype=compute)
-    biases = [_none_as_empty(None if t is None else t * LOG2E, global_k) for t in (rel_bias, global_bias)]
+        global_k = global_v = q.new_empty(*q.shape[:2], 0, q.shape[-1], dtype=kernel_global)
+    global_k, global_v = (t.to(kernel_global).contiguous() for t in (global_k, global_v))
+    biases = [
+        q.new_empty(0, dtype=compute) if t is None else (t * LOG2E).to(compute).contiguous()
+        for t in (rel_bias, global_bias)
+    ]
     return global_k, global_v, biases
 
 
@@ -175,24 +258,30 @@ def _token_rows(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _forward_2d(q, k, v, hood, extras):
+def _forward_2d(q, k, v, hood, extras, half=None):
+    """The output and the log-sum-exp; ``half``: half-precision products (None: as :func:`half_products` says)."""
+    half = half_products(q.dtype) if half is None else half
     slots = _slot_table(q.shape[2], q.shape[3], hood.window, hood.exact, hood.mode)
-    global_k, global_v, biases = _kernel_inputs(q, extras)
+    global_k, global_v, biases = _kernel_inputs(q, extras, half)
     out, lse = _outputs(q)
-    _kernels().forward(q, k, v, global_k, global_v, *biases, slots, out, lse, hood.window, hood.exact, extras.scale)
+    _kernels().forward(
+        q, k, v, global_k, global_v, *biases, slots, out, lse, hood.window, hood.exact, extras.scale, half
+    )
     return out, lse
 
 
-def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
-    B, X, Y = q.shape[0], q.shape[2], q.shape[3]
+def _backward_2d(q, k, v, hood, extras, out, lse, grad_out, half=None):
+    half = half_products(q.dtype) if half is None else half
+    B, H, X, Y = q.shape[:4]
     slots = _slot_table(X, Y, hood.window, hood.exact, hood.mode)
     rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
-    global_k, global_v, biases = _kernel_inputs(q, extras)
+    global_k, global_v, biases = _kernel_inputs(q, extras, half)
     grad_q, grad_k, grad_v = _gradient_buffers(q, k, v)
-    grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
+    sums = biases[0]  # a tensor of the compute dtype, for its new_zeros
+    grad_gk, grad_gv = (sums.new_zeros(global_k.shape) for _ in range(2))
     # Per (batch, head) partial sums of the bias gradients, added up here.
-    grad_rel = global_k.new_empty(0) if rel_bias is None else global_k.new_zeros(B, *rel_bias.shape)
-    grad_glob = global_k.new_empty(0) if global_bias is None else global_k.new_zeros(B, *global_bias.shape)
+    grad_rel = sums.new_empty(0) if rel_bias is None else sums.new_zeros(B, H, rel_bias.shape[1])
+    grad_glob = sums.new_empty(0) if global_bias is None else sums.new_zeros(B, H, global_bias.shape[1])
     _kernels().backward(
         q,
         k,
@@ -214,6 +303,7 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
         hood.window,
         hood.exact,
         extras.scale,
+        half,
     )
     return (
         grad_q,
@@ -236,8 +326,9 @@ def _masks_1d(q, key_padding_mask):
     return q.new_empty(0, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.contiguous()
 
 
-def _forward_1d(q, k, v, hood, extras):
-    global_k, global_v, biases = _kernel_inputs(q, extras)
+def _forward_1d(q, k, v, hood, extras, half=None):
+    half = half_products(q.dtype) if half is None else half
+    global_k, global_v, biases = _kernel_inputs(q, extras, half)
     out, lse = _outputs(q)
     _kernels().forward_1d(
         q,
@@ -254,23 +345,24 @@ def _forward_1d(q, k, v, hood, extras):
         hood.causal,
         _block_1d(hood.window),
         extras.scale,
+        half,
     )
     return out, lse
 
 
-def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
+def _backward_1d(q, k, v, hood, extras, out, lse, grad_out, half=None):
+    half = half_products(q.dtype) if half is None else half
     B, H, L = q.shape[:3]
     dilations = hood.dilations(H)
     rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
-    global_k, global_v, biases = _kernel_inputs(q, extras)
+    global_k, global_v, biases = _kernel_inputs(q, extras, half)
     grad_q, grad_k, grad_v = _gradient_buffers(q, k, v)
     # Per (batch, head, residue class) partial sums of the global key, value and bias gradients, added up here.
     residues = max(min(d, L) for d in dilations)
-    grad_gk, grad_gv = (global_k.new_zeros(B, H, residues, *global_k.shape[2:]) for _ in range(2))
-    grad_rel = global_k.new_empty(0) if rel_bias is None else global_k.new_zeros(B, H, residues, rel_bias.shape[1])
-    grad_glob = (
-        global_k.new_empty(0) if global_bias is None else global_k.new_zeros(B, H, residues, global_bias.shape[1])
-    )
+    sums = biases[0]  # a tensor of the compute dtype, for its new_zeros
+    grad_gk, grad_gv = (sums.new_zeros(B, H, residues, *global_k.shape[2:]) for _ in range(2))
+    grad_rel = sums.new_empty(0) if rel_bias is None else sums.new_zeros(B, H, residues, rel_bias.shape[1])
+    grad_glob = sums.new_empty(0) if global_bias is None else sums.new_zeros(B, H, residues, global_bias.shape[1])
     _kernels().backward_1d(
         q,
         k,
@@ -294,6 +386,7 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
         hood.causal,
         _block_1d(hood.window),
         extras.scale,
+        half,
     )
     return (
         grad_q,
@@ -306,8 +399,16 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
     )
 
 
+def _check_problem(q, k, v, hood, extras, grad_out, half):
+    """The output and every gradient of one 2D problem, through the passes with products ``half``."""
+    out, lse = _forward_2d(q, k, v, hood, extras, half)
+    grads = _backward_2d(q, k, v, hood, extras, out, lse, grad_out, half)
+    return (out, *grads)
+
+
 def _as_the_kernels_read(q, k, v, hood, extras):
-    """q, k and v as they come (each token's elements contiguous); the small inputs in the compute dtype."""
+    """q, k and v as they come (each token's elements contiguous); the small inputs in the compute dtype (the
+    kernels read the global keys and values in q's dtype again for half-precision products)."""
     compute = _compute_dtype(q)
     return _token_rows(q), _token_rows(k), _token_rows(v), extras.cast(lambda t: t.to(compute).contiguous())
 

@@ -1,0 +1,39 @@
+"""What this CPU is and which half-precision matrix instructions it has: written beside every timing, and read by
+the fused CPU kernels and AMP on the CPU, which gain from half precision only where the CPU multiplies it natively."""
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+# The flags of the CPU's half-precision matrix instructions, which decide how fast bfloat16 and float16 products run.
+HALF_PRECISION_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+
+
+def cpu_flags() -> set:
+    """The CPU's feature flags as Linux lists them in /proc/cpuinfo (empty elsewhere)."""
+    return set(_cpuinfo_field("flags").split())
+
+
+def cpu_description() -> str:
+    """The CPU's model name, cores, torch's threads and its half-precision matrix flags, to write beside a timing."""
+    model = _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
+    flags = " ".join(flag for flag in HALF_PRECISION_FLAGS if flag in cpu_flags()) or "none"
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, half-precision matrix flags: {flags}"
+
+
+def cpu_multiplies_natively(dtype: torch.dtype) -> bool:
+    """Whether this CPU has matrix instructions for ``dtype`` (bfloat16: AVX512-BF16 or AMX; float16: AVX512-FP16
+    or AMX-FP16), without which torch computes its half-precision matrix products in plain loops."""
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.cpu._is_amx_fp16_supported() or "avx512_fp16" in cpu_flags()
+
+
+def _cpuinfo_field(name):
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.partition(":")[2].strip() for line in lines if line.split(":")[0].strip() == name), "")
