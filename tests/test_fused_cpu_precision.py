@@ -1,7 +1,13 @@
 """The fused CPU kernels on half-precision and strided inputs: q, k and v read as a fused projection lays them out,
-in their dtype, against the float64 reference on the same rounded values; nothing copied or cast around the kernel."""
+in their dtype, against the float64 reference on the same rounded values, through each way of multiplying that this
+CPU can run (half-precision products on its matrix instructions, float32 products); how the way is chosen; nothing
+copied or cast around the kernel."""
 
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -9,13 +15,36 @@ from tool_runner import run_tool
 from torch.profiler import profile
 
 from vil.config import load_cfg
+from vil.cpu import cpu_flags
 from vil.ops import local_attention_1d, local_attention_2d
+from vil.ops.backends import fused_cpu
 from vil.training import setup
 
-# The kernels compute in float32 and round each result once; bfloat16 keeps 8 significant bits, float16 11.
-TOLERANCE = {torch.bfloat16: 8e-3, torch.float16: 1.5e-3, torch.float32: 2e-6}
-DTYPES = list(TOLERANCE)
+# Float32 products round each result once: bfloat16 keeps 8 significant bits, float16 11. Half-precision products
+# also round the probabilities and the score gradients to the input's type before multiplying them.
+TOLERANCE = {
+    ("float32", torch.bfloat16): 8e-3,
+    ("float32", torch.float16): 1.5e-3,
+    ("float32", torch.float32): 2e-6,
+    ("half", torch.bfloat16): 1e-2,
+    ("half", torch.float16): 3e-3,
+}
+PATHS = list(TOLERANCE)
 NAMES = ("out", "qkv", "global_k", "global_v", "rel_bias", "global_bias")
+
+
+@pytest.fixture
+def products(request, monkeypatch):
+    """Runs the test's fused_cpu calls through the way of multiplying it names, or skips where this CPU has none."""
+    way, dtype = request.param
+    if way == "half" and fused_cpu.half_products_missing(dtype):
+        pytest.skip(f"half-precision products: {fused_cpu.half_products_missing(dtype)}")
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, way)
+    return way, dtype
+
+
+def path_ids(path):
+    return f"{path[0]}-{str(path[1]).split('.')[-1]}"
 
 
 def leaves(B, tokens, H, D, G, rel_rows, dtype):
@@ -36,17 +65,20 @@ def split_qkv(qkv):
     return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
 
-def gradients(out, inputs):
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+def gradients(out, inputs, dtype):
+    """The output and the gradients of ``inputs`` under one upstream gradient, rounded to ``dtype`` (the tested
+    dtype, in the reference's float64 run too)."""
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(out.dtype)
     return (out, *torch.autograd.grad(out, inputs, upstream))
 
 
-def assert_close_to_reference(got, want, dtype):
-    """Each result in ``dtype``, within the dtype's tolerance of the float64 reference, relative to its size."""
+def assert_close_to_reference(got, want, path):
+    """Each result in the path's dtype, within its tolerance of the float64 reference, relative to its size."""
+    dtype = path[1]
     for name, g, w in zip(NAMES, got, want):
         assert g.dtype == dtype, name
         error = (g.double() - w).abs().max() / w.abs().max().clamp(min=1.0)
-        assert error <= TOLERANCE[dtype], f"{name}: relative error {error:.2e} in {dtype}"
+        assert error <= TOLERANCE[path], f"{name}: relative error {error:.2e} in {dtype}"
 
 
 def optional_inputs(inputs):
@@ -54,25 +86,26 @@ def optional_inputs(inputs):
     return dict(zip(("global_k", "global_v", "rel_bias", "global_bias"), inputs[1:]))
 
 
-def attend_2d(inputs, backend, grid, window, exact, dilation):
+def attend_2d(inputs, backend, grid, window, exact, dilation, dtype):
     q, k, v = (t.reshape(t.shape[:2] + grid + t.shape[-1:]) for t in split_qkv(inputs[0]))
     out = local_attention_2d(
         q, k, v, window, exact=exact, dilation=dilation, backend=backend, **optional_inputs(inputs)
     )
-    return gradients(out, inputs)
+    return gradients(out, inputs, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window,exact,dilation", [(3, 0, 1), (2, 1, 2), (3, -1, 1)])
-def test_2d_strided_inputs_in_their_dtype_match_the_reference(dtype, window, exact, dilation):
+# head_dim 40: the layouts' 16 x 16 blocks and their tails; 17: odd, padded.
+@pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
+@pytest.mark.parametrize("window,exact,dilation,D", [(3, 0, 1, 40), (2, 1, 2, 17), (3, -1, 1, 40)])
+def test_2d_strided_inputs_in_their_dtype_match_the_reference(products, window, exact, dilation, D):
     grid = (9, 11)
-    inputs = leaves(2, 99, 3, 16, 2, (4 * window - 1) ** 2, dtype)
-    got = attend_2d(inputs, "fused_cpu", grid, window, exact, dilation)
-    want = attend_2d(in_float64(inputs), "reference", grid, window, exact, dilation)
-    assert_close_to_reference(got, want, dtype)
+    inputs = leaves(2, 99, 3, D, 2, (4 * window - 1) ** 2, products[1])
+    got = attend_2d(inputs, "fused_cpu", grid, window, exact, dilation, products[1])
+    want = attend_2d(in_float64(inputs), "reference", grid, window, exact, dilation, products[1])
+    assert_close_to_reference(got, want, products)
 
 
-def attend_1d(inputs, backend, window, dilation, causal, padding):
+def attend_1d(inputs, backend, window, dilation, causal, padding, dtype):
     out = local_attention_1d(
         *split_qkv(inputs[0]),
         window,
@@ -82,22 +115,23 @@ def attend_1d(inputs, backend, window, dilation, causal, padding):
         backend=backend,
         **optional_inputs(inputs),
     )
-    return gradients(out, inputs)
+    return gradients(out, inputs, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dilation,causal", [(1, False), ((1, 2, 3), False), (2, True)])
-def test_1d_strided_inputs_in_their_dtype_match_the_reference(dtype, dilation, causal):
-    window, length = 4, 45
-    inputs = leaves(2, length, 3, 16, 2, 2 * window + 1, dtype)
+@pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
+@pytest.mark.parametrize("dilation,causal,D", [(1, False, 40), ((1, 2, 3), False, 17), (2, True, 40)])
+def test_1d_strided_inputs_in_their_dtype_match_the_reference(products, dilation, causal, D):
+    window, length = 9, 75
+    inputs = leaves(2, length, 3, D, 2, 2 * window + 1, products[1])
     padding = torch.rand(2, length, generator=torch.Generator().manual_seed(3)) < 0.2
-    got = attend_1d(inputs, "fused_cpu", window, dilation, causal, padding)
-    want = attend_1d(in_float64(inputs), "reference", window, dilation, causal, padding)
-    assert_close_to_reference(got, want, dtype)
+    got = attend_1d(inputs, "fused_cpu", window, dilation, causal, padding, products[1])
+    want = attend_1d(in_float64(inputs), "reference", window, dilation, causal, padding, products[1])
+    assert_close_to_reference(got, want, products)
 
 
+@pytest.mark.parametrize("products", [p for p in PATHS if p[1] == torch.bfloat16], ids=path_ids, indirect=True)
 @pytest.mark.parametrize("dims", [1, 2])
-def test_nothing_as_large_as_q_is_copied_or_cast_around_the_kernel(dims):
+def test_nothing_as_large_as_q_is_copied_or_cast_around_the_kernel(dims, products):
     """Under bfloat16 autocast, the op's forward and backward on the views of a bfloat16 projection: no operator
     outside the kernels copies, casts or scales a tensor of q's size (the kernels write the output and the
     gradients; only the small inputs, global keys and bias tables, are cast), and the output is laid out as q is,
@@ -122,6 +156,103 @@ def test_nothing_as_large_as_q_is_copied_or_cast_around_the_kernel(dims):
         if shapes and torch.Size(shapes).numel() >= q.numel()
     ]
     assert not moved, moved
+
+
+@pytest.fixture
+def fresh_check(monkeypatch):
+    """The once-per-process check of half-precision products, run again in this test (and after it)."""
+    fused_cpu.half_products_missing.cache_clear()
+    yield
+    fused_cpu.half_products_missing.cache_clear()
+
+
+def test_the_variable_chooses_the_products(monkeypatch):
+    able = not fused_cpu.half_products_missing(torch.bfloat16)
+    for choice, half in (("auto", able), ("float32", False)):
+        monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, choice)
+        assert fused_cpu.half_products(torch.bfloat16) == half
+        assert not fused_cpu.half_products(torch.float32)  # float32 and float64 are always multiplied as they are
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "bf16")
+    with pytest.raises(ValueError, match=r"VIL_FUSED_CPU_PRODUCTS.*auto, half, float32.*'bf16'"):
+        fused_cpu.half_products(torch.bfloat16)
+
+
+def test_half_products_asked_for_where_the_cpu_has_none_are_refused_in_one_sentence(monkeypatch, fresh_check):
+    monkeypatch.setattr(fused_cpu, "cpu_multiplies_natively", lambda dtype: False)
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "auto")
+    assert not fused_cpu.half_products(torch.bfloat16)  # the float32 products are the fast ones there
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "half")
+    q = torch.randn(1, 1, 4, 4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"=half asks for bfloat16 .*no bfloat16 matrix instructions .*AMX") as err:
+        local_attention_2d(q, q, q, 2, backend="fused_cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_products_that_disagree_with_float32_are_said_once_and_not_used(monkeypatch, fresh_check, caplog):
+    """A micro-kernel that reads its operands in another layout than the kernels write them (as on a CPU it was never
+    run on) is found by the first call's check: one warning, then the float32 products, bit for bit."""
+    monkeypatch.setattr(fused_cpu, "cpu_multiplies_natively", lambda dtype: True)
+    monkeypatch.setattr(fused_cpu, "half_products_fault", lambda dtype: "its products disagree (relative error 0.9)")
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "auto")
+    q, k, v = (torch.randn(2, 3, 9, 9, 40, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(3))
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        outs = [local_attention_2d(q, k, v, 3, backend="fused_cpu") for _ in range(2)]
+    assert caplog.text.count("relative error 0.9") == 1 and "float32 instead" in caplog.text
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "float32")
+    assert all(torch.equal(out, local_attention_2d(q, k, v, 3, backend="fused_cpu")) for out in outs)
+
+
+def test_the_check_passes_where_the_cpu_multiplies_bfloat16():
+    if not fused_cpu.cpu_multiplies_natively(torch.bfloat16):
+        pytest.skip("this CPU has no bfloat16 matrix instructions (AVX512-BF16 or AMX)")
+    assert fused_cpu.half_products_fault(torch.bfloat16) == ""
+
+
+# One fresh process per cap of oneDNN's instructions (read once, when oneDNN starts): the half-precision products on
+# AMX tiles, on AVX512-BF16 dot products, or, below those, refused. Each prints the relative errors of a 2D and a 1D
+# bfloat16 problem against float64, with the choice of VIL_FUSED_CPU_PRODUCTS=half, or the refusal.
+ISA_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from vil.ops import local_attention_1d, local_attention_2d
+    from vil.ops.backends import fused_cpu
+    gen = torch.Generator().manual_seed(0)
+    try:
+        fused_cpu.half_products(torch.bfloat16)
+    except ValueError as error:
+        sys.exit(str(error))
+    problems = ((local_attention_2d, (2, 3, 14, 14, 32), 7), (local_attention_1d, (1, 2, 300, 64), 40))
+    for attend, shape, window in problems:
+        inputs = [torch.randn(*shape, generator=gen).bfloat16() for _ in range(3)]
+        got = attend(*inputs, window, backend="fused_cpu").double()
+        want = attend(*(t.double() for t in inputs), window, backend="reference")
+        print(float((got - want).abs().max() / want.abs().max()))
+    """
+)
+
+
+def run_with_isa(isa):
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa, VIL_FUSED_CPU_PRODUCTS="half")
+    return subprocess.run([sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("isa,flag", [("AVX512_CORE_AMX", "amx_bf16"), ("AVX512_CORE_BF16", "avx512_bf16")])
+def test_half_products_on_each_kind_of_instruction_this_cpu_has(isa, flag):
+    if flag not in cpu_flags():
+        pytest.skip(f"this CPU has no {flag} instructions")
+    done = run_with_isa(isa)
+    assert done.returncode == 0, done.stderr
+    errors = [float(line) for line in done.stdout.split()]
+    assert len(errors) == 2 and max(errors) < 8e-3, errors
+
+
+def test_below_the_bfloat16_instructions_half_products_are_refused():
+    """With oneDNN held below AVX512-BF16, its micro-kernel cannot be generated: the check finds it."""
+    if not fused_cpu.cpu_multiplies_natively(torch.bfloat16):
+        pytest.skip("this CPU has no bfloat16 matrix instructions (AVX512-BF16 or AMX)")
+    done = run_with_isa("AVX512_CORE")
+    assert done.returncode == 1
+    assert "=half asks for bfloat16" in done.stderr and "micro-kernel fails here" in done.stderr
 
 
 def test_amp_runs_on_the_cpu_when_asked_and_says_so_where_its_products_are_slow(monkeypatch, caplog):
@@ -169,5 +300,8 @@ def test_precision_benchmark_prints_both_tables(tmp_path):
         ("| 1D 40 tokens", "inference"),
         ("| 1D 40 tokens", "training"),
     }
+    products = {tuple(row[:2]) for row in rows if len(row) == 5}  # bfloat16 with half and float32 products
+    expected = {(f"| {problem}", mode) for problem in ("2D 6x6", "1D 40 tokens") for mode in ("inference", "training")}
+    assert products == (expected if fused_cpu.half_products(torch.bfloat16) else set())
     assert "half-precision matrix flags" in out.splitlines()[0]
     assert (tmp_path / "precision.md").read_text().strip() in out

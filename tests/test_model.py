@@ -156,6 +156,33 @@ def test_full_attention_relative_bias_by_hand():
     assert torch.equal(bias[:, 5, 0], g2l[1, :, 0])  # local query -> global key
 
 
+@pytest.mark.parametrize("queries,keys,bias_rows", [(1, 300, 1), (20, 20, 20), (20, 3, 1)])
+def test_softmax_attention_written_out_and_through_sdpa_match_the_formula(monkeypatch, queries, keys, bias_rows):
+    """A global token's queries (1 x 300), a small full attention, the local queries of ONLY_GLOBAL (20 x 3): written
+    out on the CPU (few scores per head), and through scaled_dot_product_attention when the threshold is 0; outputs
+    and gradients against softmax(q k^T / sqrt(d) + bias) v computed by hand in float64."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((2, 3, queries, 8), (2, 3, keys, 8), (2, 3, keys, 8), (1, 3, bias_rows, keys))
+    inputs = [torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True) for shape in shapes]
+    q, k, v, bias = inputs
+    weights = torch.exp(torch.einsum("bhqd,bhkd->bhqk", q, k) / 8**0.5 + bias)
+    expected = torch.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdim=True), v)
+    upstream = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad(expected, inputs, upstream)
+    sdpa_calls = []
+    sdpa = attention_module.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        attention_module.F, "scaled_dot_product_attention", lambda *a, **kw: sdpa_calls.append(1) or sdpa(*a, **kw)
+    )
+    for threshold in (attention_module.WRITTEN_OUT_SCORES, 0):
+        monkeypatch.setattr(attention_module, "WRITTEN_OUT_SCORES", threshold)
+        out = attention_module.softmax_attention(q, k, v, bias)
+        torch.testing.assert_close(out, expected)
+        for got, grad in zip(torch.autograd.grad(out, inputs, upstream), want):
+            torch.testing.assert_close(got, grad)
+    assert len(sdpa_calls) == 1  # the threshold 0 only
+
+
 def tiny_cfg(*overrides):
     return load_cfg(
         ROOT / "configs" / "vil_tiny.yaml", ["INPUT.IMAGE_SIZE", "64", "DATA.NUM_CLASSES", "10", *overrides]

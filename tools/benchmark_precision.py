@@ -15,12 +15,16 @@ The problems, each in inference (no gradients) and training (forward + backward)
 The tensors are in the dtype of the row (the bias table stays float32, as a parameter does under autocast).
 Contenders alternate in one process (``--rounds`` rounds, the median of each). GFLOP/s: the local op's products as
 torch's FLOP counter counts them (``vil.profiling.flop_counter``) over its time, next to the same run's
-``--matmul``-sided square matrix product in the same dtype.
+``--matmul``-sided square matrix product in the same dtype. Where the CPU multiplies bfloat16 natively, a third table
+times the bfloat16 rows again with the fused kernels' float32 products (``VIL_FUSED_CPU_PRODUCTS=float32``): what
+its half-precision products gain.
 """
 
 import argparse
+import os
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from vil.cpu import cpu_description
 from vil.files import atomic_write
 from vil.ops import default_backend, local_attention_1d, local_attention_2d
+from vil.ops.backends.fused_cpu import PRODUCTS_VARIABLE, half_products
 from vil.profiling import flop_counter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -108,8 +113,31 @@ def matmul_gflops(side, dtype, repeats=3):
     return 2 * side**3 / best / 1e9
 
 
+@contextmanager
+def products(choice):
+    """The fused CPU kernels' products as ``choice`` says (``VIL_FUSED_CPU_PRODUCTS``) inside the block."""
+    before = os.environ.get(PRODUCTS_VARIABLE)
+    os.environ[PRODUCTS_VARIABLE] = choice
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[PRODUCTS_VARIABLE]
+        else:
+            os.environ[PRODUCTS_VARIABLE] = before
+
+
+def with_float32_products(attend):
+    def attend_in_float32():
+        with products("float32"):
+            return attend()
+
+    return attend_in_float32
+
+
 def problems(args):
-    """{(problem name, dtype name): (local, SDPA)} for every size and dtype asked for."""
+    """{(problem name, dtype name): (local, SDPA[, local with float32 products])} for every size and dtype asked
+    for; the third contender where bfloat16 is multiplied in half precision."""
     found = {}
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
@@ -117,27 +145,32 @@ def problems(args):
             found[f"2D {side}x{side}", dtype_name] = layer_2d(side, dtype)
         for tokens in args.tokens:
             found[f"1D {tokens} tokens", dtype_name] = layer_1d(tokens, dtype)
+    if "bfloat16" in args.dtypes and half_products(torch.bfloat16):
+        for key in [key for key in found if key[1] == "bfloat16"]:
+            found[key] = (*found[key], with_float32_products(found[key][0]))
     return found
 
 
 def measure(args):
-    """{(problem, dtype, mode): (local s, SDPA s, local FLOPs)} and {dtype: matmul GFLOP/s}, alternating."""
+    """{(problem, dtype, mode): (local s, SDPA s, local FLOPs, local s with float32 products or None)} and {dtype:
+    matmul GFLOP/s}, the contenders alternating."""
     cases = problems(args)
     modes = {"inference": False, "training": True}
-    times = {(*key, mode, which): [] for key in cases for mode in modes for which in (0, 1)}
-    for pair in cases.values():  # warm-up: builds, first allocations
-        for attend in pair:
+    times = {(*key, mode, which): [] for key, contenders in cases.items() for mode in modes for which in range(3)}
+    for contenders in cases.values():  # warm-up: builds, first allocations
+        for attend in contenders:
             step(attend, True)
     for _ in range(args.rounds):
-        for key, pair in cases.items():
+        for key, contenders in cases.items():
             for mode, training in modes.items():
-                for which, attend in enumerate(pair):
+                for which, attend in enumerate(contenders):
                     times[(*key, mode, which)].append(seconds(lambda a=attend, t=training: step(a, t)))
     results = {
         (*key, mode): (
             statistics.median(times[(*key, mode, 0)]),
             statistics.median(times[(*key, mode, 1)]),
             counted_flops(cases[key][0], training),
+            statistics.median(times[(*key, mode, 2)]) if times[(*key, mode, 2)] else None,
         )
         for key in cases
         for mode, training in modes.items()
@@ -151,7 +184,7 @@ def table(results, matmul, matmul_side):
         f"| matmul {matmul_side}^2 GFLOP/s | of matmul |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for (problem, dtype, mode), (local, sdpa, flops) in results.items():
+    for (problem, dtype, mode), (local, sdpa, flops, _) in results.items():
         rate = flops / local / 1e9
         lines.append(
             f"| {problem} | {dtype} | {mode} | {local * 1e3:.1f} | {sdpa * 1e3:.1f} | {sdpa / local:.2f}x "
@@ -163,9 +196,24 @@ def table(results, matmul, matmul_side):
 def dtype_ratios(results):
     """float32 time over bfloat16 time of the local op, per problem and mode: how much bfloat16 gains."""
     lines = ["| problem | mode | bfloat16 vs float32 |", "|---|---|---|"]
-    for (problem, dtype, mode), (local, _, _) in results.items():
+    for (problem, dtype, mode), (local, *_) in results.items():
         if dtype == "bfloat16" and (problem, "float32", mode) in results:
             lines.append(f"| {problem} | {mode} | {results[problem, 'float32', mode][0] / local:.2f}x |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def products_table(results):
+    """The bfloat16 rows with half-precision and with float32 products in the fused kernels."""
+    lines = [
+        "| problem | mode | bfloat16, half-precision products (ms) | bfloat16, float32 products (ms) | speed-up |",
+        "|---|---|---|---|---|",
+    ]
+    for (problem, _, mode), (local, _, _, float32_products) in results.items():
+        if float32_products is not None:
+            lines.append(
+                f"| {problem} | {mode} | {local * 1e3:.1f} | {float32_products * 1e3:.1f} "
+                f"| {float32_products / local:.2f}x |"
+            )
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -174,9 +222,9 @@ def main(argv=None):
     print(f"CPU: {cpu_description()}; local attention backend: {default_backend('cpu', torch.float32)}")
     results, matmul = measure(args)
     text = table(results, matmul, args.matmul)
-    ratios = dtype_ratios(results)
-    if ratios:
-        text += "\n\n" + ratios
+    for extra in (dtype_ratios(results), products_table(results)):
+        if extra:
+            text += "\n\n" + extra
     print(text)
     if args.markdown:
         atomic_write(args.markdown, lambda f: f.write((text + "\n").encode()))

@@ -28,13 +28,23 @@ def merge_heads(x):
     return x.transpose(1, 2).reshape(B, N, H * D)
 
 
-def _full_attention(q, k, v, bias):
-    """``scaled_dot_product_attention``, written out during an ONNX export: the exporter's decomposition of it with
-    a mask returns other strides than torch.export recorded, and merging the heads then fails
-    (pytorch/pytorch#136543)."""
-    if not torch.onnx.is_in_onnx_export():
+# On the CPU, torch's flash kernel behind scaled_dot_product_attention costs more than the attention written out
+# when a head has few scores: ViL's global queries (a few queries against every token) and its last stages at 224
+# train 1.5x-2.9x faster written out in bfloat16, and as fast in float32 (BENCHMARKS.md). Above this many scores per
+# head the written-out scores would cost memory that the flash kernel does not.
+WRITTEN_OUT_SCORES = 2**16
+
+
+def softmax_attention(q, k, v, bias=None):
+    """Every query against every key (``(B, heads, L, D)`` each), with ``bias`` (broadcast to the scores) added:
+    ``scaled_dot_product_attention``, or the same written out in q's dtype (as timm's attention without SDPA; torch's
+    CPU softmax sums half precision in float32) on the CPU where a head has at most ``WRITTEN_OUT_SCORES`` scores,
+    and during an ONNX export, where the exporter's decomposition of it with a mask returns other strides than
+    torch.export recorded and merging the heads then fails (pytorch/pytorch#136543)."""
+    few_scores = q.device.type == "cpu" and q.shape[-2] * k.shape[-2] <= WRITTEN_OUT_SCORES
+    if not (few_scores or torch.onnx.is_in_onnx_export()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
     return (scores if bias is None else scores + bias).softmax(dim=-1) @ v
 
 
@@ -93,7 +103,7 @@ class FullAttention(_Attention):
         B, N, C = x.shape
         q, k, v = split_heads(self.qkv(x), 3 * self.heads).chunk(3, dim=1)
         bias = self._bias(nx, ny).to(q.dtype)[None] if self.rpe else None
-        out = _full_attention(q, k, v, bias)
+        out = softmax_attention(q, k, v, bias)
         return self.proj_drop(self.proj(merge_heads(out)))
 
 
@@ -165,7 +175,7 @@ class LongformerAttention(_Attention):
         local_bias_g = self.g2l_relative_position_bias[1] if self.rpe and G else None
         if self.only_global:
             mask = None if local_bias_g is None else local_bias_g[None, :, None, :].to(q.dtype)
-            local_out = F.scaled_dot_product_attention(q, k[:, :, :G], v[:, :, :G], attn_mask=mask)
+            local_out = softmax_attention(q, k[:, :, :G], v[:, :, :G], mask)
         else:
             grid = (B, H, nx, ny, C // H)
             local_out = local_attention_2d(
@@ -190,6 +200,6 @@ class LongformerAttention(_Attention):
             kv_global = split_heads(self.kv_global(x), 2 * H).chunk(2, dim=1)
         q_global = split_heads(self.query_global(x[:, :G]), H)
         mask = self._global_query_bias(N - G)[None].to(q.dtype) if self.rpe else None
-        global_out = F.scaled_dot_product_attention(q_global, *kv_global, attn_mask=mask)
+        global_out = softmax_attention(q_global, *kv_global, mask)
         global_out = self.proj_global(merge_heads(global_out))
         return self.proj_drop(torch.cat([global_out, local_out], dim=1))
