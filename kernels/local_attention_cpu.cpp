@@ -2,8 +2,8 @@
 //
 // 2D: one query chunk (w x w queries) of one (batch, head) at a time: its keys, the blocks of the chunks its
 // queries see (the "slots"), and the G global keys are copied into small buffers, and the whole softmax of
-// the chunk runs on an S x (L + G) score matrix that stays in the core's cache; the masking, the bias tables and
-// the softmax are loops over one score row at a time.
+// the chunk runs on an S x (L + G) score matrix that stays in the core's cache; the biases and masks are added from a
+// dense table per kind of chunk (ChunkBiases), the softmax runs one score row at a time.
 //
 // 1D: the positions r, r+d, r+2d, ... of a head with dilation d (one residue class r) form a sequence of their
 // own, on which the window is the undilated one. One block of consecutive queries of such a sequence at a
