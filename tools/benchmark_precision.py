@@ -25,6 +25,7 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -127,17 +128,8 @@ def products(choice):
             os.environ[PRODUCTS_VARIABLE] = before
 
 
-def with_float32_products(attend):
-    def attend_in_float32():
-        with products("float32"):
-            return attend()
-
-    return attend_in_float32
-
-
 def problems(args):
-    """{(problem name, dtype name): (local, SDPA[, local with float32 products])} for every size and dtype asked
-    for; the third contender where bfloat16 is multiplied in half precision."""
+    """{(problem name, dtype name): (local, SDPA)} for every size and dtype asked for."""
     found = {}
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
@@ -145,9 +137,24 @@ def problems(args):
             found[f"2D {side}x{side}", dtype_name] = layer_2d(side, dtype)
         for tokens in args.tokens:
             found[f"1D {tokens} tokens", dtype_name] = layer_1d(tokens, dtype)
-    if "bfloat16" in args.dtypes and half_products(torch.bfloat16):
-        for key in [key for key in found if key[1] == "bfloat16"]:
-            found[key] = (*found[key], with_float32_products(found[key][0]))
+    return found
+
+
+def contenders(cases):
+    """{(problem, dtype, which): step(attend, training)}: the local op and SDPA, and where bfloat16 is multiplied in
+    half precision, the local op again with float32 products (which 2), its backward included."""
+    half = half_products(torch.bfloat16)
+
+    def in_float32(attend, training):
+        with products("float32"):
+            step(attend, training)
+
+    found = {}
+    for key, (local, sdpa) in cases.items():
+        found[(*key, 0)] = partial(step, local)
+        found[(*key, 1)] = partial(step, sdpa)
+        if key[1] == "bfloat16" and half:
+            found[(*key, 2)] = partial(in_float32, local)
     return found
 
 
@@ -155,22 +162,26 @@ def measure(args):
     """{(problem, dtype, mode): (local s, SDPA s, local FLOPs, local s with float32 products or None)} and {dtype:
     matmul GFLOP/s}, the contenders alternating."""
     cases = problems(args)
+    steps = contenders(cases)
     modes = {"inference": False, "training": True}
-    times = {(*key, mode, which): [] for key, contenders in cases.items() for mode in modes for which in range(3)}
-    for contenders in cases.values():  # warm-up: builds, first allocations
-        for attend in contenders:
-            step(attend, True)
+    times = {(*key, mode): [] for key in steps for mode in modes}
+    for run in steps.values():  # warm-up: builds, first allocations
+        run(True)
     for _ in range(args.rounds):
-        for key, contenders in cases.items():
+        for key, run in steps.items():
             for mode, training in modes.items():
-                for which, attend in enumerate(contenders):
-                    times[(*key, mode, which)].append(seconds(lambda a=attend, t=training: step(a, t)))
+                times[(*key, mode)].append(seconds(lambda r=run, t=training: r(t)))
+
+    def median(problem, dtype, which, mode):
+        found = times.get((problem, dtype, which, mode))
+        return statistics.median(found) if found else None
+
     results = {
         (*key, mode): (
-            statistics.median(times[(*key, mode, 0)]),
-            statistics.median(times[(*key, mode, 1)]),
+            median(*key, 0, mode),
+            median(*key, 1, mode),
             counted_flops(cases[key][0], training),
-            statistics.median(times[(*key, mode, 2)]) if times[(*key, mode, 2)] else None,
+            median(*key, 2, mode),
         )
         for key in cases
         for mode, training in modes.items()
