@@ -694,6 +694,7 @@ struct FloatProducts {
       const S* o = out.at(win.queries[i]);
       const T* dout = grad_out.data() + static_cast<int64_t>(i) * D;
       T sum = 0;
+#pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < D; ++d) sum += dout[d] * widen<T>(o[d]);
       delta[i] = sum;
     }
@@ -781,10 +782,13 @@ inline __m512i interleave_index(int first) {
 }
 #endif
 
-// B operands (pairs): summing over the tokens' elements, Dp/2 rows of n pairs (token j's elements 2e and 2e + 1);
-// summing over the tokens, np/2 rows of D pairs (element d of tokens 2i and 2i + 1).
+// B operands (pairs), in rows of ldb >= n pairs, zeros after n (ldb a multiple of 16: pairs_per_row): summing over
+// the tokens' elements, Dp/2 rows of n pairs (token j's elements 2e and 2e + 1); summing over the tokens, np/2 rows
+// of D pairs (element d of tokens 2i and 2i + 1).
+inline int pairs_per_row(int64_t n) { return static_cast<int>((n + 15) / 16 * 16); }
+
 template <typename S>
-void write_element_pairs(S* dst, const S* const* tokens, int n, int64_t D) {
+void write_element_pairs(S* dst, const S* const* tokens, int n, int64_t D, int ldb) {
   const int64_t words = D / 2;  // whole pairs of a token
   int j0 = 0;
 #if VIL_AVX512
@@ -793,7 +797,7 @@ void write_element_pairs(S* dst, const S* const* tokens, int n, int64_t D) {
       __m512i r[16];
       for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(tokens[j0 + t] + 2 * e0);
       transpose_16x16(r);
-      for (int t = 0; t < 16; ++t) _mm512_storeu_si512(dst + 2 * ((e0 + t) * n + j0), r[t]);
+      for (int t = 0; t < 16; ++t) _mm512_storeu_si512(dst + 2 * ((e0 + t) * ldb + j0), r[t]);
     }
   }
   const int64_t done = words - words % 16;  // pairs written above for tokens before j0
@@ -805,17 +809,18 @@ void write_element_pairs(S* dst, const S* const* tokens, int n, int64_t D) {
     for (int64_t e = j < j0 ? done : 0; e < words; ++e) {
       uint32_t pair;
       std::memcpy(&pair, t + 2 * e, sizeof(pair));
-      std::memcpy(dst + 2 * (e * n + j), &pair, sizeof(pair));
+      std::memcpy(dst + 2 * (e * ldb + j), &pair, sizeof(pair));
     }
     if (D % 2) {
-      dst[2 * ((D / 2) * n + j)] = t[D - 1];
-      dst[2 * ((D / 2) * n + j) + 1] = S(0);
+      dst[2 * ((D / 2) * ldb + j)] = t[D - 1];
+      dst[2 * ((D / 2) * ldb + j) + 1] = S(0);
     }
   }
+  for (int64_t e = 0; e < (D + 1) / 2; ++e) std::fill(dst + 2 * (e * ldb + n), dst + 2 * (e + 1) * ldb, S(0));
 }
 
 template <typename S>
-void write_token_pairs(S* dst, const S* const* tokens, int n, int64_t D) {
+void write_token_pairs(S* dst, const S* const* tokens, int n, int64_t D, int ldb) {
 #if VIL_AVX512
   const __m512i low = interleave_index(0), high = interleave_index(16);
 #endif
@@ -823,7 +828,7 @@ void write_token_pairs(S* dst, const S* const* tokens, int n, int64_t D) {
   for (int i = 0; i < n; i += 2) {
     const S* first = tokens[i];
     const S* second = i + 1 < n ? tokens[i + 1] : zeros.data();
-    S* out = dst + static_cast<int64_t>(i) * D;
+    S* out = dst + static_cast<int64_t>(i) * ldb;
     int64_t d = 0;
 #if VIL_AVX512
     for (; d + 32 <= D; d += 32) {
@@ -836,11 +841,12 @@ void write_token_pairs(S* dst, const S* const* tokens, int n, int64_t D) {
       out[2 * d] = first[d];
       out[2 * d + 1] = second[d];
     }
+    std::fill(out + 2 * D, out + 2 * ldb, S(0));
   }
 }
 
 // A float matrix (n rows of length ld, row stride ld) rounded to S: as an A operand (rows of length lp), or as a B
-// operand summing over its rows (np/2 rows of ld pairs).
+// operand summing over its rows (np/2 rows of ld pairs, in rows of ldb pairs).
 template <typename S>
 void round_rows(S* dst, const float* m, int n, int ld, int lp) {
   for (int i = 0; i < n; ++i) {
@@ -852,16 +858,17 @@ void round_rows(S* dst, const float* m, int n, int ld, int lp) {
 }
 
 template <typename S>
-void round_row_pairs(S* dst, const float* m, int n, int ld) {
+void round_row_pairs(S* dst, const float* m, int n, int ld, int ldb) {
   for (int i = 0; i < n; i += 2) {
     const float* first = m + static_cast<int64_t>(i) * ld;
     const float* second = first + ld;
-    S* out = dst + static_cast<int64_t>(i) * ld;
+    S* out = dst + static_cast<int64_t>(i) * ldb;
     const bool pair = i + 1 < n;
     for (int j = 0; j < ld; ++j) {
       out[2 * j] = narrow<S>(first[j]);
       out[2 * j + 1] = pair ? narrow<S>(second[j]) : S(0);
     }
+    std::fill(out + 2 * ld, out + 2 * ldb, S(0));
   }
 }
 
@@ -890,7 +897,7 @@ inline void round_rows(c10::BFloat16* dst, const float* m, int n, int ld, int lp
   }
 }
 
-inline void round_row_pairs(c10::BFloat16* dst, const float* m, int n, int ld) {
+inline void round_row_pairs(c10::BFloat16* dst, const float* m, int n, int ld, int ldb) {
   alignas(64) uint16_t order[32];  // the 16 elements of the first row interleaved with the 16 of the second
   for (int k = 0; k < 16; ++k) order[2 * k] = static_cast<uint16_t>(k), order[2 * k + 1] = static_cast<uint16_t>(16 + k);
   const __m512i interleave = _mm512_load_si512(order);
@@ -899,7 +906,7 @@ inline void round_row_pairs(c10::BFloat16* dst, const float* m, int n, int ld) {
   for (int i = 0; i < n; i += 2) {
     const float* first = m + static_cast<int64_t>(i) * ld;
     const float* second = first + ld;
-    c10::BFloat16* out = dst + static_cast<int64_t>(i) * ld;
+    c10::BFloat16* out = dst + static_cast<int64_t>(i) * ldb;
     for (int j = 0; j <= whole; j += 16) {
       const __mmask16 lanes = j < whole ? __mmask16(0xffff) : tail;
       const __m256i a = round_to_bfloat16(_mm512_maskz_loadu_ps(lanes, first + j));
@@ -907,6 +914,7 @@ inline void round_row_pairs(c10::BFloat16* dst, const float* m, int n, int ld) {
       const __m512i pairs = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
       _mm512_mask_storeu_epi32(out + 2 * j, lanes, pairs);
     }
+    std::fill(out + 2 * ld, out + 2 * ldb, c10::BFloat16(0));
   }
 }
 #endif
@@ -938,7 +946,8 @@ inline void transpose(float* dst, const float* src, int64_t rows, int64_t cols, 
 
 // The products of one chunk (block) in half precision S (bfloat16, half) with float sums, on the CPU's matrix
 // instructions (half_product). q, k, v, the output's gradient, the probabilities P and the score gradients dS go into
-// the layouts the products read: rows (A operands) or pairs (B operands), see the writers above.
+// the layouts the products read: rows (A operands) or pairs (B operands, in rows of a multiple of 16 pairs, the
+// column blocks of AMX tiles), see the writers above.
 //   forward:  scores = q k^T       (q rows, k element pairs)     out = P v      (P rows, v token pairs)
 //   backward: dP = dO v^T          (dO rows, v element pairs)    dq = dS k      (dS rows, k token pairs)
 //             dk^T = q^T dS        (q columns, dS row pairs)     dv^T = dO^T P  (dO columns, P row pairs)
@@ -948,27 +957,30 @@ template <typename S>
 struct HalfProducts {
   using Compute = float;
   using Global = S;
-  int64_t D, Dp;                  // head dim, rounded up to even
-  int n = 0, np = 0;              // queries, rounded up to even
-  int ld = 0, lp = 0;             // score row length (local keys + G), rounded up to even
-  float score_scale = 0;          // scale * log2(e)
+  int64_t D, Dp;          // head dim, rounded up to even
+  int Dq;                 // pairs per row of the token pairs (D rounded up to 16)
+  int n = 0, np = 0;      // queries, rounded up to even
+  int ld = 0, lp = 0;     // score row length (local keys + G), rounded up to even
+  int lq = 0;             // pairs per row of the element and row pairs (ld rounded up to 16)
+  float score_scale = 0;  // scale * log2(e)
   std::vector<const S*> query_tokens, key_tokens, value_tokens, grad_out_tokens;
   std::vector<S> q_rows, q_columns, k_element_pairs, k_token_pairs, v_element_pairs, v_token_pairs;
   std::vector<S> grad_out_rows, grad_out_columns, p_rows, p_row_pairs, ds_rows, ds_row_pairs;
   std::vector<float> scores, grad_scores, result, transposed, row_max, total, delta;
 
   HalfProducts(int64_t S_, int64_t L, int64_t D_)
-      : D(D_), Dp(even(D_)), q_rows(S_ * Dp), q_columns(D_ * even(S_)), k_element_pairs(Dp * L),
-        k_token_pairs(even(L) * D_), v_element_pairs(Dp * L), v_token_pairs(even(L) * D_), grad_out_rows(S_ * Dp),
-        grad_out_columns(D_ * even(S_)), p_rows(S_ * even(L)), p_row_pairs(even(S_) * L), ds_rows(S_ * even(L)),
-        ds_row_pairs(even(S_) * L), scores(S_ * L), grad_scores(S_ * L), result(std::max(S_, L) * D_),
-        transposed(L * D_), row_max(S_), total(S_), delta(S_) {}
+      : D(D_), Dp(even(D_)), Dq(pairs_per_row(D_)), q_rows(S_ * Dp), q_columns(D_ * even(S_)),
+        k_element_pairs(Dp * pairs_per_row(L)), k_token_pairs(even(L) * Dq), v_element_pairs(Dp * pairs_per_row(L)),
+        v_token_pairs(even(L) * Dq), grad_out_rows(S_ * Dp), grad_out_columns(D_ * even(S_)), p_rows(S_ * even(L)),
+        p_row_pairs(even(S_) * pairs_per_row(L)), ds_rows(S_ * even(L)), ds_row_pairs(even(S_) * pairs_per_row(L)),
+        scores(S_ * L), grad_scores(S_ * L), result(std::max(S_, L) * D_), transposed(L * D_), row_max(S_),
+        total(S_), delta(S_) {}
 
   void load(const Window& win, Map<const S> q, Map<const S> k, Map<const S> v, const S* gk, const S* gv, int64_t G,
             int64_t /*D*/, double scale, bool backward) {
     const int local = static_cast<int>(win.keys.size());
     n = static_cast<int>(win.queries.size()), np = static_cast<int>(even(n));
-    ld = local + static_cast<int>(G), lp = static_cast<int>(even(ld));
+    ld = local + static_cast<int>(G), lp = static_cast<int>(even(ld)), lq = pairs_per_row(ld);
     score_scale = static_cast<float>(scale * kLog2e);
     query_tokens.resize(n);
     key_tokens.resize(ld);
@@ -979,19 +991,19 @@ struct HalfProducts {
       value_tokens[j] = j < local ? v.at(win.keys[j]) : gv + (j - local) * D;
     }
     write_rows(q_rows.data(), query_tokens.data(), n, D, Dp);
-    write_element_pairs(k_element_pairs.data(), key_tokens.data(), ld, D);
+    write_element_pairs(k_element_pairs.data(), key_tokens.data(), ld, D, lq);
     if (backward) {
       write_columns(q_columns.data(), query_tokens.data(), n, np, D);
-      write_token_pairs(k_token_pairs.data(), key_tokens.data(), ld, D);
-      write_element_pairs(v_element_pairs.data(), value_tokens.data(), ld, D);
+      write_token_pairs(k_token_pairs.data(), key_tokens.data(), ld, D, Dq);
+      write_element_pairs(v_element_pairs.data(), value_tokens.data(), ld, D, lq);
     } else {
-      write_token_pairs(v_token_pairs.data(), value_tokens.data(), ld, D);
+      write_token_pairs(v_token_pairs.data(), value_tokens.data(), ld, D, Dq);
     }
   }
 
   // The products of the queries and keys, to be multiplied by score_factor().
   float* multiply_scores(int /*n*/, int64_t /*D*/) {
-    half_product(n, ld, Dp, q_rows.data(), Dp, k_element_pairs.data(), ld, scores.data(), ld);
+    half_product(n, ld, Dp, q_rows.data(), Dp, k_element_pairs.data(), lq, scores.data(), ld);
     return scores.data();
   }
   float score_factor() const { return score_scale; }
@@ -999,7 +1011,7 @@ struct HalfProducts {
   const float* attend(int /*n*/, int64_t /*D*/) {
     for (int i = 0; i < n; ++i) exponentiate_row(scores.data() + static_cast<int64_t>(i) * ld, ld, row_max[i], total[i]);
     round_rows(p_rows.data(), scores.data(), n, ld, lp);
-    half_product(n, D, lp, p_rows.data(), lp, v_token_pairs.data(), D, result.data(), D);
+    half_product(n, D, lp, p_rows.data(), lp, v_token_pairs.data(), Dq, result.data(), D);
     return result.data();
   }
 
@@ -1009,6 +1021,7 @@ struct HalfProducts {
       const S* dout = grad_out_tokens[i] = grad_out.at(win.queries[i]);
       const S* o = out.at(win.queries[i]);
       float sum = 0;
+#pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < D; ++d) sum += widen<float>(dout[d]) * widen<float>(o[d]);
       delta[i] = sum;
     }
@@ -1017,26 +1030,26 @@ struct HalfProducts {
   }
 
   void differentiate(int /*n*/, int64_t /*D*/, const float* lse) {
-    half_product(n, ld, Dp, grad_out_rows.data(), Dp, v_element_pairs.data(), ld, grad_scores.data(), ld);
+    half_product(n, ld, Dp, grad_out_rows.data(), Dp, v_element_pairs.data(), lq, grad_scores.data(), ld);
     softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta.data());
     round_rows(ds_rows.data(), grad_scores.data(), n, ld, lp);
-    round_row_pairs(ds_row_pairs.data(), grad_scores.data(), n, ld);
-    round_row_pairs(p_row_pairs.data(), scores.data(), n, ld);
+    round_row_pairs(ds_row_pairs.data(), grad_scores.data(), n, ld, lq);
+    round_row_pairs(p_row_pairs.data(), scores.data(), n, ld, lq);
   }
 
   const float* grad_queries(int /*n*/, int64_t /*D*/, double scale) {
-    half_product(n, D, lp, ds_rows.data(), lp, k_token_pairs.data(), D, result.data(), D);
+    half_product(n, D, lp, ds_rows.data(), lp, k_token_pairs.data(), Dq, result.data(), D);
     const float factor = static_cast<float>(scale);
     for (int64_t i = 0; i < n * D; ++i) result[i] *= factor;
     return result.data();
   }
   const float* grad_keys(int /*n*/, int64_t /*D*/, double scale) {
-    half_product(D, ld, np, q_columns.data(), np, ds_row_pairs.data(), ld, transposed.data(), ld);
+    half_product(D, ld, np, q_columns.data(), np, ds_row_pairs.data(), lq, transposed.data(), ld);
     transpose(result.data(), transposed.data(), D, ld, static_cast<float>(scale));
     return result.data();
   }
   const float* grad_values(int /*n*/, int64_t /*D*/) {
-    half_product(D, ld, np, grad_out_columns.data(), np, p_row_pairs.data(), ld, transposed.data(), ld);
+    half_product(D, ld, np, grad_out_columns.data(), np, p_row_pairs.data(), lq, transposed.data(), ld);
     transpose(result.data(), transposed.data(), D, ld, 1.0f);
     return result.data();
   }

@@ -445,6 +445,18 @@ def test_fused_cpu_many_threads_and_uneven_chunks():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_fused_cpu_large_windows_mask_row_by_row():
+    """w 14 on a 42x42 map: the dense bias tables of its 9 kinds of chunk (2 heads, 196 x 1765 each) exceed the
+    kernel's budget, so the biases and masks are added row by row; against the reference, float64."""
+    inputs = make_inputs(42, 42, 14, 1, rel=True, glob_bias=True, B=1, H=2, D=4)
+    for exact in (0, 1):
+        expected, expected_grads = run("reference", inputs, 14, exact, 0)
+        out, grads = run("fused_cpu", inputs, 14, exact, 0)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 # --- Bad input: one plain sentence each. ---
 
 
