@@ -434,27 +434,27 @@ def test_fused_cpu_refuses_other_devices():
     assert all(name in there for name in ("sliding_chunk", "unfold", "chunk_rows")) and "fused_cpu" not in there
 
 
+def assert_fused_cpu_matches_reference(inputs, window, out_tolerance, grad_tolerance):
+    """fused_cpu's output and gradients against the reference's, with SW_EXACT 0 and 1."""
+    for exact in (0, 1):
+        expected, expected_grads = run("reference", inputs, window, exact, 0)
+        out, grads = run("fused_cpu", inputs, window, exact, 0)
+        torch.testing.assert_close(out, expected, rtol=out_tolerance, atol=out_tolerance)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=grad_tolerance, atol=grad_tolerance)
+
+
 def test_fused_cpu_many_threads_and_uneven_chunks():
     """More (batch, head) pairs than threads and a map that is no multiple of the window, in float32."""
     inputs = make_inputs(17, 10, 3, 2, rel=True, glob_bias=True, B=5, H=3, D=8, dtype=torch.float32)
-    for exact in (0, 1):
-        expected, expected_grads = run("reference", inputs, 3, exact, 0)
-        out, grads = run("fused_cpu", inputs, 3, exact, 0)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-        for got, want in zip(grads, expected_grads):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_fused_cpu_matches_reference(inputs, 3, 1e-5, 1e-4)
 
 
 def test_fused_cpu_large_windows_mask_row_by_row():
     """w 14 on a 42x42 map: the dense bias tables of its 9 kinds of chunk (2 heads, 196 x 1765 each) exceed the
     kernel's budget, so the biases and masks are added row by row; against the reference, float64."""
     inputs = make_inputs(42, 42, 14, 1, rel=True, glob_bias=True, B=1, H=2, D=4)
-    for exact in (0, 1):
-        expected, expected_grads = run("reference", inputs, 14, exact, 0)
-        out, grads = run("fused_cpu", inputs, 14, exact, 0)
-        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
-        for got, want in zip(grads, expected_grads):
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert_fused_cpu_matches_reference(inputs, 14, 1e-10, 1e-10)
 
 
 # --- Bad input: one plain sentence each. ---
