@@ -30,7 +30,7 @@ def merge_heads(x):
 
 # On the CPU, torch's flash kernel behind scaled_dot_product_attention costs more than the attention written out
 # when a head has few scores: ViL's global queries (a few queries against every token) and its last stages at 224
-# train 1.5x-2.9x faster written out in bfloat16, and as fast in float32 (BENCHMARKS.md). Above this many scores per
+# train 1.6x-3x faster written out in bfloat16, and as fast in float32 (BENCHMARKS.md). Above this many scores per
 # head the written-out scores would cost memory that the flash kernel does not.
 WRITTEN_OUT_SCORES = 2**16
 
