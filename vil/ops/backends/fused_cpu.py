@@ -264,6 +264,12 @@ def _gradient_buffers(q, k, v):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _sums(q, shape):
+    """Zeroed sums of ``shape`` in the compute dtype, which the backward kernels add gradients into; empty for None
+    (an absent input)."""
+    return q.new_empty(0, dtype=_compute_dtype(q)) if shape is None else q.new_zeros(shape, dtype=_compute_dtype(q))
+
+
 def _token_rows(t):
     """t as the kernels read it: the elements of each token contiguous."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -287,11 +293,10 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
     rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
     global_k, global_v, biases = _kernel_inputs(q, extras, half)
     grad_q, grad_k, grad_v = _gradient_buffers(q, k, v)
-    sums = biases[0]  # a tensor of the compute dtype, for its new_zeros
-    grad_gk, grad_gv = (sums.new_zeros(global_k.shape) for _ in range(2))
+    grad_gk, grad_gv = (_sums(q, global_k.shape) for _ in range(2))
     # Per (batch, head) partial sums of the bias gradients, added up here.
-    grad_rel = sums.new_empty(0) if rel_bias is None else sums.new_zeros(B, H, rel_bias.shape[1])
-    grad_glob = sums.new_empty(0) if global_bias is None else sums.new_zeros(B, H, global_bias.shape[1])
+    grad_rel = _sums(q, None if rel_bias is None else (B, H, rel_bias.shape[1]))
+    grad_glob = _sums(q, None if global_bias is None else (B, H, global_bias.shape[1]))
     _kernels().backward(
         q,
         k,
@@ -369,10 +374,9 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
     grad_q, grad_k, grad_v = _gradient_buffers(q, k, v)
     # Per (batch, head, residue class) partial sums of the global key, value and bias gradients, added up here.
     residues = max(min(d, L) for d in dilations)
-    sums = biases[0]  # a tensor of the compute dtype, for its new_zeros
-    grad_gk, grad_gv = (sums.new_zeros(B, H, residues, *global_k.shape[2:]) for _ in range(2))
-    grad_rel = sums.new_empty(0) if rel_bias is None else sums.new_zeros(B, H, residues, rel_bias.shape[1])
-    grad_glob = sums.new_empty(0) if global_bias is None else sums.new_zeros(B, H, residues, global_bias.shape[1])
+    grad_gk, grad_gv = (_sums(q, (B, H, residues, *global_k.shape[2:])) for _ in range(2))
+    grad_rel = _sums(q, None if rel_bias is None else (B, H, residues, rel_bias.shape[1]))
+    grad_glob = _sums(q, None if global_bias is None else (B, H, residues, global_bias.shape[1]))
     _kernels().backward_1d(
         q,
         k,
