@@ -61,13 +61,6 @@
 #define VIL_AVX512 0
 #endif
 
-// torch's brgemm takes bfloat16 and half operands from torch 2.6 on (the macros say which it has).
-#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
-#define VIL_HALF_PRODUCTS 1
-#else
-#define VIL_HALF_PRODUCTS 0
-#endif
-
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
             const float*, const int*, const float*, float*, const int*);
@@ -98,11 +91,7 @@ void matmul(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a
 template <typename S>
 void half_product(int m, int n, int k, const S* a, int lda, const S* b_pairs, int ldb, float* c, int ldc) {
   if (m == 0 || n == 0) return;
-#if VIL_HALF_PRODUCTS
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, false, a, b_pairs, c, true);
-#else
-  TORCH_CHECK(false, "local_attention_cpu: this torch has no half-precision brgemm");
-#endif
 }
 
 // exp2 for t <= 0 (scores less their maximum or log-sum-exp): 2^round(t) times a degree-6 polynomial of the
@@ -1055,11 +1044,7 @@ struct HalfProducts {
   }
 
   // Gives back what the micro-kernel holds on this thread (AMX's tile configuration).
-  static void release() {
-#if VIL_HALF_PRODUCTS
-    at::native::cpublas::brgemm_release(true);
-#endif
-  }
+  static void release() { at::native::cpublas::brgemm_release(true); }
 };
 
 // The tensors of one call.
@@ -1416,9 +1401,6 @@ void backward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   });
 }
 
-// Whether this build has half-precision products (torch's brgemm for bfloat16 and half).
-bool half_products_built() { return VIL_HALF_PRODUCTS == 1; }
-
 }  // namespace
 
 TORCH_LIBRARY(vil_local_attention_cpu, m) {
@@ -1441,7 +1423,6 @@ TORCH_LIBRARY(vil_local_attention_cpu, m) {
       "Tensor(a!) grad_q, Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor(d!) grad_global_k, "
       "Tensor(e!) grad_global_v, Tensor(f!) grad_rel_bias, Tensor(g!) grad_global_bias, int[] dilations, "
       "int window, bool causal, int block, float scale, bool half_products) -> ()");
-  m.def("half_products_built() -> bool", &half_products_built);
 }
 
 TORCH_LIBRARY_IMPL(vil_local_attention_cpu, CPU, m) {

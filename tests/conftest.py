@@ -18,6 +18,18 @@ try:
 except ImportError:  # no triton: its tests say so
     interpreter = None
 
+if interpreter is not None and hasattr(interpreter, "_patch_lang_tensor"):
+    _patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_with_squeezed_index(tensor, scope):
+        """A scalar is an array of shape (1,) in the interpreter, and a loop bound that is not a constexpr turns it
+        into an int. Triton 3.6 does that with int(array), which NumPy 2.4 refuses; 3.7 squeezes the array first,
+        as this does, so the kernels run under 3.6 (the triton of torch 2.10 and 2.11) too."""
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor_with_squeezed_index
+
 if interpreter is not None and hasattr(interpreter, "interpreter_builder"):
     options = interpreter.interpreter_builder.options
     if hasattr(options, "sanitize_overflow"):

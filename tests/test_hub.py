@@ -5,8 +5,10 @@ import csv
 import importlib.util
 import json
 import logging
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import timm
@@ -209,6 +211,17 @@ def test_the_package_imports_and_locks_without_fcntl(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "locked"
+
+
+def test_an_older_torch_is_refused_in_one_sentence_at_the_lower_bound_pyproject_declares():
+    declared = re.search(r'"torch>=([0-9.]+)"', (Path(ROOT) / "pyproject.toml").read_text()).group(1)
+    assert declared == vil.MIN_TORCH
+    older = "2.9.1"
+    code = f"import torch; torch.__version__ = {older!r}; import vil"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0
+    (sentence,) = [line for line in done.stderr.splitlines() if line.startswith("ImportError")]
+    assert older in sentence and f"torch>={declared}" in sentence
 
 
 def test_a_broken_safetensors_file_is_named_in_one_sentence(tmp_path):

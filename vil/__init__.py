@@ -2,9 +2,20 @@
 
 from typing import Optional
 
+import torch
 from torch import nn
+from torch.torch_version import Version
 
-from . import models  # noqa: F401  (registers vil_tiny, vil_small, ... with timm)
+# The oldest torch whose compile, export and ONNX paths run everything the package offers (pyproject.toml says
+# which API needs which version); its pre-releases and nightlies count as that release.
+MIN_TORCH = "2.10"
+if Version(torch.__version__).release < Version(MIN_TORCH).release:
+    raise ImportError(
+        f"vil needs torch {MIN_TORCH} or later, and this is torch {torch.__version__}: "
+        f"pip install -U 'torch>={MIN_TORCH}'."
+    )
+
+from . import models  # noqa: E402, F401  (registers vil_tiny, vil_small, ... with timm; after the version check)
 
 __all__ = ["accelerate_longformer"]
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from ..ops import Neighborhood1d, local_attention_1d
 from ..ops.base import exporting_to_onnx, tracing
 from ..ops.geometry import pair_in_band
-from ..ops.operators import IntList, TensorList, autograd_gradients, fake_gradients, laid_out_as, operator_gradients
+from ..ops.operators import autograd_gradients, fake_gradients, laid_out_as, operator_gradients
 
 
 class Band(NamedTuple):
@@ -170,7 +170,7 @@ def _masked_attention(q, k, v, seen):
 
 @torch.library.custom_op("vil::longformer_attention", mutates_args=())
 def _longformer_attention(
-    tensors: TensorList, window: int, dilations: IntList, causal: bool, backend: Optional[str]
+    tensors: list[Tensor], window: int, dilations: list[int], causal: bool, backend: Optional[str]
 ) -> Tensor:
     with torch.no_grad():
         return laid_out_as(sliding_window_attention(tensors, Band(window, dilations, causal, backend)), tensors[1])
@@ -183,8 +183,8 @@ def _(tensors, window, dilations, causal, backend):
 
 @torch.library.custom_op("vil::longformer_attention_backward", mutates_args=())
 def _longformer_attention_backward(
-    tensors: TensorList, grad_out: Tensor, window: int, dilations: IntList, causal: bool, backend: Optional[str]
-) -> TensorList:
+    tensors: list[Tensor], grad_out: Tensor, window: int, dilations: list[int], causal: bool, backend: Optional[str]
+) -> list[Tensor]:
     x, q, k, v, padding, is_global, *projections = tensors
     band = Band(window, dilations, causal, backend)
 

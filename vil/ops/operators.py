@@ -17,7 +17,7 @@ tracer record the same function in standard tensor operators instead (:func:`dec
 
 from contextlib import contextmanager
 from functools import partial
-from typing import List, Optional  # noqa: UP035 (see TensorList)
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -27,10 +27,6 @@ from . import split
 from .base import Backend, Extras
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import BACKENDS
-
-# The schemas' list types as typing.List: torch 2.6's custom_op reads no builtin list[...] there (2.7 does).
-TensorList = List[Tensor]  # noqa: UP006
-IntList = List[int]  # noqa: UP006
 
 # --- A request, run ------------------------------------------------------------------------------------------------
 
@@ -183,7 +179,7 @@ def _attention_2d_backward(
     mode: int,
     dilation: int,
     scale: float,
-) -> TensorList:
+) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     hood, extras = _hood_2d(window, exact, mode, dilation), Extras(scale, *inputs[3:])
     grads = _passes(backend, 2).backward(q, k, v, hood, extras, out, lse, laid_out_as(grad_out, out))
@@ -243,7 +239,7 @@ def _attention_1d(
     global_bias: Optional[Tensor],
     key_padding_mask: Optional[Tensor],
     window: int,
-    dilations: IntList,
+    dilations: list[int],
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
@@ -272,10 +268,10 @@ def _attention_1d_backward(
     lse: Tensor,
     grad_out: Tensor,
     window: int,
-    dilations: IntList,
+    dilations: list[int],
     causal: bool,
     scale: float,
-) -> TensorList:
+) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     hood, extras = _hood_1d(window, dilations, causal), Extras(scale, *inputs[3:], key_padding_mask)
     grads = _passes(backend, 1).backward(q, k, v, hood, extras, out, lse, laid_out_as(grad_out, out))
@@ -414,7 +410,7 @@ def _recomputed_2d_backward(
     mode: Tensor,
     dilation: int,
     scale: float,
-) -> TensorList:
+) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     forward = partial(_request_2d, backend, window=window, exact=exact, mode=mode, dilation=dilation, scale=scale)
     return operator_gradients(inputs, autograd_gradients(forward, inputs, grad_out))
@@ -453,7 +449,7 @@ def _recomputed_1d(
     global_bias: Optional[Tensor],
     key_padding_mask: Optional[Tensor],
     window: int,
-    dilations: IntList,
+    dilations: list[int],
     causal: bool,
     scale: float,
 ) -> Tensor:
@@ -480,10 +476,10 @@ def _recomputed_1d_backward(
     key_padding_mask: Optional[Tensor],
     grad_out: Tensor,
     window: int,
-    dilations: IntList,
+    dilations: list[int],
     causal: bool,
     scale: float,
-) -> TensorList:
+) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     forward = partial(
         _request_1d,

@@ -198,8 +198,6 @@ def half_products_missing(dtype):
     if not cpu_multiplies_natively(dtype):
         instructions = "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AVX512-FP16 or AMX-FP16"
         return f"this CPU has no {_name(dtype)} matrix instructions ({instructions})"
-    if not _kernels().half_products_built():
-        return f"torch {torch.__version__} has no {_name(dtype)} brgemm micro-kernel"
     fault = half_products_fault(dtype)
     if fault:
         _log.warning("fused_cpu: %s; computing %s in float32 instead.", fault, _name(dtype))
