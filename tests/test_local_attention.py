@@ -170,11 +170,14 @@ def run(backend, inputs, window, exact, mode, grad_seed=1):
         backend=backend,
     )
     leaves = [t for t in inputs.values() if t is not None]
-    # Drawn in float32 or wider, so that a half-precision run gets the float32 run's values (torch before 2.12
-    # draws other values in half precision).
+    return out, torch.autograd.grad(out, leaves, upstream_gradient(out, grad_seed))
+
+
+def upstream_gradient(out, seed):
+    """A random gradient for ``out``, drawn in float32 or wider, so that a half-precision run gets the float32 run's
+    values (torch before 2.12 draws other values in half precision)."""
     wide = torch.promote_types(out.dtype, torch.float32)
-    upstream = torch.randn(out.shape, dtype=wide, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
-    return out, torch.autograd.grad(out, leaves, upstream)
+    return torch.randn(out.shape, dtype=wide, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_local_attention import upstream_gradient
 
 from vil.ops import available_backends, default_backend, local_attention_1d
 from vil.ops.backends import sliding_chunk
@@ -126,11 +127,7 @@ def run(backend, inputs, padding, w, dilation=1, causal=False, grads=True):
     if not grads:
         return out, ()
     leaves = [t for t in inputs.values() if t is not None]
-    # Drawn in float32 or wider, so that a half-precision run gets the float32 run's values (torch before 2.12
-    # draws other values in half precision).
-    wide = torch.promote_types(out.dtype, torch.float32)
-    upstream = torch.randn(out.shape, dtype=wide, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-    return out, torch.autograd.grad(out, leaves, upstream)
+    return out, torch.autograd.grad(out, leaves, upstream_gradient(out, 1))
 
 
 @pytest.mark.parametrize("backend", TRAINING)
