@@ -3,6 +3,7 @@ downloaded), float64, the same outputs and gradients as the model before it was 
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -336,6 +337,9 @@ def test_benchmark_tool_prints_the_table_and_draws_the_plots(tmp_path):
         ["| model", "16"],
         ["| model", "32"],
     ]
+    bounds = [row.split(" | ")[-1].rstrip(" |") for row in rows]  # shared parts train / infer: two ratios, model only
+    assert bounds[:2] == ["-", "-"]
+    assert all(re.fullmatch(r"\d+ / \d+: [\d.]+x / [\d.]+x", bound) for bound in bounds[2:]), bounds
     autocast = [line.split(" | ")[:2] for line in out.splitlines() if "float16 |" in line]
     assert autocast == [["| 16", dtype] for dtype in ("bfloat16", "float16")] + [
         ["| 32", dtype] for dtype in ("bfloat16", "float16")

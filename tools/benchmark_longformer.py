@@ -9,9 +9,9 @@ one global token (the first), no dropout (transformers' attention dropout has no
 layers run transformers' attention while it is on). The layer is transformers' ``LongformerSelfAttention``, called
 as its encoder calls it; the model is a ``LongformerModel`` of ``--layers`` layers (longformer-base has 12) on
 random token ids. A training step is the forward and the backward of the sum of squares of the output; an inference
-step the forward without gradients. For the model, a third run times the inference of what the two share, the same
-model with each self-attention reduced to its q, k and v projections: transformers' inference time over it bounds
-what any attention can gain. The contenders alternate in one process, ``--rounds`` times (the median of
+step the forward without gradients. For the model, a third run times the training and inference of what the two
+share, the same model with each self-attention reduced to its q, k and v projections: transformers' time over it
+bounds what any attention can gain. The contenders alternate in one process, ``--rounds`` times (the median of
 each); peak memory is what torch's allocator holds during one training step (``vil.profiling.PeakMemory``).
 ``--what autocast`` adds the layer under CPU autocast in bfloat16 and float16: how far each contender's output is
 from transformers' float32 output, whether it is finite, and its inference time.
@@ -33,15 +33,15 @@ from vil.plots import agg_pyplot
 from vil.profiling import PeakMemory
 
 CONTENDERS = ("transformers", "accelerated")
-SHARED = "shared parts"  # the model's inference with no attention: what bounds its inference speed-up
+SHARED = "shared parts"  # the model with no attention: what bounds its speed-up
 
 
 class SharedPartsOnly(LongformerSelfAttention):
-    """What both contenders compute around the attention, and no attention: the layer's q, k, v projections."""
+    """What both contenders compute around the attention, and no attention: the layer's q, k, v projections (summed,
+    so that a training step runs the backward of each)."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        self.key(hidden_states), self.value(hidden_states)
-        return (self.query(hidden_states),)
+        return (self.query(hidden_states) + self.key(hidden_states) + self.value(hidden_states),)
 
 
 def parse_args(argv=None):
@@ -121,27 +121,24 @@ def seconds(fn):
 
 
 def measure(args, timed):
-    """{(what, length, contender): (training s, inference s, training peak MiB)} for ``timed`` ("layer", "model");
-    the model's shared parts are timed in inference only (None for the rest)."""
+    """{(what, length, contender): (training s, inference s, training peak MiB)} for ``timed`` ("layer", "model"),
+    with the model's shared parts (no peak memory: None)."""
     results = {}
     for what in timed:
         for length in args.lengths:
             steps = (layer_steps if what == "layer" else model_steps)(args, length)
-            phases = {name: (False,) if name == SHARED else (True, False) for name in steps}
             peaks = {}
             for name in CONTENDERS:
                 with PeakMemory("cpu") as peak:
                     steps[name](True)
                 peaks[name] = peak.mib
-            times = {(name, training): [] for name in steps for training in phases[name]}
+            times = {(name, training): [] for name in steps for training in (True, False)}
             for _ in range(args.rounds):
                 for name, run in steps.items():
-                    for training in phases[name]:
+                    for training in (True, False):
                         times[name, training].append(seconds(lambda r=run, t=training: r(t)))
             for name in steps:
-                train, infer = (
-                    statistics.median(times[key]) if key in times else None for key in ((name, True), (name, False))
-                )
+                train, infer = (statistics.median(times[name, training]) for training in (True, False))
                 results[what, length, name] = (train, infer, peaks.get(name))
     return results
 
@@ -173,13 +170,16 @@ def autocast_rows(args):
 def table(results):
     lines = [
         "| what | tokens | transformers train / infer (ms) | accelerated train / infer (ms) | speed-up train / infer "
-        "| training peak MiB: transformers -> accelerated (ratio) | shared parts infer (ms): bound on the speed-up |",
+        "| training peak MiB: transformers -> accelerated (ratio) "
+        "| shared parts train / infer (ms): bound on the speed-up |",
         "|---|---|---|---|---|---|---|",
     ]
     for what, length in dict.fromkeys((w, n) for w, n, _ in results):
         (t_train, t_infer, t_peak), (a_train, a_infer, a_peak) = (results[what, length, c] for c in CONTENDERS)
-        shared = results.get((what, length, SHARED), (None, None, None))[1]
-        bound = "-" if shared is None else f"{shared * 1e3:.0f}: {t_infer / shared:.2f}x"
+        bound = "-"
+        if (what, length, SHARED) in results:
+            s_train, s_infer, _ = results[what, length, SHARED]
+            bound = f"{s_train * 1e3:.0f} / {s_infer * 1e3:.0f}: {t_train / s_train:.2f}x / {t_infer / s_infer:.2f}x"
         lines.append(
             f"| {what} | {length} | {t_train * 1e3:.0f} / {t_infer * 1e3:.0f} | {a_train * 1e3:.0f} / "
             f"{a_infer * 1e3:.0f} | {t_train / a_train:.2f}x / {t_infer / a_infer:.2f}x | {t_peak:.0f} -> "
