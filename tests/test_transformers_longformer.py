@@ -108,6 +108,28 @@ def test_longformer_model_gives_the_same_outputs_and_gradients():
             assert_same(got_grads[name], grad), name
 
 
+def test_the_accelerated_model_forms_no_mask_over_every_pair_of_tokens():
+    """LongformerModel keeps one query row of its (batch, 1, L, L) mask: accelerated, the mask is that row's values
+    broadcast, and every other mask of transformers' is still its own."""
+    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config())
+    embeds = torch.zeros(3, 29, 8, dtype=torch.float64)
+    _, mask, _ = batch()
+    masks = {
+        "Longformer's": lambda c, m: create_bidirectional_mask(c, embeds, m, allow_is_bidirectional_skip=False),
+        "skippable": lambda c, m: create_bidirectional_mask(c, embeds, m),
+        "causal": lambda c, m: create_causal_mask(c, embeds, m, cache=None, position_ids=None),
+    }
+    for name, make in masks.items():
+        for attention_mask in (mask, torch.ones_like(mask)):
+            want, got = make(reference.config, attention_mask), make(accelerated.config, attention_mask)
+            assert (got is None and want is None) or torch.equal(got, want), name
+            if name == "Longformer's":
+                assert got.untyped_storage().nbytes() == 3 * 29 * 8  # one float64 per key of each sequence
+    assert torch.finfo(torch.float64).min in masks["Longformer's"](accelerated.config, mask)
+
+
 def test_different_global_counts_give_the_same_outputs_and_finite_gradients():
     reference, accelerated = pair(transformers.LongformerModel, longformer_config())
     ids, mask, global_mask = batch()  # 1, 3 and 0 global tokens
@@ -270,6 +292,7 @@ def test_parameters_and_checkpoints_are_unchanged(tmp_path):
     want, got = reference.state_dict(), accelerated.state_dict()
     assert list(want) == list(got) and all(torch.equal(want[k], got[k]) for k in want)
     accelerated.save_pretrained(tmp_path)
+    assert vil.transformers_longformer.MASK_IMPLEMENTATION not in (tmp_path / "config.json").read_text()
     reloaded = transformers.LongformerModel.from_pretrained(tmp_path).double().eval()
     assert (
         type(reloaded.encoder.layer[0].attention.self)

@@ -10,8 +10,8 @@ layers run transformers' attention while it is on). The layer is transformers' `
 as its encoder calls it; the model is a ``LongformerModel`` of ``--layers`` layers (longformer-base has 12) on
 random token ids. A training step is the forward and the backward of the sum of squares of the output; an inference
 step the forward without gradients. For the model, a third run times the training and inference of what the two
-share, the same model with each self-attention reduced to its q, k and v projections: transformers' time over it
-bounds what any attention can gain. The contenders alternate in one process, ``--rounds`` times (the median of
+share, the accelerated model with each self-attention reduced to its q, k and v projections: transformers' time over
+it bounds what any attention can gain. The contenders alternate in one process, ``--rounds`` times (the median of
 each); peak memory is what torch's allocator holds during one training step (``vil.profiling.PeakMemory``).
 ``--what autocast`` adds the layer under CPU autocast in bfloat16 and float16: how far each contender's output is
 from transformers' float32 output, whether it is finite, and its inference time.
@@ -96,9 +96,9 @@ def model_steps(args, length):
     global_mask = torch.zeros_like(ids)
     global_mask[0, 0] = 1
     models = {"transformers": model, "accelerated": vil.accelerate_longformer(copy.deepcopy(model))}
-    models[SHARED] = copy.deepcopy(model)
+    models[SHARED] = vil.accelerate_longformer(copy.deepcopy(model))
     for module in models[SHARED].modules():
-        if type(module) is LongformerSelfAttention:
+        if isinstance(module, LongformerSelfAttention):
             module.__class__ = SharedPartsOnly
     return {
         name: (lambda training, m=m: step(lambda: m(ids, global_attention_mask=global_mask)[0], training))

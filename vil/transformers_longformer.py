@@ -8,12 +8,18 @@ keys for every token, and full attention with the ``*_global`` projections for t
 changes the class of each such module in place (same parameters, same names, same state dict); the model calls the
 op through ``vil.models.longformer.SlidingWindowSelfAttention.attend``. transformers is imported only here
 (``pip install vil[transformers]``).
+
+``LongformerModel`` also builds a (batch, 1, L, L) float mask, keeps its first query row and drops the rest: at 16k
+tokens 1 GiB and half a second on a CPU for a (batch, L) result. An accelerated ``LongformerModel`` builds that mask
+through :data:`MASK_IMPLEMENTATION` instead, which gives the same values as a broadcast view of that row.
 """
 
 import logging
 
+import torch
+from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, eager_mask
 from transformers.models.led.modeling_led import LEDEncoderSelfAttention
-from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+from transformers.models.longformer.modeling_longformer import LongformerModel, LongformerSelfAttention
 
 from .models.longformer import SlidingWindowSelfAttention
 
@@ -68,6 +74,33 @@ class AcceleratedLEDEncoderSelfAttention(_Accelerated, LEDEncoderSelfAttention):
     """transformers' ``LEDEncoderSelfAttention`` on ``local_attention_1d``."""
 
 
+def key_padding_mask(batch_size, q_length, kv_length, attention_mask=None, dtype=torch.float32, **options):
+    """transformers' eager attention mask (``options``: the rest of ``eager_mask``'s keywords). The one a Longformer
+    model asks for (bidirectional, a padded batch, no offsets, always formed) comes as a view of one row per sequence
+    expanded over the queries: 0 where a key is a token, the dtype's lowest value where it is padding. Every other
+    mask is transformers' own ``eager_mask``."""
+    keys_only = (
+        options.get("mask_function") is bidirectional_mask_function
+        and not options.get("q_offset")
+        and not options.get("kv_offset")
+        and not options.get("allow_is_bidirectional_skip")
+        and (attention_mask is None or tuple(attention_mask.shape) == (batch_size, kv_length))
+    )
+    if not keys_only:
+        return eager_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, attention_mask=attention_mask,
+            dtype=dtype, **options,
+        )  # fmt: skip
+    device = options.get("device", "cpu")
+    if attention_mask is None:
+        attention_mask = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+    row = torch.where(attention_mask.bool(), torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
+    return row[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
+
+
+MASK_IMPLEMENTATION = "vil_key_padding"  # the attention-mask implementation of an accelerated LongformerModel
+AttentionMaskInterface.register(MASK_IMPLEMENTATION, key_padding_mask)
+
 CONVERSIONS = {
     LongformerSelfAttention: AcceleratedLongformerSelfAttention,
     LEDEncoderSelfAttention: AcceleratedLEDEncoderSelfAttention,
@@ -78,7 +111,8 @@ def accelerate_longformer(model, backend=None):
     """Every Longformer-style self-attention of the transformers model ``model`` computed by
     ``vil.ops.local_attention_1d`` (``backend``: the op's backend, None for its default), in place; returns the
     model. Parameters, their names and the state dict stay as they are, so checkpoints load before or after and
-    ``save_pretrained`` writes what transformers reads. Raises ``ValueError`` where the model has no such layer."""
+    ``save_pretrained`` writes what transformers reads; a ``LongformerModel``'s ``config._attn_implementation``
+    becomes :data:`MASK_IMPLEMENTATION` (not saved). Raises ``ValueError`` where the model has no such layer."""
     converted = 0
     for module in model.modules():
         accelerated = CONVERSIONS.get(type(module))
@@ -87,6 +121,8 @@ def accelerate_longformer(model, backend=None):
             converted += 1
         if isinstance(module, _Accelerated):
             module.backend = backend
+        if isinstance(module, LongformerModel):
+            module.config._attn_implementation = MASK_IMPLEMENTATION
     if not converted and not any(isinstance(m, _Accelerated) for m in model.modules()):
         raise ValueError(
             f"{type(model).__name__} has no Longformer self-attention layer to accelerate; "
