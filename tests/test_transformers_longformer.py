@@ -130,6 +130,29 @@ def test_the_accelerated_model_forms_no_mask_over_every_pair_of_tokens():
     assert torch.finfo(torch.float64).min in masks["Longformer's"](accelerated.config, mask)
 
 
+def test_models_built_from_an_accelerated_config_pass_transformers_checks_and_give_the_same_outputs(tmp_path):
+    """The mask implementation lives on the config: other models built from it, with or without acceleration, are
+    still transformers' models with the same outputs; one that computes attention through it is told why not."""
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config())
+    accelerated.save_pretrained(tmp_path)
+    ids, mask, global_mask = batch(seed=3)
+    with torch.no_grad():
+        want = reference.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0]
+        for built in (
+            transformers.AutoModel.from_config(accelerated.config),
+            transformers.LongformerModel.from_pretrained(tmp_path, config=accelerated.config),
+        ):
+            built.load_state_dict(reference.state_dict())
+            got = built.double().eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0]
+            assert_same(got, want, mask)
+    bert = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37
+    )
+    bert._attn_implementation = vil.transformers_longformer.MASK_IMPLEMENTATION
+    with pytest.raises(ValueError, match=r"'vil_key_padding' only builds the attention mask of Longformer models"):
+        transformers.BertModel(bert)(ids)
+
+
 def test_different_global_counts_give_the_same_outputs_and_finite_gradients():
     reference, accelerated = pair(transformers.LongformerModel, longformer_config())
     ids, mask, global_mask = batch()  # 1, 3 and 0 global tokens

@@ -17,6 +17,7 @@ through :data:`MASK_IMPLEMENTATION` instead, which gives the same values as a br
 import logging
 
 import torch
+from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, eager_mask
 from transformers.models.led.modeling_led import LEDEncoderSelfAttention
 from transformers.models.longformer.modeling_longformer import LongformerModel, LongformerSelfAttention
@@ -98,7 +99,19 @@ def key_padding_mask(batch_size, q_length, kv_length, attention_mask=None, dtype
     return row[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
 
 
-MASK_IMPLEMENTATION = "vil_key_padding"  # the attention-mask implementation of an accelerated LongformerModel
+def no_attention(module, *args, **kwargs):
+    """The attention function of :data:`MASK_IMPLEMENTATION`, which transformers asks every attention implementation
+    for: a Longformer model never calls it (its self-attention is its own), any other model is told so."""
+    raise ValueError(
+        f"attn_implementation {MASK_IMPLEMENTATION!r} only builds the attention mask of Longformer models and "
+        f"computes no attention; give {type(module).__name__}'s model another one, such as 'sdpa' or 'eager'."
+    )
+
+
+# The attention implementation of an accelerated LongformerModel, registered as transformers registers its own, so
+# that every model built from its config passes transformers' checks and builds the same mask.
+MASK_IMPLEMENTATION = "vil_key_padding"
+AttentionInterface.register(MASK_IMPLEMENTATION, no_attention)
 AttentionMaskInterface.register(MASK_IMPLEMENTATION, key_padding_mask)
 
 CONVERSIONS = {
