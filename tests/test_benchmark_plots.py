@@ -80,7 +80,9 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     assert [(r[0], r[1]) for r in rows] == [
         (f"| {n}", b) for n in (64, 128) for b in (tool.SDPA, "sliding_chunk", "loop", "chunks")
     ]
-    assert all(float(r[2]) > 0 and float(r[3]) >= 0 and r[5].endswith("x") for r in rows), rows
+    assert all(
+        float(r[2]) > 0 and float(r[3]) >= 0 and r[5].endswith("x") and float(r[7].rstrip(" |")) >= 0 for r in rows
+    ), rows
     assert len(workers) == 2 and all(
         "--causal" in w and w[w.index("--dilation") + 1] == "1" and "--exact" not in w for w in workers
     )
@@ -97,6 +99,6 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     assert tool.run_size(args, ["reference"], 8192)["reference"].startswith("skipped")
     monkeypatch.setattr(tool.subprocess, "run", real_run)
     results = tool.run_size(args, ["loop", "unfold"], 64)
-    seconds, peak, ratio, working = results["loop"]
-    assert seconds > 0 and peak > 0 and ratio >= 1 and working > 0
+    seconds, peak, ratio, working, first_call = results["loop"]
+    assert seconds > 0 and peak > 0 and ratio >= 1 and working > 0 and first_call > 0
     assert results["unfold"].startswith("failed: The unfold backend does not compute 1D windows; 1D backends:")

@@ -10,8 +10,10 @@ what torch's allocator holds for tensors at most during one forward+backward, ov
 (``vil.profiling.PeakMemory``: on the CPU counted from the profiler's allocation events, on CUDA
 ``torch.cuda.max_memory_allocated``). It includes the output, its gradient and the inputs' gradients, not the
 inputs. The working memory is that peak less the output, its gradient and the inputs' gradients, which every
-implementation holds; the last column puts the inputs plus the peak over the inputs, outputs and their
-gradients (1.0: no memory beyond them).
+implementation holds; the memory ratio puts the inputs plus the peak over the inputs, outputs and their
+gradients (1.0: no memory beyond them). The last column is the warm-up call's time: compilation and kernel
+tuning for the backends that have them (``triton``, compiled ``flex``), in a process that has compiled nothing
+yet (Triton's and Inductor's on-disk caches aside).
 
     python tools/benchmark_attention.py                      # CPU, maps 28, 56, 84
     python tools/benchmark_attention.py --device cuda --dtype bfloat16 --batch 64 --rel-bias --sizes 28 56 112
@@ -174,15 +176,18 @@ def prepare(args, backend, size):
 
 
 def measure(args, backends, size):
-    """``{backend: (seconds, peak MiB, memory / (inputs, outputs, gradients), working MiB)}`` at ``size``, here, or
-    a string saying why a backend failed. Each backend is warmed up (compilation, tuning and cached tables allocate
-    memory of their own) and its peak memory taken; then ``--repeats`` rounds call the backends in turn, so that a
-    swing in the machine's speed reaches every backend alike, and the time is each one's best."""
+    """``{backend: (seconds, peak MiB, memory / (inputs, outputs, gradients), working MiB, first call's seconds)}``
+    at ``size``, here, or a string saying why a backend failed. Each backend is warmed up (compilation, tuning and
+    cached tables allocate memory of their own; the first call's time is kept) and its peak memory taken; then
+    ``--repeats`` rounds call the backends in turn, so that a swing in the machine's speed reaches every backend
+    alike, and the time is each one's best."""
     ready, results = {}, {}
     for backend in backends:
         try:
             run, input_bytes, io_bytes = prepare(args, backend, size)
+            start = time.perf_counter()
             run()
+            first_call = time.perf_counter() - start
             with PeakMemory(args.device) as peak:
                 run()
         except Exception as error:  # one backend's failure is its row of the table, not the end of the study
@@ -190,7 +195,7 @@ def measure(args, backends, size):
             continue
         working = peak.mib - (io_bytes - input_bytes) / 2**20
         ready[backend] = run
-        results[backend] = [[], peak.mib, (input_bytes + peak.mib * 2**20) / io_bytes, working]
+        results[backend] = [[], peak.mib, (input_bytes + peak.mib * 2**20) / io_bytes, working, first_call]
     for _ in range(args.repeats):
         for backend, run in ready.items():
             start = time.perf_counter()
@@ -291,8 +296,8 @@ def main(argv=None):
         f"best of {args.repeats}{'; --steady-malloc' if args.steady_malloc else ''}; backend=None picks {default!r}",
         "",
         f"| {'map' if args.dim == 2 else 'length'} | backend | time (ms) | peak memory (MiB) | working memory (MiB) | "
-        "vs SDPA | memory / (inputs, outputs, gradients) |",
-        "|---|---|---|---|---|---|---|",
+        "vs SDPA | memory / (inputs, outputs, gradients) | first call (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     summary, study = [], {}
@@ -303,12 +308,12 @@ def main(argv=None):
         best_local = None
         for name, result in results.items():
             if isinstance(result, str):
-                row = f"| {point} | {name} | {result} | | | | |"
+                row = f"| {point} | {name} | {result} | | | | | |"
             else:
                 speedup = f"{sdpa[0] / result[0]:.2f}x" if not isinstance(sdpa, str) else ""
                 row = (
                     f"| {point} | {name} | {result[0] * 1e3:.1f} | {result[1]:.1f} | {result[3]:.1f} | {speedup} "
-                    f"| {result[2]:.2f} |"
+                    f"| {result[2]:.2f} | {result[4]:.2f} |"
                 )
                 if name not in (SDPA, "reference") and (best_local is None or result[0] < best_local[1][0]):
                     best_local = (name, result)

@@ -1,39 +1,72 @@
 #!/usr/bin/env bash
-# The GPU checks of the Triton kernels, in order, on a CUDA machine with this project installed:
-#   1. the Triton tests compiled for the GPU (2D and 1D), and the FlexAttention gradient tests that skip on the CPU;
-#   2. the 2D study: ViL-Small's first stage (bfloat16, batch 64, 3 heads x 32, w 7, one global token, relative
+# The GPU checks of the Triton kernels and of compiled FlexAttention, in order, on a CUDA machine with this project
+# importable:
+#   1. the Triton tests compiled for the GPU: tests/test_triton_kernels*.py and the triton cases of the op tests;
+#   2. the FlexAttention tests that need CUDA (its gradients; torch has no FlexAttention backward on the CPU);
+#   3. the 2D study: ViL-Small's first stage (bfloat16, batch 64, 3 heads x 32, w 7, one global token, relative
 #      bias) at 28x28, 56x56 and 112x112: triton, flex (compiled), sliding_chunk and SDPA (flash);
-#   3. the 1D study: Longformer's settings (12 heads x 64, w 256, bfloat16, batch 1) from 4k to 64k tokens, causal
-#      and not, dilation 1 and 2: triton, flex (compiled, the same band as a block mask), sliding_chunk, chunks and
-#      SDPA (flash; causal for the causal rows).
-# Tables go to docs/attention_gpu*.md (override with OUT=dir); each step goes on after a failing one, and the
-# script exits non-zero if any failed.
+#   4. the 1D study: Longformer's settings (12 heads x 64, w 256, bfloat16, batch 1) at 4k, 16k and 64k tokens (SIZES_1D),
+#      causal and not, dilation 1 and 2: triton, flex (compiled, the same band as a block mask), sliding_chunk,
+#      chunks and SDPA (flash; causal for the causal rows).
+# Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS, default
+# 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_4 seconds; step
+# 4's is shared by its four runs), so that a slow step cannot take the time of the next; the studies print each row
+# as its size ends, and their last column is the time of the first call (compilation and tuning). With the defaults
+# the whole script takes at most 12 minutes. Logs and tables go to OUT (default docs/): tests_triton.log,
+# tests_flex.log, studies.log, attention_gpu.md, attention_gpu_1d_dilation{1,2}[_causal].md. Each step goes on after a failing
+# one, and the script exits non-zero if any failed or ran out of time.
 #
-#   bash tools/gpu_checks.sh            # everything (about 10 minutes on an H100)
-#   STEPS="1" bash tools/gpu_checks.sh  # only the tests
+#   bash tools/gpu_checks.sh                     # everything
+#   STEPS="1 2" bash tools/gpu_checks.sh         # only the tests
+#   STEPS=4 SIZES_1D="4096 65536" LIMIT_4=400 bash tools/gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs}
-STEPS=${STEPS:-"1 2 3"}
+STEPS=${STEPS:-"1 2 3 4"}
+SIZES_1D=${SIZES_1D:-"4096 16384 65536"}
 failed=0
-run() { echo "+ $*"; "$@" || { echo "FAILED: $*"; failed=1; }; }
-
+mkdir -p "$OUT"
+# limited SECONDS LOG COMMAND...: run COMMAND under a time limit, its output to the terminal and appended to LOG.
+limited() {
+  local seconds=$1 log=$2
+  shift 2
+  echo "+ $* (limit ${seconds} s)"
+  timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "OUT OF TIME after ${seconds} s: $*"
+    failed=1
+  elif [ "$rc" != 0 ]; then
+    echo "FAILED ($rc): $*"
+    failed=1
+  fi
+}
+pytest_args=(-v -rfEs --tb=short -p no:cacheprovider)
+if python -c "import xdist" 2>/dev/null; then
+  pytest_args+=(-n "${WORKERS:-8}")
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in $STEPS; do
   case $step in
-    1) run env TRITON_INTERPRET=0 python -m pytest -q -rs tests/test_triton_kernels.py tests/test_triton_kernels_1d.py \
-         tests/test_local_attention.py tests/test_local_attention_1d.py -k "triton or flex or gradients" ;;
-    2) run python tools/benchmark_attention.py --device cuda --dtype bfloat16 --batch 64 --heads 3 --head-dim 32 \
-         --window 7 --num-global 1 --rel-bias --sizes 28 56 112 --backends triton flex sliding_chunk \
-         --markdown "$OUT/attention_gpu.md" ;;
-    3) for causal in "" "--causal"; do
+    1) limited "${LIMIT_1:-240}" "$OUT/tests_triton.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
+         tests/test_triton_kernels.py tests/test_triton_kernels_1d.py \
+         tests/test_local_attention.py tests/test_local_attention_1d.py -k "triton" ;;
+    2) limited "${LIMIT_2:-120}" "$OUT/tests_flex.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
+         tests/test_local_attention.py tests/test_local_attention_1d.py -k "flex and cuda" ;;
+    3) limited "${LIMIT_3:-120}" "$OUT/studies.log" python tools/benchmark_attention.py --device cuda --dtype bfloat16 \
+         --batch 64 --heads 3 --head-dim 32 --window 7 --num-global 1 --rel-bias --sizes 28 56 112 \
+         --backends triton flex sliding_chunk --markdown "$OUT/attention_gpu.md" ;;
+    4) for causal in "" "--causal"; do
          for dilation in 1 2; do
-           run python tools/benchmark_attention.py --dim 1 --device cuda --dtype bfloat16 --sizes 4096 8192 16384 \
-             32768 65536 --dilation "$dilation" $causal --backends triton flex sliding_chunk chunks \
+           # shellcheck disable=SC2086  # SIZES_1D is a list of lengths
+           limited $((${LIMIT_4:-240} / 4)) "$OUT/studies.log" python tools/benchmark_attention.py --dim 1 --device cuda \
+             --dtype bfloat16 --sizes $SIZES_1D --dilation "$dilation" $causal \
+             --backends triton flex sliding_chunk chunks \
              --markdown "$OUT/attention_gpu_1d_dilation${dilation}${causal:+_causal}.md"
          done
        done ;;
+    *) echo "Unknown step $step; the steps are 1 2 3 4."; failed=1 ;;
   esac
 done
 exit $failed
