@@ -1,16 +1,19 @@
-"""Test-session setup: the Triton kernels run under Triton's CPU interpreter.
+"""Test-session setup: without a CUDA GPU, the Triton kernels run under Triton's CPU interpreter; with one, they
+are compiled for it (``TRITON_INTERPRET=1`` forces the interpreter there too).
 
-``TRITON_INTERPRET`` is read when kernels are defined, so it is set here, before anything imports them. The
-interpreter also checks every 32-bit integer operation for overflow, which makes it several times slower;
-the test problems are far too small to overflow, so that check is switched off.
+``TRITON_INTERPRET`` is read when kernels are defined, so it is set here, before anything imports them. It is not
+set where CUDA is, because Inductor's own Triton kernels (compiled FlexAttention) would then run interpreted on
+the GPU's tensors too. The interpreter also checks every 32-bit integer operation for overflow, which makes it
+several times slower; the test problems are far too small to overflow, so that check is switched off.
 """
 
 import dataclasses
 import os
 
 import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 try:
     import triton.language as tl
@@ -87,8 +90,6 @@ def data(tmp_path):
 def poisoned_triton_outputs(monkeypatch):
     """Every buffer the Triton kernels write starts as NaN (or the smallest integer), so that an element a kernel
     fails to write fails its test; the tile-shape tuning cache starts empty."""
-    import torch
-
     from vil_kernels import flash
 
     def poisoned(*shape, dtype=None, device=None):
@@ -97,3 +98,12 @@ def poisoned_triton_outputs(monkeypatch):
 
     monkeypatch.setattr(flash, "new_output", poisoned)
     monkeypatch.setattr(flash, "_TUNED", {})
+
+
+@pytest.fixture
+def compiled_flex(monkeypatch):
+    """FlexAttention compiled for every configuration a test asks for: dynamo's caches start empty, and a test
+    that passes its recompile limit (after which torch runs flex_attention uncompiled) fails instead."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)

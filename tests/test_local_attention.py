@@ -335,6 +335,7 @@ def run_forward(backend, inputs, window, exact, mode, dilation=1):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's FlexAttention has no backward on the CPU")
+@pytest.mark.usefixtures("compiled_flex")
 @pytest.mark.parametrize("exact,mode", [(1, 0), (0, 0), (-1, 0), (0, 3), (-1, -1)])
 def test_flex_gradients_match_reference_on_cuda(exact, mode):
     # Four shapes, with and without a global key: each is a compilation of its own (seconds on the GPU's host).

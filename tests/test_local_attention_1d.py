@@ -155,6 +155,7 @@ def test_flex_forward_matches_reference(L, w, dilation, causal, G, rel, glob, ma
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's FlexAttention has no backward on the CPU")
+@pytest.mark.usefixtures("compiled_flex")
 @pytest.mark.parametrize("L,w,dilation,causal,G,rel,glob,mask", CASES[1:6])
 def test_flex_gradients_match_reference_on_cuda(L, w, dilation, causal, G, rel, glob, mask):
     inputs, padding = make_inputs(L, w, G, rel, glob, mask, D=16, dtype=torch.float32)

@@ -1,5 +1,5 @@
-"""The fused Triton kernels against the reference backend, run by Triton's CPU interpreter (tests/conftest.py),
-or on a CUDA GPU with ``TRITON_INTERPRET=0 python -m pytest tests/test_triton_kernels.py``.
+"""The fused Triton kernels against the reference backend, run by Triton's CPU interpreter where there is no CUDA
+GPU, and compiled for the GPU where there is one (tests/conftest.py).
 
 Interpreted kernels are slow, so problems are small (one or two heads of 16 channels, maps of a few chunks);
 every output buffer a kernel writes is filled with NaN first (``poisoned_triton_outputs`` in conftest.py).
@@ -85,7 +85,11 @@ def assert_close_in_dtype(inputs, results, expected, tolerance):
         if name != "output":
             assert got.dtype == inputs[name].dtype
         torch.testing.assert_close(
-            got.double(), want, rtol=tolerance, atol=tolerance, msg=lambda m, name=name: f"{name}: {m}"
+            got.double(),
+            want,
+            rtol=tolerance,
+            atol=tolerance,
+            msg=lambda m, name=name: f"{name}: {m}\nTile shapes (kernel, tuning key: tile): {flash._TUNED}",
         )
 
 

@@ -1,6 +1,5 @@
 """The 1D Triton kernels (``backend="triton"`` of local_attention_1d) against the reference, run by Triton's CPU
-interpreter (tests/conftest.py), or on a CUDA GPU with ``TRITON_INTERPRET=0 python -m pytest
-tests/test_triton_kernels_1d.py``.
+interpreter where there is no CUDA GPU, and compiled for the GPU where there is one (tests/conftest.py).
 
 Interpreted kernels are slow, so problems are small (16 channels, sequences of a few tiles); every output buffer
 a kernel writes is filled with NaN first (``poisoned_triton_outputs`` in conftest.py).
