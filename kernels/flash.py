@@ -229,7 +229,13 @@ def tuned_launch(name, key, candidates, launch):
             if not timings:
                 raise RuntimeError(f"No tile shape of the triton backend's {name} kernel fits this GPU for {key}.")
             _TUNED[name, key] = min(timings, key=timings.get)
-    return launch(*_TUNED[name, key])
+    try:
+        return launch(*_TUNED[name, key])
+    except OutOfResources as error:  # the only candidate does not fit
+        raise RuntimeError(
+            f"The triton backend's {name} kernel with tiles {_TUNED[name, key]} needs {error.required} bytes of "
+            f"{error.name}, more than this GPU's {error.limit}."
+        ) from None
 
 
 def dot_precision(dtype):

@@ -120,7 +120,7 @@ def _local_scores(
     dj = q_col[:, None] - k_col[None, :] - b * C
     if KEY_MAJOR:
         di, dj = -di, -dj
-    allowed = (q_row < C)[:, None] & k_valid[None, :]
+    allowed = ((q_row < C) & (q_col < C))[:, None] & k_valid[None, :]  # padding rows and columns read no bias
     if EXACT == 1:
         allowed = allowed & (di <= W) & (di >= -W) & (dj <= W) & (dj >= -W)
     if HAS_REL_BIAS:

@@ -122,7 +122,23 @@ def test_every_tile_shape(monkeypatch, w, shape):
     assert shape in kernels._tile_shapes(max(4, 1 << (w - 1).bit_length()))
     monkeypatch.setattr(kernels, "_tile_shapes", lambda chunk_pad: [shape])
     X, Y = (12, 11) if w < 9 else (11, 13)
-    assert_matches_reference(make_inputs(X, Y, w, 1, True, True, H=1), w, 0 if w != 9 else 1, 0)
+    try:
+        assert_matches_reference(make_inputs(X, Y, w, 1, True, True, H=1), w, 0 if w != 9 else 1, 0)
+    except RuntimeError as error:  # float32 with a bias table: (8, 8) tiles of 16 x 16 chunks need 272 KiB
+        if "more than this GPU's" not in str(error):
+            raise
+        pytest.skip(f"tiles {shape} for w={w} need more shared memory than this GPU has; the tuner skips them")
+
+
+def test_a_tile_shape_beyond_the_gpu_is_refused_in_one_sentence(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    def launch(bq, bk, warps):
+        raise OutOfResources(278528, 232448, "shared memory")
+
+    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    with pytest.raises(RuntimeError, match=r"backward_dq kernel with tiles \(8, 8, 8\) needs 278528 .* 232448\.$"):
+        flash.tuned_launch("backward_dq", ("key",), [(8, 8, 8)], launch)
 
 
 def test_tile_shapes_fit_the_products():
@@ -230,7 +246,7 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("cpu"))
     with pytest.raises(
         ValueError,
-        match=r"CUDA.*TRITON_INTERPRET=1.*on cpu.*'sliding_chunk'",
+        match=r"(?i)cuda.*on cpu.*sliding_chunk",  # the backend's sentence, or the dispatcher's on a GPU machine
     ):
         run("triton", make_inputs(4, 4, 2, 0, False, False), 2)
 

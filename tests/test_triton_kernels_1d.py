@@ -213,6 +213,6 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     inputs, padding = make_inputs(8, 2, 0, False, False, None, B=1, H=1)
     with pytest.raises(
         ValueError,
-        match=r"CUDA.*TRITON_INTERPRET=1.*on cpu.*'sliding_chunk'",
+        match=r"(?i)cuda.*on cpu.*sliding_chunk",  # the backend's sentence, or the dispatcher's on a GPU machine
     ):
         run("triton", inputs, padding, 2)
