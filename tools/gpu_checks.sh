@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the Triton kernels and of compiled FlexAttention, in order, on a CUDA machine with this project
 # importable:
-#   1. the Triton tests compiled for the GPU: tests/test_triton_kernels*.py and the triton cases of the op tests;
+#   1. the Triton tests compiled for the GPU: tests/test_triton_kernels.py and tests/test_triton_kernels_1d.py;
 #   2. the FlexAttention tests that need CUDA (its gradients; torch has no FlexAttention backward on the CPU);
 #   3. the 2D study: ViL-Small's first stage (bfloat16, batch 64, 3 heads x 32, w 7, one global token, relative
 #      bias) at 28x28, 56x56 and 112x112: triton, flex (compiled), sliding_chunk and SDPA (flash);
@@ -50,8 +50,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 for step in $STEPS; do
   case $step in
     1) limited "${LIMIT_1:-240}" "$OUT/tests_triton.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
-         tests/test_triton_kernels.py tests/test_triton_kernels_1d.py \
-         tests/test_local_attention.py tests/test_local_attention_1d.py -k "triton" ;;
+         tests/test_triton_kernels.py tests/test_triton_kernels_1d.py ;;
     2) limited "${LIMIT_2:-120}" "$OUT/tests_flex.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_local_attention.py tests/test_local_attention_1d.py -k "flex and cuda" ;;
     3) limited "${LIMIT_3:-120}" "$OUT/studies.log" python tools/benchmark_attention.py --device cuda --dtype bfloat16 \
