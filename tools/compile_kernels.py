@@ -44,6 +44,17 @@ FLOATS = {"qk_scale", "scale"}
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
+def alignment_hints(kernel, constants, head_dim):
+    """The divisibility by 16 that Triton's JIT assumes for a call with contiguous inputs: every pointer (torch's
+    allocations are aligned), and every stride where head_dim is a multiple of 16 (each stride is a multiple of
+    it). Without the hints the compiler cannot vectorise the loads of a tile, and does not pipeline them."""
+    args = [name for name in kernel.arg_names if name not in constants]
+    hinted = {name for name in args if name in TENSORS or name in POINTERS}
+    if head_dim % 16 == 0:
+        hinted |= {name for name in args if name.startswith("s_")}
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in hinted}
+
+
 def signature(kernel, constants, dtype):
     sig = {}
     for name in kernel.arg_names:
@@ -140,7 +151,10 @@ def compile_variant(arch, dims, dtype, head_dim, window, option, first_tile=Fals
         constants = dict(constants, DOT_PRECISION=precision)
         constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
         source = triton.compiler.ASTSource(
-            fn=kernel, signature=signature(kernel, constants, DTYPES[dtype]), constexprs=constants
+            fn=kernel,
+            signature=signature(kernel, constants, DTYPES[dtype]),
+            constexprs=constants,
+            attrs=alignment_hints(kernel, constants, head_dim),
         )
         compiled = triton.compile(source, target=target, options={"num_warps": warps})
         yield kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, shape, compiled.metadata.shared
