@@ -17,7 +17,11 @@ pytest.importorskip("triton", reason="the triton package is not installed; the t
 from test_fuzz import fuzz_settings  # noqa: E402
 from test_local_attention_1d import CASES, assert_products_counted  # noqa: E402
 from test_local_attention_1d import make_inputs as make_local_inputs
-from test_triton_kernels import _interpreter_multiplies_bfloat16, assert_close_in_dtype  # noqa: E402
+from test_triton_kernels import (  # noqa: E402
+    _interpreter_multiplies_bfloat16,
+    assert_close_in_dtype,
+    skipped_beyond_the_gpu,
+)
 
 from vil.ops import default_backend, local_attention_1d  # noqa: E402
 from vil_kernels import flash  # noqa: E402
@@ -95,7 +99,8 @@ def test_every_tile_shape(monkeypatch, shape):
     # The interpreter runs the first candidate; tuning on a GPU may pick any other (each with its own bias bins).
     monkeypatch.setattr(kernels, "TILE_SHAPES", (shape,))
     inputs, padding = make_inputs(300, 40, 1, True, True, "random", B=1, H=2)
-    assert_matches_reference(inputs, padding, 40, dilation=(1, 2))
+    with skipped_beyond_the_gpu(shape):  # float32: the dQ kernel of (128, 128) tiles needs 384 KiB
+        assert_matches_reference(inputs, padding, 40, dilation=(1, 2))
 
 
 def test_many_global_keys_several_tiles_per_program_and_strided_inputs(monkeypatch):
