@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks of the Triton kernels and of compiled FlexAttention, in order, on a CUDA machine with this project
-# importable:
+# The GPU checks of the Triton kernels and of compiled FlexAttention, in order, on a CUDA machine with this project's
+# requirements (from a checkout that is not installed too: the packages vil_kernels and vil_tools are then linked
+# to kernels/ and tools/ in a temporary folder on PYTHONPATH):
 #   1. the Triton tests compiled for the GPU: tests/test_triton_kernels.py and tests/test_triton_kernels_1d.py;
 #   2. the FlexAttention tests that need CUDA (its gradients; torch has no FlexAttention backward on the CPU);
 #   3. the 2D study: ViL-Small's first stage (bfloat16, batch 64, 3 heads x 32, w 7, one global token, relative
@@ -41,6 +42,12 @@ limited() {
     failed=1
   fi
 }
+if ! python -c "import vil_kernels, vil_tools" 2>/dev/null; then
+  links=$(mktemp -d)
+  ln -s "$PWD/kernels" "$links/vil_kernels"
+  ln -s "$PWD/tools" "$links/vil_tools"
+  export PYTHONPATH="$links:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 pytest_args=(-v -rfEs --tb=short -p no:cacheprovider)
 if python -c "import xdist" 2>/dev/null; then
   pytest_args+=(-n "${WORKERS:-8}")
