@@ -7,10 +7,12 @@ softmax. A chunk is laid out as ``P x P`` tokens, ``P`` a power of two >= C, so 
 inside its chunk are ``t // P`` and ``t % P``; tokens with a row or column >= C, or outside the map, are padding
 and are masked.
 
-Which chunk a query chunk reads through each neighbour offset (or none: outside the map with zero padding, or
-a duplicate under wrap-around) comes from a small table built on the host, as does the transposed table the
-key-centric backward uses. Relative offsets for the bias are taken "as if neighbour chunks were adjacent":
-``qi - ki - a * C`` for in-chunk rows and the chunk offset ``a``.
+Which chunks a query chunk reads, and through which neighbour offset, comes from a small table built on the host
+(:func:`present_first`): each chunk's present neighbours first (a slot can be absent: outside the map with zero
+padding, or a duplicate under wrap-around), and their count, so that the kernels loop over the count with no branch
+around their loads (the compiler pipelines the loads of a loop only outside branches). The transposed table, the
+query chunks that read a chunk, is built the same way for the key-centric backward. Relative offsets for the bias
+are taken "as if neighbour chunks were adjacent": ``qi - ki - a * C`` for in-chunk rows and the chunk offset ``a``.
 
 SW_EXACT 1 uses chunks of ``C = P`` tokens, whose 3x3 neighbours cover every ``(2W+1)^2`` window of a chunk's
 queries, and masks by distance. Dilation ``DIL`` (SW_EXACT 1 only) runs the same on each of the ``DIL^2``
@@ -63,9 +65,11 @@ def _split_tile_index(tile, N_CHUNKS, P: tl.constexpr, ROWS: tl.constexpr, DIL: 
 
 
 @triton.jit
-def _neighbour(TABLE, OFFSETS, chunk, o, N_OFF: tl.constexpr):
-    """Slot ``o`` of a chunk's row of a neighbour table: the other chunk (-1: none) and the slot's offset (a, b)."""
-    return tl.load(TABLE + chunk * N_OFF + o), tl.load(OFFSETS + 2 * o), tl.load(OFFSETS + 2 * o + 1)
+def _neighbour(TABLE, chunk, o, N_OFF: tl.constexpr):
+    """Entry ``o`` (below the chunk's count) of a chunk's row of a neighbour table: the other chunk and the offset
+    (a, b) of the slot it is reached through."""
+    row = TABLE + (chunk * N_OFF + o) * 3
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2)
 
 
 @triton.jit
@@ -139,7 +143,7 @@ def _fwd_kernel(
     REL_BIAS,
     GLOBAL_BIAS,
     NEIGHBOURS,
-    OFFSETS,
+    COUNTS,
     Out,
     LSE,
     s_qb,
@@ -203,32 +207,31 @@ def _fwd_kernel(
         s_g = global_scores(q, gk, GLOBAL_BIAS + h * G, G, qk_scale, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s_g, gv, DOT_PRECISION)
 
-    for o in range(N_OFF):
-        key_chunk, a, b = _neighbour(NEIGHBOURS, OFFSETS, chunk, o, N_OFF)
-        if key_chunk >= 0:
-            for kb in tl.static_range(P // BKI):
-                k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
-                k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-                v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-                s = _local_scores(
-                    q,
-                    k,
-                    q_row,
-                    q_col,
-                    k_row,
-                    k_col,
-                    k_valid,
-                    a,
-                    b,
-                    rel_bias,
-                    qk_scale,
-                    W,
-                    C,
-                    EXACT,
-                    HAS_REL_BIAS,
-                    DOT_PRECISION,
-                )
-                m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
+    for o in range(tl.load(COUNTS + chunk)):
+        key_chunk, a, b = _neighbour(NEIGHBOURS, chunk, o, N_OFF)
+        for kb in tl.static_range(P // BKI):
+            k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
+            k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+            v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+            s = _local_scores(
+                q,
+                k,
+                q_row,
+                q_col,
+                k_row,
+                k_col,
+                k_valid,
+                a,
+                b,
+                rel_bias,
+                qk_scale,
+                W,
+                C,
+                EXACT,
+                HAS_REL_BIAS,
+                DOT_PRECISION,
+            )
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     out, lse = softmax_result(m_i, l_i, acc)
     _store_tile(Out + b_idx * s_ob + h * s_oh, s_ox, s_oy, qx, qy, q_valid, out, HEAD_DIM, BLOCK_D)
@@ -245,7 +248,7 @@ def _bwd_dkdv_kernel(
     LSE,
     DELTA,
     NEIGHBOURS_T,
-    OFFSETS,
+    COUNTS_T,
     DK,
     DV,
     s_qb,
@@ -298,38 +301,37 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BKI * P, BLOCK_D], tl.float32)
     dv = tl.zeros([BKI * P, BLOCK_D], tl.float32)
 
-    for o in range(N_OFF):
-        query_chunk, a, b = _neighbour(NEIGHBOURS_T, OFFSETS, chunk, o, N_OFF)
-        if query_chunk >= 0:
-            for qb in tl.static_range(P // BQI):
-                q_row, q_col, qx, qy, q_valid = _tile(query_chunk, qb * BQI, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
-                q = _load_tile(Q + b_idx * s_qb + h * s_qh, s_qx, s_qy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
-                do = _load_tile(DO + b_idx * s_db + h * s_dh, s_dx, s_dy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
-                lse = tl.load(LSE + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
-                delta = tl.load(DELTA + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
-                # Key-major (keys, queries) tiles: the products with Q and dO need no transposed copies.
-                s_t = _local_scores(
-                    k,
-                    q,
-                    k_row,
-                    k_col,
-                    q_row,
-                    q_col,
-                    q_valid,
-                    -a,
-                    -b,
-                    rel_bias,
-                    qk_scale,
-                    W,
-                    C,
-                    EXACT,
-                    HAS_REL_BIAS,
-                    DOT_PRECISION,
-                    KEY_MAJOR=True,
-                )
-                dk_part, dv_part = key_major_grads(s_t, lse, delta, do, q, v, q_valid, DOT_PRECISION)
-                dk += dk_part
-                dv += dv_part
+    for o in range(tl.load(COUNTS_T + chunk)):
+        query_chunk, a, b = _neighbour(NEIGHBOURS_T, chunk, o, N_OFF)
+        for qb in tl.static_range(P // BQI):
+            q_row, q_col, qx, qy, q_valid = _tile(query_chunk, qb * BQI, res_i, res_j, X, Y, MY, C, P, BQI, DIL)
+            q = _load_tile(Q + b_idx * s_qb + h * s_qh, s_qx, s_qy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
+            do = _load_tile(DO + b_idx * s_db + h * s_dh, s_dx, s_dy, qx, qy, q_valid, HEAD_DIM, BLOCK_D)
+            lse = tl.load(LSE + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
+            delta = tl.load(DELTA + bh * X * Y + qx * Y + qy, mask=q_valid, other=0.0)
+            # Key-major (keys, queries) tiles: the products with Q and dO need no transposed copies.
+            s_t = _local_scores(
+                k,
+                q,
+                k_row,
+                k_col,
+                q_row,
+                q_col,
+                q_valid,
+                -a,
+                -b,
+                rel_bias,
+                qk_scale,
+                W,
+                C,
+                EXACT,
+                HAS_REL_BIAS,
+                DOT_PRECISION,
+                KEY_MAJOR=True,
+            )
+            dk_part, dv_part = key_major_grads(s_t, lse, delta, do, q, v, q_valid, DOT_PRECISION)
+            dk += dk_part
+            dv += dv_part
 
     base = bh * X * Y * HEAD_DIM
     _store_tile(DK + base, Y * HEAD_DIM, HEAD_DIM, kx, ky, k_valid, dk * scale, HEAD_DIM, BLOCK_D)
@@ -349,7 +351,7 @@ def _bwd_dq_kernel(
     LSE,
     DELTA,
     NEIGHBOURS,
-    OFFSETS,
+    COUNTS,
     DQ,
     DGK_PART,
     DGV_PART,
@@ -443,39 +445,36 @@ def _bwd_dq_kernel(
                 dgv = tl.dot(tl.trans(p_g.to(do.dtype)), do, input_precision=DOT_PRECISION)
                 tl.store(DGV_PART + part, dgv, mask=part_mask)
 
-            for o in range(N_OFF):
-                key_chunk, a, b = _neighbour(NEIGHBOURS, OFFSETS, chunk, o, N_OFF)
-                if key_chunk >= 0:
-                    for kb in tl.static_range(P // BKI):
-                        k_row, k_col, kx, ky, k_valid = _tile(
-                            key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL
+            for o in range(tl.load(COUNTS + chunk)):
+                key_chunk, a, b = _neighbour(NEIGHBOURS, chunk, o, N_OFF)
+                for kb in tl.static_range(P // BKI):
+                    k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
+                    k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+                    v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+                    s = _local_scores(
+                        q,
+                        k,
+                        q_row,
+                        q_col,
+                        k_row,
+                        k_col,
+                        k_valid,
+                        a,
+                        b,
+                        rel_bias,
+                        qk_scale,
+                        W,
+                        C,
+                        EXACT,
+                        HAS_REL_BIAS,
+                        DOT_PRECISION,
+                    )
+                    p, ds = softmax_grad(s, lse, delta, do, v, q_valid, DOT_PRECISION)
+                    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+                    if HAS_REL_BIAS:  # the (4W-1)^2 table as (row offset, column offset) bins
+                        drb += offset_sums(
+                            ds, first_row - kb * BKI - a * C + 2 * W - 1, -b * C + 2 * W - 1, P, BQI, BKI, BT, BT
                         )
-                        k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-                        v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-                        s = _local_scores(
-                            q,
-                            k,
-                            q_row,
-                            q_col,
-                            k_row,
-                            k_col,
-                            k_valid,
-                            a,
-                            b,
-                            rel_bias,
-                            qk_scale,
-                            W,
-                            C,
-                            EXACT,
-                            HAS_REL_BIAS,
-                            DOT_PRECISION,
-                        )
-                        p, ds = softmax_grad(s, lse, delta, do, v, q_valid, DOT_PRECISION)
-                        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-                        if HAS_REL_BIAS:  # the (4W-1)^2 table as (row offset, column offset) bins
-                            drb += offset_sums(
-                                ds, first_row - kb * BKI - a * C + 2 * W - 1, -b * C + 2 * W - 1, P, BQI, BKI, BT, BT
-                            )
             _store_tile(
                 DQ + bh * X * Y * HEAD_DIM, Y * HEAD_DIM, HEAD_DIM, qx, qy, q_valid, dq * scale, HEAD_DIM, BLOCK_D
             )
@@ -506,17 +505,32 @@ class Geometry:
     exact: int
     chunk_cols: int  # MY
     num_chunks: int
-    neighbours: torch.Tensor  # (chunks, slots) int32: key chunk read through each slot, -1 for none
-    neighbours_t: torch.Tensor  # (chunks, slots) int32: query chunk that reads this chunk through each slot
-    offsets: torch.Tensor  # (slots, 2) int32: the slot's chunk offset (a, b)
+    # (chunks, slots, 3) int32 rows (key chunk, a, b): the chunks each chunk reads and the offsets of their slots,
+    # present slots first, and (chunks,) their counts (see present_first)
+    neighbours: torch.Tensor
+    counts: torch.Tensor
+    # the same for the query chunks that read each chunk
+    neighbours_t: torch.Tensor
+    counts_t: torch.Tensor
 
     @property
     def num_slots(self):
-        return self.offsets.shape[0]
+        return self.neighbours.shape[1]
 
     def tiles(self, rows_per_tile):
         """Programs along the map for tiles of ``rows_per_tile`` chunk rows (all sub-lattices)."""
         return self.dilation**2 * self.num_chunks * (self.chunk_pad // rows_per_tile)
+
+
+def present_first(table, offsets):
+    """A ``(chunks, slots)`` table of the chunk each chunk reaches through each slot (-1: none) and the slots'
+    ``(slots, 2)`` offsets (a, b) -> the kernels' ``(chunks, slots, 3)`` int32 rows (chunk, a, b), each chunk's
+    present slots first in slot order, and the ``(chunks,)`` int32 counts of present slots."""
+    present = table >= 0
+    order = torch.argsort((~present).to(torch.int8), dim=1, stable=True)
+    rows = torch.cat([table.unsqueeze(-1), offsets.expand(table.shape[0], -1, -1)], dim=-1)
+    rows = rows.gather(1, order.unsqueeze(-1).expand(-1, -1, 3))
+    return rows.to(torch.int32).contiguous(), present.sum(1).to(torch.int32)
 
 
 def chunk_pad(window):
@@ -565,7 +579,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
             dummy if rel_bias is None else rel_bias,
             dummy if global_bias is None else global_bias,
             geo.neighbours,
-            geo.offsets,
+            geo.counts,
             o,
             lse,
             *_strides4(q),
@@ -640,7 +654,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
             lse,
             delta,
             geo.neighbours_t,
-            geo.offsets,
+            geo.counts_t,
             dk,
             dv,
             *_strides4(q),
@@ -692,7 +706,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
             lse,
             delta,
             geo.neighbours,
-            geo.offsets,
+            geo.counts,
             dq,
             dgk,
             dgv,

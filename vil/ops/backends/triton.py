@@ -39,6 +39,8 @@ def kernel_geometry(rows, cols, window, exact, mode, dilation, device):
     lattice_rows, lattice_cols = -(-rows // dilation), -(-cols // dilation)
     mx, my = -(-lattice_rows // chunk), -(-lattice_cols // chunk)
     table, table_t, offsets = neighbour_table(mx, my, exact, mode)
+    neighbours, counts = (t.to(device) for t in kernels.present_first(table, offsets))
+    neighbours_t, counts_t = (t.to(device) for t in kernels.present_first(table_t, offsets))
     return kernels.Geometry(
         window=window,
         chunk=chunk,
@@ -47,9 +49,10 @@ def kernel_geometry(rows, cols, window, exact, mode, dilation, device):
         exact=exact,
         chunk_cols=my,
         num_chunks=mx * my,
-        neighbours=table.to(device, torch.int32).contiguous(),
-        neighbours_t=table_t.to(device, torch.int32).contiguous(),
-        offsets=offsets.to(device, torch.int32).contiguous(),
+        neighbours=neighbours,
+        counts=counts,
+        neighbours_t=neighbours_t,
+        counts_t=counts_t,
     )
 
 
