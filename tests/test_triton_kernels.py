@@ -150,6 +150,16 @@ def test_a_tile_shape_beyond_the_gpu_is_refused_in_one_sentence(monkeypatch):
         flash.tuned_launch("backward_dq", ("key",), [(8, 8, 8)], launch)
 
 
+def test_neighbour_rows_list_present_slots_first():
+    # Chunk 0 reads chunks 2 and 0 through slots 0 and 2; chunk 1 reads chunk 1 through slot 2 only.
+    table = torch.tensor([[2, -1, 0], [-1, -1, 1]])
+    offsets = torch.tensor([[0, 0], [0, 1], [1, 0]])
+    rows, counts = kernels.present_first(table, offsets)
+    assert rows.dtype == counts.dtype == torch.int32 and rows.is_contiguous()
+    assert counts.tolist() == [2, 1]
+    assert rows[0, :2].tolist() == [[2, 0, 0], [0, 1, 0]] and rows[1, :1].tolist() == [[1, 1, 0]]
+
+
 def test_tile_shapes_fit_the_products():
     for chunk_pad in (4, 8, 16):
         shapes = kernels._tile_shapes(chunk_pad)
