@@ -134,6 +134,50 @@ def _local_scores(
 
 
 @triton.jit
+def _key_tile(
+    K,
+    V,
+    s_kx,
+    s_ky,
+    s_vx,
+    s_vy,
+    key_chunk,
+    first_row,
+    res_i,
+    res_j,
+    X,
+    Y,
+    MY,
+    q,
+    q_row,
+    q_col,
+    a,
+    b,
+    rel_bias,
+    qk_scale,
+    W: tl.constexpr,
+    C: tl.constexpr,
+    P: tl.constexpr,
+    BKI: tl.constexpr,
+    DIL: tl.constexpr,
+    EXACT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The ``BKI`` rows from ``first_row`` of key chunk ``key_chunk``, reached through offset (a, b) (``K`` and
+    ``V`` at the batch entry and head): keys, values, and the base-2 scores of the query tile against them."""
+    k_row, k_col, kx, ky, k_valid = _tile(key_chunk, first_row, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
+    k = _load_tile(K, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+    v = _load_tile(V, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
+    s = _local_scores(
+        q, k, q_row, q_col, k_row, k_col, k_valid, a, b, rel_bias, qk_scale, W, C, EXACT, HAS_REL_BIAS, DOT_PRECISION
+    )
+    return k, v, s
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -210,24 +254,35 @@ def _fwd_kernel(
     for o in range(tl.load(COUNTS + chunk)):
         key_chunk, a, b = _neighbour(NEIGHBOURS, chunk, o, N_OFF)
         for kb in tl.static_range(P // BKI):
-            k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
-            k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-            v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-            s = _local_scores(
+            k, v, s = _key_tile(
+                K + b_idx * s_kb + h * s_kh,
+                V + b_idx * s_vb + h * s_vh,
+                s_kx,
+                s_ky,
+                s_vx,
+                s_vy,
+                key_chunk,
+                kb * BKI,
+                res_i,
+                res_j,
+                X,
+                Y,
+                MY,
                 q,
-                k,
                 q_row,
                 q_col,
-                k_row,
-                k_col,
-                k_valid,
                 a,
                 b,
                 rel_bias,
                 qk_scale,
                 W,
                 C,
+                P,
+                BKI,
+                DIL,
                 EXACT,
+                HEAD_DIM,
+                BLOCK_D,
                 HAS_REL_BIAS,
                 DOT_PRECISION,
             )
@@ -448,24 +503,35 @@ def _bwd_dq_kernel(
             for o in range(tl.load(COUNTS + chunk)):
                 key_chunk, a, b = _neighbour(NEIGHBOURS, chunk, o, N_OFF)
                 for kb in tl.static_range(P // BKI):
-                    k_row, k_col, kx, ky, k_valid = _tile(key_chunk, kb * BKI, res_i, res_j, X, Y, MY, C, P, BKI, DIL)
-                    k = _load_tile(K + b_idx * s_kb + h * s_kh, s_kx, s_ky, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-                    v = _load_tile(V + b_idx * s_vb + h * s_vh, s_vx, s_vy, kx, ky, k_valid, HEAD_DIM, BLOCK_D)
-                    s = _local_scores(
+                    k, v, s = _key_tile(
+                        K + b_idx * s_kb + h * s_kh,
+                        V + b_idx * s_vb + h * s_vh,
+                        s_kx,
+                        s_ky,
+                        s_vx,
+                        s_vy,
+                        key_chunk,
+                        kb * BKI,
+                        res_i,
+                        res_j,
+                        X,
+                        Y,
+                        MY,
                         q,
-                        k,
                         q_row,
                         q_col,
-                        k_row,
-                        k_col,
-                        k_valid,
                         a,
                         b,
                         rel_bias,
                         qk_scale,
                         W,
                         C,
+                        P,
+                        BKI,
+                        DIL,
                         EXACT,
+                        HEAD_DIM,
+                        BLOCK_D,
                         HAS_REL_BIAS,
                         DOT_PRECISION,
                     )
