@@ -90,6 +90,13 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
         assert (tmp_path / f"study_{what}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "64: fastest local backend" in capsys.readouterr().out
 
+    # --profile: the worker's profiler tables reach the output, before the size's rows.
+    tool.main(argv[:-4] + ["--backends", "sliding_chunk", "--sizes", "64", "--profile"])
+    out = capsys.readouterr().out
+    assert "--profile" in workers[-1]
+    assert out.index("sliding_chunk at 64, one forward+backward:") < out.index("| 64 | sliding_chunk |")
+    assert "Self CPU" in out
+
     # The skipping rules answer without a worker; one size in a real fresh process, where a backend's failure is
     # its own row.
     args = tool.parse_args(argv[:-4] + ["--dilation", "2"])

@@ -21,7 +21,8 @@ yet (Triton's and Inductor's on-disk caches aside).
 The default backends are every backend of the registry (``vil/ops/registry.py``) that trains on the device,
 ``backend=None``'s choices first; on CUDA ``flex`` is compiled. ``--plot PREFIX`` also draws time and peak memory
 against the map size (log scales, one line per backend, as the original paper's implementation study):
-``PREFIX_time.png`` and ``PREFIX_memory.png``.
+``PREFIX_time.png`` and ``PREFIX_memory.png``. ``--profile`` also prints, before each size's rows, torch.profiler's
+table of one forward+backward per backend: where its time goes, operator by operator (and kernel by kernel on CUDA).
 
     python tools/benchmark_attention.py --sizes 14 28 42 56 84 --exact 0 --plot docs/study_exact0
 
@@ -58,7 +59,7 @@ from vil.files import atomic_write
 from vil.ops import available_backends, default_backend, local_attention_1d, local_attention_2d
 from vil.ops.registry import BACKENDS, FASTEST, FASTEST_ELSEWHERE
 from vil.plots import agg_pyplot
-from vil.profiling import PeakMemory
+from vil.profiling import PeakMemory, time_table
 
 SDPA = "sdpa (full attention)"
 # Per --dim (1: sequences, 2: maps), the tokens above which a point is skipped:
@@ -110,6 +111,12 @@ def parse_args(argv=None):
         "--steady-malloc",
         action="store_true",
         help="glibc keeps the memory it frees (below 32 MiB a block) for reuse, as jemalloc and tcmalloc do",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print, per size and backend, torch.profiler's table of one forward+backward (the operators and, "
+        "on CUDA, the kernels that take the most time)",
     )
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png and PREFIX_memory.png")
@@ -203,6 +210,10 @@ def measure(args, backends, size):
             results[backend][0].append(time.perf_counter() - start)
     for backend in ready:
         results[backend][0] = min(results[backend][0])
+    if args.profile:
+        for backend, run in ready.items():
+            print(f"\n{backend} at {point_name(size, args.dim)}, one forward+backward:")
+            print(time_table(run, args.device))
     return results
 
 
@@ -243,7 +254,8 @@ def run_size(args, backends, size):
         "--repeats": args.repeats,
     }
     options.update({"--exact": args.exact} if args.dim == 2 else {"--dilation": args.dilation})
-    flags = [flag for flag, on in (("--rel-bias", args.rel_bias), ("--causal", args.causal)) if on]
+    switches = (("--rel-bias", args.rel_bias), ("--causal", args.causal), ("--profile", args.profile))
+    flags = [flag for flag, on in switches if on]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([measured, size])]
     argv += [str(x) for item in options.items() for x in item] + flags
     env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
@@ -251,7 +263,10 @@ def run_size(args, backends, size):
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
         return dict(results, **{name: f"failed: {last[:80]}" for name in measured})
-    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    *printed, answer = done.stdout.strip().splitlines()
+    if printed:  # --profile's tables
+        print("\n".join(printed), flush=True)
+    answers = json.loads(answer)
     return dict(results, **{name: a if isinstance(a, str) else tuple(a) for name, a in answers.items()})
 
 

@@ -26,7 +26,7 @@ import torch
 from vil.config import load_cfg
 from vil.model_config import build_model
 from vil.optim import build_optimizer
-from vil.profiling import PeakMemory, flop_counter
+from vil.profiling import PeakMemory, flop_counter, time_table
 from vil.training.setup import amp_context, amp_enabled
 
 
@@ -145,14 +145,9 @@ def compare(args, model, steps, timed, device):
             f"| {infer / best['eager'][1]:.2f}x |"
         )
     if args.profile:
-        from torch.profiler import profile
-
         for name, (train_step, _) in contenders.items():
-            with profile() as prof:
-                train_step()
-                train_step()
             print(f"\n{name}, two training steps:")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48))
+            print(time_table(train_step, "cpu", calls=2))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@
 # Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS, default
 # 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_4 seconds; step
 # 4's is shared by its four runs), so that a slow step cannot take the time of the next; the studies print each row
-# as its size ends, and their last column is the time of the first call (compilation and tuning). With the defaults
+# as its size ends, after the profiler's table of each backend (kernel by kernel), and their last column is the time of
+# the first call (compilation and tuning). With the defaults
 # the whole script takes at most 12 minutes. Logs and tables go to OUT (default docs/): tests_triton.log,
 # tests_flex.log, studies.log, attention_gpu.md, attention_gpu_1d_dilation{1,2}[_causal].md. Each step goes on after a failing
 # one, and the script exits non-zero if any failed or ran out of time.
@@ -62,13 +63,13 @@ for step in $STEPS; do
          tests/test_local_attention.py tests/test_local_attention_1d.py -k "flex and cuda" ;;
     3) limited "${LIMIT_3:-120}" "$OUT/studies.log" python tools/benchmark_attention.py --device cuda --dtype bfloat16 \
          --batch 64 --heads 3 --head-dim 32 --window 7 --num-global 1 --rel-bias --sizes 28 56 112 \
-         --backends triton flex sliding_chunk --markdown "$OUT/attention_gpu.md" ;;
+         --backends triton flex sliding_chunk --profile --markdown "$OUT/attention_gpu.md" ;;
     4) for causal in "" "--causal"; do
          for dilation in 1 2; do
            # shellcheck disable=SC2086  # SIZES_1D is a list of lengths
            limited $((${LIMIT_4:-280} / 4)) "$OUT/studies.log" python tools/benchmark_attention.py --dim 1 --device cuda \
              --dtype bfloat16 --sizes $SIZES_1D --dilation "$dilation" $causal \
-             --backends triton flex sliding_chunk chunks \
+             --backends triton flex sliding_chunk chunks --profile \
              --markdown "$OUT/attention_gpu_1d_dilation${dilation}${causal:+_causal}.md"
          done
        done ;;

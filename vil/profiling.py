@@ -1,5 +1,5 @@
 """This project's measurements of a block of code: its peak memory (or that of the process so far), on a GPU or
-on the CPU, and its FLOPs (the CPU they were taken on: ``vil/cpu.py``)."""
+on the CPU, its FLOPs (the CPU they were taken on: ``vil/cpu.py``), and where its time goes."""
 
 from typing import Union
 
@@ -78,3 +78,15 @@ def peak_memory_mib(device):
     import resource  # Unix only
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def time_table(fn, device, calls=1, rows=12):
+    """torch.profiler's table of ``calls`` calls of ``fn``: the operators (on CUDA, the kernels too) that take the
+    most time on ``device``, most first."""
+    on_gpu = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+    sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=48)
