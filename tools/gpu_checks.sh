@@ -6,17 +6,17 @@
 #   2. the FlexAttention tests that need CUDA (its gradients; torch has no FlexAttention backward on the CPU);
 #   3. the 2D study: ViL-Small's first stage (bfloat16, batch 64, 3 heads x 32, w 7, one global token, relative
 #      bias) at 28x28, 56x56 and 112x112: triton, flex (compiled), sliding_chunk and SDPA (flash);
-#   4. the 1D study: Longformer's settings (12 heads x 64, w 256, bfloat16, batch 1) at 4k and 32k tokens (SIZES_1D;
-#      32k is where the 1D targets are), causal and not, dilation 1 and 2: triton, flex (compiled, the same band as a block mask), sliding_chunk,
-#      chunks and SDPA (flash; causal for the causal rows).
-# Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS, default
-# 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_4 seconds; step
-# 4's is shared by its four runs), so that a slow step cannot take the time of the next; the studies print each row
-# as its size ends, after the profiler's table of each backend (kernel by kernel), and their last column is the time of
-# the first call (compilation and tuning). With the defaults
-# the whole script takes at most 12 minutes. Logs and tables go to OUT (default docs/): tests_triton.log,
-# tests_flex.log, studies.log, attention_gpu.md, attention_gpu_1d_dilation{1,2}[_causal].md. Each step goes on after a failing
-# one, and the script exits non-zero if any failed or ran out of time.
+#   4. the 1D study: Longformer's settings (12 heads x 64, w 256, bfloat16, batch 1) at 4k and 32k tokens
+#      (SIZES_1D; 32k is where the 1D targets are), causal and not, dilation 1 and 2: triton, flex (compiled, the
+#      same band as a block mask), sliding_chunk, chunks and SDPA (flash; causal for the causal rows).
+# Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS,
+# default 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_4
+# seconds; step 4's is shared by its four runs), so that a slow step cannot take the time of the next. The studies
+# print each size's rows as it ends, after the profiler's table of each backend (kernel by kernel); their last
+# column is the first call's time (compilation and tuning). With the defaults the whole script takes at most 12
+# minutes. Logs and tables go to OUT (default docs/): tests_triton.log, tests_flex.log, studies.log,
+# attention_gpu.md, attention_gpu_1d_dilation{1,2}[_causal].md. Each step goes on after a failing one, and the
+# script exits non-zero if any failed or ran out of time.
 #
 #   bash tools/gpu_checks.sh                     # everything
 #   STEPS="1 2" bash tools/gpu_checks.sh         # only the tests
