@@ -139,6 +139,15 @@ def skipped_beyond_the_gpu(shape):
         pytest.skip(f"tiles {shape} need more shared memory than this GPU has; the tuner skips them there")
 
 
+@pytest.mark.skipif(flash.interpreting(), reason="the interpreter takes the first tile shape; tuning times a GPU")
+def test_tuning_picks_a_timed_tile_shape(monkeypatch):
+    # The tests run the first candidate (conftest.py); users get the fastest of the four for 8 x 8 chunks.
+    monkeypatch.setattr(flash, "TUNE_TILES", True)
+    assert_matches_reference(make_inputs(12, 11, 7, 1, True, True, H=1), 7)
+    assert {name for name, _ in flash._TUNED} == {"forward", "backward_dkdv", "backward_dq"}
+    assert all(tiles in kernels._candidates(8) for tiles in flash._TUNED.values())
+
+
 def test_a_tile_shape_beyond_the_gpu_is_refused_in_one_sentence(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
