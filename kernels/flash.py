@@ -210,35 +210,44 @@ def global_strides(gk, gv):
 
 
 _TUNED = {}
-# Whether the first call per problem kind times every candidate tile shape; off, it takes the first, as under the
-# interpreter (the tests switch it off, so that each test runs a known shape and compiles one).
+# Whether the first call per problem kind times every candidate tile shape; off, it takes the first that fits, as
+# the interpreter takes the first (the tests switch it off, so that each test runs a known shape).
 TUNE_TILES = True
 
 
 def tuned_launch(name, key, candidates, launch):
     """Run ``launch(*candidate)`` with the fastest of ``candidates`` (tile shapes and warps) for ``key``, measured
     on the first call and cached for the process; candidates that need more shared memory than the GPU has are
-    skipped. The interpreter (and ``TUNE_TILES = False``) takes the first candidate."""
+    skipped. The interpreter takes the first candidate; ``TUNE_TILES = False`` the first that fits."""
     if (name, key) not in _TUNED:
-        if interpreting() or not TUNE_TILES or len(candidates) == 1:
-            _TUNED[name, key] = candidates[0]
-        else:
-            timings = {}
-            for config in candidates:
-                try:
-                    timings[config] = triton.testing.do_bench(partial(launch, *config))
-                except OutOfResources:
-                    continue
-            if not timings:
-                raise RuntimeError(f"No tile shape of the triton backend's {name} kernel fits this GPU for {key}.")
-            _TUNED[name, key] = min(timings, key=timings.get)
-    try:
-        return launch(*_TUNED[name, key])
-    except OutOfResources as error:  # the only candidate does not fit
+        _TUNED[name, key] = candidates[0] if interpreting() else _fastest_fitting(name, candidates, launch)
+    return launch(*_TUNED[name, key])
+
+
+def _fastest_fitting(name, candidates, launch):
+    """The fastest of ``candidates`` that fit the GPU (timed only with ``TUNE_TILES`` and several candidates), or a
+    one-sentence RuntimeError if none does."""
+    timings = {}
+    for config in candidates:
+        try:
+            if TUNE_TILES and len(candidates) > 1:
+                timings[config] = triton.testing.do_bench(partial(launch, *config))
+            else:
+                launch(*config)
+                return config
+        except OutOfResources as error:
+            refusal = error
+    if not timings:
+        if len(candidates) == 1:
+            raise RuntimeError(
+                f"The triton backend's {name} kernel with tiles {candidates[0]} needs {refusal.required} bytes of "
+                f"{refusal.name}, more than this GPU's {refusal.limit}."
+            )
         raise RuntimeError(
-            f"The triton backend's {name} kernel with tiles {_TUNED[name, key]} needs {error.required} bytes of "
-            f"{error.name}, more than this GPU's {error.limit}."
-        ) from None
+            f"The triton backend's {name} kernel needs more {refusal.name} than this GPU's {refusal.limit} bytes "
+            f"with each of its tile shapes {', '.join(map(str, candidates))}."
+        )
+    return min(timings, key=timings.get)
 
 
 def dot_precision(dtype):

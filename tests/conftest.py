@@ -90,7 +90,8 @@ def data(tmp_path):
 def poisoned_triton_outputs(monkeypatch):
     """Every buffer the Triton kernels write starts as NaN (or the smallest integer), so that an element a kernel
     fails to write fails its test; the tile-shape cache starts empty, and on a GPU each pass takes its first
-    candidate tile shape, as the interpreter does (tests that force a shape or time them say so)."""
+    candidate tile shape that fits the GPU, as the interpreter takes the first (tests that force a shape or time them
+    say so)."""
     from vil_kernels import flash
 
     def poisoned(*shape, dtype=None, device=None):

@@ -36,19 +36,23 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     import subprocess
 
     tool = load_tool("benchmark_attention")
-    real_run = subprocess.run
+    real_popen = subprocess.Popen
     workers = []
 
-    def in_process(argv, **kwargs):
-        if "--worker" not in argv:
-            return real_run(argv, **kwargs)
-        workers.append(argv)
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            tool.main(argv[2:])
-        return subprocess.CompletedProcess(argv, 0, printed.getvalue(), "")
+    class InProcess:
+        """A worker run here: its stdout into the file the study gives it, its stderr kept for the study to read."""
 
-    monkeypatch.setattr(tool.subprocess, "run", in_process)
+        def __init__(self, argv, stdout, stderr, **kwargs):
+            workers.append(argv)
+            errors = io.StringIO()
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(errors):
+                tool.main(argv[2:])
+            self.stderr = io.StringIO(errors.getvalue())
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(tool.subprocess, "Popen", InProcess)
     monkeypatch.setattr(tool, "default_backend", lambda device, dtype, dims: f"picked for {dims}D")
     argv = [
         "--dim",
@@ -88,7 +92,10 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     )
     for what in ("time", "memory"):
         assert (tmp_path / f"study_{what}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "64: fastest local backend" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "64: fastest local backend" in printed.out
+    # Each backend's first call is reported as it ends, passed on from the worker's stderr.
+    assert "progress: sliding_chunk at 64: first call" in printed.err and "progress: loop at 128" in printed.err
 
     # --profile: the worker's profiler tables reach the output, before the size's rows.
     tool.main(argv[:-4] + ["--backends", "sliding_chunk", "--sizes", "64", "--profile"])
@@ -104,7 +111,7 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     assert tool.run_size(args, [tool.SDPA], 32768)[tool.SDPA].startswith("skipped")
     assert tool.run_size(args, ["loop"], 32768)["loop"].startswith("skipped")
     assert tool.run_size(args, ["reference"], 8192)["reference"].startswith("skipped")
-    monkeypatch.setattr(tool.subprocess, "run", real_run)
+    monkeypatch.setattr(tool.subprocess, "Popen", real_popen)
     results = tool.run_size(args, ["loop", "unfold"], 64)
     seconds, peak, ratio, working, first_call = results["loop"]
     assert seconds > 0 and peak > 0 and ratio >= 1 and working > 0 and first_call > 0

@@ -148,15 +148,28 @@ def test_tuning_picks_a_timed_tile_shape(monkeypatch):
     assert all(tiles in kernels._candidates(8) for tiles in flash._TUNED.values())
 
 
-def test_a_tile_shape_beyond_the_gpu_is_refused_in_one_sentence(monkeypatch):
+def test_tile_shapes_beyond_the_gpu_are_passed_over_or_refused_in_one_sentence(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
-    def launch(bq, bk, warps):
-        raise OutOfResources(278528, 232448, "shared memory")
+    launched = []
+
+    def launch(bq, bk, warps):  # a GPU whose shared memory holds tiles of 32 queries at most
+        if bq > 32:
+            raise OutOfResources(278528, 232448, "shared memory")
+        launched.append((bq, bk, warps))
 
     monkeypatch.setattr(flash, "interpreting", lambda: False)
-    with pytest.raises(RuntimeError, match=r"backward_dq kernel with tiles \(8, 8, 8\) needs 278528 .* 232448\.$"):
-        flash.tuned_launch("backward_dq", ("key",), [(8, 8, 8)], launch)
+    monkeypatch.setattr(flash, "_TUNED", {})
+    # Untimed (as in the tests), the first shape that fits runs.
+    flash.tuned_launch("forward", ("key",), [(64, 64, 4), (32, 32, 4), (16, 16, 4)], launch)
+    assert launched[-1] == (32, 32, 4) and flash._TUNED["forward", ("key",)] == (32, 32, 4)
+    with pytest.raises(RuntimeError, match=r"backward_dq kernel with tiles \(64, 8, 8\) needs 278528 .* 232448\.$"):
+        flash.tuned_launch("backward_dq", ("key",), [(64, 8, 8)], launch)
+    monkeypatch.setattr(flash, "TUNE_TILES", True)
+    monkeypatch.setattr(flash.triton.testing, "do_bench", lambda run: run() or 1.0)
+    every_shape = r"backward_dq kernel needs .* 232448 bytes .* \(64, 8, 8\), \(128, 8, 8\)\.$"
+    with pytest.raises(RuntimeError, match=every_shape):
+        flash.tuned_launch("backward_dq", ("other key",), [(64, 8, 8), (128, 8, 8)], launch)
 
 
 def test_neighbour_rows_list_present_slots_first():

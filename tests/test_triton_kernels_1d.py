@@ -193,6 +193,27 @@ def test_the_default_backend_is_never_triton_where_it_cannot_run():
     assert default_backend(torch.device("cuda"), torch.float64, dims=1) != "triton"
 
 
+def test_the_default_on_cuda_is_triton_for_the_bands_its_kernels_take(monkeypatch, caplog):
+    from vil.ops import registry
+    from vil.ops.neighborhood import Neighborhood1d
+
+    monkeypatch.setattr(registry, "_warned_passed_over", set())
+    cuda, band = torch.device("cuda"), Neighborhood1d(256, 2, causal=True)
+    assert default_backend(cuda, torch.float32, dims=1) == "triton"
+    assert default_backend(cuda, torch.float16, 1, band, 64) == "triton"
+    assert default_backend(cuda, torch.float32, dims=2) == "sliding_chunk"  # 2D: not measured on a GPU yet
+    with caplog.at_level("WARNING", logger=registry.__name__):
+        for _ in range(2):  # passed over with one warning that names what the kernels take
+            assert default_backend(cuda, torch.float32, 1, band, 8) == "sliding_chunk"
+            assert default_backend(cuda, torch.float32, 1, Neighborhood1d(kernels.MAX_WINDOW + 1), 64) == (
+                "sliding_chunk"
+            )
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2
+    assert "head_dim 16..128" in warnings[0] and "got 8" in warnings[0] and "Using sliding_chunk" in warnings[0]
+    assert f"1..{kernels.MAX_WINDOW}" in warnings[1] and f"got {kernels.MAX_WINDOW + 1}" in warnings[1]
+
+
 # --- Bad input: one plain sentence each. ---
 
 

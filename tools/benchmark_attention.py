@@ -23,6 +23,8 @@ The default backends are every backend of the registry (``vil/ops/registry.py``)
 against the map size (log scales, one line per backend, as the original paper's implementation study):
 ``PREFIX_time.png`` and ``PREFIX_memory.png``. ``--profile`` also prints, before each size's rows, torch.profiler's
 table of one forward+backward per backend: where its time goes, operator by operator (and kernel by kernel on CUDA).
+Each backend's first call is reported on stderr as it ends ("progress: triton at 28x28: first call 12.3 s"), so that
+a long compilation shows where it is.
 
     python tools/benchmark_attention.py --sizes 14 28 42 56 84 --exact 0 --plot docs/study_exact0
 
@@ -48,6 +50,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 
@@ -57,11 +60,12 @@ import torch.nn.functional as F
 from vil.cpu import cpu_description
 from vil.files import atomic_write
 from vil.ops import available_backends, default_backend, local_attention_1d, local_attention_2d
-from vil.ops.registry import BACKENDS, FASTEST, FASTEST_ELSEWHERE
+from vil.ops.registry import BACKENDS, fastest
 from vil.plots import agg_pyplot
 from vil.profiling import PeakMemory, time_table
 
 SDPA = "sdpa (full attention)"
+PROGRESS = "progress: "  # how a worker's lines on stderr that the study passes on begin
 # Per --dim (1: sequences, 2: maps), the tokens above which a point is skipped:
 REFERENCE_MAX_TOKENS = {2: 56 * 56, 1: 4096}  # the naive masked reference needs tokens^2 memory
 SDPA_MAX_TOKENS = {2: 112 * 112, 1: 16384}  # on the CPU, full attention's time grows with tokens^2
@@ -170,12 +174,12 @@ def prepare(args, backend, size):
             out = op(q, k, v, args.window, **geometry, global_k=gk, global_v=gv, rel_bias=rel, backend=backend)
             out.backward(torch.ones_like(out))
 
-    def run():
-        for t in leaves:
-            t.grad = None
+    def run():  # the gradients are freed at the end, so that the next call's peak memory counts them
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        for t in leaves:
+            t.grad = None
 
     input_bytes = sum(t.numel() for t in leaves) * leaves[0].element_size()
     io_bytes = 2 * input_bytes + 2 * out_numel * leaves[0].element_size()  # inputs, output, their gradients
@@ -195,6 +199,8 @@ def measure(args, backends, size):
             start = time.perf_counter()
             run()
             first_call = time.perf_counter() - start
+            point = point_name(size, args.dim)
+            print(f"{PROGRESS}{backend} at {point}: first call {first_call:.1f} s", file=sys.stderr)
             with PeakMemory(args.device) as peak:
                 run()
         except Exception as error:  # one backend's failure is its row of the table, not the end of the study
@@ -259,12 +265,19 @@ def run_size(args, backends, size):
     argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([measured, size])]
     argv += [str(x) for item in options.items() for x in item] + flags
     env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
-    done = subprocess.run(argv, capture_output=True, text=True, env=env)
-    if done.returncode:
-        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
-        return dict(results, **{name: f"failed: {last[:80]}" for name in measured})
-    *printed, answer = done.stdout.strip().splitlines()
-    if printed:  # --profile's tables
+    with tempfile.TemporaryFile("w+") as stdout:  # stdout: --profile's tables, then the answer
+        worker = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
+        last = "failed"
+        for line in worker.stderr:  # the progress lines pass through as they come; the last other line is the error
+            if line.startswith(PROGRESS):
+                print(line.rstrip(), file=sys.stderr, flush=True)
+            elif line.strip():
+                last = line.strip()
+        if worker.wait():
+            return dict(results, **{name: f"failed: {last[:80]}" for name in measured})
+        stdout.seek(0)
+        *printed, answer = stdout.read().strip().splitlines()
+    if printed:
         print("\n".join(printed), flush=True)
     answers = json.loads(answer)
     return dict(results, **{name: a if isinstance(a, str) else tuple(a) for name, a in answers.items()})
@@ -278,7 +291,7 @@ def default_backends(dim, device):
     """Every backend that computes ``dim``-D windows and trains on ``device``, those ``backend=None`` prefers
     there first."""
     able = [name for name in available_backends(dim) if BACKENDS[name].trains_on_device(device)]
-    first = [name for name in FASTEST.get(device, FASTEST_ELSEWHERE) if name in able]
+    first = [name for name in fastest(device, dim) if name in able]
     return first + [name for name in able if name not in first]
 
 

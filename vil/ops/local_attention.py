@@ -110,7 +110,7 @@ def local_attention_1d(
             dilation, so the table means the same under any dilation).
         global_bias: ``(heads, G)``: bias added to the scores of the global keys.
         scale: factor of the scores; ``head_dim ** -0.5`` when None.
-        backend: one of ``available_backends(dims=1)``; None: ``default_backend(device, dtype, dims=1)``.
+        backend: one of ``available_backends(dims=1)``; None: :func:`default_backend`.
     """
     optional = dict(global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias)
     _check_types(q, dict(k=k, v=v, key_padding_mask=key_padding_mask, **optional), scale)
@@ -179,7 +179,7 @@ def _choose(backend, hood, q, trains):
     """The backend declaration for this request; one sentence naming the backends that can run it otherwise."""
     dims = hood.dims
     if backend is None:
-        backend = default_backend(q.device, q.dtype, dims)
+        backend = default_backend(q.device, q.dtype, dims, hood, q.shape[-1])
         if not torch.compiler.is_compiling() and (q.device.type, q.dtype, backend, dims) not in _logged_choices:
             _logged_choices.add((q.device.type, q.dtype, backend, dims))
             _log.info(
@@ -222,7 +222,7 @@ def _choose(backend, hood, q, trains):
     if b.available is not None:
         b.available()
     if b.check is not None:
-        b.check(hood, q.shape[-1])
+        b.check(hood, q.shape[-1], q.dtype, q.device)
     return b
 
 

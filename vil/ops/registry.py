@@ -6,7 +6,7 @@ is a file in ``vil/ops/backends/`` that declares it, and its line in :data:`BACK
 """
 
 import logging
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -23,6 +23,7 @@ from .backends import (
     unfold,
     unfold_nnf,
 )
+from .neighborhood import Neighborhood1d, Neighborhood2d
 
 # Each backend file declares BACKEND; this order is that of available_backends() and of the messages that list them.
 BACKENDS = {
@@ -41,12 +42,17 @@ BACKENDS = {
         reference,
     )
 }
-# The fastest backends measured by tools/benchmark_attention.py (see BENCHMARKS.md), in order, per device type;
-# ``backend=None`` takes the first whose declaration fits the request and that can run here.
-FASTEST = {"cpu": ("fused_cpu", "sliding_chunk")}
+# The fastest backends measured by tools/benchmark_attention.py (see BENCHMARKS.md), in order, per device type and
+# window dims; ``backend=None`` takes the first whose declaration fits the request and that can run here. On CUDA the
+# Triton kernels lead in 1D (measured on an H200); 2D keeps sliding_chunk until the 2D study has measured them there.
+FASTEST = {
+    ("cpu", 2): ("fused_cpu", "sliding_chunk"),
+    ("cpu", 1): ("fused_cpu", "sliding_chunk"),
+    ("cuda", 1): ("triton", "sliding_chunk"),
+}
 FASTEST_ELSEWHERE = ("sliding_chunk",)
 _log = logging.getLogger(__name__)
-_warned_unavailable = set()
+_warned_passed_over = set()
 
 
 def available_backends(dims: int = 2) -> list[str]:
@@ -54,25 +60,41 @@ def available_backends(dims: int = 2) -> list[str]:
     return [name for name, b in BACKENDS.items() if b.computes(dims)]
 
 
-def default_backend(device: Union[str, torch.device], dtype: torch.dtype, dims: int = 2) -> str:
+def fastest(device_type: str, dims: int = 2) -> tuple[str, ...]:
+    """The backends ``backend=None`` tries for ``dims``-D windows on ``device_type``, fastest first."""
+    return FASTEST.get((device_type, dims), FASTEST_ELSEWHERE)
+
+
+def default_backend(
+    device: Union[str, torch.device],
+    dtype: torch.dtype,
+    dims: int = 2,
+    hood: Optional[Union[Neighborhood1d, Neighborhood2d]] = None,
+    head_dim: Optional[int] = None,
+) -> str:
     """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: the fastest measured that
-    computes ``dims``-D windows there (see BENCHMARKS.md). On the CPU that is ``fused_cpu`` (every dtype; half
-    precision in and out, computed in float32), or ``sliding_chunk`` with one warning where its C++ kernel cannot be
-    built; elsewhere ``sliding_chunk``. The Triton kernels are chosen explicitly (``backend="triton"``) until GPU
-    measurements make them the default there."""
-    device_type = torch.device(device).type
-    preferred = FASTEST.get(device_type, FASTEST_ELSEWHERE)
-    for name in preferred:
+    computes ``dims``-D windows there (see BENCHMARKS.md) and, given the neighbourhood ``hood`` and ``head_dim``,
+    takes them. On the CPU that is ``fused_cpu`` (every dtype; half precision in and out, computed in float32), or
+    ``sliding_chunk`` where its C++ kernel cannot be built; on CUDA ``triton`` for 1D bands (``sliding_chunk``
+    where its kernels cannot take the inputs, e.g. a head_dim under 16) and ``sliding_chunk`` for 2D windows;
+    elsewhere ``sliding_chunk``. Each reason to pass over a faster backend is logged once, as a warning."""
+    device = torch.device(device)
+    passed_over = []
+    for name in fastest(device.type, dims):
         b = BACKENDS[name]
-        if not b.computes(dims) or not b.runs_on(device_type) or dtype not in b.dtypes:
+        if not b.computes(dims) or not b.runs_on(device.type) or dtype not in b.dtypes:
             continue
         try:
             if b.available is not None:
                 b.available()
+            if b.check is not None and hood is not None:
+                b.check(hood, head_dim, dtype, device)
         except ValueError as error:
-            if not torch.compiler.is_compiling() and name not in _warned_unavailable:
-                _warned_unavailable.add(name)
-                _log.warning("%s Using %s on the CPU instead, about 2x slower.", error, preferred[-1])
+            passed_over.append(str(error))
             continue
+        for reason in passed_over:
+            if not torch.compiler.is_compiling() and reason not in _warned_passed_over:
+                _warned_passed_over.add(reason)
+                _log.warning("%s Using %s instead.", reason, name)
         return name
     return FASTEST_ELSEWHERE[0]

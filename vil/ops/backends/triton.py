@@ -110,9 +110,10 @@ def _rows_of_unit_stride(q, k, v, hood, extras):
     return q, k, v, replace(extras, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias)
 
 
-def _check(hood, head_dim):
-    """Raise ``ValueError`` with one sentence if the kernels cannot take this head_dim or window."""
-    _kernels(hood.dims).check_supported(head_dim, hood.window)
+def _check(hood, head_dim, dtype=None, device=None):
+    """Raise ``ValueError`` with one sentence if the kernels cannot take this head_dim or window (or, where given,
+    this dtype on this device)."""
+    _kernels(hood.dims).check_supported(head_dim, hood.window, dtype, device)
 
 
 # CUDA GPUs; the CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
@@ -124,5 +125,6 @@ BACKEND = Backend(
     per_head_dilation=True,
     devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    available=_kernels,
     check=_check,
 )
