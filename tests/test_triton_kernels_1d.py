@@ -197,21 +197,25 @@ def test_the_default_on_cuda_is_triton_for_the_bands_its_kernels_take(monkeypatc
     from vil.ops import registry
     from vil.ops.neighborhood import Neighborhood1d
 
+    def queries(B, H, D):  # no memory where there is no GPU (the interpreter takes any device)
+        return torch.empty(B, H, 16, D, dtype=torch.float16, device="cuda" if torch.cuda.is_available() else "meta")
+
     monkeypatch.setattr(registry, "_warned_passed_over", set())
     cuda, band = torch.device("cuda"), Neighborhood1d(256, 2, causal=True)
-    assert default_backend(cuda, torch.float32, dims=1) == "triton"
-    assert default_backend(cuda, torch.float16, 1, band, 64) == "triton"
-    assert default_backend(cuda, torch.float32, dims=2) == "sliding_chunk"  # 2D: not measured on a GPU yet
+    assert default_backend(cuda, torch.float16, dims=1) == "triton"
+    assert default_backend(cuda, torch.float16, 1, band, queries(2, 12, 64)) == "triton"
+    assert default_backend(cuda, torch.float16, dims=2) == "sliding_chunk"  # 2D: not measured on a GPU yet
     with caplog.at_level("WARNING", logger=registry.__name__):
-        for _ in range(2):  # passed over with one warning that names what the kernels take
-            assert default_backend(cuda, torch.float32, 1, band, 8) == "sliding_chunk"
-            assert default_backend(cuda, torch.float32, 1, Neighborhood1d(kernels.MAX_WINDOW + 1), 64) == (
-                "sliding_chunk"
-            )
+        for _ in range(2):  # passed over with one warning per reason, which names what the kernels take
+            assert default_backend(cuda, torch.float16, 1, band, queries(2, 12, 8)) == "sliding_chunk"
+            wide = Neighborhood1d(kernels.MAX_WINDOW + 1)
+            assert default_backend(cuda, torch.float16, 1, wide, queries(2, 12, 64)) == "sliding_chunk"
+            assert default_backend(cuda, torch.float16, 1, band, queries(5462, 12, 64)) == "sliding_chunk"
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 2
-    assert "head_dim 16..128" in warnings[0] and "got 8" in warnings[0] and "Using sliding_chunk" in warnings[0]
+    assert len(warnings) == 3 and all(w.endswith("Using sliding_chunk instead.") for w in warnings)
+    assert "head_dim 16..128" in warnings[0] and "got 8" in warnings[0]
     assert f"1..{kernels.MAX_WINDOW}" in warnings[1] and f"got {kernels.MAX_WINDOW + 1}" in warnings[1]
+    assert "at most 65535" in warnings[2] and "got 65544" in warnings[2]
 
 
 # --- Bad input: one plain sentence each. ---

@@ -104,8 +104,8 @@ class Backend:
     (otherwise the op runs the heads of each dilation together). ``devices``: device types it runs on (None: any);
     ``trains_on``: device types where it has a backward (None: wherever it runs). ``available()``: raises
     ``ValueError`` with one sentence where the backend cannot run on this machine (a build, an import).
-    ``check(hood, head_dim, dtype=None, device=None)``: raises for options the backend cannot take (the dtype and
-    device checked where given). ``traceable``: torch.compile and torch.export trace its functions as they are
+    ``check(hood, head_dim, q=None)``: raises for options the backend cannot take (and, given the queries ``q``, for
+    their dtype, device or shape). ``traceable``: torch.compile and torch.export trace its functions as they are
     (FlexAttention, which the compiler knows); under them, the op runs a backend that has neither passes nor this
     as one generic operator whose backward recomputes its forward.
     """

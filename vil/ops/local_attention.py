@@ -179,7 +179,7 @@ def _choose(backend, hood, q, trains):
     """The backend declaration for this request; one sentence naming the backends that can run it otherwise."""
     dims = hood.dims
     if backend is None:
-        backend = default_backend(q.device, q.dtype, dims, hood, q.shape[-1])
+        backend = default_backend(q.device, q.dtype, dims, hood, q)
         if not torch.compiler.is_compiling() and (q.device.type, q.dtype, backend, dims) not in _logged_choices:
             _logged_choices.add((q.device.type, q.dtype, backend, dims))
             _log.info(
@@ -222,7 +222,7 @@ def _choose(backend, hood, q, trains):
     if b.available is not None:
         b.available()
     if b.check is not None:
-        b.check(hood, q.shape[-1], q.dtype, q.device)
+        b.check(hood, q.shape[-1], q)
     return b
 
 

@@ -70,14 +70,15 @@ def default_backend(
     dtype: torch.dtype,
     dims: int = 2,
     hood: Optional[Union[Neighborhood1d, Neighborhood2d]] = None,
-    head_dim: Optional[int] = None,
+    q: Optional[torch.Tensor] = None,
 ) -> str:
     """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: the fastest measured that
-    computes ``dims``-D windows there (see BENCHMARKS.md) and, given the neighbourhood ``hood`` and ``head_dim``,
-    takes them. On the CPU that is ``fused_cpu`` (every dtype; half precision in and out, computed in float32), or
-    ``sliding_chunk`` where its C++ kernel cannot be built; on CUDA ``triton`` for 1D bands (``sliding_chunk``
-    where its kernels cannot take the inputs, e.g. a head_dim under 16) and ``sliding_chunk`` for 2D windows;
-    elsewhere ``sliding_chunk``. Each reason to pass over a faster backend is logged once, as a warning."""
+    computes ``dims``-D windows there (see BENCHMARKS.md) and, given the request's neighbourhood ``hood`` and
+    queries ``q``, takes them. On the CPU that is ``fused_cpu`` (every dtype; half precision in and out, computed
+    in float32), or ``sliding_chunk`` where its C++ kernel cannot be built; on CUDA ``triton`` for 1D bands
+    (``sliding_chunk`` where its kernels cannot take the request, e.g. a head_dim under 16) and ``sliding_chunk``
+    for 2D windows; elsewhere ``sliding_chunk``. Each reason to pass over a faster backend is logged once, as a
+    warning."""
     device = torch.device(device)
     passed_over = []
     for name in fastest(device.type, dims):
@@ -87,8 +88,8 @@ def default_backend(
         try:
             if b.available is not None:
                 b.available()
-            if b.check is not None and hood is not None:
-                b.check(hood, head_dim, dtype, device)
+            if b.check is not None and hood is not None and q is not None:
+                b.check(hood, q.shape[-1], q)
         except ValueError as error:
             passed_over.append(str(error))
             continue

@@ -99,10 +99,7 @@ def _scored_pairs_1d(q, hood, num_global):
 
 
 def _rows_of_unit_stride(q, k, v, hood, extras):
-    """The kernels take rows of unit stride along head_dim and contiguous bias tables; they refuse head_dims,
-    windows, dtypes and devices they cannot take, in one sentence."""
-    B, H = q.shape[:2]
-    _kernels(hood.dims).check_supported(q.shape[-1], hood.window, q.dtype, q.device, B * H)
+    """The kernels take rows of unit stride along head_dim and contiguous bias tables."""
     q, k, v, global_k, global_v = (
         t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, *extras.differentiable[:2])
     )
@@ -110,10 +107,13 @@ def _rows_of_unit_stride(q, k, v, hood, extras):
     return q, k, v, replace(extras, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias)
 
 
-def _check(hood, head_dim, dtype=None, device=None):
-    """Raise ``ValueError`` with one sentence if the kernels cannot take this head_dim or window (or, where given,
-    this dtype on this device)."""
-    _kernels(hood.dims).check_supported(head_dim, hood.window, dtype, device)
+def _check(hood, head_dim, q=None):
+    """Raise ``ValueError`` with one sentence if the kernels cannot take this head_dim or window, or, given the
+    queries ``q``, their dtype, device or batch x heads."""
+    if q is None:
+        _kernels(hood.dims).check_supported(head_dim, hood.window)
+    else:
+        _kernels(hood.dims).check_supported(head_dim, hood.window, q.dtype, q.device, q.shape[0] * q.shape[1])
 
 
 # CUDA GPUs; the CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
