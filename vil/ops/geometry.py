@@ -14,8 +14,9 @@ once, through the offset that wraps around the fewest axes.
 the bias row is ``a + w`` (:func:`band_offset`).
 """
 
+import operator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, reduce
 
 import torch
 
@@ -235,6 +236,14 @@ def pair_in_window_2d(q_idx, kv_idx, hood, rows, cols, num_global=0):
         di, dj = qi - ki, qj - kj
         allowed = (di.abs() <= w * d) & (dj.abs() <= w * d) & (di % d == 0) & (dj % d == 0)
         di, dj = di // d, dj // d
+    elif exact == 0:  # the key's chunk is the query's chunk moved by one of the offsets: no wrapping to choose
+        offsets = neighbour_offsets(exact, hood.mode)
+        a, b = ki // w - qi // w, kj // w - qj // w
+        if len(offsets) == len(NEIGHBOURS):
+            allowed = (a.abs() <= 1) & (b.abs() <= 1)
+        else:
+            allowed = reduce(operator.or_, [(a == oa) & (b == ob) for oa, ob in offsets])
+        di, dj = qi - ki, qj - kj
     else:
         ci, cj = qi // w, qj // w
         # The offset through which the key's chunk is reached; the one wrapping around the fewest axes.
@@ -243,10 +252,7 @@ def pair_in_window_2d(q_idx, kv_idx, hood, rows, cols, num_global=0):
         for a, b in neighbour_offsets(exact, hood.mode):
             na, nb = ci + a, cj + b
             wraps = ((na < 0) | (na >= chunk_rows)).int() + ((nb < 0) | (nb >= chunk_cols)).int()
-            if exact == -1:
-                hit = (ki // w == na % chunk_rows) & (kj // w == nb % chunk_cols)
-            else:
-                hit = (ki // w == na) & (kj // w == nb) & (wraps == 0)
+            hit = (ki // w == na % chunk_rows) & (kj // w == nb % chunk_cols)
             take = hit & (wraps < best)
             best = torch.where(take, wraps, best)
             a_sel = torch.where(take, a, a_sel)
