@@ -154,6 +154,27 @@ def test_flex_forward_matches_reference(L, w, dilation, causal, G, rel, glob, ma
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "L,w,dilation,causal,G", [(1000, 100, 1, False, 0), (1000, 100, 3, True, 2), (300, 7, 1, False, 130)]
+)
+def test_flex_band_blocks_are_those_of_the_evaluated_mask(L, w, dilation, causal, G):
+    # The key blocks read from the band's shape are exactly those where torch's create_block_mask, which evaluates
+    # every pair, finds a key the band takes (on the CPU FlexAttention reads only the mask_mod: this checks the blocks
+    # that compiled FlexAttention skips on a GPU).
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    from vil.ops.backends import flex
+    from vil.ops.geometry import pair_in_band
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < G) | (pair_in_band(q_idx, kv_idx - G, w, dilation, causal)[0] & (kv_idx >= G))
+
+    counts, indices = flex._band_blocks.__wrapped__(L, G, w * dilation, causal, CPU)
+    ours = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=flex.BAND_BLOCK, seq_lengths=(L, G + L))
+    evaluated = create_block_mask(mask_mod, None, None, L, G + L, device=CPU, BLOCK_SIZE=flex.BAND_BLOCK)
+    assert torch.equal(ours.to_dense(), evaluated.to_dense())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's FlexAttention has no backward on the CPU")
 @pytest.mark.usefixtures("compiled_flex")
 @pytest.mark.parametrize("L,w,dilation,causal,G,rel,glob,mask", CASES[1:6])

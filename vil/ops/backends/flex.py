@@ -2,7 +2,9 @@
 
 Queries are the map's tokens row-major; keys are the G global keys, then the map's tokens. Which key a query
 sees and which relative-bias row applies are computed from the two indices inside ``mask_mod`` and ``score_mod``
-(:func:`vil.ops.geometry.pair_in_window_2d`), so nothing of size tokens x window is stored. On CUDA the attention is
+(:func:`vil.ops.geometry.pair_in_window_2d`), so nothing of size tokens x window is stored. The 1D band's block
+mask is read from the band's shape, without the (tokens x keys) mask that ``create_block_mask`` evaluates; both
+kinds are cached per shape. On CUDA the attention is
 compiled with ``torch.compile`` (FlexAttention's fused kernels); on the CPU it runs eagerly, forward only: torch's
 FlexAttention has no CPU backward.
 """
@@ -25,12 +27,10 @@ def _block_mask(rows, cols, hood, num_global, device):
     return create_block_mask(mask_mod, None, None, rows * cols, num_global + rows * cols, device=device)
 
 
-def _block_mask_for(q, *args):
-    """The cached block mask, or under torch.compile / torch.export a new one, traced (a cached one holds real
+def _cached(function, q, *args):
+    """``function(*args)``, cached, or under torch.compile / torch.export computed anew (a cached one holds real
     tensors)."""
-    if tracing(q):
-        return _block_mask.__wrapped__(*args)
-    return _block_mask(*args)
+    return function.__wrapped__(*args) if tracing(q) else function(*args)
 
 
 @lru_cache(maxsize=1)
@@ -73,23 +73,49 @@ def attention_2d(q, k, v, hood, extras):
         keys,
         values,
         score_mod=score_mod,
-        block_mask=_block_mask_for(q, X, Y, hood, G, q.device),
+        block_mask=_cached(_block_mask, q, X, Y, hood, G, q.device),
         scale=extras.scale,
     )
     return out.reshape(B, H, X, Y, D)
 
 
+BAND_BLOCK = 128  # queries and keys per block of the 1D block mask (FlexAttention's default)
+
+
+@lru_cache(maxsize=32)
+def _band_blocks(length, num_global, reach, causal, device):
+    """The key blocks each block of queries needs, as FlexAttention's ``(kv_num_blocks, kv_indices)`` of one batch
+    entry and head: the global keys' blocks, then those of the band (keys within ``reach`` of a query of the block,
+    before it only where ``causal``). Read from the band's shape, so that no (length x keys) mask is formed, as
+    ``create_block_mask`` would (33 GiB at 32k tokens); ``mask_mod`` decides within the blocks."""
+    global_blocks = -(-num_global // BAND_BLOCK)
+    key_blocks = -(-(num_global + length) // BAND_BLOCK)
+    rows = []
+    for start in range(0, length, BAND_BLOCK):
+        first = max((num_global + max(start - reach, 0)) // BAND_BLOCK, global_blocks)
+        last = (num_global + min(start + BAND_BLOCK - 1 + (0 if causal else reach), length - 1)) // BAND_BLOCK
+        rows.append([*range(global_blocks), *range(first, last + 1)])
+    counts = torch.tensor([len(row) for row in rows], dtype=torch.int32, device=device)
+    indices = torch.tensor([row + [0] * (key_blocks - len(row)) for row in rows], dtype=torch.int32, device=device)
+    return counts[None, None], indices[None, None]
+
+
+@lru_cache(maxsize=32)
+def _dilations(dilations, device):
+    return torch.tensor(dilations, device=device)
+
+
 def attention_1d(q, k, v, hood, extras):
     """The band as a block mask over the G global keys and the sequence; per-head dilations and the key padding
     mask are read inside ``mask_mod`` by head and batch index."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     q, k, v, extras = _no_grad_on_cpu(q, k, v, extras)
     global_k, global_v, rel_bias, global_bias = extras.differentiable
     B, H, L, D = q.shape
     G = extras.num_global
     keys, values = (k, v) if not G else (torch.cat([global_k, k], dim=2), torch.cat([global_v, v], dim=2))
-    dilations = torch.tensor(hood.dilations(H), device=q.device)
+    dilations = _cached(_dilations, q, hood.dilations(H), q.device)
     padding = extras.key_padding_mask
 
     def band(b, h, q_idx, kv_idx):
@@ -109,9 +135,10 @@ def attention_1d(q, k, v, hood, extras):
             score = torch.where(kv_idx < G, score + global_bias[h, kv_idx.clamp(max=G - 1)], score)
         return score
 
-    # Batch and head dimensions of the mask only where it differs between them.
-    block_mask = create_block_mask(
-        mask_mod, None if padding is None else B, H if hood.per_head else None, L, G + L, device=q.device
+    reach = hood.window * max(hood.dilations(H))
+    counts, indices = _cached(_band_blocks, q, L, G, reach, hood.causal, q.device)
+    block_mask = BlockMask.from_kv_blocks(
+        counts, indices, BLOCK_SIZE=BAND_BLOCK, mask_mod=mask_mod, seq_lengths=(L, G + L)
     )
     attend = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
     return attend(q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=extras.scale)
