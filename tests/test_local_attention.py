@@ -301,6 +301,24 @@ def test_dilation_runs_per_sub_lattice(backend):
             torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("exact,mode", WINDOWS)
+def test_the_pairwise_window_is_the_reference_window(exact, mode):
+    # FlexAttention's mask and score modifiers see the window one (query, key) pair at a time
+    # (geometry.pair_in_window_2d): the same pairs and bias rows as the oracle's mask, with 1, 2, 3 and more chunks
+    # along an axis, after two global keys.
+    from vil.ops.geometry import pair_in_window_2d
+    from vil.ops.neighborhood import Neighborhood2d
+
+    for rows, cols, w, dilation in ((7, 9, 2, 1), (5, 4, 7, 1), (4, 6, 2, 1), (6, 3, 3, 1), (9, 9, 3, 1), (9, 8, 2, 2)):
+        if dilation > 1 and exact != 1:
+            continue
+        allowed, index = window_pairs(rows, cols, w, exact, mode, CPU, dilation)
+        queries, keys = torch.arange(rows * cols)[:, None], 2 + torch.arange(rows * cols)[None, :]
+        got, rows_of_bias = pair_in_window_2d(queries, keys, Neighborhood2d(w, exact, mode, dilation), rows, cols, 2)
+        assert torch.equal(got, allowed), (rows, cols, w)
+        assert torch.equal(rows_of_bias[allowed], index[allowed]), (rows, cols, w)
+
+
 # Every window of the zero-padded chunks; of the cyclic ones, the own chunk, all nine and a corner and a side
 # neighbour (the modes share one block-mask rule; torch's FlexAttention takes seconds per call on the CPU).
 FLEX_WINDOWS = [w for w in WINDOWS if w[0] != -1 or w[1] in (-1, 0, 3, 8)]

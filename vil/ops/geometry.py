@@ -222,6 +222,15 @@ def neighbour_table(mx, my, exact, mode):
     return table, table_t, torch.tensor(offsets)
 
 
+def _chunk_offset(delta, chunks, cyclic):
+    """Along one axis of ``chunks`` chunks, the neighbour offset (-1, 0 or 1) that moves a query's chunk onto the
+    chunk ``delta`` away: ``delta`` itself, or, cyclic, the offset that wraps around onto it; 2 where none does."""
+    if not cyclic:
+        return delta
+    wrapped = torch.where(delta == chunks - 1, -1, torch.where(delta == 1 - chunks, 1, 2))
+    return torch.where(delta.abs() <= 1, delta, wrapped)
+
+
 def pair_in_window_2d(q_idx, kv_idx, hood, rows, cols, num_global=0):
     """For query ``q_idx`` and key ``kv_idx`` (index tensors, row-major over a ``rows x cols`` map, keys after
     ``num_global`` global keys): may the query see the key in the neighbourhood ``hood`` (a
@@ -236,18 +245,25 @@ def pair_in_window_2d(q_idx, kv_idx, hood, rows, cols, num_global=0):
         di, dj = qi - ki, qj - kj
         allowed = (di.abs() <= w * d) & (dj.abs() <= w * d) & (di % d == 0) & (dj % d == 0)
         di, dj = di // d, dj // d
-    elif exact == 0:  # the key's chunk is the query's chunk moved by one of the offsets: no wrapping to choose
+    elif exact == 0 or hood.mode == 0:
+        # The offset from the query's chunk to the key's, along each axis on its own: cyclic chunks see all nine
+        # neighbours here, so the offset wrapping around the fewest axes is the one that wraps along neither or
+        # along each axis only where it must.
+        ci, cj = qi // w, qj // w
+        a = _chunk_offset(ki // w - ci, chunk_rows, exact == -1)
+        b = _chunk_offset(kj // w - cj, chunk_cols, exact == -1)
         offsets = neighbour_offsets(exact, hood.mode)
-        a, b = ki // w - qi // w, kj // w - qj // w
         if len(offsets) == len(NEIGHBOURS):
             allowed = (a.abs() <= 1) & (b.abs() <= 1)
         else:
             allowed = reduce(operator.or_, [(a == oa) & (b == ob) for oa, ob in offsets])
-        di, dj = qi - ki, qj - kj
+        di = qi - ((ci + a) * w + ki % w)
+        dj = qj - ((cj + b) * w + kj % w)
     else:
+        # Cyclic chunks, the own one and one neighbour: with two chunks or fewer along an axis, the neighbour may
+        # reach the key's chunk by wrapping around where the plain difference is another offset.
         ci, cj = qi // w, qj // w
-        # The offset through which the key's chunk is reached; the one wrapping around the fewest axes.
-        best = torch.full_like(qi, 3)
+        best = torch.full_like(qi, 3)  # the fewest axes wrapped around so far; 3: the key's chunk not reached
         a_sel, b_sel = torch.zeros_like(qi), torch.zeros_like(qi)
         for a, b in neighbour_offsets(exact, hood.mode):
             na, nb = ci + a, cj + b
