@@ -62,7 +62,8 @@ for step in $STEPS; do
          tests/test_triton_kernels.py tests/test_triton_kernels_1d.py ;;
     2) limited "${LIMIT_2:-120}" "$OUT/tests_flex.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_local_attention.py tests/test_local_attention_1d.py -k "flex and cuda" ;;
-    3) # flex in a run of its own, so that its compilation (over 150 s at 28x28 on an H200) holds back no other row
+    3) # flex in a run of its own, so that its compilation (minutes, before its window rule was in closed form) holds
+       # back no other row
        for run in "attention_gpu:triton sliding_chunk" "attention_gpu_flex:flex"; do
          # shellcheck disable=SC2086  # a list of backends
          limited $((${LIMIT_3:-180} / 2)) "$OUT/studies.log" python tools/benchmark_attention.py --device cuda \
