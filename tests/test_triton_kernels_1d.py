@@ -218,6 +218,35 @@ def test_the_default_on_cuda_is_triton_for_the_bands_its_kernels_take(monkeypatc
     assert "at most 65535" in warnings[2] and "got 65544" in warnings[2]
 
 
+def test_a_transformers_longformer_on_the_kernels_gives_its_outputs_and_gradients(monkeypatch):
+    # What backend=None runs on CUDA for transformers' Longformer: two layers of different windows, padding and a
+    # global token per sequence, float32 (head_dim 16, the kernels' least), against transformers' own model.
+    pytest.importorskip("transformers", reason="the transformers extra (pip install 'vil[transformers]')")
+    import copy
+
+    import transformers
+    from test_transformers_longformer import batch, longformer_config
+
+    import vil
+
+    monkeypatch.setattr(flash, "_TUNED", {})
+    torch.manual_seed(0)
+    reference = transformers.LongformerModel(longformer_config(hidden_size=64)).to(DEVICE)
+    accelerated = vil.accelerate_longformer(copy.deepcopy(reference), backend="triton")
+    ids, mask, global_mask = (t.to(DEVICE) for t in batch(one_global_each=True))
+    results = []
+    for model in (reference, accelerated):
+        out = model.train()(ids, attention_mask=mask, global_attention_mask=global_mask).last_hidden_state
+        (out * mask[..., None]).square().sum().backward()
+        results.append((out[mask.bool()], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = results
+    assert {name for name, _ in flash._TUNED} == {"forward_1d", "backward_dkdv_1d", "backward_dq_1d"}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
+
+
 # --- Bad input: one plain sentence each. ---
 
 
