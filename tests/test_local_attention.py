@@ -427,10 +427,30 @@ def test_fused_cpu_build_failure_is_one_sentence_and_not_retried(monkeypatch, fo
     assert len(attempts) == len(set(attempts))  # and nothing was built twice
 
 
+@pytest.mark.parametrize("backend", ["sliding_chunk", "fused_cpu"])
+def test_eager_calls_and_the_operator_compute_the_same(backend):
+    # Eagerly the fused passes run under an autograd function of their own; where something watches operators (here
+    # the profiler) through the registered operator. The same passes either way: the same bits.
+    inputs = make_inputs(9, 7, 3, 1, rel=True, glob_bias=True)
+    eager_out, eager_grads = run(backend, inputs, 3, 0, 0)
+    with torch.profiler.profile() as profiler:
+        out, grads = run(backend, inputs, 3, 0, 0)
+    assert "_EagerPasses" in type(eager_out.grad_fn).__name__ and "_EagerPasses" not in type(out.grad_fn).__name__
+    assert {"vil::local_attention_2d", "vil::local_attention_2d_backward"} <= {e.key for e in profiler.key_averages()}
+    assert torch.equal(out, eager_out) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+
+
 def test_fused_cpu_gradients_are_not_differentiated_again():
     inputs = make_inputs(4, 4, 2, 0, rel=False, glob_bias=False)
     out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="fused_cpu")
     (grad_q,) = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)  # dL/dout needs a graph
+    # Eagerly the passes' autograd function is once differentiable; through the operator (under torch.compile, the
+    # profiler, a dispatch mode) the backward operator has no autograd formula.
+    with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula was registered"):
+        grad_q.sum().backward()
+    with torch.profiler.profile():
+        out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="fused_cpu")
+        (grad_q,) = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         grad_q.sum().backward()
 

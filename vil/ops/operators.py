@@ -2,7 +2,8 @@
 operators in an ONNX export.
 
 ``vil::local_attention_2d`` and ``vil::local_attention_1d`` (each with its ``_backward`` operator) run the
-:class:`~vil.ops.base.FusedPasses` of the backend they are given by name; ``vil::recomputed_local_attention_2d`` /
+:class:`~vil.ops.base.FusedPasses` of the backend they are given by name (plain eager calls run the same passes
+under an autograd function, without the operators' dispatch); ``vil::recomputed_local_attention_2d`` /
 ``_1d`` run any other backend under torch.compile and torch.export. To ``torch.compile`` and ``torch.export`` a
 call is one opaque operator: its fake implementation gives the output shapes from the input shapes and autograd is
 registered on it, so nothing inside a backend (tables built from the map size, loops over blocks, C++ or Triton
@@ -21,10 +22,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils.flop_counter import register_flop_formula
 
 from . import split
-from .base import Backend, Extras
+from .base import Backend, Extras, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import BACKENDS
 
@@ -42,12 +44,58 @@ def run_eagerly(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extra
 
 
 def fused_attention(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> Tensor:
-    """``b``'s passes through its operator: the inputs as they take them (``b.prepare``), autocast off (the passes
-    choose their dtypes), the output in q's dtype."""
+    """``b``'s passes: the inputs as they take them (``b.prepare``), autocast off (the passes choose their dtypes),
+    the output in q's dtype. Through its operator where anything watches or transforms operators
+    (:func:`_operators_watched`); otherwise through :class:`_EagerPasses`, the same passes without the operator's
+    dispatch, whose Python layers cost about as much host time as the passes themselves."""
     inputs = b.prepare(q, k, v, hood, extras) if b.prepare is not None else (q, k, v, extras)
     with torch.autocast(q.device.type, enabled=False):
-        out = _fused_operator(b.name, *inputs, hood)
+        if _operators_watched(inputs[0]):
+            out = _fused_operator(b.name, *inputs, hood)
+        else:
+            q_in, k_in, v_in, ex = inputs
+            out = _EagerPasses.apply(b.name, hood, ex.scale, ex.key_padding_mask, q_in, k_in, v_in, *ex.differentiable)
     return out.to(q.dtype)
+
+
+def _operators_watched(q: Tensor) -> bool:
+    """Whether something here records or transforms operators: torch.compile and torch.export, the profiler,
+    dispatch modes (FlopCounterMode, fake tensors, selective checkpointing), functorch's transforms, a tensor
+    subclass. Each of them gets the registered operator."""
+    return (
+        type(q) is not Tensor
+        or tracing(q)
+        or torch.autograd._profiler_enabled()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._are_functorch_transforms_active()
+    )
+
+
+class _EagerPasses(torch.autograd.Function):
+    """One request's fused passes under autograd, as the operators run them (``_forward`` and ``_backward``)."""
+
+    @staticmethod
+    def forward(ctx, backend, hood, scale, key_padding_mask, q, k, v, *differentiable):
+        extras = Extras(scale, *differentiable, key_padding_mask)
+        out, lse = _forward(backend, q, k, v, hood, extras)
+        ctx.save_for_backward(q, k, v, *differentiable, key_padding_mask, out, lse)
+        ctx.request = backend, hood, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        backend, hood, scale = ctx.request
+        *inputs, key_padding_mask, out, lse = ctx.saved_tensors
+        extras = Extras(scale, *inputs[3:], key_padding_mask)
+        grads = _passes(backend, hood.dims).backward(*inputs[:3], hood, extras, out, lse, laid_out_as(grad_out, out))
+        return (None, None, None, None, *gradients_or_none(grads, inputs))
+
+
+def _forward(backend, q, k, v, hood, extras):
+    """The fused forward of ``backend``: the output laid out as q, and the per-query residual."""
+    out, lse = _passes(backend, hood.dims).forward(q, k, v, hood, extras)
+    return laid_out_as(out, q), lse.contiguous()
 
 
 def _fused_operator(name, q, k, v, extras, hood):
@@ -152,8 +200,7 @@ def _attention_2d(
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     extras = Extras(scale, global_k, global_v, rel_bias, global_bias)
-    out, lse = _passes(backend, 2).forward(q, k, v, _hood_2d(window, exact, mode, dilation), extras)
-    return laid_out_as(out, q), lse.contiguous()
+    return _forward(backend, q, k, v, _hood_2d(window, exact, mode, dilation), extras)
 
 
 @_attention_2d.register_fake
@@ -244,8 +291,7 @@ def _attention_1d(
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     extras = Extras(scale, global_k, global_v, rel_bias, global_bias, key_padding_mask)
-    out, lse = _passes(backend, 1).forward(q, k, v, _hood_1d(window, dilations, causal), extras)
-    return laid_out_as(out, q), lse.contiguous()
+    return _forward(backend, q, k, v, _hood_1d(window, dilations, causal), extras)
 
 
 @_attention_1d.register_fake
