@@ -7,7 +7,7 @@ they are added), so the softmax uses ``exp2`` and the saved log-sum-exp is in ba
 """
 
 import os
-from functools import partial
+from functools import partial, wraps
 
 import torch
 import triton
@@ -218,36 +218,62 @@ TUNE_TILES = True
 def tuned_launch(name, key, candidates, launch):
     """Run ``launch(*candidate)`` with the fastest of ``candidates`` (tile shapes and warps) for ``key``, measured
     on the first call and cached for the process; candidates that need more shared memory than the GPU has are
-    skipped. The interpreter takes the first candidate; ``TUNE_TILES = False`` the first that fits."""
-    if (name, key) not in _TUNED:
-        _TUNED[name, key] = candidates[0] if interpreting() else _fastest_fitting(name, candidates, launch)
-    return launch(*_TUNED[name, key])
+    skipped. The interpreter takes the first candidate; ``TUNE_TILES = False`` (or a lone candidate) the first that
+    fits, untimed."""
+    if (name, key) in _TUNED or interpreting():
+        return launch(*_TUNED.setdefault((name, key), candidates[0]))
+    if TUNE_TILES and len(candidates) > 1:
+        _TUNED[name, key] = _fastest(name, candidates, launch)
+        return launch(*_TUNED[name, key])
+    for config in candidates:  # the first that fits; its launch is the call's
+        try:
+            launch(*config)
+        except OutOfResources as error:
+            refusal = error
+            continue
+        _TUNED[name, key] = config
+        return
+    raise _beyond_the_gpu(name, candidates, refusal)
 
 
-def _fastest_fitting(name, candidates, launch):
-    """The fastest of ``candidates`` that fit the GPU (timed only with ``TUNE_TILES`` and several candidates), or a
-    one-sentence RuntimeError if none does."""
+def _fastest(name, candidates, launch):
+    """The candidate whose launch ``triton.testing.do_bench`` times fastest, of those that fit the GPU."""
     timings = {}
     for config in candidates:
         try:
-            if TUNE_TILES and len(candidates) > 1:
-                timings[config] = triton.testing.do_bench(partial(launch, *config))
-            else:
-                launch(*config)
-                return config
+            timings[config] = triton.testing.do_bench(partial(launch, *config))
         except OutOfResources as error:
             refusal = error
     if not timings:
-        if len(candidates) == 1:
-            raise RuntimeError(
-                f"The triton backend's {name} kernel with tiles {candidates[0]} needs {refusal.required} bytes of "
-                f"{refusal.name}, more than this GPU's {refusal.limit}."
-            )
-        raise RuntimeError(
-            f"The triton backend's {name} kernel needs more {refusal.name} than this GPU's {refusal.limit} bytes "
-            f"with each of its tile shapes {', '.join(map(str, candidates))}."
-        )
+        raise _beyond_the_gpu(name, candidates, refusal)
     return min(timings, key=timings.get)
+
+
+def _beyond_the_gpu(name, candidates, error):
+    """The one-sentence error for a kernel none of whose ``candidates`` fits the GPU (``error``: the last refusal)."""
+    if len(candidates) == 1:
+        return RuntimeError(
+            f"The triton backend's {name} kernel with tiles {candidates[0]} needs {error.required} bytes of "
+            f"{error.name}, more than this GPU's {error.limit}."
+        )
+    return RuntimeError(
+        f"The triton backend's {name} kernel needs more {error.name} than this GPU's {error.limit} bytes with each "
+        f"of its tile shapes {', '.join(map(str, candidates))}."
+    )
+
+
+def on_the_inputs_device(launcher):
+    """``launcher`` run with its first argument's CUDA device as the current one: Triton launches its kernels on the
+    current device, which in a process that uses several GPUs need not be the inputs'."""
+
+    @wraps(launcher)
+    def run(first, *args):
+        if first.device.type != "cuda":
+            return launcher(first, *args)
+        with torch.cuda.device(first.device):
+            return launcher(first, *args)
+
+    return run
 
 
 def dot_precision(dtype):

@@ -625,6 +625,7 @@ def _strides4(t):
     return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
 
 
+@flash.on_the_inputs_device
 def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
     """Output and base-2 log-sum-exp; q, k, v (B, H, X, Y, D) with unit stride along D, checked by
     :func:`check_supported`; ``gk``/``gv`` and the bias tables may be None."""
@@ -633,7 +634,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = flash.new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
     dummy = q.new_empty(0)
-    key = (geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
+    key = (q.device, geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
 
     def launch(bq, bk, warps):
         _fwd_kernel[(geo.tiles(bq), B * H)](
@@ -682,6 +683,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
     return o, lse
 
 
+@flash.on_the_inputs_device
 def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
     """The gradients of :func:`forward`, as a dict (dq, dk, dv, dgk, dgv, drb, dgb; None for absent inputs)."""
     B, H, X, Y, D = q.shape
@@ -702,7 +704,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
         HAS_REL_BIAS=rel_bias is not None,
         DOT_PRECISION=precision,
     )
-    key = (geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
+    key = (q.device, geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
     rel = dummy if rel_bias is None else rel_bias
 
     delta = flash.delta(o.flatten(2, 3), do.flatten(2, 3)).flatten(1)

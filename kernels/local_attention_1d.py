@@ -688,6 +688,7 @@ def _mask(key_padding_mask, q):
     )
 
 
+@flash.on_the_inputs_device
 def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations, window, causal, scale):
     """Output and base-2 log-sum-exp ``(B, H, L)``; q, k, v (B, H, L, D) with unit stride along D, checked by
     :func:`check_supported`; ``dilations`` one int per head; ``gk``/``gv``, the bias tables and the mask may be
@@ -700,7 +701,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
     dummy = q.new_empty(0)
     mask = _mask(key_padding_mask, q)
     table = _dilation_table(dilations, q.device)
-    key = (window, D, q.dtype, causal, G > 0, rel_bias is not None, key_padding_mask is not None)
+    key = (q.device, window, D, q.dtype, causal, G > 0, rel_bias is not None, key_padding_mask is not None)
 
     def launch(bm, bn, warps):
         _fwd_kernel[(lattice_tiles(L, dilations, bm), B * H)](
@@ -744,6 +745,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
     return o, lse
 
 
+@flash.on_the_inputs_device
 def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, lse, dilations, window, causal, scale):
     """The gradients of :func:`forward`, as a dict (dq, dk, dv, dgk, dgv, drb, dgb; None for absent inputs)."""
     B, H, L, D = q.shape
@@ -761,7 +763,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
         HAS_MASK=key_padding_mask is not None,
         DOT_PRECISION=flash.dot_precision(q.dtype),
     )
-    key = (window, D, q.dtype, causal, G > 0, rel_bias is not None, key_padding_mask is not None)
+    key = (q.device, window, D, q.dtype, causal, G > 0, rel_bias is not None, key_padding_mask is not None)
     rel = dummy if rel_bias is None else rel_bias
     delta = flash.delta(o, do)
     grads = dict(

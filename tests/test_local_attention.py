@@ -442,17 +442,45 @@ def test_eager_calls_and_the_operator_compute_the_same(backend):
 
 def test_fused_cpu_gradients_are_not_differentiated_again():
     inputs = make_inputs(4, 4, 2, 0, rel=False, glob_bias=False)
-    out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="fused_cpu")
-    (grad_q,) = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)  # dL/dout needs a graph
-    # Eagerly the passes' autograd function is once differentiable; through the operator (under torch.compile, the
-    # profiler, a dispatch mode) the backward operator has no autograd formula.
-    with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula was registered"):
-        grad_q.sum().backward()
+    weights = torch.randn(2, 2, 4, 4, 4, dtype=torch.float64)
+    # Eagerly, asking for gradients of the gradients is refused when the backward runs, also where the upstream
+    # gradient is a constant (a gradient penalty), whose second-order terms would otherwise be lost.
+    for loss in (lambda out: out.square().sum(), lambda out: (out * weights).sum()):
+        out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="fused_cpu")
+        with pytest.raises(RuntimeError, match="fused_cpu backend's backward is not differentiable") as err:
+            torch.autograd.grad(loss(out), inputs["q"], create_graph=True)
+        assert "sliding_chunk_autograd" in str(err.value)
+    # Through the operator (under torch.compile, the profiler, a dispatch mode) the backward operator has no autograd
+    # formula, which stops the second backward.
     with torch.profiler.profile():
         out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="fused_cpu")
         (grad_q,) = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         grad_q.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["sliding_chunk", "fused_cpu"])
+def test_a_backward_inside_the_autocast_region_of_its_forward(backend):
+    # Training loops often call backward() inside the autocast block: the passes' backward runs with autocast off, as
+    # their forward does, and gets the gradients a backward outside the block gets.
+    inputs = make_inputs(9, 7, 3, 1, rel=True, glob_bias=True, dtype=torch.float32)
+    grads = []
+    for inside in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = local_attention_2d(
+                *(inputs[n] for n in "qkv"),
+                3,
+                global_k=inputs["global_k"],
+                global_v=inputs["global_v"],
+                rel_bias=inputs["rel_bias"],
+                global_bias=inputs["global_bias"],
+                backend=backend,
+            )
+            if inside:
+                grads.append(torch.autograd.grad(out.sum(), list(inputs.values())))
+        if not inside:
+            grads.append(torch.autograd.grad(out.sum(), list(inputs.values())))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_fused_cpu_products_are_counted_by_the_flop_counter():

@@ -162,7 +162,7 @@ def test_tile_shapes_beyond_the_gpu_are_passed_over_or_refused_in_one_sentence(m
     monkeypatch.setattr(flash, "_TUNED", {})
     # Untimed (as in the tests), the first shape that fits runs.
     flash.tuned_launch("forward", ("key",), [(64, 64, 4), (32, 32, 4), (16, 16, 4)], launch)
-    assert launched[-1] == (32, 32, 4) and flash._TUNED["forward", ("key",)] == (32, 32, 4)
+    assert launched == [(32, 32, 4)] and flash._TUNED["forward", ("key",)] == (32, 32, 4)  # launched once
     with pytest.raises(RuntimeError, match=r"backward_dq kernel with tiles \(64, 8, 8\) needs 278528 .* 232448\.$"):
         flash.tuned_launch("backward_dq", ("key",), [(64, 8, 8)], launch)
     monkeypatch.setattr(flash, "TUNE_TILES", True)

@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 from torch.utils.flop_counter import register_flop_formula
 
 from . import split
@@ -72,7 +71,7 @@ def _operators_watched(q: Tensor) -> bool:
 
 
 class _EagerPasses(torch.autograd.Function):
-    """One request's fused passes under autograd, as the operators run them (``_forward`` and ``_backward``)."""
+    """One request's fused passes under autograd, as the operators run them (:func:`_forward`, :func:`_backward`)."""
 
     @staticmethod
     def forward(ctx, backend, hood, scale, key_padding_mask, q, k, v, *differentiable):
@@ -83,12 +82,17 @@ class _EagerPasses(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
         backend, hood, scale = ctx.request
+        if torch.is_grad_enabled():  # create_graph=True
+            raise RuntimeError(
+                f"The {backend} backend's backward is not differentiable, so gradients of its gradients "
+                "(create_graph=True) cannot be taken; use a backend whose backward is autograd's, such as "
+                "sliding_chunk_autograd."
+            )
         *inputs, key_padding_mask, out, lse = ctx.saved_tensors
         extras = Extras(scale, *inputs[3:], key_padding_mask)
-        grads = _passes(backend, hood.dims).backward(*inputs[:3], hood, extras, out, lse, laid_out_as(grad_out, out))
+        grads = _backward(backend, *inputs[:3], hood, extras, out, lse, grad_out)
         return (None, None, None, None, *gradients_or_none(grads, inputs))
 
 
@@ -96,6 +100,13 @@ def _forward(backend, q, k, v, hood, extras):
     """The fused forward of ``backend``: the output laid out as q, and the per-query residual."""
     out, lse = _passes(backend, hood.dims).forward(q, k, v, hood, extras)
     return laid_out_as(out, q), lse.contiguous()
+
+
+def _backward(backend, q, k, v, hood, extras, out, lse, grad_out):
+    """The fused backward of ``backend``: the gradients of q, k, v and ``extras.differentiable``, autocast off (a
+    backward may run inside the autocast region of its forward)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _passes(backend, hood.dims).backward(q, k, v, hood, extras, out, lse, laid_out_as(grad_out, out))
 
 
 def _fused_operator(name, q, k, v, extras, hood):
@@ -229,7 +240,7 @@ def _attention_2d_backward(
 ) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     hood, extras = _hood_2d(window, exact, mode, dilation), Extras(scale, *inputs[3:])
-    grads = _passes(backend, 2).backward(q, k, v, hood, extras, out, lse, laid_out_as(grad_out, out))
+    grads = _backward(backend, q, k, v, hood, extras, out, lse, grad_out)
     return operator_gradients(inputs, grads)
 
 
@@ -320,7 +331,7 @@ def _attention_1d_backward(
 ) -> list[Tensor]:
     inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
     hood, extras = _hood_1d(window, dilations, causal), Extras(scale, *inputs[3:], key_padding_mask)
-    grads = _passes(backend, 1).backward(q, k, v, hood, extras, out, lse, laid_out_as(grad_out, out))
+    grads = _backward(backend, q, k, v, hood, extras, out, lse, grad_out)
     return operator_gradients(inputs, grads)
 
 
