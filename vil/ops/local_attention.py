@@ -178,7 +178,8 @@ def _extras(q, optional, scale, key_padding_mask=None):
 def _choose(backend, hood, q, trains):
     """The backend declaration for this request; one sentence naming the backends that can run it otherwise."""
     dims = hood.dims
-    if backend is None:
+    defaulted = backend is None
+    if defaulted:
         backend = default_backend(q.device, q.dtype, dims, hood, q)
         if not torch.compiler.is_compiling() and (q.device.type, q.dtype, backend, dims) not in _logged_choices:
             _logged_choices.add((q.device.type, q.dtype, backend, dims))
@@ -219,6 +220,8 @@ def _choose(backend, hood, q, trains):
         raise ValueError(
             f"The {backend} backend takes {_listed([str(t).split('.')[-1] for t in b.dtypes])} inputs, got {q.dtype}."
         )
+    if defaulted:  # default_backend has checked that the backend it picked is available and takes the request
+        return b
     if b.available is not None:
         b.available()
     if b.check is not None:
