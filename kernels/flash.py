@@ -118,6 +118,28 @@ def key_major_grads(s_t, lse, delta, do, q, v, col_valid, DOT_PRECISION: tl.cons
 
 
 @triton.jit
+def _one_hot_product(x, one_hot, ONE_HOT_FIRST: tl.constexpr, PARTS: tl.constexpr):
+    """``one_hot @ x`` or ``x @ one_hot`` for a float32 ``x`` and a matrix of zeros and ones, to about float32's
+    accuracy: ``x`` as the sum of two ``PARTS`` (bfloat16 or float16) matrices, the high part and the rest, in
+    two half-precision products (each term off by at most 2^-16 of itself, or, in float16, by the subnormal spacing
+    of its rest, 2^-24); for ``PARTS`` float32, three TF32 products."""
+    if PARTS == tl.float32:
+        if ONE_HOT_FIRST:
+            product = tl.dot(one_hot.to(tl.float32), x, input_precision="tf32x3")
+        else:
+            product = tl.dot(x, one_hot.to(tl.float32), input_precision="tf32x3")
+    else:
+        high = x.to(PARTS)
+        rest = (x - high.to(tl.float32)).to(PARTS)
+        one_hot = one_hot.to(PARTS)
+        if ONE_HOT_FIRST:
+            product = tl.dot(one_hot, rest, acc=tl.dot(one_hot, high))
+        else:
+            product = tl.dot(rest, one_hot, acc=tl.dot(high, one_hot))
+    return product
+
+
+@triton.jit
 def offset_sums(
     ds,
     row_shift,
@@ -127,12 +149,14 @@ def offset_sums(
     BKI: tl.constexpr,
     BT_ROWS: tl.constexpr,
     BT_COLS: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     """Sums of a (BQI*P, BKI*P) block of score gradients per relative offset, for tokens laid out in rows of P
     (token t at row ``t // P``, column ``t % P``): entry (r, c) of the (BT_ROWS, BT_COLS) result adds up the pairs
     with ``query row - key row + row_shift == r`` and ``query column - key column + col_shift == c`` (others are
-    dropped). Two products with one-hot matrices, after regrouping the block so that rows pair a query row with a
-    key row and columns a query column with a key column; no atomics, so sums are deterministic."""
+    dropped). Two products with one-hot matrices (see :func:`_one_hot_product` for ``PARTS``, the inputs'
+    dtype), after regrouping the block so that rows pair a query row with a key row and columns a query column
+    with a key column; no atomics, so sums are deterministic."""
     ds = tl.reshape(ds, (BQI, P, BKI, P))
     ds = tl.permute(ds, (0, 2, 1, 3))
     ds = tl.reshape(ds, (BQI * BKI, P * P))
@@ -140,9 +164,9 @@ def offset_sums(
     row_bin = pair // BKI - pair % BKI + row_shift
     col = tl.arange(0, P * P)
     col_bin = col // P - col % P + col_shift
-    by_col = tl.dot(ds, (col_bin[:, None] == tl.arange(0, BT_COLS)[None, :]).to(tl.float32), input_precision="tf32x3")
+    by_col = _one_hot_product(ds, col_bin[:, None] == tl.arange(0, BT_COLS)[None, :], False, PARTS)
     rows = tl.arange(0, BT_ROWS)
-    return tl.dot((rows[:, None] == row_bin[None, :]).to(tl.float32), by_col, input_precision="tf32x3")
+    return _one_hot_product(by_col, rows[:, None] == row_bin[None, :], True, PARTS)
 
 
 @triton.jit

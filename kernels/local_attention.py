@@ -120,16 +120,23 @@ def _local_scores(
     (queries, keys), -inf where the key is not in the query's window. With KEY_MAJOR, the caller passes the
     key tile as ``q`` and the query tile as ``k`` (positions likewise, offset negated) and gets (keys, queries)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    di = q_row[:, None] - k_row[None, :] - a * C
-    dj = q_col[:, None] - k_col[None, :] - b * C
-    if KEY_MAJOR:
-        di, dj = -di, -dj
     allowed = ((q_row < C) & (q_col < C))[:, None] & k_valid[None, :]  # padding rows and columns read no bias
     if EXACT == 1:
+        di = q_row[:, None] - k_row[None, :] - a * C
+        dj = q_col[:, None] - k_col[None, :] - b * C
         allowed = allowed & (di <= W) & (di >= -W) & (dj <= W) & (dj >= -W)
     if HAS_REL_BIAS:
-        index = (di + 2 * W - 1) * (4 * W - 1) + (dj + 2 * W - 1)
-        s += tl.load(rel_bias + index, mask=allowed, other=0.0).to(tl.float32) * 1.4426950408889634
+        # Offset (di, dj), query minus key, is entry (di + 2W - 1) * T + dj + 2W - 1 of the table; a position's
+        # share of it is row * T + column, so that each score adds one difference of per-position indices.
+        T: tl.constexpr = 4 * W - 1
+        first = q_row * T + q_col
+        second = k_row * T + k_col
+        if KEY_MAJOR:
+            index = (second + (2 * W - 1) * (T + 1) + (a * T + b) * C)[None, :] - first[:, None]
+        else:
+            index = (first + (2 * W - 1) * (T + 1) - (a * T + b) * C)[:, None] - second[None, :]
+        bias = tl.load(rel_bias + index, mask=allowed, other=float("-inf"))
+        return s + bias.to(tl.float32) * 1.4426950408889634
     return tl.where(allowed, s, float("-inf"))
 
 
@@ -539,7 +546,15 @@ def _bwd_dq_kernel(
                     dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
                     if HAS_REL_BIAS:  # the (4W-1)^2 table as (row offset, column offset) bins
                         drb += offset_sums(
-                            ds, first_row - kb * BKI - a * C + 2 * W - 1, -b * C + 2 * W - 1, P, BQI, BKI, BT, BT
+                            ds,
+                            first_row - kb * BKI - a * C + 2 * W - 1,
+                            -b * C + 2 * W - 1,
+                            P,
+                            BQI,
+                            BKI,
+                            BT,
+                            BT,
+                            k.dtype,
                         )
             _store_tile(
                 DQ + bh * X * Y * HEAD_DIM, Y * HEAD_DIM, HEAD_DIM, qx, qy, q_valid, dq * scale, HEAD_DIM, BLOCK_D

@@ -542,7 +542,15 @@ def _bwd_dq_kernel(
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
             if HAS_REL_BIAS:  # the key block starts (start - t0) // KB rows of KB after the tile
                 drb += offset_sums(
-                    ds, BEFORE // KB - (start - t0) // KB, KB - 1, KB, BM // KB, BN // KB, BT_ROWS, BT_COLS
+                    ds,
+                    BEFORE // KB - (start - t0) // KB,
+                    KB - 1,
+                    KB,
+                    BM // KB,
+                    BN // KB,
+                    BT_ROWS,
+                    BT_COLS,
+                    k.dtype,
                 )
         store_rows(DQ + b_idx * s_gb + h * s_gh, q_pos * s_gl, q_valid, dq * scale, HEAD_DIM, BLOCK_D)
 

@@ -324,3 +324,68 @@ def test_kernels_compile_for_a_gpu():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("| sm_90 | 1D |") == 2 + 3  # the delta and global-key passes, and one per tile shape
+
+
+@pytest.mark.parametrize("parts", ["float32", "bfloat16", "float16"])
+def test_bias_bins_sum_score_gradients_per_offset_to_float32_accuracy(parts):
+    # flash.offset_sums, which sums the dQ pass's score gradients into the bias table's bins, against sums per
+    # (row offset, column offset) taken here in float64: with half-precision parts each float32 term is split in
+    # two (its high part alone would be off by 2^-9 of it), with float32 three TF32 products.
+    import triton
+    import triton.language as tl
+
+    if parts == "bfloat16" and not _interpreter_multiplies_bfloat16():
+        pytest.skip("this Triton interpreter computes tl.dot on bfloat16 operands wrongly (a 16x16 probe fails)")
+
+    @triton.jit
+    def bins_kernel(
+        DS,
+        OUT,
+        row_shift,
+        col_shift,
+        P: tl.constexpr,
+        BQI: tl.constexpr,
+        BKI: tl.constexpr,
+        BT: tl.constexpr,
+        PARTS: tl.constexpr,
+    ):
+        i, j, t = tl.arange(0, BQI * P), tl.arange(0, BKI * P), tl.arange(0, BT)
+        ds = tl.load(DS + i[:, None] * (BKI * P) + j[None, :])
+        sums = flash.offset_sums(ds, row_shift, col_shift, P, BQI, BKI, BT, BT, PARTS)
+        tl.store(OUT + t[:, None] * BT + t[None, :], sums)
+
+    P, BQI, BKI, BT, row_shift, col_shift = 8, 4, 8, 32, 9, 10  # every bin inside the (BT, BT) table
+    ds = torch.randn(BQI * P, BKI * P, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, BKI * P)
+    out = torch.full((BT, BT), float("nan"), device=DEVICE)
+    bins_kernel[(1,)](ds.to(DEVICE), out, row_shift, col_shift, P, BQI, BKI, BT, getattr(tl, parts))
+    q, k = torch.arange(BQI * P), torch.arange(BKI * P)
+    rows = ((q // P)[:, None] - (k // P)[None, :] + row_shift).flatten()
+    cols = ((q % P)[:, None] - (k % P)[None, :] + col_shift).flatten()
+    expected, magnitude, terms = (torch.zeros(BT, BT, dtype=torch.float64) for _ in range(3))
+    expected.index_put_((rows, cols), ds.double().flatten(), accumulate=True)
+    magnitude.index_put_((rows, cols), ds.double().abs().flatten(), accumulate=True)
+    terms.index_put_((rows, cols), torch.ones(rows.shape, dtype=torch.float64), accumulate=True)
+    assert (terms > 0).sum() == (BQI + BKI - 1) * (2 * P - 1)  # every offset of the block has its bin
+    # each term off by at most 2^-16 of itself, or, in float16, by the subnormal spacing of its rest, 2^-24
+    allowed = 2e-5 * magnitude + (2**-24 * terms if parts == "float16" else 0) + 1e-30
+    assert ((out.cpu().double() - expected).abs() <= allowed).all()
+
+
+def test_the_default_on_cuda_is_triton_for_the_windows_its_kernels_take(monkeypatch, caplog):
+    from vil.ops import registry
+    from vil.ops.neighborhood import Neighborhood2d
+
+    def queries(D):  # no memory where there is no GPU (the interpreter takes any device)
+        device = "cuda" if torch.cuda.is_available() else "meta"
+        return torch.empty(2, 3, 14, 14, D, dtype=torch.bfloat16, device=device)
+
+    monkeypatch.setattr(registry, "_warned_passed_over", set())
+    cuda = torch.device("cuda")
+    assert registry.default_backend(cuda, torch.bfloat16, 2, Neighborhood2d(7), queries(32)) == "triton"
+    with caplog.at_level("WARNING", logger=registry.__name__):
+        assert registry.default_backend(cuda, torch.bfloat16, 2, Neighborhood2d(7), queries(24)) == "sliding_chunk"
+        wide = Neighborhood2d(kernels.MAX_WINDOW + 1)
+        assert registry.default_backend(cuda, torch.bfloat16, 2, wide, queries(32)) == "sliding_chunk"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all(w.endswith("Using sliding_chunk instead.") for w in warnings)
+    assert "got 24" in warnings[0] and f"got {kernels.MAX_WINDOW + 1}" in warnings[1]

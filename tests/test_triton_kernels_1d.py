@@ -204,7 +204,7 @@ def test_the_default_on_cuda_is_triton_for_the_bands_its_kernels_take(monkeypatc
     cuda, band = torch.device("cuda"), Neighborhood1d(256, 2, causal=True)
     assert default_backend(cuda, torch.float16, dims=1) == "triton"
     assert default_backend(cuda, torch.float16, 1, band, queries(2, 12, 64)) == "triton"
-    assert default_backend(cuda, torch.float16, dims=2) == "sliding_chunk"  # 2D: not measured on a GPU yet
+    assert default_backend(cuda, torch.float16, dims=2) == "triton"
     with caplog.at_level("WARNING", logger=registry.__name__):
         for _ in range(2):  # passed over with one warning per reason, which names what the kernels take
             assert default_backend(cuda, torch.float16, 1, band, queries(2, 12, 8)) == "sliding_chunk"

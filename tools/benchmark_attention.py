@@ -23,6 +23,8 @@ The default backends are every backend of the registry (``vil/ops/registry.py``)
 against the map size (log scales, one line per backend, as the original paper's implementation study):
 ``PREFIX_time.png`` and ``PREFIX_memory.png``. ``--profile`` also prints, before each size's rows, torch.profiler's
 table of one forward+backward per backend: where its time goes, operator by operator (and kernel by kernel on CUDA).
+``--host-time`` (CUDA) also reports the host's time per call, with calls queued without waiting for the GPU, beside
+the time per call of the whole queue: where they are close, the host sets the pace.
 Each backend's first call is reported on stderr as it ends ("progress: triton at 28x28: first call 12.3 s"), so that
 a long compilation shows where it is.
 
@@ -122,6 +124,12 @@ def parse_args(argv=None):
         help="also print, per size and backend, torch.profiler's table of one forward+backward (the operators and, "
         "on CUDA, the kernels that take the most time)",
     )
+    p.add_argument(
+        "--host-time",
+        action="store_true",
+        help="also print, per size and backend, the host's time per call, with calls queued back to back without "
+        "waiting for the GPU, and the time per call of the whole queue (CUDA only)",
+    )
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png and PREFIX_memory.png")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure the backends at one size, print JSON
@@ -174,9 +182,9 @@ def prepare(args, backend, size):
             out = op(q, k, v, args.window, **geometry, global_k=gk, global_v=gv, rel_bias=rel, backend=backend)
             out.backward(torch.ones_like(out))
 
-    def run():  # the gradients are freed at the end, so that the next call's peak memory counts them
+    def run(wait=True):  # the gradients are freed at the end, so that the next call's peak memory counts them
         step()
-        if device.type == "cuda":
+        if wait and device.type == "cuda":
             torch.cuda.synchronize()
         for t in leaves:
             t.grad = None
@@ -184,6 +192,23 @@ def prepare(args, backend, size):
     input_bytes = sum(t.numel() for t in leaves) * leaves[0].element_size()
     io_bytes = 2 * input_bytes + 2 * out_numel * leaves[0].element_size()  # inputs, output, their gradients
     return run, input_bytes, io_bytes
+
+
+def host_time(backend, run, point, calls=20):
+    """The line that says the host's time per call (launches, checks, autograd), with ``calls`` calls queued
+    without waiting for the GPU, against the time per call until the GPU has run them all: where the two are
+    close, the host sets the pace."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run(wait=False)
+    queued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    done = time.perf_counter() - start
+    return (
+        f"{PROGRESS}{backend} at {point}: host {queued / calls * 1e3:.3f} ms per call, "
+        f"{done / calls * 1e3:.3f} ms per call back to back"
+    )
 
 
 def measure(args, backends, size):
@@ -216,6 +241,9 @@ def measure(args, backends, size):
             results[backend][0].append(time.perf_counter() - start)
     for backend in ready:
         results[backend][0] = min(results[backend][0])
+    if args.host_time and args.device == "cuda":
+        for backend, run in ready.items():
+            print(host_time(backend, run, point_name(size, args.dim)), file=sys.stderr)
     if args.profile:
         for backend, run in ready.items():
             print(f"\n{backend} at {point_name(size, args.dim)}, one forward+backward:")
@@ -260,7 +288,12 @@ def run_size(args, backends, size):
         "--repeats": args.repeats,
     }
     options.update({"--exact": args.exact} if args.dim == 2 else {"--dilation": args.dilation})
-    switches = (("--rel-bias", args.rel_bias), ("--causal", args.causal), ("--profile", args.profile))
+    switches = (
+        ("--rel-bias", args.rel_bias),
+        ("--causal", args.causal),
+        ("--profile", args.profile),
+        ("--host-time", args.host_time),
+    )
     flags = [flag for flag, on in switches if on]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([measured, size])]
     argv += [str(x) for item in options.items() for x in item] + flags

@@ -48,6 +48,7 @@ BACKENDS = {
 FASTEST = {
     ("cpu", 2): ("fused_cpu", "sliding_chunk"),
     ("cpu", 1): ("fused_cpu", "sliding_chunk"),
+    ("cuda", 2): ("triton", "sliding_chunk"),
     ("cuda", 1): ("triton", "sliding_chunk"),
 }
 FASTEST_ELSEWHERE = ("sliding_chunk",)
@@ -75,10 +76,9 @@ def default_backend(
     """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: the fastest measured that
     computes ``dims``-D windows there (see BENCHMARKS.md) and, given the request's neighbourhood ``hood`` and
     queries ``q``, takes them. On the CPU that is ``fused_cpu`` (every dtype; half precision in and out, computed
-    in float32), or ``sliding_chunk`` where its C++ kernel cannot be built; on CUDA ``triton`` for 1D bands
-    (``sliding_chunk`` where its kernels cannot take the request, e.g. a head_dim under 16) and ``sliding_chunk``
-    for 2D windows; elsewhere ``sliding_chunk``. Each reason to pass over a faster backend is logged once, as a
-    warning."""
+    in float32), or ``sliding_chunk`` where its C++ kernel cannot be built; on CUDA ``triton`` (``sliding_chunk``
+    where its kernels cannot take the request, e.g. a head_dim under 16); elsewhere ``sliding_chunk``. Each reason
+    to pass over a faster backend is logged once, as a warning."""
     device = torch.device(device)
     passed_over = []
     for name in fastest(device.type, dims):
