@@ -115,9 +115,9 @@ def _runs_on_the_cpu(backend):
     return devices is None or "cpu" in devices
 
 
-# The 2D backends the model test above does not compile, and every 1D backend, on the CPU. Not the Triton one:
-# it is an operator of its own as fused_cpu is, and its interpreter takes a minute for this on the CPU.
-OTHER_2D = [b for b in available_backends(2) if b not in COMPILED_BACKENDS + ["triton"] and _runs_on_the_cpu(b)]
+# The 2D backends the model test above does not compile, and every 1D backend, on the CPU (the Triton kernels under
+# their interpreter).
+OTHER_2D = [b for b in available_backends(2) if b not in COMPILED_BACKENDS and _runs_on_the_cpu(b)]
 ALL_1D = [b for b in available_backends(1) if _runs_on_the_cpu(b)]
 
 

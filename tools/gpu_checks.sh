@@ -12,8 +12,9 @@
 # Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS, default
 # 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_4 seconds; steps
 # 3 and 4 share theirs out among their runs), so that a slow step cannot take the time of the next. The studies print
-# each size's rows as it ends, after the profiler's table of each backend (kernel by kernel); their last column is the
-# first call's time (compilation and tuning), and each backend's first call is reported as it ends. With the defaults
+# each size's rows as it ends, after the profiler's table of each backend (kernel by kernel) and, but for flex in 2D,
+# the host's time per call against the GPU's (--host-time); their last column is the first call's time (compilation
+# and tuning), and each backend's first call is reported as it ends. With the defaults
 # the whole script takes at most 13 minutes (split it with STEPS where a machine is lent for less at a time). Logs and
 # tables go to OUT (default docs/): tests_triton.log, tests_flex.log, studies.log, attention_gpu.md,
 # attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md. Each step goes on after a failing one, and the
@@ -63,19 +64,21 @@ for step in $STEPS; do
     2) limited "${LIMIT_2:-120}" "$OUT/tests_flex.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_local_attention.py tests/test_local_attention_1d.py -k "flex and cuda" ;;
     3) # flex in a run of its own, so that its compilation (minutes, before its window rule was in closed form) holds
-       # back no other row
-       for run in "attention_gpu:triton sliding_chunk" "attention_gpu_flex:flex"; do
-         # shellcheck disable=SC2086  # a list of backends
+       # back no other row; the host's time per call (--host-time) in the first run only: flex takes 0.7 s a call at
+       # 112x112
+       for run in "attention_gpu:triton sliding_chunk:--host-time" "attention_gpu_flex:flex:"; do
+         IFS=: read -r table backends host_time <<< "$run"
+         # shellcheck disable=SC2086  # a list of backends, and a switch or nothing
          limited $((${LIMIT_3:-180} / 2)) "$OUT/studies.log" python tools/benchmark_attention.py --device cuda \
            --dtype bfloat16 --batch 64 --heads 3 --head-dim 32 --window 7 --num-global 1 --rel-bias --sizes 28 56 112 \
-           --backends ${run#*:} --profile --markdown "$OUT/${run%%:*}.md"
+           --backends $backends --profile $host_time --markdown "$OUT/$table.md"
        done ;;
     4) for causal in "" "--causal"; do
          for dilation in 1 2; do
            # shellcheck disable=SC2086  # SIZES_1D is a list of lengths
            limited $((${LIMIT_4:-280} / 4)) "$OUT/studies.log" python tools/benchmark_attention.py --dim 1 --device cuda \
              --dtype bfloat16 --sizes $SIZES_1D --dilation "$dilation" $causal \
-             --backends triton flex sliding_chunk chunks --profile \
+             --backends triton flex sliding_chunk chunks --profile --host-time \
              --markdown "$OUT/attention_gpu_1d_dilation${dilation}${causal:+_causal}.md"
          done
        done ;;
