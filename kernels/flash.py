@@ -7,7 +7,7 @@ they are added), so the softmax uses ``exp2`` and the saved log-sum-exp is in ba
 """
 
 import os
-from functools import partial, wraps
+from functools import cache, partial, wraps
 
 import torch
 import triton
@@ -28,6 +28,17 @@ def interpreting():
 
 # Allocator of every buffer a kernel writes; tests replace it with one that fills buffers with NaN.
 new_output = torch.empty
+
+
+def cdiv(a, b):
+    """``ceil(a / b)`` for the launchers (Triton's ``triton.cdiv`` is a constexpr function, about 2 µs a call)."""
+    return -(-a // b)
+
+
+@cache
+def next_power_of_2(n):
+    """``triton.next_power_of_2``, cached: the launchers call it for a few sizes on every call."""
+    return triton.next_power_of_2(n)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,7 +217,7 @@ def delta(o, do):
     """rowsum(dO * O) of (B, H, N, D) tensors with unit stride along D: (B, H, N) float32."""
     B, H, N, D = o.shape
     out = new_output((B, H, N), dtype=torch.float32, device=o.device)
-    delta_kernel[(triton.cdiv(N, DELTA_BLOCK_N), B * H)](
+    delta_kernel[(cdiv(N, DELTA_BLOCK_N), B * H)](
         o,
         do,
         out,
@@ -215,7 +226,7 @@ def delta(o, do):
         H,
         N,
         HEAD_DIM=D,
-        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_D=next_power_of_2(D),
         BLOCK_N=DELTA_BLOCK_N,
     )
     return out
@@ -224,8 +235,8 @@ def delta(o, do):
 def program_split(items, other_programs):
     """``(items per program, programs)`` for ``items`` shared out over programs that run beside
     ``other_programs`` others each: about ``TARGET_PROGRAMS`` in all."""
-    per_program = min(items, triton.cdiv(items * other_programs, TARGET_PROGRAMS))
-    return per_program, triton.cdiv(items, per_program)
+    per_program = min(items, cdiv(items * other_programs, TARGET_PROGRAMS))
+    return per_program, cdiv(items, per_program)
 
 
 def global_strides(gk, gv):

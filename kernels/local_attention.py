@@ -26,6 +26,7 @@ shares with the 1D kernels (the online softmax, global keys, bias-gradient sums,
 """
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -616,7 +617,7 @@ def present_first(table, offsets):
 
 def chunk_pad(window):
     """P, the power of two >= the chunk side that tiles are laid out in."""
-    return max(4, triton.next_power_of_2(window))
+    return max(4, flash.next_power_of_2(window))
 
 
 def _tile_shapes(chunk_pad):
@@ -632,12 +633,13 @@ def num_warps(query_rows, chunk_pad):
     return 4 if query_rows * chunk_pad <= 64 else 8
 
 
+@cache
 def _candidates(chunk_pad):
-    return [(bq, bk, num_warps(bq, chunk_pad)) for bq, bk in _tile_shapes(chunk_pad)]
+    return tuple((bq, bk, num_warps(bq, chunk_pad)) for bq, bk in _tile_shapes(chunk_pad))
 
 
 def _strides4(t):
-    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+    return t.stride()[:4]
 
 
 @flash.on_the_inputs_device
@@ -683,8 +685,8 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
             EXACT=geo.exact,
             N_OFF=geo.num_slots,
             HEAD_DIM=D,
-            BLOCK_D=triton.next_power_of_2(D),
-            BLOCK_G=max(16, triton.next_power_of_2(G)),
+            BLOCK_D=flash.next_power_of_2(D),
+            BLOCK_G=max(16, flash.next_power_of_2(G)),
             HAS_GLOBAL=G > 0,
             HAS_REL_BIAS=rel_bias is not None,
             HAS_GLOBAL_BIAS=global_bias is not None,
@@ -703,8 +705,8 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
     """The gradients of :func:`forward`, as a dict (dq, dk, dv, dgk, dgv, drb, dgb; None for absent inputs)."""
     B, H, X, Y, D = q.shape
     G = 0 if gk is None else gk.shape[2]
-    BLOCK_D, BLOCK_G = triton.next_power_of_2(D), max(16, triton.next_power_of_2(G))
-    BT = max(16, triton.next_power_of_2(4 * geo.window - 1))
+    BLOCK_D, BLOCK_G = flash.next_power_of_2(D), max(16, flash.next_power_of_2(G))
+    BT = max(16, flash.next_power_of_2(4 * geo.window - 1))
     dummy = q.new_empty(0)
     precision = flash.dot_precision(q.dtype)
     common = dict(

@@ -648,13 +648,13 @@ def bias_bins(query_tile, key_block, window):
     while kb > 4 and (query_tile // kb) * (key_block // kb) < 16:
         kb //= 2
     rows = -(-window // kb)  # |query row - key row| <= ceil(W / KB) inside the band
-    return kb, rows * kb, max(16, triton.next_power_of_2(2 * rows + 1)), max(16, 2 * kb)
+    return kb, rows * kb, max(16, flash.next_power_of_2(2 * rows + 1)), max(16, 2 * kb)
 
 
 def lattice_tiles(length, dilations, tile):
     """Programs along the sequence for tiles of ``tile`` lattice indices: the most any head needs (its dilation
     times its residues' tiles)."""
-    return max(d * triton.cdiv(triton.cdiv(length, d), tile) for d in set(dilations))
+    return max(d * flash.cdiv(flash.cdiv(length, d), tile) for d in set(dilations))
 
 
 def scored_pairs(length, window, dilations, causal, num_global):
@@ -669,7 +669,7 @@ def scored_pairs(length, window, dilations, causal, num_global):
             for t0 in range(0, n, tile):
                 first = t0 - window + max(0, window - t0) // block * block
                 stop = min(t0 + tile + (0 if causal else window), n)
-                pairs += tile * (triton.cdiv(max(stop - first, 0), block) * block + num_global)
+                pairs += tile * (flash.cdiv(max(stop - first, 0), block) * block + num_global)
     return pairs
 
 
@@ -685,7 +685,7 @@ def _dilation_table(dilations, device):
 
 
 def _strides3(t):
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
 
 
 def _mask(key_padding_mask, q):
@@ -737,7 +737,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
             BEFORE=window,
             CAUSAL=causal,
             HEAD_DIM=D,
-            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_D=flash.next_power_of_2(D),
             BLOCK_G=BLOCK_G,
             HAS_GLOBAL=G > 0,
             HAS_REL_BIAS=rel_bias is not None,
@@ -766,7 +766,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
         W=window,
         CAUSAL=causal,
         HEAD_DIM=D,
-        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_D=flash.next_power_of_2(D),
         HAS_REL_BIAS=rel_bias is not None,
         HAS_MASK=key_padding_mask is not None,
         DOT_PRECISION=flash.dot_precision(q.dtype),
@@ -887,8 +887,8 @@ def _bias_gradient(table_sums, kb, before, window):
 def _global_gradients(q, gk, gv, do, global_bias, lse, delta, scale):
     B, H, L, D = q.shape
     G = gk.shape[2]
-    blocks = triton.cdiv(G, BLOCK_G)
-    per_program, segments = flash.program_split(triton.cdiv(L, BLOCK_N), B * H * blocks)
+    blocks = flash.cdiv(G, BLOCK_G)
+    per_program, segments = flash.program_split(flash.cdiv(L, BLOCK_N), B * H * blocks)
     segment = per_program * BLOCK_N
     dgk = flash.new_output((segments, B * H, G, D), dtype=torch.float32, device=q.device)
     dgv = flash.new_output((segments, B * H, G, D), dtype=torch.float32, device=q.device)
@@ -917,7 +917,7 @@ def _global_gradients(q, gk, gv, do, global_bias, lse, delta, scale):
         segment,
         scale * LOG2E,
         HEAD_DIM=D,
-        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_D=flash.next_power_of_2(D),
         BLOCK_G=BLOCK_G,
         HAS_GLOBAL_BIAS=global_bias is not None,
         BLOCK_N=BLOCK_N,

@@ -186,22 +186,21 @@ def _choose(backend, hood, q, trains):
             _log.info(
                 "local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type
             )
-    able = available_backends(dims)
     if backend not in BACKENDS:
-        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(able)}.")
+        able = ", ".join(available_backends(dims))
+        raise ValueError(f"Unknown local attention backend {backend!r}; available: {able}.")
     b = BACKENDS[backend]
     if not b.computes(dims):
-        raise ValueError(
-            f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {', '.join(able)}."
-        )
+        able = ", ".join(available_backends(dims))
+        raise ValueError(f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {able}.")
     if hood.dilated and b.dilation(dims) is None:
-        others = [n for n in able if BACKENDS[n].dilation(dims) is not None]
+        others = [n for n in available_backends(dims) if BACKENDS[n].dilation(dims) is not None]
         raise ValueError(
             f"The {backend} backend computes undilated windows only; backends with dilation: {', '.join(others)}."
         )
     device = q.device.type
     if not b.runs_on(device):
-        others = [n for n in able if BACKENDS[n].runs_on(device)]
+        others = [n for n in available_backends(dims) if BACKENDS[n].runs_on(device)]
         raise ValueError(
             f"The {backend} backend runs on {_listed(b.devices)} tensors, but q is on {q.device}; "
             f"backends that run there: {', '.join(others)}."
@@ -211,7 +210,7 @@ def _choose(backend, hood, q, trains):
             "q is on the meta device, which holds no values to attend over; give tensors on a real device."
         )
     if trains and not b.trains_on_device(device):
-        others = [n for n in able if BACKENDS[n].trains_on_device(device)]
+        others = [n for n in available_backends(dims) if BACKENDS[n].trains_on_device(device)]
         raise ValueError(
             f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
             f"backends that can: {', '.join(others)}."
