@@ -46,14 +46,19 @@ def fused_attention(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: E
     """``b``'s passes: the inputs as they take them (``b.prepare``), autocast off (the passes choose their dtypes),
     the output in q's dtype. Through its operator where anything watches or transforms operators
     (:func:`_operators_watched`); otherwise through :class:`_EagerPasses`, the same passes without the operator's
-    dispatch, whose Python layers cost about as much host time as the passes themselves."""
+    dispatch, whose Python layers cost about as much host time as the passes themselves, or, where nothing needs a
+    gradient, the forward pass alone."""
     inputs = b.prepare(q, k, v, hood, extras) if b.prepare is not None else (q, k, v, extras)
     with torch.autocast(q.device.type, enabled=False):
         if _operators_watched(inputs[0]):
             out = _fused_operator(b.name, *inputs, hood)
         else:
             q_in, k_in, v_in, ex = inputs
-            out = _EagerPasses.apply(b.name, hood, ex.scale, ex.key_padding_mask, q_in, k_in, v_in, *ex.differentiable)
+            tensors = (q_in, k_in, v_in, *ex.differentiable)
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+                out = _EagerPasses.apply(b.name, hood, ex.scale, ex.key_padding_mask, *tensors)
+            else:  # nothing to differentiate: the forward pass alone
+                out = _forward(b.name, q_in, k_in, v_in, hood, ex)[0]
     return out.to(q.dtype)
 
 
