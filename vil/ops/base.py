@@ -20,6 +20,11 @@ def tracing(q: Tensor) -> bool:
     return torch.compiler.is_compiling() or is_fake(q)
 
 
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records a call on these tensors (None for absent ones): a gradient is on and one needs it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def exporting_to_onnx() -> bool:
     """ONNX exports (either exporter) and TorchScript's tracer record standard operators only."""
     return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()

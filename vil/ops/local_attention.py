@@ -16,7 +16,7 @@ from typing import Optional, Union
 import torch
 
 from . import operators, split
-from .base import Extras, exporting_to_onnx, tracing
+from .base import Extras, exporting_to_onnx, needs_grad, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import BACKENDS, available_backends, default_backend
 
@@ -73,7 +73,7 @@ def local_attention_2d(
     _check_tensors(q, k, v, optional, hood)
     extras = _extras(q, optional, scale)
     hood = split.fitted(hood, q, extras)
-    b = _choose(backend, hood, q, _needs_grad(q, k, v, *optional.values()))
+    b = _choose(backend, hood, q, needs_grad(q, k, v, *optional.values()))
     return _run(b, q, k, v, hood, extras, drawn_mode)
 
 
@@ -139,7 +139,7 @@ def local_attention_1d(
             raise ValueError(
                 f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}; both must match."
             )
-    b = _choose(backend, hood, q, _needs_grad(q, k, v, *optional.values()))
+    b = _choose(backend, hood, q, needs_grad(q, k, v, *optional.values()))
     return _run(b, q, k, v, hood, extras)
 
 
@@ -231,10 +231,6 @@ def _choose(backend, hood, q, trains):
 def _listed(names):
     names = list(names)
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def check_backend(

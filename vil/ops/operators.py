@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from . import split
-from .base import Backend, Extras, tracing
+from .base import Backend, Extras, needs_grad, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import BACKENDS
 
@@ -55,7 +55,7 @@ def fused_attention(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: E
         else:
             q_in, k_in, v_in, ex = inputs
             tensors = (q_in, k_in, v_in, *ex.differentiable)
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            if needs_grad(*tensors):
                 out = _EagerPasses.apply(b.name, hood, ex.scale, ex.key_padding_mask, *tensors)
             else:  # nothing to differentiate: the forward pass alone
                 out = _forward(b.name, q_in, k_in, v_in, hood, ex)[0]
