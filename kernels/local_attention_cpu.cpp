@@ -116,94 +116,6 @@ inline float exp2_nonpositive(float t) {
 
 inline double exp2_nonpositive(double t) { return std::exp2(t); }
 
-// Replaces one row of base-2 scores by 2^(score - its maximum), and gives the maximum and the sum. A row that sees
-// no key (all -inf) becomes zeros, with sum 0.
-template <typename T>
-void exponentiate_row(T* row, int n, T& max, T& sum) {
-  T m = row[0], s = 0;
-#pragma omp simd reduction(max : m)
-  for (int j = 0; j < n; ++j) m = m > row[j] ? m : row[j];  // std::max does not vectorise
-  if (m == -std::numeric_limits<T>::infinity()) m = 0;
-#pragma omp simd reduction(+ : s)
-  for (int j = 0; j < n; ++j) {
-    row[j] = exp2_nonpositive(row[j] - m);
-    s += row[j];
-  }
-  max = m;
-  sum = s;
-}
-
-// The backward of the softmax of n score rows (row length ld): the probabilities 2^(s - lse) in place of the
-// scores, and the score gradients dS = P * (dP - delta) in place of dP (delta = rowsum(dO * O)).
-template <typename T>
-void softmax_backward(int n, int ld, T* scores, T* grad_scores, const T* lse, const T* delta) {
-  for (int i = 0; i < n; ++i) {
-    T* p = scores + static_cast<int64_t>(i) * ld;
-    T* ds = grad_scores + static_cast<int64_t>(i) * ld;
-    const T row_lse = lse[i], row_delta = delta[i];
-#pragma omp simd
-    for (int j = 0; j < ld; ++j) {
-      p[j] = exp2_nonpositive(p[j] - row_lse);
-      ds[j] = p[j] * (ds[j] - row_delta);
-    }
-  }
-}
-
-#if VIL_AVX512
-// The vector forms of the loops above for float: 16 scores at a time, the row's tail under a mask.
-inline __mmask16 tail_mask(int remaining) { return static_cast<__mmask16>((1u << remaining) - 1u); }
-
-// As exp2_nonpositive: p(t - n) * 2^n; t <= -150 (and -inf) gives 0, NaN stays NaN.
-inline __m512 exp2_nonpositive(__m512 t) {
-  t = _mm512_max_ps(_mm512_set1_ps(-150.0f), t);  // the second operand where either is NaN
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) {
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(p, n);
-}
-
-inline void exponentiate_row(float* row, int n, float& max, float& sum) {
-  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const int whole = n - n % 16;
-  const __mmask16 tail = tail_mask(n % 16);
-  __m512 m = _mm512_mask_loadu_ps(lowest, tail, row + whole);
-  for (int j = 0; j < whole; j += 16) m = _mm512_max_ps(_mm512_loadu_ps(row + j), m);
-  float row_max = _mm512_reduce_max_ps(m);
-  if (row_max == -std::numeric_limits<float>::infinity()) row_max = 0;
-  const __m512 shift = _mm512_set1_ps(row_max);
-  __m512 s = _mm512_setzero_ps();
-  for (int j = 0; j < whole; j += 16) {
-    const __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
-    _mm512_storeu_ps(row + j, p);
-    s = _mm512_add_ps(s, p);
-  }
-  const __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_mask_loadu_ps(lowest, tail, row + whole), shift));
-  _mm512_mask_storeu_ps(row + whole, tail, p);
-  max = row_max;
-  sum = _mm512_reduce_add_ps(_mm512_add_ps(s, p));
-}
-
-inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const float* delta) {
-  const int whole = ld - ld % 16;
-  const __mmask16 tail = tail_mask(ld % 16);
-  for (int i = 0; i < n; ++i) {
-    float* p = scores + static_cast<int64_t>(i) * ld;
-    float* ds = grad_scores + static_cast<int64_t>(i) * ld;
-    const __m512 row_lse = _mm512_set1_ps(lse[i]), row_delta = _mm512_set1_ps(delta[i]);
-    for (int j = 0; j <= whole; j += 16) {
-      const __mmask16 lanes = j < whole ? __mmask16(0xffff) : tail;
-      const __m512 prob = exp2_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, p + j), row_lse));
-      _mm512_mask_storeu_ps(p + j, lanes, prob);
-      const __m512 grad = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, ds + j), row_delta);
-      _mm512_mask_storeu_ps(ds + j, lanes, _mm512_mul_ps(prob, grad));
-    }
-  }
-}
-#endif
-
 // A value of the storage type in the compute type, and back (rounding to nearest even). bfloat16 is the upper half
 // of a float: widened and narrowed with integer operations, which the compiler vectorises (c10's conversion
 // checks for NaN first, which it does not).
@@ -231,6 +143,194 @@ inline S narrow(T x) {
     return static_cast<S>(x);
   }
 }
+
+// What turns the products of a chunk (block) into its base-2 scores, where the softmax applies it as it reads each
+// row instead of in a pass of its own: times `factor`, plus `table` (the biases, row-major with the scores' row
+// length; -inf where the query does not see the key, whatever the product), or nothing where null.
+template <typename T>
+struct Finish {
+  T factor = 1;
+  const T* table = nullptr;
+  Finish offset(int64_t by) const { return {factor, table == nullptr ? nullptr : table + by}; }
+};
+
+template <typename T>
+void finish_row(T* row, int n, const Finish<T>& finish) {
+  const T masked = -std::numeric_limits<T>::infinity(), factor = finish.factor, *table = finish.table;
+  if (table != nullptr) {
+#pragma omp simd
+    for (int j = 0; j < n; ++j) row[j] = table[j] == masked ? masked : row[j] * factor + table[j];
+  } else if (factor != T(1)) {
+#pragma omp simd
+    for (int j = 0; j < n; ++j) row[j] *= factor;
+  }
+}
+
+// Turns one row of products into base-2 scores (finish), then writes 2^(score - its maximum) to out (the row itself,
+// or a row of the half type the products read), and gives the maximum and the sum (of the unrounded values). A row
+// that sees no key (all -inf) gives zeros, with sum 0.
+template <typename T, typename Out>
+void exponentiate_row(T* row, int n, const Finish<T>& finish, Out* out, T& max, T& sum) {
+  finish_row(row, n, finish);
+  T m = row[0], s = 0;
+#pragma omp simd reduction(max : m)
+  for (int j = 0; j < n; ++j) m = m > row[j] ? m : row[j];  // std::max does not vectorise
+  if (m == -std::numeric_limits<T>::infinity()) m = 0;
+#pragma omp simd reduction(+ : s)
+  for (int j = 0; j < n; ++j) {
+    const T p = exp2_nonpositive(row[j] - m);
+    s += p;
+    out[j] = narrow<Out>(p);
+  }
+  max = m;
+  sum = s;
+}
+
+// The backward of the softmax of n rows of products (row length ld): the probabilities 2^(finish(s) - lse) in place of
+// the products, and the score gradients dS = P * (dP - delta) in place of dP (delta = rowsum(dO * O)), also added to
+// grad_sum (a matrix of the same shape) where it is not null.
+template <typename T>
+void softmax_backward(int n, int ld, T* scores, T* grad_scores, const T* lse, const T* delta, const Finish<T>& finish,
+                      T* grad_sum) {
+  for (int i = 0; i < n; ++i) {
+    const int64_t offset = static_cast<int64_t>(i) * ld;
+    T *p = scores + offset, *ds = grad_scores + offset;
+    finish_row(p, ld, finish.offset(offset));
+    const T row_lse = lse[i], row_delta = delta[i];
+#pragma omp simd
+    for (int j = 0; j < ld; ++j) {
+      p[j] = exp2_nonpositive(p[j] - row_lse);
+      ds[j] = p[j] * (ds[j] - row_delta);
+    }
+    if (grad_sum != nullptr) {
+      T* sum = grad_sum + offset;
+#pragma omp simd
+      for (int j = 0; j < ld; ++j) sum[j] += ds[j];
+    }
+  }
+}
+
+#if VIL_AVX512
+// The vector forms of the loops above for float: 16 scores at a time, the row's tail under a mask.
+inline __mmask16 tail_mask(int remaining) { return static_cast<__mmask16>((1u << remaining) - 1u); }
+
+// The lanes of the 16 columns from j (< n) of a row of n: all, or the row's tail.
+inline __mmask16 lanes_at(int j, int n) { return j + 16 <= n ? __mmask16(0xffff) : tail_mask(n - j); }
+
+// As exp2_nonpositive: p(t - n) * 2^n; t <= -150 (and -inf) gives 0, NaN stays NaN.
+inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(_mm512_set1_ps(-150.0f), t);  // the second operand where either is NaN
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+// finish applied to 16 products (table: the same lanes of the finish's table row, or null).
+inline __m512 finish_lanes(__m512 s, __m512 factor, const float* table, __mmask16 lanes) {
+  if (table == nullptr) return _mm512_mul_ps(s, factor);
+  const __m512 masked = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 t = _mm512_mask_loadu_ps(masked, lanes, table);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, masked, _CMP_EQ_OQ), _mm512_fmadd_ps(s, factor, t), masked);
+}
+
+// 16 floats rounded to bfloat16 (to nearest even, NaN kept), as narrow does one; where the build targets AVX512-BF16,
+// by its one conversion instruction, which also flushes subnormals (below 1.2e-38) to zero.
+inline __m256i round_to_bfloat16(__m512 x) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)));
+#endif
+}
+
+// 16 floats rounded to half (to nearest even), as c10's conversion does one.
+inline __m256i round_to_half(__m512 x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// Stores of 16 lanes, rounded to the half types. A masked store of 16-bit words only for a row's tail: compilers
+// fold a masked store into the integer narrowing of round_to_bfloat16, a slow instruction on some CPUs (Zen 4).
+inline void store_words(void* out, __mmask16 lanes, __m256i words) {
+  if (lanes == 0xffff) {
+    _mm256_storeu_si256(static_cast<__m256i*>(out), words);
+  } else {
+    _mm256_mask_storeu_epi16(out, lanes, words);
+  }
+}
+inline void store_lanes(float* out, __mmask16 lanes, __m512 x) { _mm512_mask_storeu_ps(out, lanes, x); }
+inline void store_lanes(c10::BFloat16* out, __mmask16 lanes, __m512 x) {
+  store_words(out, lanes, round_to_bfloat16(x));
+}
+inline void store_lanes(c10::Half* out, __mmask16 lanes, __m512 x) { store_words(out, lanes, round_to_half(x)); }
+
+template <typename Out>
+void exponentiate_row(float* row, int n, const Finish<float>& finish, Out* out, float& max, float& sum) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 factor = _mm512_set1_ps(finish.factor);
+  const bool unfinished = finish.table != nullptr || finish.factor != 1.0f;
+  __m512 m = lowest;
+  for (int j = 0; j < n; j += 16) {  // the scores, and their maximum
+    const __mmask16 lanes = lanes_at(j, n);
+    __m512 s = _mm512_mask_loadu_ps(lowest, lanes, row + j);
+    if (unfinished) {
+      s = finish_lanes(s, factor, finish.table == nullptr ? nullptr : finish.table + j, lanes);
+      _mm512_mask_storeu_ps(row + j, lanes, s);
+    }
+    m = _mm512_max_ps(s, m);
+  }
+  float row_max = _mm512_reduce_max_ps(m);
+  if (row_max == -std::numeric_limits<float>::infinity()) row_max = 0;
+  const __m512 shift = _mm512_set1_ps(row_max);
+  __m512 s = _mm512_setzero_ps();
+  for (int j = 0; j < n; j += 16) {
+    const __mmask16 lanes = lanes_at(j, n);
+    const __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_mask_loadu_ps(lowest, lanes, row + j), shift));
+    store_lanes(out + j, lanes, p);
+    s = _mm512_add_ps(s, p);
+  }
+  max = row_max;
+  sum = _mm512_reduce_add_ps(s);
+}
+
+// The probabilities and score gradients of 16 columns of one row (see softmax_backward).
+struct SoftmaxLanes {
+  __m512 prob, grad;
+};
+
+inline SoftmaxLanes softmax_backward_lanes(const float* s, const float* dp, const Finish<float>& finish, __m512 lse,
+                                           __m512 delta, __mmask16 lanes) {
+  const __m512 finished = finish_lanes(_mm512_maskz_loadu_ps(lanes, s), _mm512_set1_ps(finish.factor),
+                                       finish.table, lanes);
+  const __m512 prob = exp2_nonpositive(_mm512_sub_ps(finished, lse));
+  return {prob, _mm512_mul_ps(prob, _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, dp), delta))};
+}
+
+inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const float* delta,
+                             const Finish<float>& finish, float* grad_sum) {
+  for (int i = 0; i < n; ++i) {
+    const int64_t offset = static_cast<int64_t>(i) * ld;
+    const __m512 row_lse = _mm512_set1_ps(lse[i]), row_delta = _mm512_set1_ps(delta[i]);
+    for (int j = 0; j < ld; j += 16) {
+      const __mmask16 lanes = lanes_at(j, ld);
+      const SoftmaxLanes x = softmax_backward_lanes(scores + offset + j, grad_scores + offset + j,
+                                                    finish.offset(offset + j), row_lse, row_delta, lanes);
+      _mm512_mask_storeu_ps(scores + offset + j, lanes, x.prob);
+      _mm512_mask_storeu_ps(grad_scores + offset + j, lanes, x.grad);
+      if (grad_sum != nullptr) {
+        float* sum = grad_sum + offset + j;
+        _mm512_mask_storeu_ps(sum, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sum), x.grad));
+      }
+    }
+  }
+}
+#endif
 
 // One query's output (its unnormalised output o over the row sum) and base-2 log-sum-exp. A query that sees no
 // key outputs zeros, and its log-sum-exp is +inf, so that the backward's probabilities 2^(s - lse) are zeros.
@@ -505,18 +605,9 @@ void mask_scores(const Geometry& g, const Chunk& c, T* scores, int ld, const T* 
   }
 }
 
-// Scores times `factor`, plus the biases of a dense table of the same shape, -inf where it is -inf (a key the query
-// does not see, whatever its score).
-template <typename T>
-void finish_scores(T* scores, int64_t size, T factor, const T* table) {
-  const T masked = -std::numeric_limits<T>::infinity();
-#pragma omp simd
-  for (int64_t i = 0; i < size; ++i) scores[i] = table[i] == masked ? masked : scores[i] * factor + table[i];
-}
-
 // The biases and masks a chunk's scores get depend only on its kind: its shape, and the shape and offset of each
 // slot it reads. Interior chunks are all of one kind, so each (kind, head) has its biases written once per call,
-// by mask_scores on zeros, into a dense queries x (keys + G) table that finish_scores adds in one vectorised pass;
+// by mask_scores on zeros, into a dense queries x (keys + G) table that the softmax adds as it reads the scores;
 // the backward sums the score gradients of each kind in such a table and adds them to the bias gradients once per
 // kind. Where the tables would exceed kTableBudget values, the scores are masked row by row instead.
 constexpr int64_t kTableBudget = int64_t(1) << 22;
@@ -575,17 +666,20 @@ ChunkBiases<T> chunk_biases(const Geometry& g, const int64_t* slot_table, const 
 }
 
 // The scores of chunk `chunk` of head h, from the products: times `factor` (the scale, where the products did not
-// apply it), plus the biases and masks.
+// apply it), plus the biases and masks. With dense tables, or with neither biases nor masks, that is left to the
+// softmax (the Finish returned); else it is done here, row by row, and nothing is left.
 template <typename T>
-void finish_scores(const Geometry& g, const Chunk& c, int64_t chunk, int64_t h, const ChunkBiases<T>& biases,
-                   T* scores, int ld, T factor, const T* rel_bias, const T* global_bias) {
+Finish<T> finish_scores(const Geometry& g, const Chunk& c, int64_t chunk, int64_t h, const ChunkBiases<T>& biases,
+                        T* scores, int ld, T factor, const T* rel_bias, const T* global_bias) {
+  if (biases.dense) return {factor, biases.table(biases.kind_of[chunk], h)};
+  if (biases.none) return {factor, nullptr};
   const int64_t size = static_cast<int64_t>(c.queries()) * ld;
-  if (biases.dense) return finish_scores(scores, size, factor, biases.table(biases.kind_of[chunk], h));
   if (factor != T(1)) {
 #pragma omp simd
     for (int64_t i = 0; i < size; ++i) scores[i] *= factor;
   }
-  if (!biases.none) mask_scores(g, c, scores, ld, rel_bias, global_bias);
+  mask_scores(g, c, scores, ld, rel_bias, global_bias);
+  return {};
 }
 
 // Adds the score gradients of a chunk (its queries' rows, of length ld) to the bias gradients: those of the
@@ -670,8 +764,11 @@ struct FloatProducts {
   }
   T score_factor() const { return T(1); }
 
-  const T* attend(int n, int64_t D) {
-    for (int i = 0; i < n; ++i) exponentiate_row(scores.data() + static_cast<int64_t>(i) * ld, ld, row_max[i], total[i]);
+  const T* attend(int n, int64_t D, const Finish<T>& finish) {
+    for (int i = 0; i < n; ++i) {
+      T* row = scores.data() + static_cast<int64_t>(i) * ld;
+      exponentiate_row(row, ld, finish.offset(static_cast<int64_t>(i) * ld), row, row_max[i], total[i]);
+    }
     matmul<T>(false, false, n, D, ld, T(1), scores.data(), ld, values.data(), D, T(0), result.data(), D);
     return result.data();
   }
@@ -689,9 +786,10 @@ struct FloatProducts {
     }
   }
 
-  void differentiate(int n, int64_t D, const T* lse) {
+  // The score gradients (also added to grad_sum where not null) from the products of the scores (see Finish).
+  void differentiate(int n, int64_t D, const T* lse, const Finish<T>& finish, T* grad_sum) {
     matmul<T>(false, true, n, ld, D, T(1), grad_out.data(), D, values.data(), D, T(0), grad_scores.data(), ld);
-    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta.data());
+    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta.data(), finish, grad_sum);
   }
 
   const T* grad_queries(int n, int64_t D, double scale) {
@@ -722,15 +820,6 @@ void write_rows(S* dst, const S* const* tokens, int n, int64_t D, int64_t Dp) {
   for (int j = 0; j < n; ++j) {
     std::copy(tokens[j], tokens[j] + D, dst + j * Dp);
     std::fill(dst + j * Dp + D, dst + (j + 1) * Dp, S(0));
-  }
-}
-
-template <typename S>
-void write_columns(S* dst, const S* const* tokens, int n, int np, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) {
-    S* row = dst + d * np;
-    for (int j = 0; j < n; ++j) row[j] = tokens[j][d];
-    std::fill(row + n, row + np, S(0));
   }
 }
 
@@ -770,6 +859,39 @@ inline __m512i interleave_index(int first) {
   return _mm512_load_si512(index);
 }
 #endif
+
+// The tokens as columns, D x np (np even). A row's 32-bit words are the pairs (token 2i, token 2i + 1) of an element:
+// 16 elements of 32 tokens at a time are such pairs transposed, 16 x 16 words.
+template <typename S>
+void write_columns(S* dst, const S* const* tokens, int n, int np, int64_t D) {
+  int64_t d0 = 0;
+#if VIL_AVX512
+  static_assert(sizeof(S) == 2, "the columns of 16-bit tokens");
+  const __m512i pairs = interleave_index(0), zero = _mm512_setzero_si512();
+  const int words = np / 2;
+  auto elements = [&](int token) {  // 16 elements from d0, zeros after the last token
+    if (token >= n) return zero;
+    return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tokens[token] + d0)));
+  };
+  for (; d0 + 16 <= D; d0 += 16) {
+    for (int i0 = 0; i0 < words; i0 += 16) {
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) {
+        const int j = 2 * (i0 + t);
+        r[t] = _mm512_permutex2var_epi16(elements(j), pairs, elements(j + 1));
+      }
+      transpose_16x16(r);
+      const __mmask16 lanes = lanes_at(i0, words);
+      for (int t = 0; t < 16; ++t) _mm512_mask_storeu_epi32(dst + (d0 + t) * np + 2 * i0, lanes, r[t]);
+    }
+  }
+#endif
+  for (int64_t d = d0; d < D; ++d) {
+    S* row = dst + d * np;
+    for (int j = 0; j < n; ++j) row[j] = tokens[j][d];
+    std::fill(row + n, row + np, S(0));
+  }
+}
 
 // B operands (pairs), in rows of ldb >= n pairs, zeros after n (ldb a multiple of 16: pairs_per_row): summing over
 // the tokens' elements, Dp/2 rows of n pairs (token j's elements 2e and 2e + 1); summing over the tokens, np/2 rows
@@ -861,49 +983,72 @@ void round_row_pairs(S* dst, const float* m, int n, int ld, int ldb) {
   }
 }
 
+// Where the backward of the half-precision products writes the score gradients dS and the probabilities P rounded to
+// S, for the products that read them: dS as rows of lp, dS and P as row pairs in rows of ldb pairs.
+template <typename S>
+struct RoundedSoftmax {
+  S *ds_rows, *ds_row_pairs, *p_row_pairs;
+  int lp, ldb;
+};
+
+// softmax_backward, then the roundings (P is not needed in float after them).
+template <typename S>
+void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const float* delta,
+                      const Finish<float>& finish, float* grad_sum, const RoundedSoftmax<S>& rounded) {
+  softmax_backward(n, ld, scores, grad_scores, lse, delta, finish, grad_sum);
+  round_rows(rounded.ds_rows, grad_scores, n, ld, rounded.lp);
+  round_row_pairs(rounded.ds_row_pairs, grad_scores, n, ld, rounded.ldb);
+  round_row_pairs(rounded.p_row_pairs, scores, n, ld, rounded.ldb);
+}
+
 #if VIL_AVX512
-// 16 floats rounded to bfloat16 (to nearest even, NaN kept), as narrow does one.
-inline __m256i round_to_bfloat16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)));
-}
-
-inline void round_rows(c10::BFloat16* dst, const float* m, int n, int ld, int lp) {
-  const int whole = ld - ld % 16;
-  const __mmask16 tail = tail_mask(ld % 16);
-  for (int i = 0; i < n; ++i) {
-    const float* row = m + static_cast<int64_t>(i) * ld;
-    c10::BFloat16* out = dst + static_cast<int64_t>(i) * lp;
-    for (int j = 0; j < whole; j += 16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), round_to_bfloat16(_mm512_loadu_ps(row + j)));
-    }
-    _mm256_mask_storeu_epi16(out + whole, tail, round_to_bfloat16(_mm512_maskz_loadu_ps(tail, row + whole)));
-    std::fill(out + ld, out + lp, c10::BFloat16(0));
-  }
-}
-
-inline void round_row_pairs(c10::BFloat16* dst, const float* m, int n, int ld, int ldb) {
-  alignas(64) uint16_t order[32];  // the 16 elements of the first row interleaved with the 16 of the second
-  for (int k = 0; k < 16; ++k) order[2 * k] = static_cast<uint16_t>(k), order[2 * k + 1] = static_cast<uint16_t>(16 + k);
-  const __m512i interleave = _mm512_load_si512(order);
-  const int whole = ld - ld % 16;
-  const __mmask16 tail = tail_mask(ld % 16);
+// The same for bfloat16 in one pass over each pair of rows, which the row pairs read together: each score is read,
+// finished, exponentiated and rounded once, and P is never written in float.
+inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const float* delta,
+                             const Finish<float>& finish, float* grad_sum,
+                             const RoundedSoftmax<c10::BFloat16>& rounded) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512i order = interleave_index(0);
+  auto interleave = [&](__m256i a, __m256i b) {  // the words of a, each followed by b's
+    return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), order, _mm512_castsi256_si512(b));
+  };
   for (int i = 0; i < n; i += 2) {
-    const float* first = m + static_cast<int64_t>(i) * ld;
-    const float* second = first + ld;
-    c10::BFloat16* out = dst + static_cast<int64_t>(i) * ldb;
-    for (int j = 0; j <= whole; j += 16) {
-      const __mmask16 lanes = j < whole ? __mmask16(0xffff) : tail;
-      const __m256i a = round_to_bfloat16(_mm512_maskz_loadu_ps(lanes, first + j));
-      const __m256i b = i + 1 < n ? round_to_bfloat16(_mm512_maskz_loadu_ps(lanes, second + j)) : _mm256_setzero_si256();
-      const __m512i pairs = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
-      _mm512_mask_storeu_epi32(out + 2 * j, lanes, pairs);
+    const bool pair = i + 1 < n;
+    const int64_t offset = static_cast<int64_t>(i) * ld;
+    const __m512 lse_0 = _mm512_set1_ps(lse[i]), delta_0 = _mm512_set1_ps(delta[i]);
+    const __m512 lse_1 = _mm512_set1_ps(pair ? lse[i + 1] : 0.0f), delta_1 = _mm512_set1_ps(pair ? delta[i + 1] : 0.0f);
+    c10::BFloat16* ds_row = rounded.ds_rows + static_cast<int64_t>(i) * rounded.lp;
+    c10::BFloat16* ds_pairs = rounded.ds_row_pairs + static_cast<int64_t>(i) * rounded.ldb;
+    c10::BFloat16* p_pairs = rounded.p_row_pairs + static_cast<int64_t>(i) * rounded.ldb;
+    for (int j = 0; j < ld; j += 16) {
+      const __mmask16 lanes = lanes_at(j, ld);
+      const int64_t at_0 = offset + j, at_1 = offset + ld + j;
+      const SoftmaxLanes first =
+          softmax_backward_lanes(scores + at_0, grad_scores + at_0, finish.offset(at_0), lse_0, delta_0, lanes);
+      const SoftmaxLanes second =
+          pair ? softmax_backward_lanes(scores + at_1, grad_scores + at_1, finish.offset(at_1), lse_1, delta_1, lanes)
+               : SoftmaxLanes{zero, zero};
+      _mm512_mask_storeu_ps(grad_scores + at_0, lanes, first.grad);
+      if (pair) _mm512_mask_storeu_ps(grad_scores + at_1, lanes, second.grad);
+      if (grad_sum != nullptr) {
+        float* sums[2] = {grad_sum + at_0, grad_sum + at_1};
+        const __m512 grads[2] = {first.grad, second.grad};
+        for (int r = 0; r < (pair ? 2 : 1); ++r) {
+          _mm512_mask_storeu_ps(sums[r], lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums[r]), grads[r]));
+        }
+      }
+      const __m256i ds_0 = round_to_bfloat16(first.grad), ds_1 = round_to_bfloat16(second.grad);
+      store_words(ds_row + j, lanes, ds_0);
+      if (pair) store_words(ds_row + rounded.lp + j, lanes, ds_1);
+      _mm512_mask_storeu_epi32(ds_pairs + 2 * j, lanes, interleave(ds_0, ds_1));
+      _mm512_mask_storeu_epi32(p_pairs + 2 * j, lanes,
+                               interleave(round_to_bfloat16(first.prob), round_to_bfloat16(second.prob)));
     }
-    std::fill(out + 2 * ld, out + 2 * ldb, c10::BFloat16(0));
+    for (int r = 0; r < (pair ? 2 : 1); ++r) {
+      std::fill(ds_row + r * rounded.lp + ld, ds_row + (r + 1) * rounded.lp, c10::BFloat16(0));
+    }
+    std::fill(ds_pairs + 2 * ld, ds_pairs + 2 * rounded.ldb, c10::BFloat16(0));
+    std::fill(p_pairs + 2 * ld, p_pairs + 2 * rounded.ldb, c10::BFloat16(0));
   }
 }
 #endif
@@ -997,9 +1142,13 @@ struct HalfProducts {
   }
   float score_factor() const { return score_scale; }
 
-  const float* attend(int /*n*/, int64_t /*D*/) {
-    for (int i = 0; i < n; ++i) exponentiate_row(scores.data() + static_cast<int64_t>(i) * ld, ld, row_max[i], total[i]);
-    round_rows(p_rows.data(), scores.data(), n, ld, lp);
+  const float* attend(int /*n*/, int64_t /*D*/, const Finish<float>& finish) {
+    for (int i = 0; i < n; ++i) {
+      const int64_t offset = static_cast<int64_t>(i) * ld;
+      S* rounded = p_rows.data() + static_cast<int64_t>(i) * lp;
+      exponentiate_row(scores.data() + offset, ld, finish.offset(offset), rounded, row_max[i], total[i]);
+      std::fill(rounded + ld, rounded + lp, S(0));
+    }
     half_product(n, D, lp, p_rows.data(), lp, v_token_pairs.data(), Dq, result.data(), D);
     return result.data();
   }
@@ -1018,12 +1167,10 @@ struct HalfProducts {
     write_columns(grad_out_columns.data(), grad_out_tokens.data(), n, np, D);
   }
 
-  void differentiate(int /*n*/, int64_t /*D*/, const float* lse) {
+  void differentiate(int /*n*/, int64_t /*D*/, const float* lse, const Finish<float>& finish, float* grad_sum) {
     half_product(n, ld, Dp, grad_out_rows.data(), Dp, v_element_pairs.data(), lq, grad_scores.data(), ld);
-    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta.data());
-    round_rows(ds_rows.data(), grad_scores.data(), n, ld, lp);
-    round_row_pairs(ds_row_pairs.data(), grad_scores.data(), n, ld, lq);
-    round_row_pairs(p_row_pairs.data(), scores.data(), n, ld, lq);
+    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta.data(), finish, grad_sum,
+                     RoundedSoftmax<S>{ds_rows.data(), ds_row_pairs.data(), p_row_pairs.data(), lp, lq});
   }
 
   const float* grad_queries(int /*n*/, int64_t /*D*/, double scale) {
@@ -1073,9 +1220,10 @@ void forward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_table
       ws.load(win, map_of<const S>(in.q, b, h), map_of<const S>(in.k, b, h), map_of<const S>(in.v, b, h),
               head_of<Global>(in.global_k, bh, g.G * g.D), head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D,
               scale, false);
-      finish_scores(g, c, chunk, h, biases, ws.multiply_scores(c.queries(), g.D), ws.ld, ws.score_factor(),
-                    head_of<T>(in.rel_bias, h, table), head_of<T>(in.global_bias, h, g.G));
-      const T* o = ws.attend(c.queries(), g.D);
+      const Finish<T> finish =
+          finish_scores(g, c, chunk, h, biases, ws.multiply_scores(c.queries(), g.D), ws.ld, ws.score_factor(),
+                        head_of<T>(in.rel_bias, h, table), head_of<T>(in.global_bias, h, g.G));
+      const T* o = ws.attend(c.queries(), g.D, finish);
       const Map<S> out_map = map_of<S>(out, b, h);
       T* lse_map = lse.data_ptr<T>() + bh * g.X * g.Y;
       for (int i = 0; i < c.queries(); ++i) {
@@ -1122,15 +1270,14 @@ void backward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_tabl
         set_window(c, win);
         ws.load(win, q_map, k_map, v_map, head_of<Global>(in.global_k, bh, g.G * g.D),
                 head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
-        finish_scores(g, c, chunk, h, biases, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel, glob);
+        const Finish<T> finish =
+            finish_scores(g, c, chunk, h, biases, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel, glob);
         ws.load_grad_out(win, grad_out_map, out_map, g.D);
         for (int i = 0; i < n; ++i) lse_rows[i] = lse_map[win.queries[i].row * g.Y + win.queries[i].col];
-        ws.differentiate(n, g.D, lse_rows.data());
-        if (biases.dense && bias_gradients) {
-          add_into(kind_grads[biases.kind_of[chunk]].data(), ws.grad_scores.data(), static_cast<int64_t>(n) * ws.ld);
-        } else if (bias_gradients) {
-          add_bias_gradients(g, c, ws.grad_scores.data(), ws.ld, grad_rel, grad_glob);
-        }
+        const bool kind_sums = biases.dense && bias_gradients;  // else added to the bias gradients chunk by chunk
+        T* grad_sum = kind_sums ? kind_grads[biases.kind_of[chunk]].data() : nullptr;
+        ws.differentiate(n, g.D, lse_rows.data(), finish, grad_sum);
+        if (bias_gradients && !kind_sums) add_bias_gradients(g, c, ws.grad_scores.data(), ws.ld, grad_rel, grad_glob);
         // Written in place: every query belongs to one chunk.
         scatter(map_of<S>(grad.q, b, h), win.queries, g.D, ws.grad_queries(n, g.D, scale), false);
         // Gradients of the chunk's keys (or values), (L + G) x D, into the maps and the global ones.
@@ -1178,7 +1325,7 @@ void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& ke
       finish_scores(g, blk, ws.multiply_scores(blk.queries, g.D), ws.ld, ws.score_factor(),
                     head_of<T>(in.rel_bias, blk.h, bias_rows), head_of<T>(in.global_bias, blk.h, g.G),
                     head_of<bool>(key_padding_mask, b, g.L), key_mask.data());
-      const T* o = ws.attend(blk.queries, g.D);
+      const T* o = ws.attend(blk.queries, g.D, Finish<T>{});
       const Map<S> out_class = map_of<S>(out, b, blk.h).every(blk.r, blk.d);
       T* lse_seq = lse.data_ptr<T>() + bh * g.L;
       for (int i = 0; i < blk.queries; ++i) {
@@ -1233,7 +1380,7 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
                       key_mask.data());
         ws.load_grad_out(win, grad_out_class, out_class, g.D);
         for (int i = 0; i < n; ++i) lse_rows[i] = lse_seq[r + d * (blk.t0 + i)];
-        ws.differentiate(n, g.D, lse_rows.data());
+        ws.differentiate(n, g.D, lse_rows.data(), Finish<T>{}, nullptr);
         for (int i = 0; i < n; ++i) {
           const T* row = ws.grad_scores.data() + static_cast<int64_t>(i) * ws.ld;
           if (grad_rel != nullptr) {

@@ -104,7 +104,8 @@ def attend_2d(inputs, backend, grid, window, exact, dilation, dtype):
 
 # head_dim 40: the layouts' 16 x 16 blocks and their tails; 17: odd, padded.
 CASES_2D = [(3, 0, 1, 40), (2, 1, 2, 17), (3, -1, 1, 40)]  # window, exact, dilation, head_dim
-CASES_1D = [(1, False, 40), ((1, 2, 3), False, 17), (2, True, 40)]  # dilation, causal, head_dim
+# w 34: blocks of 34 queries, more than the 32 tokens the column layout moves at a time.
+CASES_1D = [(1, False, 40, 34), ((1, 2, 3), False, 17, 9), (2, True, 40, 9)]  # dilation, causal, head_dim, window
 
 
 def case_2d(dtype, window, exact, dilation, D):
@@ -134,9 +135,9 @@ def attend_1d(inputs, backend, window, dilation, causal, padding, dtype):
     return gradients(out, inputs, dtype)
 
 
-def case_1d(dtype, dilation, causal, D):
-    """(fused_cpu's results, the reference's) on 75 tokens, w 9, padded keys, two global keys, both bias tables."""
-    window, length = 9, 75
+def case_1d(dtype, dilation, causal, D, window):
+    """(fused_cpu's results, the reference's) on 75 tokens, padded keys, two global keys, both bias tables."""
+    length = 75
     inputs = leaves(2, length, 3, D, 2, 2 * window + 1, dtype)
     padding = torch.rand(2, length, generator=torch.Generator().manual_seed(3)) < 0.2
     got = attend_1d(inputs, "fused_cpu", window, dilation, causal, padding, dtype)
@@ -144,9 +145,9 @@ def case_1d(dtype, dilation, causal, D):
 
 
 @pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
-@pytest.mark.parametrize("dilation,causal,D", CASES_1D)
-def test_1d_strided_inputs_in_their_dtype_match_the_reference(products, dilation, causal, D):
-    assert_close_to_reference(*case_1d(products[1], dilation, causal, D), products)
+@pytest.mark.parametrize("dilation,causal,D,window", CASES_1D)
+def test_1d_strided_inputs_in_their_dtype_match_the_reference(products, dilation, causal, D, window):
+    assert_close_to_reference(*case_1d(products[1], dilation, causal, D, window), products)
 
 
 def largest_relative_error(dtype):

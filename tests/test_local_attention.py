@@ -427,6 +427,23 @@ def test_fused_cpu_build_failure_is_one_sentence_and_not_retried(monkeypatch, fo
     assert len(attempts) == len(set(attempts))  # and nothing was built twice
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_fused_cpu_builds_one_name_per_instruction_set(monkeypatch, bf16):
+    # A build cache may be shared between CPUs: a build that uses AVX512-BF16 must never carry the name of one
+    # that does not, and a CPU without the extension must not try it.
+    from vil.ops.backends import fused_cpu
+
+    monkeypatch.setattr(fused_cpu.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    builds = fused_cpu._builds(["-O3"])
+    names = [name for name, _, _ in builds]
+    assert len(set(names)) == len(names) and names[-1] == "vil_local_attention_cpu"
+    with_bf16 = [name for name, flags, _ in builds if "-mavx512bf16" in flags]
+    assert with_bf16 == (["vil_local_attention_cpu_x86_64_v4_bf16"] if bf16 else [])
+    assert builds[0][0] == ("vil_local_attention_cpu_x86_64_v4_bf16" if bf16 else "vil_local_attention_cpu_x86_64_v4")
+
+
 @pytest.mark.parametrize("backend", ["sliding_chunk", "fused_cpu"])
 def test_eager_calls_and_the_operator_compute_the_same(backend):
     # Eagerly the fused passes run under an autograd function of their own; where something watches operators (here

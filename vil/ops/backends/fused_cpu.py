@@ -2,7 +2,8 @@
 scores in cache.
 
 The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and the ``ninja``
-package; the build is cached by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The
+package; the build is cached by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), for the
+x86-64 level of the CPU, and with AVX512-BF16 where it has it (one build name per target, see ``_builds``). The
 forward saves q, k, v, the output and the log-sum-exp; the backward recomputes the scores, so training memory
 grows with tokens x head_dim, as with ``chunk_rows``.
 
@@ -74,13 +75,9 @@ def _build():
 
     source = Path(vil_kernels.__file__).with_name("local_attention_cpu.cpp")
     flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]  # the last two let the loops vectorise
-    builds = [("vil_local_attention_cpu", flags)]
-    x86_level = _X86_LEVELS.get(torch.backends.cpu.get_cpu_capability())
-    if platform.machine() in ("x86_64", "AMD64") and x86_level:
-        # The vector width of the softmax loops (BLAS picks its own); older compilers lack the level's name.
-        builds.insert(0, (f"vil_local_attention_cpu_{x86_level.replace('-', '_')}", flags + [f"-march={x86_level}"]))
+    builds = _builds(flags)
     _log.info("fused_cpu: loading the C++ kernel (compiled on first use, then cached by torch).")
-    for name, build_flags in builds:
+    for (name, build_flags, target), following in zip(builds, builds[1:] + [None]):
         try:
             cpp_extension.load(
                 name=name,
@@ -92,11 +89,25 @@ def _build():
             return torch.ops.vil_local_attention_cpu
         except (OSError, RuntimeError, ImportError) as error:
             failure = error
-            if name != builds[-1][0]:
-                _log.warning(
-                    "fused_cpu: the build for %s failed; building for any CPU of this kind instead.", x86_level
-                )
+            if following is not None:
+                _log.warning("fused_cpu: the build for %s failed; building for %s instead.", target, following[2])
     return _build_failure(failure)
+
+
+def _builds(flags):
+    """The builds to try, best first: (name, compiler flags, the CPUs it is for). Each has its own name, so that a
+    build cache shared with other CPUs never hands them a build for instructions they lack."""
+    builds = [("vil_local_attention_cpu", flags, "any CPU of this kind")]
+    x86_level = _X86_LEVELS.get(torch.backends.cpu.get_cpu_capability())
+    if platform.machine() not in ("x86_64", "AMD64") or not x86_level:
+        return builds
+    # The vector width of the softmax loops (BLAS picks its own); older compilers lack the level's name.
+    name, level_flags = f"vil_local_attention_cpu_{x86_level.replace('-', '_')}", flags + [f"-march={x86_level}"]
+    builds.insert(0, (name, level_flags, x86_level))
+    if x86_level == "x86-64-v4" and torch.cpu._is_avx512_bf16_supported():
+        # Rounds to bfloat16 with the one conversion instruction of AVX512-BF16.
+        builds.insert(0, (f"{name}_bf16", level_flags + ["-mavx512bf16"], f"{x86_level} with AVX512-BF16"))
+    return builds
 
 
 def _scored_pairs(q, hood, num_global):
