@@ -49,7 +49,11 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <list>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -665,6 +669,44 @@ ChunkBiases<T> chunk_biases(const Geometry& g, const int64_t* slot_table, const 
   return cb;
 }
 
+// The tables of recent calls, by everything they are made of, compared bit for bit: the map's geometry, the slot
+// table and the bias values. Inference calls the kernel with the same biases batch after batch, and a backward with
+// those of its forward. Kept: the most recent call's, and older ones up to kTableBudget values in all.
+template <typename T>
+std::shared_ptr<const ChunkBiases<T>> recent_chunk_biases(const Geometry& g, const int64_t* slot_table,
+                                                         const at::Tensor& rel_bias, const at::Tensor& global_bias) {
+  std::string key;
+  auto append = [&key](const void* data, int64_t bytes) {
+    if (bytes > 0) key.append(static_cast<const char*>(data), static_cast<size_t>(bytes));
+  };
+  const int64_t shape[] = {g.X, g.Y, g.w, g.exact, g.G, g.H, g.num_slots, rel_bias.numel(), global_bias.numel()};
+  append(shape, sizeof(shape));
+  append(slot_table, static_cast<int64_t>(sizeof(int64_t)) * g.chunks() * g.num_slots * 3);
+  for (const at::Tensor* t : {&rel_bias, &global_bias}) {
+    append(t->data_ptr(), t->numel() * static_cast<int64_t>(sizeof(T)));
+  }
+  static std::mutex mutex;
+  static std::list<std::pair<std::string, std::shared_ptr<const ChunkBiases<T>>>> recent;  // the latest first
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (auto it = recent.begin(); it != recent.end(); ++it) {
+      if (it->first == key) {
+        recent.splice(recent.begin(), recent, it);
+        return recent.front().second;
+      }
+    }
+  }
+  auto built = std::make_shared<const ChunkBiases<T>>(chunk_biases<T>(g, slot_table, rel_bias, global_bias));
+  const std::lock_guard<std::mutex> lock(mutex);
+  recent.emplace_front(std::move(key), built);
+  int64_t kept = 0;
+  for (auto it = recent.begin(); it != recent.end();) {
+    kept += static_cast<int64_t>(it->second->tables.size());
+    it = it != recent.begin() && kept > kTableBudget ? recent.erase(it) : std::next(it);
+  }
+  return built;
+}
+
 // The scores of chunk `chunk` of head h, from the products: times `factor` (the scale, where the products did not
 // apply it), plus the biases and masks. With dense tables, or with neither biases nor masks, that is left to the
 // softmax (the Finish returned); else it is done here, row by row, and nothing is left.
@@ -1209,7 +1251,8 @@ void forward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_table
   using T = typename W::Compute;
   using Global = typename W::Global;
   const int64_t C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1);
-  const ChunkBiases<T> biases = chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
+  const auto recent = recent_chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
+  const ChunkBiases<T>& biases = *recent;
   at::parallel_for(0, g.B * g.H * C, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
@@ -1241,7 +1284,8 @@ void backward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_tabl
   using T = typename W::Compute;
   using Global = typename W::Global;
   const int64_t C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1);
-  const ChunkBiases<T> biases = chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
+  const auto recent = recent_chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
+  const ChunkBiases<T>& biases = *recent;
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;

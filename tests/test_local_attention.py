@@ -193,6 +193,24 @@ def test_backend_matches_reference(backend, exact, mode):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_cpu_follows_biases_changed_in_place_between_calls(dtype):
+    # The kernel keeps the bias tables of its recent calls, found again by the biases' values: biases changed in
+    # place, as an optimizer step changes them, give the reference's results at the next call.
+    inputs = make_inputs(9, 7, 3, 1, rel=True, glob_bias=True, dtype=dtype)
+    before, _ = run("fused_cpu", inputs, 3, 0, 0)
+    with torch.no_grad():
+        inputs["rel_bias"].mul_(-2.0).add_(0.5)
+        inputs["global_bias"].add_(1.0)
+    out, grads = run("fused_cpu", inputs, 3, 0, 0)
+    expected, expected_grads = run("reference", inputs, 3, 0, 0)
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-5
+    assert not torch.allclose(out, before, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("rel,glob_bias,G", [(False, False, 0), (False, False, 1), (True, False, 1), (False, True, 2)])
 def test_backend_matches_reference_without_some_inputs(backend, rel, glob_bias, G):
