@@ -1044,7 +1044,7 @@ void softmax_backward(int n, int ld, float* scores, float* grad_scores, const fl
 }
 
 #if VIL_AVX512
-// The same for bfloat16 in one pass over each pair of rows, which the row pairs read together: each score is read,
+// The same for bfloat16, in one pass over each pair of rows (a row pair interleaves two rows): each score is read,
 // finished, exponentiated and rounded once, and P is never written in float.
 inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const float* delta,
                              const Finish<float>& finish, float* grad_sum,
