@@ -158,15 +158,16 @@ struct Finish {
   Finish offset(int64_t by) const { return {factor, table == nullptr ? nullptr : table + by}; }
 };
 
+// finish applied in place to n products of one row (or of consecutive rows, where table is null).
 template <typename T>
-void finish_row(T* row, int n, const Finish<T>& finish) {
+void finish_row(T* row, int64_t n, const Finish<T>& finish) {
   const T masked = -std::numeric_limits<T>::infinity(), factor = finish.factor, *table = finish.table;
   if (table != nullptr) {
 #pragma omp simd
-    for (int j = 0; j < n; ++j) row[j] = table[j] == masked ? masked : row[j] * factor + table[j];
+    for (int64_t j = 0; j < n; ++j) row[j] = table[j] == masked ? masked : row[j] * factor + table[j];
   } else if (factor != T(1)) {
 #pragma omp simd
-    for (int j = 0; j < n; ++j) row[j] *= factor;
+    for (int64_t j = 0; j < n; ++j) row[j] *= factor;
   }
 }
 
@@ -284,7 +285,7 @@ void exponentiate_row(float* row, int n, const Finish<float>& finish, Out* out, 
     const __mmask16 lanes = lanes_at(j, n);
     __m512 s = _mm512_mask_loadu_ps(lowest, lanes, row + j);
     if (unfinished) {
-      s = finish_lanes(s, factor, finish.table == nullptr ? nullptr : finish.table + j, lanes);
+      s = finish_lanes(s, factor, finish.offset(j).table, lanes);
       _mm512_mask_storeu_ps(row + j, lanes, s);
     }
     m = _mm512_max_ps(s, m);
@@ -715,11 +716,7 @@ Finish<T> finish_scores(const Geometry& g, const Chunk& c, int64_t chunk, int64_
                         T* scores, int ld, T factor, const T* rel_bias, const T* global_bias) {
   if (biases.dense) return {factor, biases.table(biases.kind_of[chunk], h)};
   if (biases.none) return {factor, nullptr};
-  const int64_t size = static_cast<int64_t>(c.queries()) * ld;
-  if (factor != T(1)) {
-#pragma omp simd
-    for (int64_t i = 0; i < size; ++i) scores[i] *= factor;
-  }
+  finish_row(scores, static_cast<int64_t>(c.queries()) * ld, Finish<T>{factor});  // the scale, before the biases
   mask_scores(g, c, scores, ld, rel_bias, global_bias);
   return {};
 }
