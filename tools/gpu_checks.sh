@@ -3,7 +3,9 @@
 # requirements (from a checkout that is not installed too: the packages vil_kernels and vil_tools are then linked
 # to kernels/ and tools/ in a temporary folder on PYTHONPATH):
 #   1. the Triton tests compiled for the GPU: tests/test_triton_kernels.py and tests/test_triton_kernels_1d.py;
-#   2. the FlexAttention tests that need CUDA (its gradients; torch has no FlexAttention backward on the CPU);
+#   2. the other tests that need CUDA: FlexAttention's gradients (torch has no FlexAttention backward on the CPU),
+#      and whole models with the Triton kernels (tests/test_models_on_gpu.py: transformers' Longformer accelerated,
+#      ViL-Tiny against sliding_chunk);
 #   3. the 2D study: ViL-Small's first stage (bfloat16, batch 64, 3 heads x 32, w 7, one global token, relative
 #      bias) at 28x28, 56x56 and 112x112: triton, sliding_chunk and SDPA (flash), then flex (compiled) on its own;
 #   4. the 1D study: Longformer's settings (12 heads x 64, w 256, bfloat16, batch 1) at 4k and 32k tokens
@@ -15,8 +17,8 @@
 # each size's rows as it ends, after the profiler's table of each backend (kernel by kernel) and, but for flex in 2D,
 # the host's time per call against the GPU's (--host-time); their last column is the first call's time (compilation
 # and tuning), and each backend's first call is reported as it ends. With the defaults
-# the whole script takes at most 13 minutes (split it with STEPS where a machine is lent for less at a time). Logs and
-# tables go to OUT (default docs/): tests_triton.log, tests_flex.log, studies.log, attention_gpu.md,
+# the whole script takes at most 14 minutes (split it with STEPS where a machine is lent for less at a time). Logs and
+# tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
 # attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md. Each step goes on after a failing one, and the
 # script exits non-zero if any failed or ran out of time.
 #
@@ -61,8 +63,9 @@ for step in $STEPS; do
   case $step in
     1) limited "${LIMIT_1:-200}" "$OUT/tests_triton.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_triton_kernels.py tests/test_triton_kernels_1d.py ;;
-    2) limited "${LIMIT_2:-120}" "$OUT/tests_flex.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
-         tests/test_local_attention.py tests/test_local_attention_1d.py -k "flex and cuda" ;;
+    2) limited "${LIMIT_2:-180}" "$OUT/tests_cuda.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
+         tests/test_local_attention.py tests/test_local_attention_1d.py tests/test_models_on_gpu.py \
+         -k "flex and cuda or models_on_gpu" ;;
     3) # flex in a run of its own, so that its compilation (minutes, before its window rule was in closed form) holds
        # back no other row; the host's time per call (--host-time) in the first run only: flex takes 0.7 s a call at
        # 112x112
