@@ -11,20 +11,23 @@
 #   4. the 1D study: Longformer's settings (12 heads x 64, w 256, bfloat16, batch 1) at 4k and 32k tokens
 #      (SIZES_1D; 32k is where the 1D targets are), causal and not, dilation 1 and 2: triton, flex (compiled, the
 #      same band as a block mask), sliding_chunk, chunks and SDPA (flash; causal for the causal rows).
+#   5. (only when STEPS names it) the model study: ViL-Small against timm's Swin-T, batch 64 at 224, in bfloat16
+#      autocast and in float32, with tools/benchmark_model.py.
 # Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS, default
-# 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_4 seconds; steps
-# 3 and 4 share theirs out among their runs), so that a slow step cannot take the time of the next. The studies print
+# 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_5 seconds; steps
+# 3, 4 and 5 share theirs out among their runs), so that a slow step cannot take the time of the next. The studies print
 # each size's rows as it ends, after the profiler's table of each backend (kernel by kernel) and, but for flex in 2D,
 # the host's time per call against the GPU's (--host-time); their last column is the first call's time (compilation
 # and tuning), and each backend's first call is reported as it ends. With the defaults
 # the whole script takes at most 14 minutes (split it with STEPS where a machine is lent for less at a time). Logs and
 # tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
-# attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md. Each step goes on after a failing one, and the
+# attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md, models_gpu.log. Each step goes on after a failing one, and the
 # script exits non-zero if any failed or ran out of time.
 #
 #   bash tools/gpu_checks.sh                     # everything
 #   STEPS="1 2" bash tools/gpu_checks.sh         # only the tests
 #   STEPS=4 SIZES_1D="4096 65536" LIMIT_4=400 bash tools/gpu_checks.sh
+#   STEPS=5 bash tools/gpu_checks.sh             # the model study alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs}
@@ -85,7 +88,12 @@ for step in $STEPS; do
              --markdown "$OUT/attention_gpu_1d_dilation${dilation}${causal:+_causal}.md"
          done
        done ;;
-    *) echo "Unknown step $step; the steps are 1 2 3 4."; failed=1 ;;
+    5) for precision in "True" "False"; do
+         limited $((${LIMIT_5:-180} / 2)) "$OUT/models_gpu.log" python tools/benchmark_model.py \
+           --config-file configs/vil_small.yaml --device cuda --batch 64 --steps 10 --rounds 2 \
+           --timm swin_tiny_patch4_window7_224 AMP.ENABLED "$precision"
+       done ;;
+    *) echo "Unknown step $step; the steps are 1 2 3 4 5."; failed=1 ;;
   esac
 done
 exit $failed
