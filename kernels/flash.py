@@ -46,6 +46,27 @@ def next_power_of_2(n):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# Triton's interpreter does no bfloat16 arithmetic: its tl.dot multiplies the bit patterns of bfloat16 operands. Under
+# it the kernels' products widen such operands to float32 first, which is exact, so that they compute what the GPU
+# computes (up to the order of the sums); compiled, the branch is not there.
+WIDEN_BFLOAT16 = tl.constexpr(interpreting())
+
+
+@triton.jit
+def operand(x):
+    """``x`` as a product reads it: itself, or under the interpreter, bfloat16 widened to float32."""
+    if WIDEN_BFLOAT16:
+        if x.dtype == tl.bfloat16:
+            x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def dot(a, b, DOT_PRECISION: tl.constexpr):
+    """``a @ b`` with float32 sums; ``DOT_PRECISION`` for float32 operands (half precision ignores it)."""
+    return tl.dot(operand(a), operand(b), input_precision=DOT_PRECISION)
+
+
 @triton.jit
 def load_rows(base, row_offsets, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """The rows of ``HEAD_DIM`` channels (unit stride) at ``base + row_offsets``; zeros for rows not ``valid``."""
@@ -76,7 +97,7 @@ def global_scores(
 ):
     """Base-2 scores of the queries against a block of global keys: (queries, BLOCK_G), -inf past G."""
     g = tl.arange(0, BLOCK_G)
-    s = tl.dot(q, tl.trans(gk), input_precision=DOT_PRECISION) * qk_scale
+    s = dot(q, tl.trans(gk), DOT_PRECISION) * qk_scale
     if HAS_GLOBAL_BIAS:
         s += tl.load(global_bias + g, mask=g < G, other=0.0).to(tl.float32)[None, :] * 1.4426950408889634
     return tl.where((g < G)[None, :], s, float("-inf"))
@@ -90,7 +111,7 @@ def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -112,7 +133,7 @@ def softmax_grad(s, lse, delta, do, v, row_valid, DOT_PRECISION: tl.constexpr):
     """Probabilities and score gradients of a (queries, keys) block of base-2 scores, from the saved log-sum-exp
     and ``delta = rowsum(dO * O)``: ``p = 2^(s - lse)``, ``ds = p * (dO v^T - delta)``; zero on invalid rows."""
     p = tl.where(row_valid[:, None], tl.exp2(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    dp = dot(do, tl.trans(v), DOT_PRECISION)
     return p, p * (dp - delta[:, None])
 
 
@@ -122,10 +143,10 @@ def key_major_grads(s_t, lse, delta, do, q, v, col_valid, DOT_PRECISION: tl.cons
     :func:`softmax_grad` transposed, so that the products with Q and dO need no transposed copies; zero for
     invalid query columns."""
     p_t = tl.where(col_valid[None, :], tl.exp2(s_t - lse[None, :]), 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    dv = dot(p_t.to(do.dtype), do, DOT_PRECISION)
+    dp_t = dot(v, tl.trans(do), DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
-    return tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION), dv
+    return dot(ds_t.to(q.dtype), q, DOT_PRECISION), dv
 
 
 @triton.jit
@@ -141,8 +162,10 @@ def _one_hot_product(x, one_hot, ONE_HOT_FIRST: tl.constexpr, PARTS: tl.constexp
             product = tl.dot(x, one_hot.to(tl.float32), input_precision="tf32x3")
     else:
         high = x.to(PARTS)
-        rest = (x - high.to(tl.float32)).to(PARTS)
-        one_hot = one_hot.to(PARTS)
+        rest = operand((x - high.to(tl.float32)).to(PARTS))
+        if WIDEN_BFLOAT16:  # the interpreter casts True to bfloat16 as the bit pattern 1, not as 1.0
+            one_hot = one_hot.to(tl.float32)
+        high, one_hot = operand(high), operand(one_hot.to(PARTS))
         if ONE_HOT_FIRST:
             product = tl.dot(one_hot, rest, acc=tl.dot(one_hot, high))
         else:

@@ -35,6 +35,7 @@ import triton.language as tl
 from . import flash
 from .flash import (
     LOG2E,
+    dot,
     global_scores,
     initial_softmax_state,
     key_major_grads,
@@ -120,7 +121,7 @@ def _local_scores(
     """Base-2 scores of a query tile against a key tile of the neighbour chunk at offset (a, b):
     (queries, keys), -inf where the key is not in the query's window. With KEY_MAJOR, the caller passes the
     key tile as ``q`` and the query tile as ``k`` (positions likewise, offset negated) and gets (keys, queries)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
     allowed = ((q_row < C) & (q_col < C))[:, None] & k_valid[None, :]  # padding rows and columns read no bias
     if EXACT == 1:
         di = q_row[:, None] - k_row[None, :] - a * C
@@ -499,13 +500,13 @@ def _bwd_dq_kernel(
                 gv = load_globals(GV + b_idx * s_gvb + h * s_gvh, s_gvg, G, HEAD_DIM, BLOCK_D, BLOCK_G)
                 s_g = global_scores(q, gk, GLOBAL_BIAS + h * G, G, qk_scale, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
                 p_g, ds_g = softmax_grad(s_g, lse, delta, do, gv, q_valid, DOT_PRECISION)
-                dq += tl.dot(ds_g.to(gk.dtype), gk, input_precision=DOT_PRECISION)
+                dq += dot(ds_g.to(gk.dtype), gk, DOT_PRECISION)
                 dgb += tl.sum(ds_g, 0)
                 part = ((bh * n_tiles + tile) * G + g[:, None]) * HEAD_DIM + d[None, :]
                 part_mask = (g[:, None] < G) & (d[None, :] < HEAD_DIM)
-                dgk = tl.dot(tl.trans(ds_g.to(q.dtype)), q, input_precision=DOT_PRECISION)
+                dgk = dot(tl.trans(ds_g.to(q.dtype)), q, DOT_PRECISION)
                 tl.store(DGK_PART + part, dgk, mask=part_mask)
-                dgv = tl.dot(tl.trans(p_g.to(do.dtype)), do, input_precision=DOT_PRECISION)
+                dgv = dot(tl.trans(p_g.to(do.dtype)), do, DOT_PRECISION)
                 tl.store(DGV_PART + part, dgv, mask=part_mask)
 
             for o in range(tl.load(COUNTS + chunk)):
@@ -544,7 +545,7 @@ def _bwd_dq_kernel(
                         DOT_PRECISION,
                     )
                     p, ds = softmax_grad(s, lse, delta, do, v, q_valid, DOT_PRECISION)
-                    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+                    dq += dot(ds.to(k.dtype), k, DOT_PRECISION)
                     if HAS_REL_BIAS:  # the (4W-1)^2 table as (row offset, column offset) bins
                         drb += offset_sums(
                             ds,

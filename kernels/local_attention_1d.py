@@ -26,6 +26,7 @@ import triton.language as tl
 from . import flash
 from .flash import (
     LOG2E,
+    dot,
     global_scores,
     initial_softmax_state,
     key_major_grads,
@@ -109,7 +110,7 @@ def _band_scores(
     """Base-2 scores of query rows ``x`` (lattice indices ``x_t``) against key rows ``y``: (queries, keys), -inf
     where the key is not in the query's band. With KEY_MAJOR the caller passes the keys as ``x`` and the queries
     as ``y`` and gets (keys, queries)."""
-    s = tl.dot(x, tl.trans(y), input_precision=DOT_PRECISION) * qk_scale
+    s = dot(x, tl.trans(y), DOT_PRECISION) * qk_scale
     if KEY_MAJOR:
         a = x_t[:, None] - y_t[None, :]  # key - query, in steps of the dilation
     else:
@@ -503,7 +504,7 @@ def _bwd_dq_kernel(
                     DOT_PRECISION,
                 )
                 p_g, ds_g = softmax_grad(s_g, lse, delta, do, gv, q_valid, DOT_PRECISION)
-                dq += tl.dot(ds_g.to(gk.dtype), gk, input_precision=DOT_PRECISION)
+                dq += dot(ds_g.to(gk.dtype), gk, DOT_PRECISION)
 
         first, stop = _key_range(t0, length, BM, BN, W, BEFORE, CAUSAL)
         for start in range(first, stop, BN):
@@ -539,7 +540,7 @@ def _bwd_dq_kernel(
                 DOT_PRECISION,
             )
             p, ds = softmax_grad(s, lse, delta, do, v, q_valid, DOT_PRECISION)
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+            dq += dot(ds.to(k.dtype), k, DOT_PRECISION)
             if HAS_REL_BIAS:  # the key block starts (start - t0) // KB rows of KB after the tile
                 drb += offset_sums(
                     ds,
@@ -620,8 +621,8 @@ def _bwd_global_kernel(
         delta = tl.load(DELTA + bh * L + n, mask=valid, other=0.0)
         s_g = global_scores(q, gk, GLOBAL_BIAS + h * G + g0, G - g0, qk_scale, BLOCK_G, HAS_GLOBAL_BIAS, DOT_PRECISION)
         p_g, ds_g = softmax_grad(s_g, lse, delta, do, gv, valid, DOT_PRECISION)
-        dgk += tl.dot(tl.trans(ds_g.to(q.dtype)), q, input_precision=DOT_PRECISION)
-        dgv += tl.dot(tl.trans(p_g.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        dgk += dot(tl.trans(ds_g.to(q.dtype)), q, DOT_PRECISION)
+        dgv += dot(tl.trans(p_g.to(do.dtype)), do, DOT_PRECISION)
         dgb += tl.sum(ds_g, 0)
 
     g = g0 + tl.arange(0, BLOCK_G)

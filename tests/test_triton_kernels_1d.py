@@ -19,7 +19,6 @@ from test_local_attention_1d import CASES, assert_products_counted  # noqa: E402
 from test_local_attention_1d import make_inputs as make_local_inputs
 from test_triton_kernels import (  # noqa: E402
     CPU_REFUSED,
-    _interpreter_multiplies_bfloat16,
     assert_close_in_dtype,
     skipped_beyond_the_gpu,
 )
@@ -162,8 +161,6 @@ def test_float16_and_float32_bias_tables():
 
 
 def test_bfloat16():
-    if not _interpreter_multiplies_bfloat16():
-        pytest.skip("this Triton interpreter computes tl.dot on bfloat16 operands wrongly (a 16x16 probe fails)")
     inputs, padding = make_inputs(70, 6, 1, True, True, "random", dtype=torch.bfloat16)
     assert_matches_reference(inputs, padding, 6, causal=True, tolerance=3e-2)
 
