@@ -59,18 +59,15 @@ def test_accelerated_longformer_matches_transformers_on_cuda(autocast, tol):
     """Longformer's settings at a smaller scale: head_dim 64, windows 32 and 64, 300 tokens (no multiple of either),
     three sequences with padding and a global token each; transformers' model in float32 is the reference."""
     transformers = pytest.importorskip("transformers", reason="the transformers extra: pip install 'vil[transformers]'")
+    from test_transformers_longformer import PAD, longformer_config
+
     length = 300
-    config = transformers.LongformerConfig(
+    config = longformer_config(
         vocab_size=1000,
         hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         intermediate_size=512,
         attention_window=[32, 64],
         max_position_embeddings=length + 4,
-        attention_probs_dropout_prob=0.0,
-        hidden_dropout_prob=0.0,
-        pad_token_id=1,
     )
     torch.manual_seed(0)
     reference = transformers.LongformerModel(config).cuda()
@@ -78,7 +75,7 @@ def test_accelerated_longformer_matches_transformers_on_cuda(autocast, tol):
     ids = torch.randint(2, 1000, (3, length), device="cuda")
     mask = torch.ones(3, length, dtype=torch.long, device="cuda")
     mask[1, length - 50 :], mask[2, length - 20 :] = 0, 0
-    ids[mask == 0] = 1
+    ids[mask == 0] = PAD
     global_mask = torch.zeros_like(mask)
     global_mask[0, 0] = global_mask[1, 5] = global_mask[2, 3] = 1
     probe = torch.randn(3, length, config.hidden_size, device="cuda")  # a loss whose gradients the layer norms keep
