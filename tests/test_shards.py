@@ -37,20 +37,41 @@ def test_each_process_reads_its_own_shards_and_every_sample_once_an_epoch(shards
         for epoch in (0, 1):
             seen = []
             for rank in (0, 1):
-                batches = list(train_set.training_batches(epoch, 0, rank, 2, 3, workers, collate_fn=list))
+                batches = list(train_set.training_batches(epoch, rank, 2, 3, workers, collate_fn=list))
                 assert len(batches) == 2 and all(len(b) == 3 for b in batches)  # as many steps in every process
                 seen.append([identity(sample) for batch in batches for sample in batch])
             assert not set(seen[0]) & set(seen[1]) and set(seen[0]) | set(seen[1]) == everything
             orders.append(seen)
         assert orders[0] != orders[1]  # a new order each epoch
     # Resuming at batch 1 gives the epoch's remaining batch.
-    whole = list(train_set.training_batches(0, 0, 1, 2, 3, 0, collate_fn=list))
-    rest = list(train_set.training_batches(0, 0, 1, 2, 3, 0, collate_fn=list, skip=1))
+    whole = list(train_set.training_batches(0, 1, 2, 3, 0, collate_fn=list))
+    rest = list(train_set.training_batches(0, 1, 2, 3, 0, collate_fn=list, skip=1))
     assert [[identity(s) for s in b] for b in rest] == [[identity(s) for s in b] for b in whole[1:]]
     # Evaluation: every sample once over the processes, batches not filled up.
     val_set = ShardDataset(shards / "val")
     evaluated = [identity(s) for rank in (0, 1) for b in val_set.evaluation_batches(rank, 2, 5, 0, list) for s in b]
     assert sorted(evaluated) == sorted(everything)
+
+
+def test_an_epoch_is_whole_steps_and_each_sample_augmented_by_its_own_seed(shards):
+    """One process, 12 samples in batches of 2: 6 batches, 4 of them with 2 batches a step (the last 2 fill no step).
+    The augmentation (here a random number a sample draws) depends on the seed, the epoch and the sample only."""
+    import torch
+
+    def draws(seed, epoch, workers, skip=0, accum=1):
+        train_set = ShardDataset(shards / "train", transform=lambda image: (image.size[0], torch.rand(()).item()))
+        train_set.seed = seed
+        batches = train_set.training_batches(epoch, 0, 1, 2, workers, list, skip=skip, accum=accum)
+        return [(target, width, draw) for batch in batches for (width, draw), target in batch]
+
+    torch.manual_seed(0)
+    whole = draws(0, 0, 0)
+    assert len(whole) == 12 and len(draws(0, 0, 0, accum=4)) == 8 and len(draws(0, 0, 0, accum=5)) == 10
+    torch.manual_seed(1)  # the global random state plays no part
+    assert draws(0, 0, 0, skip=2) == whole[4:]  # a resumed epoch: the same samples, the same draws
+    assert sorted(draws(0, 0, 2)) == sorted(whole)  # workers: the same draws for each sample
+    other_epoch, other_seed = ({(t, w): d for t, w, d in draws(*run, 0)} for run in ((0, 1), (1, 0)))
+    assert all(other_epoch[t, w] != d and other_seed[t, w] != d for t, w, d in whole)
 
 
 def test_training_on_shards_skips_and_counts_a_damaged_sample(shards, tmp_path):

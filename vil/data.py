@@ -225,7 +225,7 @@ def build_dataset(cfg, train):
                 "DATA.CLASSES picks classes of image folders; shards hold their classes' labels, so write "
                 "shards of the classes wanted (tools/make_shards.py) and leave DATA.CLASSES empty."
             )
-        dataset = ShardDataset(os.path.join(cfg.DATA.PATH, "train" if train else "val"), transform)
+        dataset = ShardDataset(os.path.join(cfg.DATA.PATH, "train" if train else "val"), transform, cfg.SEED)
     else:
         root = os.path.join(cfg.DATA.PATH, "train" if train else "val")
         has_images = os.path.isdir(root) and any(
@@ -241,6 +241,19 @@ def build_dataset(cfg, train):
             f"{cfg.DATA.NUM_CLASSES}; set DATA.NUM_CLASSES {classes}."
         )
     return dataset
+
+
+def check_same_classes(train_set, test_set):
+    """Refuse, in one sentence, training and evaluation data whose class names (in label order) differ: the same
+    index would name another class in each."""
+    if list(train_set.classes) == list(test_set.classes):
+        return
+    pairs = (("training", train_set.classes, test_set.classes), ("evaluation", test_set.classes, train_set.classes))
+    only = [f"only the {split} data has {sorted(set(a) - set(b))}" for split, a, b in pairs if set(a) - set(b)]
+    raise ValueError(
+        f"The training and evaluation data label their classes differently ({'; '.join(only) or 'in another order'}); "
+        "give both the same classes, so that each index names the same class."
+    )
 
 
 def build_mixup(cfg):

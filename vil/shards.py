@@ -17,12 +17,15 @@ import io
 import json
 import os
 import random
+import zlib
+from functools import partial
 from itertools import islice
 
 from PIL import Image
 from torch.utils.data import DataLoader
 
 from .files import atomic_write
+from .seeding import sample_seed, seeded_call
 from .unreadable import skipped
 
 INDEX = "index.json"
@@ -46,9 +49,10 @@ def write_index(folder, classes, counts):
 
 
 class ShardDataset:
-    """The shards of one split (a folder with ``index.json``) and their transform."""
+    """The shards of one split (a folder with ``index.json``) and their transform; ``seed`` (the run's) orders the
+    shards and samples of each training epoch and seeds each training sample's augmentation."""
 
-    def __init__(self, root, transform=None):
+    def __init__(self, root, transform=None, seed=0):
         try:
             with open(os.path.join(root, INDEX)) as f:
                 index = json.load(f)
@@ -64,17 +68,18 @@ class ShardDataset:
                 f"{os.path.join(root, INDEX)} lists {len(missing)} shards that are not in {root}, "
                 f"e.g. {missing[0]}; write the split again with tools/make_shards.py."
             )
-        self.root, self.counts, self.transform = root, counts, transform
+        self.root, self.counts, self.transform, self.seed = root, counts, transform, seed
+        self.numbers = {os.path.join(root, name): i for i, name in enumerate(sorted(counts))}
 
     def __len__(self):
         return sum(self.counts.values())
 
-    def _shards_of(self, rank, world, epoch, seed):
+    def _shards_of(self, rank, world, epoch):
         """The shards of process ``rank`` in ``epoch``: every world-th of an order all processes share (the
         sorted names, shuffled per epoch in training, ``epoch`` None: as they are)."""
         names = sorted(self.counts)
         if epoch is not None:
-            random.Random(seed * 1000 + epoch).shuffle(names)
+            random.Random(self.seed * 1000 + epoch).shuffle(names)
         return names[rank::world]
 
     def _full_batches(self, shards, batch, workers):
@@ -82,7 +87,9 @@ class ShardDataset:
         parts = max(workers, 1)
         return sum(sum(self.counts[name] for name in shards[w::parts]) // batch for w in range(parts))
 
-    def _loader(self, shards, batch, workers, collate_fn, drop_last, shuffle_seed=None):
+    def _loader(self, shards, batch, workers, collate_fn, epoch=None, shuffle_seed=None):
+        """The batches of ``shards``; in training (an ``epoch``) full batches only, the samples through a shuffle
+        buffer seeded by ``shuffle_seed``, each augmented with random states of its own."""
         wds = require_webdataset()
         stages = [
             wds.SimpleShardList([os.path.join(self.root, name) for name in shards]),
@@ -91,28 +98,34 @@ class ShardDataset:
         ]
         if shuffle_seed is not None:
             stages.append(wds.shuffle(1000, initial=100, rng=random.Random(shuffle_seed)))
-        stages.append(wds.map(self._decoded))
+        stages.append(wds.map(self._decoded if epoch is None else partial(self._seeded, epoch)))
         return DataLoader(
-            wds.DataPipeline(*stages), batch_size=batch, num_workers=workers, collate_fn=collate_fn, drop_last=drop_last
+            wds.DataPipeline(*stages),
+            batch_size=batch,
+            num_workers=workers,
+            collate_fn=collate_fn,
+            drop_last=epoch is not None,
         )
 
-    def training_batches(self, epoch, seed, rank, world, batch, workers, collate_fn, skip=0):
+    def training_batches(self, epoch, rank, world, batch, workers, collate_fn, skip=0, accum=1):
         """The batches process ``rank`` of ``world`` trains on in ``epoch``, from batch ``skip`` on (a resumed
-        epoch reads the ones before again and drops them)."""
-        steps = min(self._full_batches(self._shards_of(r, world, epoch, seed), batch, workers) for r in range(world))
-        loader = self._loader(
-            self._shards_of(rank, world, epoch, seed),
-            batch,
-            workers,
-            collate_fn,
-            drop_last=True,
-            shuffle_seed=(seed * 1000 + epoch) * world + rank,
-        )
-        return islice(loader, skip, steps)
+        epoch reads the ones before again and drops them): as many for every process, whole optimizer steps of
+        ``accum`` batches."""
+        steps = min(self._full_batches(self._shards_of(r, world, epoch), batch, workers) for r in range(world))
+        shuffle_seed = (self.seed * 1000 + epoch) * world + rank
+        loader = self._loader(self._shards_of(rank, world, epoch), batch, workers, collate_fn, epoch, shuffle_seed)
+        return islice(loader, skip, steps - steps % accum)
 
     def evaluation_batches(self, rank, world, batch, workers, collate_fn):
         """Every sample of this process's shards once, in batches."""
-        return self._loader(self._shards_of(rank, world, None, 0), batch, workers, collate_fn, drop_last=False)
+        return self._loader(self._shards_of(rank, world, None), batch, workers, collate_fn)
+
+    def _seeded(self, epoch, sample):
+        """:meth:`_decoded` with random states seeded by the run's seed, the epoch, the shard and the sample's key:
+        the same augmentation whichever worker decodes it, and whether a resumed epoch decoded the ones before."""
+        key = zlib.crc32(sample["__key__"].encode())
+        seed = sample_seed(self.seed, epoch, self.numbers.get(sample.get("__url__"), -1) + 1, key)
+        return seeded_call(seed, self._decoded, sample)
 
     def _decoded(self, sample):
         name = f"{sample.get('__url__', self.root)}:{sample['__key__']}"

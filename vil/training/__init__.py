@@ -8,8 +8,9 @@ or from those of ``MODEL.MODEL_PATH`` (:mod:`vil.weights`), then trains epoch af
 
 Everything a run needs to continue is in ``checkpoint_last.pth``; running the same command again resumes from
 it, and never again from ``MODEL.MODEL_PATH``. The sample order of an epoch depends only on ``SEED`` and the
-epoch, so a resumed run repeats exactly what an uninterrupted one would have done (from a mid-epoch
-checkpoint, bit for bit with ``DATALOADER.WORKERS 0``; data-loading workers restart their random streams).
+epoch, and each sample's augmentation only on ``SEED``, the epoch and the sample (:mod:`vil.seeding`), so a
+resumed run repeats bit for bit what an uninterrupted one would have done, from a mid-epoch checkpoint too and
+with any number of data-loading workers.
 A loss or gradient that is not finite stops the run before the optimizer step and before any checkpoint of
 that state.
 """

@@ -5,19 +5,18 @@ finite."""
 import logging
 import math
 import os
-import random
 import time
 from contextlib import nullcontext
 from functools import partial
 
-import numpy as np
 import torch
 from timm.data.distributed_sampler import RepeatAugSampler
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from tqdm import tqdm
 
 from ..data import collate_skipping
 from ..profiling import peak_memory_mib
+from ..seeding import sample_seed, seeded_call
 from ..shards import ShardDataset
 from ..training_state import LAST
 from ..unreadable import warn_unreadable
@@ -125,23 +124,17 @@ def training_batches(run, epoch):
     """The batches this process trains on in ``epoch``, from the one a resumed run stopped at. Image folders go
     through one loader for the whole run (its workers persist from epoch to epoch); shards through one per epoch."""
     cfg, runtime, collate = run.cfg, run.runtime, partial(collate_skipping, refill=True)
+    accum = cfg.OPTIM.ACCUM_STEPS
     if isinstance(run.train_set, ShardDataset):
         return run.train_set.training_batches(
-            epoch,
-            cfg.SEED,
-            runtime.rank,
-            runtime.world,
-            run.batch,
-            cfg.DATALOADER.WORKERS,
-            collate,
-            skip=run.batch_in_epoch,
+            epoch, runtime.rank, runtime.world, run.batch, cfg.DATALOADER.WORKERS, collate, run.batch_in_epoch, accum
         )
     if run.train_loader is None:
         workers = cfg.DATALOADER.WORKERS
         run.train_loader = DataLoader(
             SeededSamples(run.train_set, cfg.SEED),
             batch_size=run.batch,
-            sampler=EpochSampler(run.train_set, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG, run.batch),
+            sampler=EpochSampler(run.train_set, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG, run.batch * accum),
             drop_last=True,
             num_workers=workers,
             persistent_workers=workers > 0,
@@ -150,24 +143,27 @@ def training_batches(run, epoch):
             # its own generator: starting workers then draws no number from the global random state
             generator=torch.Generator().manual_seed(cfg.SEED),
         )
-    run.train_loader.sampler.set_epoch(epoch, run.batch_in_epoch)
+    run.train_loader.sampler.set_epoch(epoch, run.batch_in_epoch * run.batch)
     return run.train_loader
 
 
 class EpochSampler(Sampler):
-    """The samples this process trains on in the epoch set by :meth:`set_epoch`, from its batch ``skip`` on, as
-    ``(epoch, index)`` pairs: :class:`SeededSamples` seeds each sample's augmentation by them."""
+    """The samples this process trains on in the epoch set by :meth:`set_epoch`, from sample ``skip`` on, as
+    ``(epoch, index)`` pairs: :class:`SeededSamples` seeds each sample's augmentation by them. An epoch is whole
+    optimizer steps of ``step_samples`` samples (the batch times ``OPTIM.ACCUM_STEPS``): the samples that do not
+    fill one are left out, as ``drop_last`` leaves out those that do not fill a batch."""
 
-    def __init__(self, dataset, seed, runtime, repeated_aug, batch):
-        self.dataset, self.seed, self.runtime, self.batch = dataset, seed, runtime, batch
+    def __init__(self, dataset, seed, runtime, repeated_aug, step_samples):
+        self.dataset, self.seed, self.runtime, self.step_samples = dataset, seed, runtime, step_samples
         self.repeated_aug, self.epoch, self.skip = repeated_aug, 0, 0
 
     def set_epoch(self, epoch, skip=0):
+        """``skip``: the samples (whole batches) a resumed epoch has trained on already."""
         self.epoch, self.skip = epoch, skip
 
     def _order(self):
         order = epoch_order(self.dataset, self.epoch, self.seed, self.runtime, self.repeated_aug)
-        return order[self.skip * self.batch :]
+        return order[self.skip : len(order) - len(order) % self.step_samples]
 
     def __iter__(self):
         return iter([(self.epoch, index) for index in self._order()])
@@ -177,9 +173,9 @@ class EpochSampler(Sampler):
 
 
 class SeededSamples(Dataset):
-    """Sample ``(epoch, index)`` of ``dataset``, loaded and augmented with torch's, Python's and NumPy's random
-    states seeded by ``(seed, epoch, index)`` and restored after: each sample gets the same augmentation whichever
-    process or worker loads it, so a run resumed anywhere, with any number of workers, sees the same images."""
+    """Sample ``(epoch, index)`` of ``dataset``, loaded and augmented with random states seeded by ``(seed, epoch,
+    index)`` (:func:`~vil.seeding.seeded_call`): each sample gets the same augmentation whichever process or worker
+    loads it, so a run resumed anywhere, with any number of workers, sees the same images."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed = dataset, seed
@@ -189,22 +185,7 @@ class SeededSamples(Dataset):
 
     def __getitem__(self, key):
         epoch, index = key
-        sample_seed = int(np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0])
-        if get_worker_info() is not None:  # a loading worker: nothing else draws from its random states
-            return self._seeded(index, sample_seed)
-        python_state, numpy_state = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[]):
-            try:
-                return self._seeded(index, sample_seed)
-            finally:
-                random.setstate(python_state)
-                np.random.set_state(numpy_state)
-
-    def _seeded(self, index, sample_seed):
-        torch.default_generator.manual_seed(sample_seed)  # the CPU's only: torch.manual_seed costs 20x more
-        random.seed(sample_seed)
-        np.random.seed(sample_seed)
-        return self.dataset[index]
+        return seeded_call(sample_seed(self.seed, epoch, index), self.dataset.__getitem__, index)
 
 
 def epoch_order(dataset, epoch, seed, runtime, repeated_aug=False):
@@ -217,11 +198,12 @@ def epoch_order(dataset, epoch, seed, runtime, repeated_aug=False):
             sampler = RepeatAugSampler(
                 dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, selected_round=0
             )
+            sampler.set_epoch(sample_seed(seed, epoch))  # its order is seeded by the epoch alone
         else:
             sampler = DistributedSampler(
                 dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, seed=seed
             )
-        sampler.set_epoch(epoch)
+            sampler.set_epoch(epoch)
         return list(sampler)
     return torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
