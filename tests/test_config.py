@@ -90,6 +90,9 @@ def test_unknown_keys_name_the_key(tmp_path):
         ("DATALOADER:\n  BSZ: -8\n", r"DATALOADER.BSZ is -8.*positive"),
         ("AMP:\n  DTYPE: fp8\n", r"AMP.DTYPE is 'fp8'.*'bfloat16' or 'float16'"),
         ("INPUT:\n  CROP_PCT: 0.0\n", r"INPUT.CROP_PCT is 0.0.*\(0, 1\]"),
+        ("AUG:\n  MIXUP_MODE: bogus\n", r"AUG.MIXUP_MODE is 'bogus'.*'batch', 'pair', 'elem' or 'half'"),
+        ("AUG:\n  TIMM_AUG:\n    RE_MODE: bogus\n", r"AUG.TIMM_AUG.RE_MODE is 'bogus'.*'const', 'rand' or 'pixel'"),
+        ("AUG:\n  TIMM_AUG:\n    AUTO_AUGMENT: rand-x9\n", r"AUTO_AUGMENT is 'rand-x9'.*rand-m9-mstd0.5-inc1"),
     ],
 )
 def test_malformed_config_files_are_one_sentence(tmp_path, text, message):

@@ -279,3 +279,23 @@ def test_evaluate_true_makes_train_py_evaluate_model_path(tmp_path):
     assert set(per_class) == {"cat", "dog"} and sum(c["images"] for c in per_class.values()) == 12
     hits = sum(c["top1"] * c["images"] / 100 for c in per_class.values())
     assert hits == pytest.approx(report["top1"] * 12 / 100)
+
+
+def test_a_checkpoint_trained_with_other_model_options_is_refused_or_said(tmp_path, caplog):
+    """Heads, windows, SW_EXACT... change no tensor's shape: the config the checkpoint stores tells them."""
+    from vil.checkpoint import save_checkpoint
+
+    common = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "2"]
+    trained = load_cfg(overrides=[*common, "MODEL.VIT.MSVIT.MODE", "3"])
+    path = tmp_path / "own.pth"
+    save_checkpoint(path, MsViT(TINY_ARCH, img_size=32, num_classes=2), config=trained.dump())
+    model = MsViT(TINY_ARCH, img_size=32, num_classes=2)
+    load_weights(model, load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(path)]))  # MODE 3 evaluates as 0
+    other_heads = TINY_ARCH.replace("h2", "h1", 1)
+    for key, value in (("MODEL.VIT.MSVIT.ARCH", other_heads), ("MODEL.VIT.MSVIT.SW_EXACT", "1")):
+        cfg = load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(path), key, value])
+        with pytest.raises(ValueError, match=rf"own.pth was trained with {key} .*\(now .*{value}"):
+            load_weights(model, cfg)
+        with caplog.at_level("WARNING", logger="vil"):
+            load_weights(model, cfg, new_classifier=True)
+        assert re.search(rf"own.pth was trained with {key} .*\(now .*{value}.*starts from its weights", caplog.text)

@@ -193,6 +193,18 @@ def test_predict_refuses_inputs_that_name_nothing(exported, tmp_path):
     assert status == 2 and "x.txt" in err
 
 
+def test_predict_tells_config_keys_from_image_names(tmp_path, monkeypatch):
+    from tool_runner import load_tool
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "MODEL.JPG").touch()  # a key's form, a section's name, but a file
+    args = load_tool("predict").parse_args(
+        ["--config-file", "vil_tiny", "IMG_0001.JPG", "MODEL.MODEL_PATH", "m.pth", "MODEL.JPG", "DSC_0002.JPG"]
+    )
+    assert args.overrides == ["MODEL.MODEL_PATH", "m.pth"]
+    assert args.images == ["IMG_0001.JPG", "MODEL.JPG", "DSC_0002.JPG"]
+
+
 def test_imagenet_models_show_imagenet_descriptions():
     from vil.hub import default_class_names
     from vil.predict import readable_names

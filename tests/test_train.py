@@ -115,9 +115,12 @@ def test_resume_after_one_epoch_gives_identical_weights(data, tmp_path):
     assert_same_weights(*ema)
 
 
-def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("attention", [(), ("MODEL.VIT.MSVIT.ATTN_TYPE", "performer")], ids=["longformer", "performer"])
+def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, monkeypatch, attention):
+    """Performer attention draws its features in the forward, between the step a checkpoint is due at and the one
+    it is written at: the checkpoint holds the draws of the first."""
     straight = tmp_path / "straight"
-    train(tiny_cfg(data, straight, "CHECKPOINT.EVERY_STEPS", "2"))
+    train(tiny_cfg(data, straight, "CHECKPOINT.EVERY_STEPS", "2", *attention))
     killed = tmp_path / "killed"
     saves = []
     real_save = training_state.save_checkpoint
@@ -130,10 +133,10 @@ def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, m
 
     monkeypatch.setattr(training_state, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2"))
+        train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2", *attention))
     assert saves == [2, 0, 1]  # killed mid-epoch, right after the checkpoint at batch 1 of epoch 2
     monkeypatch.setattr(training_state, "save_checkpoint", real_save)
-    train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2"))
+    train(tiny_cfg(data, killed, "CHECKPOINT.EVERY_STEPS", "2", *attention))
     assert_same_weights(final_weights(straight), final_weights(killed))
 
 
@@ -192,10 +195,25 @@ class RandomDraws(torch.utils.data.Dataset):
         return torch.rand(1).item(), random.random(), float(np.random.rand())
 
 
-def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp_path):
+def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp_path, monkeypatch):
+    from vil.models.attention import LongformerAttention
+
+    drawn = []  # the neighbour mode of each training forward of each longformer layer
+    real_mode = LongformerAttention.current_mode
+
+    def recorded(self):
+        mode = real_mode(self)
+        if self.training:
+            drawn.append(int(mode))
+        return mode
+
+    monkeypatch.setattr(LongformerAttention, "current_mode", recorded)
     out, resumed = straight_and_resumed(
         data, tmp_path, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.5"
     )
+    # The straight run: 2 layers x 3 batches an epoch, random modes 1..8 in epoch 1 and mode 0 in epoch 2; then the
+    # resumed run's epoch 2, mode 0 as well.
+    assert len(drawn) == 18 and all(1 <= m <= 8 for m in drawn[:6]) and drawn[6:] == [0] * 12
     text = (out / "log.txt").read_text()
     assert "Epoch 2: random-shift training ends" in text and "Epoch 1: random-shift" not in text
     assert "Epoch 2: random-shift training ends" in (resumed / "log.txt").read_text()
@@ -360,22 +378,37 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert f"top-1 {result['top1']:.2f} top-5 {result['top5']:.2f}" == lines[0] and result["images"] == 12
     status, _, stderr = run_tool("eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common)
-    assert (
-        status == 1
-        and stderr.strip() == "error: Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth."
+    assert status == 1 and re.fullmatch(r"error: [^\n]*MODEL\.MODEL_PATH[^\n]*\.", stderr.strip())
+    net["head.bias"][1] = float("nan")  # every image's logits
+    torch.save({"net": net}, tmp_path / "nan.pth")
+    status, _, stderr = run_tool(
+        "eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common, "MODEL.MODEL_PATH", tmp_path / "nan.pth"
     )
+    assert status == 1 and re.search(r"error: .*12 of the 12 evaluation images are not finite.*nan\.pth", stderr)
 
 
-def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
+@pytest.mark.parametrize("big,accum,epochs", [(4, 2, 1), (8, 4, 2)])
+def test_gradient_accumulation_matches_the_larger_batch(tmp_path, big, accum, epochs):
+    """12 images: batches of ``big``, or of 2 with ``accum`` of them a step. With 8 and 4, an epoch has 6 batches of
+    2, one step and 2 batches that fill none: those are left out, as the batch of 8 leaves out the last 4 images."""
     data = make_folder(tmp_path / "clean", per_class=6, corrupt=False)  # a refilled batch would differ
     # SGD: linear in the gradient (Adam would turn rounding noise in near-zero gradients into full steps).
-    common = ("MODEL.VIT.DROP_PATH", "0.0", "OPTIM.EPOCHS", "1", "SOLVER.WARMUP_EPOCHS", "0.0", "OPTIM.OPT", "sgd")
-    train(tiny_cfg(data, tmp_path / "big", *common, "DATALOADER.BSZ", "4"))
-    train(tiny_cfg(data, tmp_path / "accum", *common, "DATALOADER.BSZ", "2", "OPTIM.ACCUM_STEPS", "2"))
-    big, accum = final_weights(tmp_path / "big"), final_weights(tmp_path / "accum")
-    for key in big:
-        torch.testing.assert_close(accum[key], big[key], rtol=1e-4, atol=1e-6, msg=key)
-    assert read_checkpoint(str(tmp_path / "accum" / "checkpoint_last.pth"))["step"] == 3
+    common = (
+        "MODEL.VIT.DROP_PATH",
+        "0.0",
+        "OPTIM.EPOCHS",
+        str(epochs),
+        "SOLVER.WARMUP_EPOCHS",
+        "0.0",
+        "OPTIM.OPT",
+        "sgd",
+    )
+    train(tiny_cfg(data, tmp_path / "big", *common, "DATALOADER.BSZ", str(big)))
+    train(tiny_cfg(data, tmp_path / "accum", *common, "DATALOADER.BSZ", "2", "OPTIM.ACCUM_STEPS", str(accum)))
+    weights = {run: final_weights(tmp_path / run) for run in ("big", "accum")}
+    for key in weights["big"]:
+        torch.testing.assert_close(weights["accum"][key], weights["big"][key], rtol=1e-4, atol=1e-6, msg=key)
+    assert read_checkpoint(str(tmp_path / "accum" / "checkpoint_last.pth"))["step"] == 12 // big * epochs
 
 
 def test_gradient_clipping_bounds_each_update(data, tmp_path):
@@ -433,3 +466,41 @@ def test_the_digits_check_asks_one_image_of_margin():
     passes = load_tool("check_digits_demo").passes_with_margin
     assert passes(98.89, 180, 98.0) and not passes(98.33, 180, 98.0)  # 178 of 180 passes, 177 (98% rounded up) not
     assert passes(95.54, 359, 95.0) and not passes(95.26, 359, 95.0)  # 343 and 342 of 359
+
+
+def test_an_earlier_runs_checkpoints_are_never_replaced_or_pruned(data, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1", "CHECKPOINT.KEEP", "1"))
+    (out / "checkpoint_epoch5.pth").write_bytes((out / "checkpoint_epoch1.pth").read_bytes())  # not this run's epoch
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "2", "CHECKPOINT.KEEP", "1"))  # resumes; KEEP prunes epoch 1 only
+    assert sorted(p.name for p in out.glob("checkpoint_epoch*")) == ["checkpoint_epoch2.pth", "checkpoint_epoch5.pth"]
+    (out / "checkpoint_last.pth").unlink()
+    best = (out / "model_best.pth").read_bytes()
+    with pytest.raises(
+        ValueError, match=r"model_best\.pth, checkpoint_epoch5\.pth, checkpoint_epoch2\.pth.*OUTPUT_DIR"
+    ):
+        train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
+    assert (out / "model_best.pth").read_bytes() == best
+
+
+def test_repeated_augmentation_order_follows_the_seed():
+    from types import SimpleNamespace
+
+    from vil.training.epoch import epoch_order
+
+    def order(seed, epoch, rank):
+        return epoch_order(range(12), epoch, seed, SimpleNamespace(world=2, rank=rank), repeated_aug=True)
+
+    assert order(0, 0, 0) == order(0, 0, 0) and len(order(0, 0, 0)) == 6
+    assert order(0, 0, 0) != order(1, 0, 0) and order(0, 0, 0) != order(0, 1, 0)
+    both = order(0, 0, 0) + order(0, 0, 1)  # 3 repeats of each sample, spread over the processes
+    assert all(both.count(i) in (0, 3) for i in range(12)) and len(set(both)) == 4
+
+
+def test_training_and_evaluation_data_must_name_the_same_classes(tmp_path):
+    data = make_folder(tmp_path / "data", per_class=2, corrupt=False)
+    (data / "val" / "dog").rename(data / "val" / "fox")  # label 1 would be dog in training, fox in evaluation
+    with pytest.raises(
+        ValueError, match=r"only the training data has \['dog'\]; only the evaluation data has \['fox'\]"
+    ):
+        train(tiny_cfg(data, tmp_path / "out"))

@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import logging
+import os
 import re
 import sys
 
@@ -22,7 +23,7 @@ import timm
 import torch
 from timm.data import create_transform, resolve_data_config
 
-from vil.config import load_cfg
+from vil.config import get_cfg, load_cfg
 from vil.data import build_transform
 from vil.files import atomic_write
 from vil.hub import class_names, default_class_names
@@ -31,6 +32,12 @@ from vil.predict import image_paths, predict, readable_names
 from vil.weights import load_weights
 
 CONFIG_KEY = re.compile(r"^[A-Z][A-Z0-9_]*(\.[A-Z0-9_]+)+$")  # MODEL.MODEL_PATH: a config override, not an image
+
+
+def is_override(token):
+    """Whether ``token`` is a config key (``MODEL.MODEL_PATH``) rather than an image (``IMG_0001.JPG``): it has a
+    key's form, begins with a section of the config and is not an existing file."""
+    return bool(CONFIG_KEY.match(token)) and token.split(".")[0] in get_cfg() and not os.path.exists(token)
 
 
 def parse_args(argv=None):
@@ -49,7 +56,7 @@ def parse_args(argv=None):
     args.overrides, args.images = [], []
     tokens = iter(args.inputs)
     for token in tokens:
-        if CONFIG_KEY.match(token):
+        if is_override(token):
             args.overrides += [token, next(tokens, "")]
         else:
             args.images.append(token)

@@ -18,9 +18,10 @@ from .files import atomic_write
 _DERIVED_KEYS = ("relative_position_index",)
 
 
-def save_checkpoint(path, model, **extra):
-    """Write ``{"net": model.state_dict(), **extra}`` to ``path`` atomically."""
-    state = {"net": _unwrap(model).state_dict(), **extra}
+def save_checkpoint(path, model, entries=None, **extra):
+    """Write ``{"net": model.state_dict(), **extra}`` to ``path`` atomically; ``entries``: state-dict entries to
+    write instead of the model's current ones."""
+    state = {"net": {**_unwrap(model).state_dict(), **(entries or {})}, **extra}
     atomic_write(path, lambda f: torch.save(state, f))
 
 

@@ -419,7 +419,30 @@ _RULES = {
     "AUG.RATIO": (lambda v: len(v) == 2 and 0 < v[0] <= v[1], "two positive aspect ratios, low <= high"),
     "DATA.TRAIN": (lambda v: len(v) == 1 and isinstance(v[0], str), "one dataset name, like ('imagenet',)"),
     "DATA.TEST": (lambda v: len(v) == 1 and isinstance(v[0], str), "one dataset name, like ('imagenet',)"),
+    "AUG.MIXUP_MODE": (lambda v: v in ("batch", "pair", "elem", "half"), "'batch', 'pair', 'elem' or 'half' (timm's)"),
+    "AUG.TIMM_AUG.RE_MODE": (lambda v: v in ("const", "rand", "pixel"), "'const', 'rand' or 'pixel' (timm's)"),
+    "AUG.TIMM_AUG.AUTO_AUGMENT": (
+        lambda v: not v or _is_timm_policy(v),
+        "'' (none) or a policy timm builds, such as rand-m9-mstd0.5-inc1, augmix-m5, original or v0",
+    ),
 }
+
+
+def _is_timm_policy(text):
+    """Whether timm's transform factory builds the augmentation policy ``text`` (as it picks the builder)."""
+    from timm.data import auto_augment
+
+    if text.startswith("rand"):
+        build = auto_augment.rand_augment_transform
+    elif text.startswith("augmix"):
+        build = auto_augment.augment_and_mix_transform
+    else:
+        build = auto_augment.auto_augment_transform
+    try:
+        build(text, {})
+    except (AssertionError, ValueError, KeyError, IndexError):
+        return False
+    return True
 
 
 def check_values(cfg, source=None):

@@ -43,8 +43,8 @@ def atomic_write(path, write):
         ) from None
     umask = os.umask(0)
     os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # the mode open() would give; mkstemp makes files private to the owner
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # the mode open() would give; mkstemp makes files private to the owner
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -70,8 +70,9 @@ def epoch_checkpoint_name(epoch):
 
 @dataclass
 class Snapshot:
-    """Where a run stood when a checkpoint was due: its counters and every process's random state. The weights,
-    optimizer, scaler and EMA are read when the snapshot is written: no optimizer step comes in between."""
+    """Where a run stood when a checkpoint was due: its counters, every process's random state and the model's
+    buffers (a forward may change them: performer attention's feature draws). The weights, optimizer, scaler and
+    EMA are read when the snapshot is written: no optimizer step comes in between."""
 
     epoch: int  # epochs completed, or the epoch in progress when batch_in_epoch > 0
     batch_in_epoch: int
@@ -79,6 +80,7 @@ class Snapshot:
     best: float  # the best top-1 so far
     lr_drop: float  # the product of OPTIM.VAL's learning-rate drops so far
     rng: list  # every process's random state, in rank order
+    buffers: dict = field(default_factory=dict)  # the model's state-dict buffers, copied (empty: read when written)
 
     def where(self):
         if self.batch_in_epoch:
@@ -101,6 +103,7 @@ def write_snapshot(cfg, snapshot, model, optimizer, scaler, ema):
     save_checkpoint(
         os.path.join(cfg.OUTPUT_DIR, LAST),
         model,
+        entries=snapshot.buffers,
         arch=cfg.MODEL.ARCH,
         epoch=snapshot.epoch,
         batch_in_epoch=snapshot.batch_in_epoch,
@@ -126,16 +129,29 @@ def copy_epoch_checkpoints(cfg, epoch, improved):
     if cfg.ONLY_SAVE_LAST:
         return
     _copy(last, os.path.join(out, epoch_checkpoint_name(epoch)))
-    for old in epoch_checkpoints(out)[cfg.CHECKPOINT.KEEP :]:
+    for old in epoch_checkpoints(out, up_to=epoch)[cfg.CHECKPOINT.KEEP :]:
         os.remove(old)
 
 
-def epoch_checkpoints(out):
-    """The ``checkpoint_epoch<N>.pth`` files in ``out``, newest first."""
+def epoch_checkpoints(out, up_to=None):
+    """The ``checkpoint_epoch<N>.pth`` files in ``out`` (those of epochs up to ``up_to``), newest first."""
     found = [
         (int(m.group(1)), name) for name in os.listdir(out) if (m := re.fullmatch(r"checkpoint_epoch(\d+)\.pth", name))
     ]
-    return [os.path.join(out, name) for _, name in sorted(found, reverse=True)]
+    return [os.path.join(out, name) for n, name in sorted(found, reverse=True) if up_to is None or n <= up_to]
+
+
+def check_fresh_folder(out):
+    """Refuse, in one sentence, to start a run in ``out`` where an earlier run left checkpoints but no
+    ``checkpoint_last.pth`` to resume from: the new run would replace its ``model_best.pth`` and epoch copies."""
+    left = ([BEST] if os.path.exists(os.path.join(out, BEST)) else []) + [
+        os.path.basename(path) for path in epoch_checkpoints(out)
+    ]
+    if left:
+        raise ValueError(
+            f"{out} holds {', '.join(left)} of an earlier run but no {LAST} to resume from; a new run there would "
+            "replace them, so choose another OUTPUT_DIR or move them away."
+        )
 
 
 def read_resume_point(out):
@@ -156,7 +172,8 @@ def read_resume_point(out):
         log.warning(f"Resuming from {path}, the newest readable checkpoint, because {problem}.")
         return path, checkpoint
     raise ValueError(
-        f"Cannot resume: {problem}, and {out} holds no readable epoch checkpoint; move {last} away to start afresh."
+        f"Cannot resume: {problem}, and {out} holds no readable epoch checkpoint; choose another OUTPUT_DIR to "
+        "start afresh."
     )
 
 

@@ -8,10 +8,26 @@ import logging
 import os
 
 from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint
-from .models import pretrained_checkpoint
+from .config import config_from_text, config_value
+from .models import parse_arch, pretrained_checkpoint
 from .models.convert import fit_to_model
 
 log = logging.getLogger("vil")
+
+# The config keys that change what the same weights compute (no tensor's shape shows them), each with the form in
+# which two values compute the same: architecture strings as parsed, MODE as the mode evaluation uses. Image size,
+# class count, dropout and the attention implementation (ATTN_TYPE's backends) may differ.
+MODEL_DEFINING_KEYS = {
+    "MODEL.VIT.MSVIT.ARCH": parse_arch,
+    "MODEL.VIT.MSVIT.SW_EXACT": int,
+    "MODEL.VIT.MSVIT.MODE": lambda mode: min(mode, 0),
+    "MODEL.VIT.MSVIT.ONLY_GLOBAL": bool,
+    "MODEL.VIT.MSVIT.SHARE_W": bool,
+    "MODEL.VIT.MSVIT.LN_EPS": float,
+    "MODEL.VIT.NORM_EMBED": bool,
+    "MODEL.VIT.AVG_POOL": bool,
+    "MODEL.VIT.DYNAMIC_IMG_PAD": bool,
+}
 
 
 def resolve_model_path(cfg):
@@ -37,13 +53,37 @@ def fitted_state(checkpoint, path, model, ema=False):
     return fit_to_model((ema_state if ema else model_state)(checkpoint, path), model, path)
 
 
+def trained_with(checkpoint, path, cfg):
+    """``{key: (the checkpoint's value, cfg's)}`` for each of :data:`MODEL_DEFINING_KEYS` that differs, where the
+    checkpoint holds this project's config (the original release's and bare state dicts hold none)."""
+    text = checkpoint.get("config") if isinstance(checkpoint, dict) else None
+    if text is None:
+        return {}
+    saved = config_from_text(text, f"the config stored in {path}")
+    values = {key: (config_value(saved, key), config_value(cfg, key)) for key in MODEL_DEFINING_KEYS}
+    return {key: pair for key, pair in values.items() if len({repr(MODEL_DEFINING_KEYS[key](v)) for v in pair}) > 1}
+
+
 def load_weights(model, cfg, new_classifier=False):
     """Load the weights of ``MODEL.MODEL_PATH`` (this project's checkpoint, the original release's, a bare state
     dict; its EMA weights with ``MODEL.LOAD_EMA``) into ``model``, position tables resized to the model's image
-    size. With ``new_classifier``, a classifier of another class count stays the model's fresh one, and the
-    log says so; otherwise it is refused with the rest of a checkpoint that does not fit."""
+    size. ``new_classifier``: a run starts from these weights (fine-tuning); a classifier of another class count
+    stays the model's fresh one, and a checkpoint trained with other :data:`MODEL_DEFINING_KEYS` values is used
+    with the config's, both said in the log. Otherwise (evaluating, predicting, exporting) both are refused in one
+    sentence, with the rest of a checkpoint that does not fit."""
     path = resolve_model_path(cfg)
-    state = fitted_state(read_checkpoint(path), path, model, cfg.MODEL.LOAD_EMA)
+    checkpoint = read_checkpoint(path)
+    differences = trained_with(checkpoint, path, cfg)
+    if differences:
+        listed = ", ".join(f"{key} {saved!r} (now {now!r})" for key, (saved, now) in differences.items())
+        if not new_classifier:
+            raise ValueError(
+                f"Checkpoint {path} was trained with {listed}; set those values to use it as it was trained."
+            )
+        log.warning(
+            f"Checkpoint {path} was trained with {listed}: this run starts from its weights with the new values."
+        )
+    state = fitted_state(checkpoint, path, model, cfg.MODEL.LOAD_EMA)
     head = {k: v.shape for k, v in state.items() if k.startswith("head.")}
     if head != {k: v.shape for k, v in model.state_dict().items() if k.startswith("head.")}:
         found = f"a classifier for {head['head.weight'][0]} classes" if "head.weight" in head else "no classifier"

@@ -105,9 +105,13 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
     }
     if run.ema is not None:
         ema_loader = eval_loader(run.test_set, cfg, runtime)
-        scalars["top1_ema"] = evaluate(
-            run.ema.module, ema_loader, runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format
-        )["top1"]
+        ema = evaluate(run.ema.module, ema_loader, runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format)
+        if ema["nonfinite"]:
+            log.warning(
+                f"The EMA weights' outputs of {ema['nonfinite']} evaluation images were not finite; top1_ema "
+                "counts them as wrong (MODEL.EMA_DECAY closer to 1 averages more steps)."
+            )
+        scalars["top1_ema"] = ema["top1"]
     if run.writer:
         for name, value in scalars.items():
             run.writer.add_scalar(name, value, epoch + 1)
@@ -158,6 +162,12 @@ def evaluate_checkpoint(cfg):
     result = evaluate(
         model.to(runtime.device, memory_format=layout), loader, runtime, amp, cfg.DATA.NUM_CLASSES, layout
     )
+    if result["nonfinite"]:
+        raise ValueError(
+            f"The outputs of {result['nonfinite']} of the {len(dataset)} evaluation images are not finite with the "
+            f"weights of {path}; the checkpoint holds values that are not finite, or the arithmetic overflowed "
+            "(try AMP.ENABLED False)."
+        )
     if not runtime.is_main:
         return None
     report = {"checkpoint": path, "top1": result["top1"], "top5": result["top5"], "images": len(dataset)}

@@ -19,7 +19,7 @@ from yacs.config import CfgNode
 
 from ..config import warn_compatibility_keys
 from ..cpu import cpu_multiplies_natively
-from ..data import build_dataset, build_mixup
+from ..data import build_dataset, build_mixup, check_same_classes
 from ..files import FolderLock, atomic_write, check_writable_folder, remove_temporaries
 from ..loss import build_loss
 from ..model_config import build_model
@@ -27,7 +27,15 @@ from ..models import MsViT, arch_string, parse_arch
 from ..optim import build_optimizer, build_scheduler, model_ema
 from ..runtime import Runtime, seed_everything
 from ..shards import ShardDataset
-from ..training_state import Snapshot, check_resumable, gather_rng_states, read_resume_point, restore, write_snapshot
+from ..training_state import (
+    Snapshot,
+    check_fresh_folder,
+    check_resumable,
+    gather_rng_states,
+    read_resume_point,
+    restore,
+    write_snapshot,
+)
 from ..weights import load_weights
 
 log = logging.getLogger("vil")
@@ -127,7 +135,10 @@ class Run:
 
     def snapshot(self, epoch, batch_in_epoch):
         """A :class:`Snapshot` of the run now, at ``batch_in_epoch`` of ``epoch`` (every process takes part)."""
-        return Snapshot(epoch, batch_in_epoch, self.step, self.best, self.lr_drop, gather_rng_states(self.runtime))
+        state = self.model.state_dict()
+        buffers = {name: state[name].clone() for name, _ in self.model.named_buffers() if name in state}
+        rng = gather_rng_states(self.runtime)
+        return Snapshot(epoch, batch_in_epoch, self.step, self.best, self.lr_drop, rng, buffers)
 
     def write_checkpoint(self, snapshot):
         """Write ``checkpoint_last.pth`` from ``snapshot`` (main process); it becomes the one kept."""
@@ -171,6 +182,8 @@ def set_up(cfg):
         resume_point = read_resume_point(out)
         if resume_point:
             check_resumable(resume_point[1], resume_point[0], cfg)
+        else:
+            check_fresh_folder(out)
         if runtime.is_main:
             atomic_write(os.path.join(out, "config.yaml"), lambda f: f.write(cfg.dump().encode()))
         warn_compatibility_keys(cfg, log)
@@ -199,6 +212,7 @@ def _log_resolved_arch(cfg):
 
 def _build_run(cfg, runtime, lock, starts_fresh):
     train_set, test_set = build_dataset(cfg, train=True), build_dataset(cfg, train=False)
+    check_same_classes(train_set, test_set)
     model = build_model(cfg)
     if cfg.MODEL.MODEL_PATH and starts_fresh:
         path = load_weights(model, cfg, new_classifier=True)
