@@ -1,6 +1,7 @@
 """Checkpoints: the original release's format loads and reproduces outputs; wrong ones are refused clearly."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -72,10 +73,10 @@ def test_checkpoint_of_another_architecture_is_one_sentence(tmp_path):
     with pytest.raises(ValueError) as err:
         load_checkpoint(model(0), tmp_path / "small.pth")
     message = str(err.value)
-    assert message.startswith(f"Checkpoint {tmp_path / 'small.pth'} does not fit this model's architecture:")
-    assert "mis-shaped (checkpoint vs model): layer1.0.cls_token (1, 1, 96) vs (1, 1, 48)" in message
-    assert "missing: layer1.1.attn.local_relative_position_bias_table" in message
-    assert "unexpected: layer1.0.cls_pos_embed" in message
+    assert str(tmp_path / "small.pth") in message
+    assert re.search(r"mis-shaped.*layer1\.0\.cls_token \(1, 1, 96\) vs \(1, 1, 48\)", message)
+    assert re.search(r"missing: [^;]*layer1\.1\.attn\.local_relative_position_bias_table", message)
+    assert re.search(r"unexpected: [^;]*layer1\.0\.cls_pos_embed", message)
     assert "\n" not in message
 
 

@@ -307,54 +307,50 @@ def test_no_weight_decay_names():
 
 
 @pytest.mark.parametrize(
-    "arch,message",
+    "arch,facts",
     [
-        ("l1,h3,d96_l2,h3,d192", "has 2 stages; it needs 3 or 4"),
-        ("l1,h3,d96_l2,x3_l3", "stage 2 ('l2,x3'), field 'x3': unknown letter 'x'"),
-        ("l1,h3,d96_l2,h3,dd_l3", "stage 2 ('l2,h3,dd'), field 'dd': 'd' must be followed by a non-negative integer"),
-        ("l1,h3,d96_l3,h3_l2", "stage 2 ('l3,h3') says l3: stage indices must be 1, 2, 3(, 4) in order"),
-        ("l1,h5,d96_l2_l3", "stage 1 ('l1,h5,d96'): hidden size d96 is not divisible by heads h5"),
-        ("l1,s2_l2_l3", "field 's2': s (local) must be 0 or 1"),
-        ("l1,h1,d5_l2_l3", "d5 must be even"),
-        ("l1,h3,h3_l2_l3", "'h' is given twice"),
+        ("l1,h3,d96_l2,h3,d192", r"2 stages.*3 or 4"),
+        ("l1,h3,d96_l2,x3_l3", r"stage 2 \('l2,x3'\).*'x3'.*letter 'x'"),
+        ("l1,h3,d96_l2,h3,dd_l3", r"stage 2 \('l2,h3,dd'\).*'dd'.*non-negative integer"),
+        ("l1,h3,d96_l3,h3_l2", r"stage 2 \('l3,h3'\).*l3.*1, 2, 3"),
+        ("l1,h5,d96_l2_l3", r"stage 1 \('l1,h5,d96'\).*d96.*h5"),
+        ("l1,s2_l2_l3", r"'s2'.*0 or 1"),
+        ("l1,h1,d5_l2_l3", r"d5.*even"),
+        ("l1,h3,h3_l2_l3", r"'h'.*twice"),
     ],
 )
-def test_bad_arch_strings(arch, message):
-    with pytest.raises(ValueError) as err:
+def test_bad_arch_strings(arch, facts):
+    with pytest.raises(ValueError, match=facts) as err:
         parse_arch(arch)
-    assert message in str(err.value)
-    if "field" in message:
+    if "'x3'" in facts or "'dd'" in facts:
         assert "e.g." in str(err.value)  # shows the grammar
 
 
 @pytest.mark.parametrize(
-    "overrides,message",
+    "overrides,facts",
     [
-        (
-            ("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"),
-            "'longformer_magic'; known: longformer, full, linformer, srformer, performer, sliding_chunk",
-        ),
-        (
-            ("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"),
-            "mode (MODE) 3 needs chunked windows (SW_EXACT 0 or -1)",
-        ),
-        (("INPUT.IMAGE_SIZE", "16"), "Image size 16 is smaller than the model's total stride 32"),
+        (("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"), r"'longformer_magic'"),
+        (("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), r"MODE\) 3.*SW_EXACT 0 or -1"),
+        (("INPUT.IMAGE_SIZE", "16"), r"16.*total stride 32"),
         (
             ("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.ARCH", "l1,g0,d48,h1_l2,g0_l3,g0"),
-            "ONLY_GLOBAL needs global tokens",
+            r"ONLY_GLOBAL.*global tokens",
         ),
-        (("MODEL.ARCH", "resnet50"), "MODEL.ARCH 'resnet50' is not a model of this project"),
+        (("MODEL.ARCH", "resnet50"), r"MODEL.ARCH 'resnet50'.*'msvit'"),
         (
             ("MODEL.VIT.MSVIT.ATTN_TYPE", "full", "MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"),
-            "mode (MODE) 3 needs chunked windows",
+            r"MODE\) 3.*SW_EXACT 0 or -1",
         ),
-        (("MODEL.VIT.MSVIT.SW_EXACT", "7"), "exact (SW_EXACT) must be 1, 0 or -1, got 7"),
+        (("MODEL.VIT.MSVIT.SW_EXACT", "7"), r"SW_EXACT\).*1, 0 or -1.*7"),
     ],
 )
-def test_bad_model_configs(overrides, message):
-    with pytest.raises(ValueError) as err:
+def test_bad_model_configs(overrides, facts):
+    with pytest.raises(ValueError, match=facts) as err:
         build_model(tiny_cfg(*overrides))
-    assert message in str(err.value)
+    if "longformer_magic" in overrides:
+        from vil.model_config import attn_types
+
+        assert all(f" {name}" in str(err.value) for name in attn_types())  # every name it takes
 
 
 def test_wrong_images_at_forward():
