@@ -160,6 +160,8 @@ def test_number_of_global_tokens(tmp_path, init):
         [str(tmp_path / "cls.pth"), str(tmp_path / "none.pth"), "--format", "torchvision", "--num-global", "0"]
     )
     none = torch.load(tmp_path / "none.pth", weights_only=True)
+    assert [s.num_global for s in parse_arch(none["vil"]["arch"])] == [0, 0, 0, 0]
+    assert not [key for key in none["model"] if "cls_token" in key or "g2g" in key or "g2l" in key]
     build_fpn_backbone(none["vil"]["arch"], img_size=64, checkpoint=tmp_path / "none.pth")
 
 

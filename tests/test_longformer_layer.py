@@ -102,7 +102,9 @@ def test_causal(backend):
 def test_short_and_odd_lengths(backend, L):
     layer = make(5, backend)
     check(layer, [L, L - 1], [[L // 2], []], L)
-    layer(torch.randn(2, L, DIM, dtype=torch.float64))  # no masks at all
+    x = torch.randn(2, L, DIM, dtype=torch.float64)
+    no_mask = torch.zeros(2, L, dtype=torch.bool)
+    torch.testing.assert_close(layer(x), dense(layer, x, no_mask, no_mask))  # no masks at all
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
