@@ -65,9 +65,24 @@ def test_decompression_bombs_and_damaged_images_are_skipped_also_in_worker_proce
 
 
 def test_eval_transform_resizes_and_center_crops(tmp_path):
-    cfg = cfg_for(make_folder(tmp_path, corrupt=False), "INPUT.CROP_PCT", "0.5")
+    # A 192 x 128 image (width x height) of 2 x 2 blocks, block (column c, row r) colored (2c, 3r, 77). The shorter
+    # side is resized to int(32 / 0.5) = 64: a nearest-neighbour halving that keeps one pixel of each block, pixel
+    # (j, i) of the 96 x 64 result colored (2j, 3i, 77). The center crop of 32 x 32 starts at column (96 - 32) / 2
+    # = 32 and row (64 - 32) / 2 = 16.
+    blocks = np.stack([*np.meshgrid(2 * np.arange(96), 3 * np.arange(64)), np.full((64, 96), 77)], axis=-1)
+    pixels = blocks.repeat(2, axis=0).repeat(2, axis=1).astype(np.uint8)
+    for name in ("a", "b"):
+        (tmp_path / "val" / name).mkdir(parents=True)
+        Image.fromarray(pixels).save(tmp_path / "val" / name / "0.png")  # lossless: the values stay exact
+    cfg = cfg_for(
+        tmp_path,
+        *("INPUT.CROP_PCT", "0.5", "INPUT.INTERPOLATION", "0"),
+        *("INPUT.MEAN", "[0.0, 0.0, 0.0]", "INPUT.STD", "[1.0, 1.0, 1.0]"),
+    )
     image, _ = build_dataset(cfg, train=False)[0]
-    assert image.shape == (3, 32, 32)
+    rows, cols = torch.meshgrid(torch.arange(32), torch.arange(32), indexing="ij")
+    expected = torch.stack([2 * (cols + 32), 3 * (rows + 16), torch.full((32, 32), 77)]) / 255
+    torch.testing.assert_close(image, expected.float(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["missing", "empty"])

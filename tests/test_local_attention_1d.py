@@ -109,7 +109,7 @@ def make_inputs(L, w, G, rel, glob_bias, mask, B=2, H=2, D=4, dtype=torch.float6
     return inputs, padding
 
 
-def run(backend, inputs, padding, w, dilation=1, causal=False, grads=True):
+def run(backend, inputs, padding, w, dilation=1, causal=False, grads=True, upstream=None):
     out = local_attention_1d(
         inputs["q"],
         inputs["k"],
@@ -127,7 +127,7 @@ def run(backend, inputs, padding, w, dilation=1, causal=False, grads=True):
     if not grads:
         return out, ()
     leaves = [t for t in inputs.values() if t is not None]
-    return out, torch.autograd.grad(out, leaves, upstream_gradient(out, 1))
+    return out, torch.autograd.grad(out, leaves, upstream_gradient(out, 1) if upstream is None else upstream)
 
 
 @pytest.mark.parametrize("backend", TRAINING)
@@ -217,11 +217,18 @@ def test_blocked_backends_in_groups_of_one_block(monkeypatch, backend, L, w, dil
 @pytest.mark.parametrize("backend,dilation", [("sliding_chunk", 2), ("loop", 2), ("chunks", 1)])
 def test_half_precision_inputs(backend, dilation):
     inputs, padding = make_inputs(40, 5, 1, True, True, "random", D=16, dtype=torch.float32)
-    expected, _ = run("reference", inputs, padding, 5, dilation, True)
     low = {n: None if t is None else t.detach().bfloat16().requires_grad_() for n, t in inputs.items()}
     out, grads = run(backend, low, padding, 5, dilation, True)
-    assert out.dtype == torch.bfloat16 and grads[0].dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), expected, rtol=3e-2, atol=3e-2)
+    # The reference in float64 from the same bfloat16 values: inputs and the gradient flowing into the output.
+    wide = {n: None if t is None else t.detach().double().requires_grad_() for n, t in low.items()}
+    upstream = upstream_gradient(out, 1).double()
+    expected, expected_grads = run("reference", wide, padding, 5, dilation, True, upstream=upstream)
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    torch.testing.assert_close(out.double(), expected, rtol=3e-2, atol=3e-2)
+    names = [n for n, t in low.items() if t is not None]
+    assert len(grads) == len(expected_grads) == len(names) == 7
+    for name, got, want in zip(names, grads, expected_grads):
+        torch.testing.assert_close(got.double(), want, rtol=5e-2, atol=5e-2, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_empty_batch():

@@ -53,6 +53,23 @@ def adam_by_hand(p, grads, lr, beta1, beta2, eps, wd, decoupled):
     return p
 
 
+def lamb_by_hand(params, grads, lr, beta1, beta2, eps, wd, max_grad_norm=1.0):
+    """timm's Lamb with its defaults: the gradients of all tensors divided together down to a global norm of at most
+    ``max_grad_norm``; Adam's bias-corrected update plus ``wd * p``; each tensor's step scaled by its trust ratio
+    ||p|| / ||update|| (1 where either norm is zero)."""
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    for t, step_grads in enumerate(grads, start=1):
+        clip = max(torch.cat([g.flatten() for g in step_grads]).norm().item() / max_grad_norm, 1.0)
+        for i, (p, g) in enumerate(zip(params, step_grads)):
+            g = g / clip
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            update = (m[i] / (1 - beta1**t)) / ((v[i] / (1 - beta2**t)).sqrt() + eps) + wd * p
+            ratio = p.norm() / update.norm() if p.norm() > 0 and update.norm() > 0 else 1.0
+            params[i] = p - lr * ratio * update
+    return params
+
+
 def sgd_by_hand(p, grads, lr, momentum, wd):
     buffer = None
     for g in grads:
@@ -66,23 +83,30 @@ def sgd_by_hand(p, grads, lr, momentum, wd):
 def test_every_optimizer_takes_its_textbook_steps(name):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    start = model.weight.detach().clone()
-    cfg = cfg_with("OPTIM.OPT", name, "OPTIM.LR", "0.1", "OPTIM.NU", "0.7", "OPTIM.MOM", "0.9")
+    start, bias = model.weight.detach().clone(), model.bias.detach().clone()
+    # betas and eps other than every library's defaults, so that an optimizer built without them takes other steps
+    betas_eps = ("OPTIM.ADAM.BETA1", "0.8", "OPTIM.ADAM.BETA2", "0.95", "OPTIM.ADAM.EPS", "0.01")
+    cfg = cfg_with("OPTIM.OPT", name, "OPTIM.LR", "0.1", "OPTIM.NU", "0.7", "OPTIM.MOM", "0.9", *betas_eps)
     optimizer = build_optimizer(cfg, model)
+    if name in ("adamw", "adam", "lamb"):
+        assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 0.01 for g in optimizer.param_groups)
     grads = [torch.randn(3, 4) for _ in range(3)]
     for g in grads:
         model.weight.grad, model.bias.grad = g.clone(), torch.zeros(3)
         optimizer.step()
-    assert not torch.allclose(model.weight, start)
-    adam = cfg.OPTIM.ADAM
+    pairs = [(g, torch.zeros(3)) for g in grads]  # the weight's and the bias's gradients of each step
     expected = {
         "qhm": lambda: qhm_by_hand(start, grads, 0.1, 0.9, 0.7, 0.05),
         "sgd": lambda: sgd_by_hand(start, grads, 0.1, 0.9, 0.05),
-        "adamw": lambda: adam_by_hand(start, grads, 0.1, adam.BETA1, adam.BETA2, adam.EPS, 0.05, decoupled=True),
-        "adam": lambda: adam_by_hand(start, grads, 0.1, adam.BETA1, adam.BETA2, adam.EPS, 0.05, decoupled=False),
+        "adamw": lambda: adam_by_hand(start, grads, 0.1, 0.8, 0.95, 0.01, 0.05, decoupled=True),
+        "adam": lambda: adam_by_hand(start, grads, 0.1, 0.8, 0.95, 0.01, 0.05, decoupled=False),
+        "lamb": lambda: lamb_by_hand([start, bias], pairs, 0.1, 0.8, 0.95, 0.01, 0.05)[0],
     }
-    if name in expected:
-        torch.testing.assert_close(model.weight.detach(), expected[name]())
+    torch.testing.assert_close(model.weight.detach(), expected[name]())
+    if name == "lamb":
+        # A zero gradient leaves the update wd * b, which the trust ratio ||b|| / ||wd * b|| scales back to b: each
+        # step multiplies the bias by 1 - lr.
+        torch.testing.assert_close(model.bias.detach(), 0.9**3 * bias)
     # torch's fused kernels where it has them (CPU and CUDA): the update above, in one kernel
     assert all(
         group.get("fused") is (True if name in ("adamw", "adam", "sgd") else None) for group in optimizer.param_groups
