@@ -320,6 +320,27 @@ def _beyond_the_gpu(name, candidates, error):
     )
 
 
+def check_layout(tensors, rows, tables):
+    """Raise ``ValueError`` with one sentence unless each of ``tensors`` (by name; None: absent) named in ``rows``
+    has the shape given there and unit stride along its last dimension (the kernels read rows of channels through
+    the other strides), and each named in ``tables`` has the shape given there and is contiguous (the kernels
+    compute its offsets)."""
+    for name, shape in rows.items():
+        t = tensors.get(name)
+        if t is not None and (t.shape != shape or t.stride(-1) != 1):
+            raise ValueError(
+                f"The triton kernels take {name} of shape {tuple(shape)} with unit stride along its last dimension, "
+                f"got shape {tuple(t.shape)} with strides {t.stride()}."
+            )
+    for name, shape in tables.items():
+        t = tensors.get(name)
+        if t is not None and (t.shape != shape or not t.is_contiguous()):
+            raise ValueError(
+                f"The triton kernels take {name} as a contiguous tensor of shape {tuple(shape)}, got shape "
+                f"{tuple(t.shape)} with strides {t.stride()}."
+            )
+
+
 def on_the_inputs_device(launcher):
     """``launcher`` run with its first argument's CUDA device as the current one: Triton launches its kernels on the
     current device, which in a process that uses several GPUs need not be the inputs'."""
@@ -335,9 +356,23 @@ def on_the_inputs_device(launcher):
 
 
 def dot_precision(dtype):
-    """Float32 products follow torch's TF32 switch: TF32, or else three TF32 products (about float32's
-    accuracy, still on tensor cores). Half-precision products ignore the setting."""
-    return "tf32x3" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+    """Float32 products follow torch's TF32 switch for matrix products: TF32, or else three TF32 products (about
+    float32's accuracy, still on tensor cores). Half-precision products ignore the setting."""
+    return "tf32x3" if dtype == torch.float32 and not _matmuls_may_use_tf32() else "tf32"
+
+
+def _matmuls_may_use_tf32():
+    """torch's CUDA matmul TF32 switch, read through ``torch.backends.cuda.matmul.fp32_precision`` ("none": the
+    global ``torch.backends.fp32_precision``) where torch has it: once that setting was used, reading the older
+    ``allow_tf32`` raises."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        precision = matmul.fp32_precision
+    except AttributeError:  # a torch without the fp32_precision settings
+        return matmul.allow_tf32
+    if precision == "none":
+        precision = torch.backends.fp32_precision
+    return precision == "tf32"
 
 
 def check_device(dtype=None, device=None, batch_heads=1):

@@ -689,6 +689,21 @@ def _strides3(t):
     return t.stride()[:3]
 
 
+def _check_layout(tensors, dilations, window):
+    """One sentence (``ValueError``) unless ``tensors`` (by name: q, k, v, gk, gv, the bias tables, the key padding
+    mask, and in the backward do, o and lse; None: absent) have the shapes the kernels take, given q's, laid out as
+    they read them (the mask in any layout: the launchers copy it), and ``dilations`` has one int per head."""
+    B, H, L, D = tensors["q"].shape
+    G = 0 if tensors["gk"] is None else tensors["gk"].shape[2]
+    if len(dilations) != H:
+        raise ValueError(f"The triton kernels take one dilation per head ({H}), got {len(dilations)}.")
+    rows = dict.fromkeys(("q", "k", "v", "do", "o"), (B, H, L, D)) | dict(gk=(B, H, G, D), gv=(B, H, G, D))
+    flash.check_layout(tensors, rows, dict(rel_bias=(H, 2 * window + 1), global_bias=(H, G), lse=(B, H, L)))
+    mask = tensors["mask"]
+    if mask is not None and mask.shape != (B, L):
+        raise ValueError(f"The triton kernels take key_padding_mask of shape {(B, L)}, got {tuple(mask.shape)}.")
+
+
 def _mask(key_padding_mask, q):
     return (
         q.new_empty(0, dtype=torch.uint8)
@@ -699,11 +714,13 @@ def _mask(key_padding_mask, q):
 
 @flash.on_the_inputs_device
 def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations, window, causal, scale):
-    """Output and base-2 log-sum-exp ``(B, H, L)``; q, k, v (B, H, L, D) with unit stride along D, checked by
-    :func:`check_supported`; ``dilations`` one int per head; ``gk``/``gv``, the bias tables and the mask may be
-    None."""
+    """Output and base-2 log-sum-exp ``(B, H, L)``; q, k, v (B, H, L, D), gk/gv (B, H, G, D), each with unit stride
+    along D, contiguous bias tables, a (B, L) mask and one dilation per head, checked by :func:`_check_layout`;
+    ``gk``/``gv``, the bias tables and the mask may be None."""
     B, H, L, D = q.shape
     G = 0 if gk is None else gk.shape[2]
+    tensors = dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias, mask=key_padding_mask)
+    _check_layout(tensors, dilations, window)
     dilations = _fitted(dilations, L)
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = flash.new_output((B, H, L), dtype=torch.float32, device=q.device)
@@ -756,9 +773,12 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
 
 @flash.on_the_inputs_device
 def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, lse, dilations, window, causal, scale):
-    """The gradients of :func:`forward`, as a dict (dq, dk, dv, dgk, dgv, drb, dgb; None for absent inputs)."""
+    """The gradients of :func:`forward`, as a dict (dq, dk, dv, dgk, dgv, drb, dgb; None for absent inputs); ``lse``
+    (B, H, L) contiguous, the other tensors laid out as :func:`forward` takes them."""
     B, H, L, D = q.shape
     G = 0 if gk is None else gk.shape[2]
+    tensors = dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias, mask=key_padding_mask)
+    _check_layout(dict(tensors, do=do, o=o, lse=lse), dilations, window)
     dilations = _fitted(dilations, L)
     dummy = q.new_empty(0)
     mask = _mask(key_padding_mask, q)

@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -55,6 +56,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // The layouts of the half-precision products move 16 x 16 words at a time where the compiler targets AVX-512.
@@ -1448,54 +1450,116 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
   });
 }
 
-// The elements of each token contiguous, the other dimensions as they come: what the kernels read and write.
-void check_tokens(std::initializer_list<const at::Tensor*> tensors, int64_t dims, at::ScalarType dtype) {
-  for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->dim() == dims && (t->size(-1) <= 1 || t->stride(-1) == 1) && t->scalar_type() == dtype,
-                "local_attention_cpu: inputs not laid out by the launcher");
-  }
-}
-
-// Contiguous tensors of one dtype (or empty): the global keys and values, the bias tables, the log-sum-exp.
-void check_contiguous(std::initializer_list<const at::Tensor*> tensors, at::ScalarType dtype) {
-  for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == dtype),
-                "local_attention_cpu: inputs not laid out by the launcher");
-  }
-}
+// Each check raises with one sentence that names the tensor or number and what the kernels take instead.
+using Named = std::pair<const char*, const at::Tensor*>;
 
 at::ScalarType compute_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 bool is_half(const at::Tensor& q) { return q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf; }
 
-// What every entry point checks: the storage layout of q, k, v (and the others of `tokens`), and the dtypes of the
-// small inputs: the global keys and values in the compute type, or in q's with half-precision products.
-void check_inputs(const Inputs& in, std::initializer_list<const at::Tensor*> tokens,
-                  std::initializer_list<const at::Tensor*> computed, int64_t dims, bool half_products) {
-  check_tokens(tokens, dims, in.q.scalar_type());
-  check_contiguous(computed, compute_type(in.q));
-  TORCH_CHECK(!half_products || is_half(in.q), "local_attention_cpu: inputs not laid out by the launcher");
-  check_contiguous({&in.global_k, &in.global_v}, half_products ? in.q.scalar_type() : compute_type(in.q));
+void check_dtype(const at::Tensor& q) {
+  TORCH_CHECK(is_half(q) || q.scalar_type() == compute_type(q),
+              "local_attention_cpu: q must be float32, float64, bfloat16 or float16, got ", q.scalar_type(), ".");
+}
+
+// q's shape and dtype, and the elements of each token contiguous (the other dimensions as they come): what the
+// kernels read and write of q, k, v, the output and their gradients.
+void check_tokens(const at::Tensor& q, std::initializer_list<Named> tensors) {
+  for (const auto& [name, t] : tensors) {
+    TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type(), "local_attention_cpu: ", name,
+                " must have q's shape ", q.sizes(), " and dtype ", q.scalar_type(), ", got shape ", t->sizes(),
+                " and dtype ", t->scalar_type(), ".");
+    TORCH_CHECK(t->size(-1) <= 1 || t->stride(-1) == 1, "local_attention_cpu: ", name,
+                " must have unit stride along head_dim, got strides ", t->strides(), ".");
+  }
+}
+
+// A contiguous tensor of `dtype` and `shape`: the global keys and values, the bias tables, the log-sum-exp and the
+// gradient sums of the global keys, values and biases. An absent input (`optional`) is an empty tensor instead.
+void check_table(const char* name, const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype,
+                 bool optional = false) {
+  if (optional && t.numel() == 0) return;
+  TORCH_CHECK(t.sizes() == shape, "local_attention_cpu: ", name, " must have shape ", shape,
+              optional ? " (or be empty)" : "", ", got ", t.sizes(), ".");
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype, "local_attention_cpu: ", name, " must be a contiguous ",
+              dtype, " tensor, got ", t.scalar_type(), " with strides ", t.strides(), ".");
+}
+
+// What every entry point checks: q's dtype; q, k, v and the others of `tokens` (check_tokens); the global keys and
+// values (B, H, G, D) in the compute type, or in q's with half-precision products; the bias tables (H,
+// `bias_rows`) and (H, G), or empty; the log-sum-exp, one value per query, in the compute type.
+void check_inputs(const Inputs& in, std::initializer_list<Named> tokens, const at::Tensor& lse, int64_t bias_rows,
+                  bool half_products) {
+  const at::Tensor& q = in.q;
+  check_dtype(q);
+  check_tokens(q, tokens);
+  TORCH_CHECK(!half_products || is_half(q),
+              "local_attention_cpu: half_products takes bfloat16 or float16 inputs, got ", q.scalar_type(), ".");
+  const int64_t B = q.size(0), H = q.size(1), G = in.global_k.size(2), D = q.size(-1);
+  const at::ScalarType compute = compute_type(q), global = half_products ? q.scalar_type() : compute;
+  check_table("global_k", in.global_k, {B, H, G, D}, global);
+  check_table("global_v", in.global_v, {B, H, G, D}, global);
+  check_table("rel_bias", in.rel_bias, {H, bias_rows}, compute, true);
+  check_table("global_bias", in.global_bias, {H, G}, compute, true);
+  check_table("lse", lse, q.sizes().slice(0, q.dim() - 1), compute);
+}
+
+// The sums the backward adds the gradients of the global keys, values and bias tables into, in the compute type:
+// per `parts` (B, H, and in 1D the residue classes), the shape of the input per head.
+void check_gradient_sums(const Inputs& in, const Gradients& grad, std::vector<int64_t> parts, int64_t bias_rows) {
+  const int64_t G = in.global_k.size(2), D = in.q.size(-1);
+  const at::ScalarType compute = compute_type(in.q);
+  auto per_part = [&parts](std::initializer_list<int64_t> tail) {
+    std::vector<int64_t> shape(parts);
+    shape.insert(shape.end(), tail);
+    return shape;
+  };
+  check_table("grad_global_k", grad.global_k, per_part({G, D}), compute);
+  check_table("grad_global_v", grad.global_v, per_part({G, D}), compute);
+  check_table("grad_rel_bias", grad.rel_bias, per_part({bias_rows}), compute, true);
+  check_table("grad_global_bias", grad.global_bias, per_part({G}), compute, true);
+}
+
+// The dimensions of q and of the global keys, and the window: what the geometry is made of.
+void check_dims(const at::Tensor& q, const at::Tensor& gk, int64_t dims, const char* q_shape, int64_t window) {
+  TORCH_CHECK(q.dim() == dims, "local_attention_cpu: q must have shape ", q_shape, ", got ", q.sizes(), ".");
+  TORCH_CHECK(gk.dim() == 4, "local_attention_cpu: global_k must have shape (B, H, G, D), got ", gk.sizes(), ".");
+  TORCH_CHECK(window >= 1, "local_attention_cpu: window must be at least 1, got ", window, ".");
 }
 
 Geometry make_geometry(const at::Tensor& q, const at::Tensor& gk, const at::Tensor& slots, int64_t window,
                        int64_t exact) {
-  TORCH_CHECK(q.dim() == 5 && slots.dim() == 3 && slots.is_contiguous() && slots.size(1) <= kMaxSlots,
-              "local_attention_cpu: inputs not laid out by the launcher");
+  check_dims(q, gk, 5, "(B, H, X, Y, D)", window);
+  TORCH_CHECK(exact >= -1 && exact <= 1, "local_attention_cpu: exact must be -1, 0 or 1, got ", exact, ".");
   Geometry g;
   g.B = q.size(0), g.H = q.size(1), g.X = q.size(2), g.Y = q.size(3), g.D = q.size(4), g.G = gk.size(2);
   g.w = static_cast<int>(window), g.exact = static_cast<int>(exact);
   g.chunk_cols = static_cast<int>((g.Y + g.w - 1) / g.w);
+  const int64_t chunks = g.chunks();
+  TORCH_CHECK(slots.dim() == 3 && slots.size(0) == chunks && slots.size(1) <= kMaxSlots && slots.size(2) == 3 &&
+                  slots.is_contiguous() && slots.scalar_type() == at::kLong,
+              "local_attention_cpu: slots must be a contiguous Long tensor of shape (", chunks, ", at most ",
+              kMaxSlots, ", 3), got a ", slots.scalar_type(), " tensor of shape ", slots.sizes(), ".");
+  const int64_t* rows = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); i += 3) {
+    TORCH_CHECK(rows[i] >= -1 && rows[i] < chunks && std::abs(rows[i + 1]) <= 1 && std::abs(rows[i + 2]) <= 1,
+                "local_attention_cpu: slots holds the row (", rows[i], ", ", rows[i + 1], ", ", rows[i + 2],
+                "), but each row must be a chunk in -1..", chunks - 1, " and an offset (a, b) in -1..1.");
+  }
   g.num_slots = static_cast<int>(slots.size(1));
   return g;
 }
 
 Geometry1d make_geometry_1d(const at::Tensor& q, const at::Tensor& gk, const at::Tensor& key_padding_mask,
                             at::IntArrayRef dilations, int64_t window, bool causal, int64_t block) {
-  TORCH_CHECK(q.dim() == 4 && static_cast<int64_t>(dilations.size()) == q.size(1) && block >= 1 &&
-                  (key_padding_mask.numel() == 0 ||
-                   (key_padding_mask.scalar_type() == at::kBool && key_padding_mask.is_contiguous())),
-              "local_attention_cpu: inputs not laid out by the launcher");
+  check_dims(q, gk, 4, "(B, H, L, D)", window);
+  TORCH_CHECK(static_cast<int64_t>(dilations.size()) == q.size(1), "local_attention_cpu: dilations must hold one ",
+              "int per head (", q.size(1), "), got ", dilations.size(), ".");
+  for (const int64_t d : dilations) {
+    TORCH_CHECK(d >= 1, "local_attention_cpu: dilations must be at least 1, got ", dilations, ".");
+  }
+  TORCH_CHECK(block >= 1, "local_attention_cpu: block must be at least 1, got ", block, ".");
+  check_table("key_padding_mask", key_padding_mask, {q.size(0), q.size(2)}, at::kBool, true);
   Geometry1d g;
   g.B = q.size(0), g.H = q.size(1), g.L = q.size(2), g.D = q.size(3), g.G = gk.size(2);
   g.w = static_cast<int>(window), g.block = static_cast<int>(block), g.causal = causal;
@@ -1518,7 +1582,7 @@ void dispatch(const at::Tensor& q, bool half_products, F&& fn) {
     case at::kHalf:
       if (half_products) return fn(c10::Half{}, static_cast<HalfProducts<c10::Half>*>(nullptr));
       return fn(c10::Half{}, static_cast<FloatProducts<float>*>(nullptr));
-    default: TORCH_CHECK(false, "local_attention_cpu: inputs not laid out by the launcher");
+    default: check_dtype(q);
   }
 }
 
@@ -1528,7 +1592,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
              bool half_products) {
   const Geometry g = make_geometry(q, gk, slots, window, exact);
   const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
-  check_inputs(in, {&q, &k, &v, &out}, {&rel_bias, &global_bias, &lse}, 5, half_products);
+  check_inputs(in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse, (4 * window - 1) * (4 * window - 1),
+               half_products);
   dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
     using W = std::remove_pointer_t<decltype(w)>;
@@ -1545,9 +1610,12 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   const Geometry g = make_geometry(q, gk, slots, window, exact);
   const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
   Gradients grad{grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias};
-  check_inputs(in, {&q, &k, &v, &out, &grad_out, &grad_q, &grad_k, &grad_v},
-               {&rel_bias, &global_bias, &lse, &grad_gk, &grad_gv, &grad_rel_bias, &grad_global_bias}, 5,
-               half_products);
+  const int64_t bias_rows = (4 * window - 1) * (4 * window - 1);
+  check_inputs(in,
+               {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"grad_out", &grad_out}, {"grad_q", &grad_q},
+                {"grad_k", &grad_k}, {"grad_v", &grad_v}},
+               lse, bias_rows, half_products);
+  check_gradient_sums(in, grad, {g.B, g.H}, bias_rows);
   dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
     using W = std::remove_pointer_t<decltype(w)>;
@@ -1561,7 +1629,7 @@ void forward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
                 int64_t window, bool causal, int64_t block, double scale, bool half_products) {
   const Geometry1d g = make_geometry_1d(q, gk, key_padding_mask, dilations, window, causal, block);
   const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
-  check_inputs(in, {&q, &k, &v, &out}, {&rel_bias, &global_bias, &lse}, 4, half_products);
+  check_inputs(in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse, 2 * window + 1, half_products);
   dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
     using W = std::remove_pointer_t<decltype(w)>;
@@ -1579,9 +1647,11 @@ void backward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const Geometry1d g = make_geometry_1d(q, gk, key_padding_mask, dilations, window, causal, block);
   const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
   Gradients grad{grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias};
-  check_inputs(in, {&q, &k, &v, &out, &grad_out, &grad_q, &grad_k, &grad_v},
-               {&rel_bias, &global_bias, &lse, &grad_gk, &grad_gv, &grad_rel_bias, &grad_global_bias}, 4,
-               half_products);
+  check_inputs(in,
+               {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"grad_out", &grad_out}, {"grad_q", &grad_q},
+                {"grad_k", &grad_k}, {"grad_v", &grad_v}},
+               lse, 2 * window + 1, half_products);
+  check_gradient_sums(in, grad, {g.B, g.H, g.residues}, 2 * window + 1);
   dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
     using W = std::remove_pointer_t<decltype(w)>;

@@ -143,3 +143,79 @@ def test_refuses_other_devices():
     q, k, v = (torch.empty(1, 2, 8, 4, device="meta") for _ in range(3))
     with pytest.raises(ValueError, match=r"fused_cpu.*cpu tensors.*meta"):
         local_attention_1d(q, k, v, 2, backend="fused_cpu")
+
+
+def kernel_arguments(B=1, H=2, L=9, D=8, G=1, w=2, residues=2):
+    """The arguments of the C++ kernels' 1D forward and backward (``torch.ops.vil_local_attention_cpu``) by name:
+    dilations (1, 2), so two residue classes of partial sums, one global key, both bias tables and a mask."""
+    q, k, v, out, grad_out = (torch.randn(B, H, L, D) for _ in range(5))
+    gk, gv = (torch.randn(B, H, G, D) for _ in range(2))
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        global_k=gk,
+        global_v=gv,
+        rel_bias=torch.zeros(H, 2 * w + 1),
+        global_bias=torch.zeros(H, G),
+        key_padding_mask=random_mask(B, L),
+        out=out,
+        grad_out=grad_out,
+        lse=torch.zeros(B, H, L),
+        grad_q=torch.empty_like(q),
+        grad_k=torch.empty_like(k),
+        grad_v=torch.empty_like(v),
+        grad_global_k=torch.zeros(B, H, residues, G, D),
+        grad_global_v=torch.zeros(B, H, residues, G, D),
+        grad_rel_bias=torch.zeros(B, H, residues, 2 * w + 1),
+        grad_global_bias=torch.zeros(B, H, residues, G),
+        dilations=[1, 2],
+        window=w,
+        causal=False,
+        block=16,
+        scale=0.25,
+        half_products=False,
+    )
+
+
+FORWARD_1D = "q k v global_k global_v rel_bias global_bias key_padding_mask out lse dilations window causal block"
+BACKWARD_1D = (
+    "q k v global_k global_v rel_bias global_bias key_padding_mask out grad_out lse grad_q grad_k grad_v "
+    "grad_global_k grad_global_v grad_rel_bias grad_global_bias dilations window causal block"
+)
+
+
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("v", torch.randn(1, 2, 4, 8), r"v must have q's shape \[1, 2, 9, 8\] .* got shape \[1, 2, 4, 8\]"),
+        ("q", torch.randn(2, 9, 8), r"q must have shape \(B, H, L, D\), got \[2, 9, 8\]"),
+        ("lse", torch.zeros(1, 2, 4), r"lse must have shape \[1, 2, 9\], got \[1, 2, 4\]"),
+        ("rel_bias", torch.zeros(2, 3), r"rel_bias must have shape \[2, 5\] \(or be empty\), got \[2, 3\]"),
+        ("key_padding_mask", torch.zeros(1, 4, dtype=torch.bool), r"key_padding_mask must have shape \[1, 9\]"),
+        ("key_padding_mask", torch.zeros(1, 9), r"key_padding_mask must be a contiguous Bool tensor, got Float"),
+        ("dilations", [1, 0], r"dilations must be at least 1, got \[1, 0\]"),
+        ("dilations", [1], r"dilations must hold one int per head \(2\), got 1"),
+        ("window", 0, r"window must be at least 1, got 0"),
+        ("block", 0, r"block must be at least 1, got 0"),
+        (
+            "grad_global_v",
+            torch.zeros(1, 2, 1, 8),
+            r"grad_global_v must have shape \[1, 2, 2, 1, 8\], got \[1, 2, 1, 8\]",
+        ),
+        ("grad_global_bias", torch.zeros(1, 2, 1), r"grad_global_bias must have shape \[1, 2, 2, 1\] \(or be empty\)"),
+        ("grad_k", torch.randn(1, 2, 9, 4), r"grad_k must have q's shape \[1, 2, 9, 8\] .* got shape \[1, 2, 9, 4\]"),
+    ],
+)
+def test_kernels_refuse_other_shapes_in_one_sentence(name, value, message):
+    # The C++ entry points check everything they index with, so that no call reads or writes past a tensor (a
+    # dilation of 0 would divide by zero).
+    from vil.ops.backends import fused_cpu
+
+    arguments = kernel_arguments()
+    arguments[name] = value
+    ops = fused_cpu._kernels()
+    backward = name.startswith("grad")
+    names = (BACKWARD_1D if backward else FORWARD_1D).split() + ["scale", "half_products"]
+    with pytest.raises(RuntimeError, match=f"^local_attention_cpu: {message}"):
+        (ops.backward_1d if backward else ops.forward_1d)(*(arguments[n] for n in names))

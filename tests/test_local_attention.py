@@ -1,11 +1,13 @@
 """local_attention_2d: the reference against hand-computed windows, every backend against the reference."""
 
 import itertools
+import re
 
 import pytest
 import torch
 
-from vil.ops import available_backends, default_backend, local_attention_2d
+from vil.ops import available_backends, check_backend, default_backend, local_attention_1d, local_attention_2d
+from vil.ops.backends import fused_cpu
 from vil.ops.backends.reference import window_pairs
 
 # The Triton kernels have their own tests (tests/test_triton_kernels.py: interpreter, smaller problems), and
@@ -261,6 +263,17 @@ def test_float32_and_explicit_scale(backend):
         backend=backend,
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # A scale s is the default 1/sqrt(D) applied to queries multiplied by s * sqrt(D).
+    rescaled = local_attention_2d(
+        inputs["q"] * (0.3 * 8**0.5),
+        inputs["k"],
+        inputs["v"],
+        7,
+        global_k=inputs["global_k"],
+        global_v=inputs["global_v"],
+        backend=backend,
+    )
+    torch.testing.assert_close(out, rescaled, rtol=1e-5, atol=1e-5)
 
 
 def test_large_batch_spans_several_blocks():
@@ -417,11 +430,24 @@ def test_default_falls_back_to_sliding_chunk_with_one_warning(monkeypatch, caplo
     assert default_backend(torch.device("meta"), torch.float32) == "sliding_chunk"
 
 
+def test_default_passes_over_a_backend_of_other_dtypes_with_one_warning(monkeypatch, caplog):
+    # CUDA is only named here: choosing runs nothing there. The triton kernels take no float64.
+    from vil.ops import registry
+
+    monkeypatch.setattr(registry, "_warned_passed_over", set())
+    cuda = torch.device("cuda")
+    with caplog.at_level("WARNING", logger=registry.__name__):
+        for dims in (2, 1, 2):
+            assert default_backend(cuda, torch.float64, dims) == "sliding_chunk"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert re.match(r"The triton backend takes float32, float16 or bfloat16 inputs, got torch\.float64\. ", warnings[0])
+    assert warnings[0].endswith("Using sliding_chunk instead.")
+
+
 @pytest.fixture
 def forget_fused_cpu_build():
     """Lets a test fail the C++ build; torch's cached build is loaded again afterwards."""
-    from vil.ops.backends import fused_cpu
-
     fused_cpu._build.cache_clear()
     yield fused_cpu
     fused_cpu._build.cache_clear()
@@ -449,8 +475,6 @@ def test_fused_cpu_build_failure_is_one_sentence_and_not_retried(monkeypatch, fo
 def test_fused_cpu_builds_one_name_per_instruction_set(monkeypatch, bf16):
     # A build cache may be shared between CPUs: a build that uses AVX512-BF16 must never carry the name of one
     # that does not, and a CPU without the extension must not try it.
-    from vil.ops.backends import fused_cpu
-
     monkeypatch.setattr(fused_cpu.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
@@ -460,6 +484,86 @@ def test_fused_cpu_builds_one_name_per_instruction_set(monkeypatch, bf16):
     with_bf16 = [name for name, flags, _ in builds if "-mavx512bf16" in flags]
     assert with_bf16 == (["vil_local_attention_cpu_x86_64_v4_bf16"] if bf16 else [])
     assert builds[0][0] == ("vil_local_attention_cpu_x86_64_v4_bf16" if bf16 else "vil_local_attention_cpu_x86_64_v4")
+
+
+def fused_cpu_arguments_2d():
+    """The arguments of the C++ kernels' 2D forward and backward (``torch.ops.vil_local_attention_cpu``) for a
+    5 x 5 map of 2 heads, w = 2 (3 x 3 chunks), one global key and both bias tables, by name."""
+    q, k, v, out, grad_out = (torch.randn(1, 2, 5, 5, 8) for _ in range(5))
+    gk, gv = (torch.randn(1, 2, 1, 8) for _ in range(2))
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        global_k=gk,
+        global_v=gv,
+        rel_bias=torch.zeros(2, 49),
+        global_bias=torch.zeros(2, 1),
+        slots=fused_cpu._slot_table(5, 5, 2, 0, 0),
+        out=out,
+        grad_out=grad_out,
+        lse=torch.zeros(1, 2, 5, 5),
+        grad_q=torch.empty_like(q),
+        grad_k=torch.empty_like(k),
+        grad_v=torch.empty_like(v),
+        grad_global_k=torch.zeros_like(gk),
+        grad_global_v=torch.zeros_like(gv),
+        grad_rel_bias=torch.zeros(1, 2, 49),
+        grad_global_bias=torch.zeros(1, 2, 1),
+        window=2,
+        exact=0,
+        scale=0.25,
+        half_products=False,
+    )
+
+
+FUSED_CPU_FORWARD_2D = "q k v global_k global_v rel_bias global_bias slots out lse window exact scale half_products"
+FUSED_CPU_BACKWARD_2D = (
+    "q k v global_k global_v rel_bias global_bias slots out grad_out lse grad_q grad_k grad_v grad_global_k "
+    "grad_global_v grad_rel_bias grad_global_bias window exact scale half_products"
+)
+
+
+def naming_chunk_9(slots):
+    """The slot table with chunk 8's first slot naming a chunk past the map's nine."""
+    slots = slots.clone()
+    slots[8, 0, 0] = 9
+    return slots
+
+
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("k", torch.randn(1, 2, 2, 2, 8), r"k must have q's shape \[1, 2, 5, 5, 8\] .* got shape \[1, 2, 2, 2, 8\]"),
+        ("out", torch.randn(1, 2, 5, 5, 16)[..., ::2], r"out must have unit stride along head_dim, got strides"),
+        ("lse", torch.zeros(0), r"lse must have shape \[1, 2, 5, 5\], got \[0\]"),
+        (
+            "slots",
+            lambda _: fused_cpu._slot_table(3, 3, 2, 0, 0),
+            r"slots must be .* \(9, at most 9, 3\), got .* \[4, 9, 3\]",
+        ),
+        ("slots", naming_chunk_9, r"slots holds the row \(9, -1, -1\), .* chunk in -1\.\.8 and an offset .* -1\.\.1"),
+        ("rel_bias", torch.zeros(2, 1), r"rel_bias must have shape \[2, 49\] \(or be empty\), got \[2, 1\]"),
+        ("global_bias", torch.zeros(1, 2), r"global_bias must have shape \[2, 1\] \(or be empty\), got \[1, 2\]"),
+        ("global_v", torch.randn(1, 2, 3, 8), r"global_v must have shape \[1, 2, 1, 8\], got \[1, 2, 3, 8\]"),
+        ("global_k", torch.randn(2, 1, 8), r"global_k must have shape \(B, H, G, D\), got \[2, 1, 8\]"),
+        ("window", 0, r"window must be at least 1, got 0"),
+        ("exact", 2, r"exact must be -1, 0 or 1, got 2"),
+        ("half_products", True, r"half_products takes bfloat16 or float16 inputs, got Float"),
+        ("grad_out", torch.randn(1, 2, 5, 4, 8), r"grad_out must have q's shape .* got shape \[1, 2, 5, 4, 8\]"),
+        ("grad_global_k", torch.zeros(2, 1, 8), r"grad_global_k must have shape \[1, 2, 1, 8\], got \[2, 1, 8\]"),
+        ("grad_rel_bias", torch.zeros(2, 49), r"grad_rel_bias must have shape \[1, 2, 49\] \(or be empty\)"),
+    ],
+)
+def test_fused_cpu_kernels_refuse_other_shapes_in_one_sentence(name, value, message):
+    # The C++ entry points check everything they index with, so that no call reads or writes past a tensor.
+    arguments = fused_cpu_arguments_2d()
+    arguments[name] = value(arguments[name]) if callable(value) else value
+    ops = fused_cpu._kernels()
+    backward = name.startswith("grad")
+    names = (FUSED_CPU_BACKWARD_2D if backward else FUSED_CPU_FORWARD_2D).split()
+    with pytest.raises(RuntimeError, match=f"^local_attention_cpu: {message}"):
+        (ops.backward if backward else ops.forward)(*(arguments[n] for n in names))
 
 
 @pytest.mark.parametrize("backend", ["sliding_chunk", "fused_cpu"])
@@ -695,6 +799,34 @@ def test_an_enormous_window_is_the_whole_map(exact):
             r"scale must be a number.*'0.5'",
         ),
         (
+            lambda q: local_attention_2d(q, q, q, 1, scale=float("nan")),
+            r"scale must be a finite number, got nan\.$",
+        ),
+        (
+            lambda q: local_attention_1d(q[:, :, 0], q[:, :, 0], q[:, :, 0], 1, scale=-float("inf")),
+            r"scale must be a finite number, got -inf\.$",
+        ),
+        (
+            lambda q: local_attention_2d(q, q, q, 1, mode=torch.tensor(2.7)),
+            r"mode must be an int or a 0-dim integer tensor, got a torch\.float32 tensor of shape \(\)\.$",
+        ),
+        (
+            lambda q: local_attention_2d(q, q, q, 1, mode=torch.tensor([1, 2])),
+            r"mode must be an int or a 0-dim integer tensor, got a torch\.int64 tensor of shape \(2,\)\.$",
+        ),
+        (
+            lambda q: local_attention_2d(q, q, q, 1, mode=True),
+            r"mode \(MODE\) must be 0, -1 or one of 1\.\.8, got True\.$",
+        ),
+        (
+            lambda q: local_attention_2d(q, q, q, 1, exact=True),
+            r"exact \(SW_EXACT\) must be 1, 0 or -1, got True\.$",
+        ),
+        (
+            lambda q: local_attention_2d(q, q, q, 1, exact=1.0),
+            r"exact \(SW_EXACT\) must be 1, 0 or -1, got 1\.0\.$",
+        ),
+        (
             lambda q: local_attention_2d(q[..., :0], q[..., :0], q[..., :0], 1),
             r"head_dim 0.*\(1, 1, 3, 3, 0\)",
         ),
@@ -707,6 +839,26 @@ def test_an_enormous_window_is_the_whole_map(exact):
 def test_odd_inputs_are_one_sentence(call, message):
     with pytest.raises(ValueError, match=message):
         call(torch.randn(1, 1, 3, 3, 4))
+
+
+@pytest.mark.parametrize("check", ["call", "check_backend"])
+def test_a_1d_backend_for_2d_windows_is_refused_as_such(check):
+    # loop computes 1D bands only: the same sentence from the op and from check_backend (the model's build check).
+    q = torch.randn(1, 1, 3, 3, 4)
+    with pytest.raises(ValueError, match=r"^The loop backend does not compute 2D windows; 2D backends: ") as err:
+        local_attention_2d(q, q, q, 1, backend="loop") if check == "call" else check_backend("loop", 4, 1)
+    named = str(err.value).split(": ")[1].rstrip(".").split(", ")
+    assert named == available_backends(2) and "loop" not in named
+    with pytest.raises(ValueError, match=r"^Unknown local attention backend 'lop'; available: .*sliding_chunk"):
+        local_attention_2d(q, q, q, 1, backend="lop") if check == "call" else check_backend("lop", 4, 1)
+
+
+def test_mode_as_a_0_dim_integer_tensor_is_that_mode():
+    # The model passes its randomly drawn neighbour as such a tensor, so that torch.compile keeps the draw.
+    q, k, v = (torch.randn(1, 2, 6, 6, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    expected = local_attention_2d(q, k, v, 2, mode=3, backend="reference")
+    for dtype in (torch.int64, torch.int32, torch.uint8):
+        torch.testing.assert_close(local_attention_2d(q, k, v, 2, mode=torch.tensor(3, dtype=dtype)), expected)
 
 
 def test_a_numpy_scale_is_a_number():

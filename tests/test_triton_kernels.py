@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton", reason="the triton package is not installed; the triton backend cannot run here")
 
 from test_local_attention import make_inputs as make_local_inputs  # noqa: E402
+from test_local_attention_1d import assert_products_counted  # noqa: E402
 
 from vil.config import load_cfg  # noqa: E402
 from vil.model_config import build_model  # noqa: E402
@@ -172,6 +173,26 @@ def test_tile_shapes_beyond_the_gpu_are_passed_over_or_refused_in_one_sentence(m
         flash.tuned_launch("backward_dq", ("other key",), [(64, 8, 8), (128, 8, 8)], launch)
 
 
+def test_products_are_counted_by_the_flop_counter():
+    # An 8 x 8 map of 2 x 2 chunks in tiles of 4 x 4 (16 query rows each): 4 corner chunks read 4 chunks, 8 edge
+    # chunks 6 and 4 inner ones 9, 100 key tiles of 16 in all, and each of the 16 chunks the global key.
+    inputs = make_inputs(8, 8, 2, 1, False, False, H=1)
+    pairs = 16 * (100 * 16 + 16 * 1)
+    assert_products_counted(
+        lambda: local_attention_2d(
+            inputs["q"],
+            inputs["k"],
+            inputs["v"],
+            2,
+            global_k=inputs["global_k"],
+            global_v=inputs["global_v"],
+            backend="triton",
+        ),
+        pairs,
+        16,
+    )
+
+
 def test_neighbour_rows_list_present_slots_first():
     # Chunk 0 reads chunks 2 and 0 through slots 0 and 2; chunk 1 reads chunk 1 through slot 2 only.
     table = torch.tensor([[2, -1, 0], [-1, -1, 1]])
@@ -210,6 +231,90 @@ def test_bias_tables_of_float32_under_half_inputs():
     inputs["global_bias"] = inputs["global_bias"].detach().float().requires_grad_()
     _, grads = run("triton", inputs, 2)
     assert grads[-2].dtype == torch.float32 and grads[-1].dtype == torch.float32
+
+
+@pytest.fixture
+def matmul_settings():
+    """torch's float32 matmul settings as they were before the test, restored after it: the older switch first (it
+    also sets the newer per-operation one), then the newer global and per-operation settings."""
+    matmul = torch.backends.cuda.matmul
+    older = torch.get_float32_matmul_precision()
+    newer = (torch.backends.fp32_precision, matmul.fp32_precision) if hasattr(matmul, "fp32_precision") else None
+    yield
+    torch.set_float32_matmul_precision(older)
+    if newer is not None:
+        torch.backends.fp32_precision, matmul.fp32_precision = newer
+
+
+def _set_allow_tf32(on):
+    torch.backends.cuda.matmul.allow_tf32 = on
+
+
+def _set_fp32_precision(global_setting, matmul_setting):
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision settings")
+    torch.backends.fp32_precision = global_setting
+    torch.backends.cuda.matmul.fp32_precision = matmul_setting
+
+
+class _PrecisionRecorder:
+    """A kernel stand-in that launches nothing and records the DOT_PRECISION of each launch."""
+
+    def __init__(self):
+        self.precisions = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.precisions.append(meta["DOT_PRECISION"])
+
+
+@pytest.mark.parametrize(
+    "setting,precision",
+    [
+        (lambda: _set_allow_tf32(True), "tf32"),
+        (lambda: _set_allow_tf32(False), "tf32x3"),
+        (lambda: torch.set_float32_matmul_precision("high"), "tf32"),
+        (lambda: _set_fp32_precision("none", "tf32"), "tf32"),
+        (lambda: _set_fp32_precision("tf32", "none"), "tf32"),  # "none": matmuls follow the global setting
+        (lambda: _set_fp32_precision("none", "ieee"), "tf32x3"),
+        (lambda: _set_fp32_precision("tf32", "ieee"), "tf32x3"),
+        (lambda: _set_fp32_precision("ieee", "tf32"), "tf32"),
+    ],
+    ids=[
+        "allow_tf32",
+        "not allow_tf32",
+        "high",
+        "matmul tf32",
+        "global tf32",
+        "ieee",
+        "global tf32 matmul ieee",
+        "global ieee matmul tf32",
+    ],
+)
+def test_float32_products_follow_torchs_tf32_setting(monkeypatch, matmul_settings, setting, precision):
+    # Either API of torch may set it; once the newer one has, torch refuses reads of the older allow_tf32.
+    from vil.ops import local_attention_1d
+    from vil_kernels import local_attention_1d as kernels_1d
+
+    setting()
+    recorders = {module: _PrecisionRecorder() for module in (kernels, kernels_1d)}
+    for module, recorder in recorders.items():
+        monkeypatch.setattr(module, "_fwd_kernel", recorder)
+    q = torch.randn(1, 1, 4, 4, 16, device=DEVICE)
+    with torch.no_grad():
+        local_attention_2d(q, q, q, 2, backend="triton")
+        local_attention_1d(q[:, :, 0], q[:, :, 0], q[:, :, 0], 2, backend="triton")
+        local_attention_2d(q.half(), q.half(), q.half(), 2, backend="triton")
+    assert recorders[kernels].precisions == [precision, "tf32"]  # half precision ignores the setting
+    assert recorders[kernels_1d].precisions == [precision]
+
+
+def test_float32_products_follow_allow_tf32_where_torch_has_only_that(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.backends.cuda, "matmul", SimpleNamespace(allow_tf32=False))
+    assert flash.dot_precision(torch.float32) == "tf32x3"
+    monkeypatch.setattr(torch.backends.cuda, "matmul", SimpleNamespace(allow_tf32=True))
+    assert flash.dot_precision(torch.float32) == "tf32"
 
 
 def _tiny_cfg(attn_type):
@@ -262,6 +367,54 @@ def test_unsupported_inputs_are_one_sentence(change, message):
     with pytest.raises(ValueError) as err:
         run("triton", inputs, w)
     assert str(err.value) == message
+
+
+def with_stride_2(t):
+    """``t``'s values with stride 2 along the last dimension."""
+    return torch.stack([t, torch.zeros_like(t)], -1).flatten(-2)[..., ::2]
+
+
+FORWARD_ARGS = ("q", "k", "v", "gk", "gv", "rel_bias", "global_bias")
+BACKWARD_ARGS = ("do", *FORWARD_ARGS, "o", "lse")
+
+
+@pytest.mark.parametrize(
+    "launcher,name,change,message",
+    [
+        (
+            "forward",
+            "q",
+            with_stride_2,
+            r"q of shape \(1, 2, 5, 6, 16\) with unit stride .* strides \(1920, 960, 192, 32, 2\)",
+        ),
+        ("forward", "k", lambda k: k[:, :, :2, :2], r"k of shape \(1, 2, 5, 6, 16\) .* got shape \(1, 2, 2, 2, 16\)"),
+        ("forward", "gv", lambda gv: gv[:, :1], r"gv of shape \(1, 2, 1, 16\) .* got shape \(1, 1, 1, 16\)"),
+        ("forward", "rel_bias", lambda rb: rb[:, :10], r"rel_bias as a contiguous .* \(2, 49\), got shape \(2, 10\)"),
+        ("forward", "global_bias", lambda gb: gb.t(), r"global_bias as a contiguous .* \(2, 1\), got shape \(1, 2\)"),
+        (
+            "backward",
+            "do",
+            with_stride_2,
+            r"do of shape \(1, 2, 5, 6, 16\) with unit stride .* strides \(1920, 960, 192, 32, 2\)",
+        ),
+        ("backward", "lse", lambda lse: lse[:, :, :-1], r"lse as a contiguous .* \(1, 2, 30\), got shape \(1, 2, 29\)"),
+    ],
+)
+def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(launcher, name, change, message):
+    # The launchers read rows through the strides of all but the last dimension and index the tables themselves:
+    # a tensor laid out otherwise is refused before a kernel reads it.
+    from vil.ops.backends.triton import kernel_geometry
+
+    inputs = make_inputs(5, 6, 2, 1, True, True)
+    tensors = {name: inputs[name].detach() for name in ("q", "k", "v", "rel_bias", "global_bias")}
+    tensors.update(gk=inputs["global_k"].detach(), gv=inputs["global_v"].detach())
+    geo = kernel_geometry(5, 6, 2, 0, 0, 1, DEVICE)
+    tensors["o"], tensors["lse"] = kernels.forward(*(tensors[n] for n in FORWARD_ARGS), geo, 0.25)
+    tensors["do"] = torch.ones_like(tensors["o"])
+    tensors[name] = change(tensors[name])
+    args = FORWARD_ARGS if launcher == "forward" else BACKWARD_ARGS
+    with pytest.raises(ValueError, match=f"^The triton kernels take {message}"):
+        getattr(kernels, launcher)(*(tensors[n] for n in args), geo, 0.25)
 
 
 # CPU tensors without the interpreter: refused by the kernels' check where the backend was loaded for the interpreter

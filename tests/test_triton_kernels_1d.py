@@ -21,6 +21,7 @@ from test_triton_kernels import (  # noqa: E402
     CPU_REFUSED,
     assert_close_in_dtype,
     skipped_beyond_the_gpu,
+    with_stride_2,
 )
 
 from vil.ops import default_backend, local_attention_1d  # noqa: E402
@@ -270,3 +271,39 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     inputs, padding = make_inputs(8, 2, 0, False, False, None, B=1, H=1)
     with pytest.raises(ValueError, match=CPU_REFUSED):
         run("triton", inputs, padding, 2)
+
+
+FORWARD_ARGS = ("q", "k", "v", "gk", "gv", "rel_bias", "global_bias", "mask", "dilations")
+BACKWARD_ARGS = ("do", "q", "k", "v", "gk", "gv", "rel_bias", "global_bias", "mask", "o", "lse", "dilations")
+
+
+@pytest.mark.parametrize(
+    "launcher,name,change,message",
+    [
+        ("forward", "q", with_stride_2, r"q of shape \(1, 2, 9, 16\) with unit stride .* strides \(576, 288, 32, 2\)"),
+        ("forward", "v", lambda v: v[:, :, :4], r"v of shape \(1, 2, 9, 16\) .* got shape \(1, 2, 4, 16\)"),
+        ("forward", "gk", lambda gk: gk[..., :8], r"gk of shape \(1, 2, 1, 16\) .* got shape \(1, 2, 1, 8\)"),
+        ("forward", "rel_bias", lambda rb: rb[:, :3], r"rel_bias as a contiguous .* \(2, 5\), got shape \(2, 3\)"),
+        ("forward", "mask", lambda mask: mask[:, :4], r"key_padding_mask of shape \(1, 9\), got \(1, 4\)"),
+        ("forward", "dilations", lambda dilations: (1,), r"one dilation per head \(2\), got 1"),
+        ("backward", "o", with_stride_2, r"o of shape \(1, 2, 9, 16\) with unit stride .* strides \(576, 288, 32, 2\)"),
+        (
+            "backward",
+            "lse",
+            lambda lse: lse.transpose(1, 2),
+            r"lse as a contiguous .* \(1, 2, 9\), got shape \(1, 9, 2\)",
+        ),
+    ],
+)
+def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(launcher, name, change, message):
+    # The launchers read rows through the strides of all but the last dimension and index the tables themselves:
+    # a tensor laid out otherwise is refused before a kernel reads it.
+    inputs, mask = make_inputs(9, 2, 1, True, True, "random", B=1, H=2)
+    tensors = {name: inputs[name].detach() for name in ("q", "k", "v", "rel_bias", "global_bias")}
+    tensors.update(gk=inputs["global_k"].detach(), gv=inputs["global_v"].detach(), mask=mask, dilations=(1, 2))
+    tensors["o"], tensors["lse"] = kernels.forward(*(tensors[n] for n in FORWARD_ARGS), 2, False, 0.25)
+    tensors["do"] = torch.ones_like(tensors["o"])
+    tensors[name] = change(tensors[name])
+    args = FORWARD_ARGS if launcher == "forward" else BACKWARD_ARGS
+    with pytest.raises(ValueError, match=f"^The triton kernels take {message}"):
+        getattr(kernels, launcher)(*(tensors[n] for n in args), 2, False, 0.25)

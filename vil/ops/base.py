@@ -69,10 +69,22 @@ class Extras:
         )
 
 
+def listed(names) -> str:
+    """``names`` as a sentence lists them: "a", "a or b", "a, b or c"."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def compute_dtype(q: Tensor) -> torch.dtype:
+    """The dtype the backends compute q's dtype in: float32 for half precision (softmax sums and log-sum-exps need
+    its range and precision), float32 and float64 themselves."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def in_float32_or_wider(q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> tuple:
     """A :attr:`Backend.prepare` for passes that compute half precision in float32: q, k, v and the extras' tensors
-    in ``promote_types(q.dtype, float32)``."""
-    compute = torch.promote_types(q.dtype, torch.float32)
+    in :func:`compute_dtype`."""
+    compute = compute_dtype(q)
     return q.to(compute), k.to(compute), v.to(compute), extras.cast(lambda t: t.to(compute))
 
 
@@ -148,3 +160,11 @@ class Backend:
 
     def trains_on_device(self, device_type: str) -> bool:
         return self.runs_on(device_type) and (self.trains_on is None or device_type in self.trains_on)
+
+    def dtype_refusal(self, dtype: torch.dtype) -> Optional[str]:
+        """The sentence that says this backend does not take ``dtype`` inputs; None where it does."""
+        if dtype in self.dtypes:
+            return None
+        return (
+            f"The {self.name} backend takes {listed(str(t).split('.')[-1] for t in self.dtypes)} inputs, got {dtype}."
+        )

@@ -9,6 +9,7 @@ once, builds the neighbourhood (``vil/ops/neighborhood.py``) and the optional in
 """
 
 import logging
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Optional, Union
@@ -16,12 +17,13 @@ from typing import Optional, Union
 import torch
 
 from . import operators, split
-from .base import Extras, exporting_to_onnx, needs_grad, tracing
+from .base import Extras, exporting_to_onnx, listed, needs_grad, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import BACKENDS, available_backends, default_backend
 
 _log = logging.getLogger(__name__)
 _logged_choices = set()
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def local_attention_2d(
@@ -62,8 +64,14 @@ def local_attention_2d(
             neighborhood attention; the bias row uses ``(a, b)`` as the offsets.
         backend: one of :func:`available_backends`; None: :func:`default_backend`.
     """
-    if isinstance(mode, torch.Tensor) and not tracing(q):
-        mode = int(mode)
+    if isinstance(mode, torch.Tensor):
+        if mode.dim() != 0 or mode.dtype not in _INTEGER_DTYPES:  # metadata: torch.compile does not break on it
+            raise ValueError(
+                f"mode must be an int or a 0-dim integer tensor, got a {mode.dtype} tensor of shape "
+                f"{tuple(mode.shape)}."
+            )
+        if not tracing(q):
+            mode = int(mode)
     drawn_mode = mode if isinstance(mode, torch.Tensor) else None  # read by the operator when it runs
     hood = Neighborhood2d(window, exact, mode if drawn_mode is None else 1, dilation)  # 1: any neighbour, to check
     optional = dict(global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias)
@@ -186,13 +194,7 @@ def _choose(backend, hood, q, trains):
             _log.info(
                 "local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type
             )
-    if backend not in BACKENDS:
-        able = ", ".join(available_backends(dims))
-        raise ValueError(f"Unknown local attention backend {backend!r}; available: {able}.")
-    b = BACKENDS[backend]
-    if not b.computes(dims):
-        able = ", ".join(available_backends(dims))
-        raise ValueError(f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {able}.")
+    b = _declaration(backend, dims)
     if hood.dilated and b.dilation(dims) is None:
         others = [n for n in available_backends(dims) if BACKENDS[n].dilation(dims) is not None]
         raise ValueError(
@@ -202,7 +204,7 @@ def _choose(backend, hood, q, trains):
     if not b.runs_on(device):
         others = [n for n in available_backends(dims) if BACKENDS[n].runs_on(device)]
         raise ValueError(
-            f"The {backend} backend runs on {_listed(b.devices)} tensors, but q is on {q.device}; "
+            f"The {backend} backend runs on {listed(b.devices)} tensors, but q is on {q.device}; "
             f"backends that run there: {', '.join(others)}."
         )
     if device == "meta":
@@ -215,10 +217,9 @@ def _choose(backend, hood, q, trains):
             f"The {backend} backend cannot train on the {device.upper()} (it has no backward there); "
             f"backends that can: {', '.join(others)}."
         )
-    if q.dtype not in b.dtypes:
-        raise ValueError(
-            f"The {backend} backend takes {_listed([str(t).split('.')[-1] for t in b.dtypes])} inputs, got {q.dtype}."
-        )
+    refusal = b.dtype_refusal(q.dtype)
+    if refusal is not None:
+        raise ValueError(refusal)
     if defaulted:  # default_backend has checked that the backend it picked is available and takes the request
         return b
     if b.available is not None:
@@ -228,9 +229,17 @@ def _choose(backend, hood, q, trains):
     return b
 
 
-def _listed(names):
-    names = list(names)
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+def _declaration(backend, dims):
+    """The declaration of the backend named ``backend``; one sentence if there is none or it does not compute
+    ``dims``-D windows."""
+    if backend not in BACKENDS:
+        able = ", ".join(available_backends(dims))
+        raise ValueError(f"Unknown local attention backend {backend!r}; available: {able}.")
+    b = BACKENDS[backend]
+    if not b.computes(dims):
+        able = ", ".join(available_backends(dims))
+        raise ValueError(f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {able}.")
+    return b
 
 
 def check_backend(
@@ -241,9 +250,7 @@ def check_backend(
     hood = Neighborhood2d(window, exact, mode, dilation)
     if backend is None:
         return
-    if backend not in BACKENDS or not BACKENDS[backend].computes(2):
-        raise ValueError(f"Unknown local attention backend {backend!r}; available: {', '.join(available_backends(2))}.")
-    b = BACKENDS[backend]
+    b = _declaration(backend, 2)
     if b.available is not None:
         b.available()
     if b.check is not None:
@@ -256,7 +263,7 @@ def check_window_options(exact: int, mode: int, dilation: int = 1) -> None:
 
 
 def _check_types(q, tensors, scale):
-    """Tensors where tensors belong (not lists or numpy arrays), a number as the scale."""
+    """Tensors where tensors belong (not lists or numpy arrays), a finite number as the scale."""
     for name, t in dict(q=q, **tensors).items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(
@@ -264,6 +271,8 @@ def _check_types(q, tensors, scale):
             )
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise ValueError(f"scale must be a number (or None for head_dim ** -0.5), got {scale!r}.")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}.")
     if q.shape[-1] == 0:
         raise ValueError(f"q has head_dim 0 (shape {tuple(q.shape)}); attention needs at least one feature per head.")
 

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from typing import ClassVar, Union
 
 
+def _is_int(value) -> bool:
+    """An int, and not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Neighborhood2d:
     """ViL's window on an ``X x Y`` map.
@@ -26,18 +31,18 @@ class Neighborhood2d:
     dims: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+        if not _is_int(self.window) or self.window < 1:
             raise ValueError(f"window must be a positive integer, got {self.window!r}.")
-        if self.exact not in (1, 0, -1):
+        if not _is_int(self.exact) or self.exact not in (1, 0, -1):
             raise ValueError(f"exact (SW_EXACT) must be 1, 0 or -1, got {self.exact!r}.")
-        if self.mode not in range(-1, 9):
+        if not _is_int(self.mode) or self.mode not in range(-1, 9):
             raise ValueError(f"mode (MODE) must be 0, -1 or one of 1..8, got {self.mode!r}.")
         if self.exact == 1 and self.mode != 0:
             raise ValueError(
                 f"mode (MODE) {self.mode} needs chunked windows (SW_EXACT 0 or -1); the exact window "
                 "(SW_EXACT 1) takes mode 0 only."
             )
-        if isinstance(self.dilation, bool) or not isinstance(self.dilation, int) or self.dilation < 1:
+        if not _is_int(self.dilation) or self.dilation < 1:
             raise ValueError(f"dilation must be a positive integer, got {self.dilation!r}.")
         if self.dilation > 1 and self.exact != 1:
             raise ValueError(
@@ -89,12 +94,12 @@ class Neighborhood1d:
     dims: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+        if not _is_int(self.window) or self.window < 1:
             raise ValueError(
                 f"window must be a positive integer (keys on each side of the query), got {self.window!r}."
             )
         values = self.dilation if isinstance(self.dilation, tuple) else (self.dilation,)
-        if not values or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in values):
+        if not values or any(not _is_int(d) or d < 1 for d in values):
             raise ValueError(
                 f"dilation must be a positive integer or one positive integer per head, got {self.dilation!r}."
             )

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from . import split
-from .base import Backend, Extras, needs_grad, tracing
+from .base import Backend, Extras, compute_dtype, needs_grad, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import BACKENDS
 
@@ -33,8 +33,9 @@ from .registry import BACKENDS
 
 
 def run_eagerly(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> Tensor:
-    """``b``'s output for a request, split into the pieces it can take (``vil/ops/split.py``); an empty batch, map
-    or sequence has nothing to compute, and the reference handles it."""
+    """``b``'s output for a request, split into the pieces it can take (``vil/ops/split.py``); a request with no
+    element (no batch entry, head or map position: ``local_attention_1d`` refuses empty sequences) has nothing to
+    compute, and the reference handles it."""
     if q.numel() == 0:
         b = BACKENDS["reference"]
     run = split.run_1d if hood.dims == 1 else split.run_2d
@@ -176,7 +177,7 @@ def laid_out_as(t: Tensor, like: Tensor) -> Tensor:
 
 def _fake_outputs(q):
     """The output and the per-query residual (one value per query, in the dtype the backends compute in)."""
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=compute_dtype(q))
 
 
 def operator_gradients(inputs, grads):

@@ -84,7 +84,11 @@ def default_backend(
     passed_over = []
     for name in fastest(device.type, dims):
         b = BACKENDS[name]
-        if not b.computes(dims) or not b.runs_on(device.type) or dtype not in b.dtypes:
+        if not b.computes(dims) or not b.runs_on(device.type):
+            continue
+        refusal = b.dtype_refusal(dtype)
+        if refusal is not None:
+            passed_over.append(refusal)
             continue
         try:
             if b.available is not None:

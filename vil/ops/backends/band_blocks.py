@@ -3,7 +3,7 @@
 A sequence of L positions is ``blocks = ceil(L / w)`` blocks of w, zero padded by one block in front and to
 ``blocks + 2`` blocks behind: padded block j holds positions (j - 1)w .. jw - 1. A window of ``span``
 consecutive padded blocks starting at j is the keys of query block j (sliding_chunk, span 3) or chunk j
-(chunks, span 2).
+(chunks, span 2). Both also share the scores of the global keys and the maximum their softmax subtracts.
 """
 
 import torch
@@ -69,3 +69,18 @@ def band_scores(queries, keys, masks, start, stop, rows=slice(None)):
     if any(masked[start:stop]):
         scores.masked_fill_(key_hidden[:, :, start:stop], float("-inf"))
     return scores
+
+
+def band_global_scores(queries, global_k, global_bias):
+    """Base-2 scores of queries ``(B, H, ..., D)`` (scaled to base 2) against the global keys ``(B, H, G, D)``,
+    plus ``global_bias (H, G)`` (base 2) where given: ``(B, H, ..., G)``."""
+    scores = torch.matmul(queries.flatten(2, -2), global_k.transpose(-1, -2))
+    if global_bias is not None:
+        scores += global_bias[:, None, :]
+    return scores.unflatten(2, queries.shape[2:-1])
+
+
+def safe_max(row_max):
+    """The maximum to subtract from a row's scores: 0 for rows that see no key (maximum -inf), whose exponentials
+    are then all 0 instead of NaN."""
+    return row_max.masked_fill(row_max == float("-inf"), 0.0)

@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..base import Backend
+from ..base import Backend, compute_dtype
 from ..geometry import unfolded_window_tables
 
 # Scores per block. A block's working memory is a few times this (scores, probabilities, their gradients,
@@ -117,7 +117,7 @@ class _ChunkRows(torch.autograd.Function):
         q, k, v, gk, gv, rel_bias, global_bias = tensors
         B, H, X, Y, D = q.shape
         G = 0 if gk is None else gk.shape[2]
-        dtype = _compute_dtype(q)
+        dtype = compute_dtype(q)
         kc, vc = k.permute(0, 1, 4, 2, 3), v.permute(0, 1, 4, 2, 3)  # (B, H, D, X, Y) views, for the unfold
         out = q.new_empty(q.shape)
         lse = torch.empty(B, H, X, Y, 1, dtype=dtype, device=q.device)
@@ -150,7 +150,7 @@ class _ChunkRows(torch.autograd.Function):
         geo, scale = ctx.geo, ctx.scale
         B, H, X, Y, D = q.shape
         G = 0 if gk is None else gk.shape[2]
-        dtype = _compute_dtype(q)
+        dtype = compute_dtype(q)
         kc, vc = k.permute(0, 1, 4, 2, 3), v.permute(0, 1, 4, 2, 3)
         dq = q.new_empty(q.shape)  # written once per chunk row
         # dK and dV gather up to three band contributions per token: summed in the compute dtype.
@@ -212,11 +212,6 @@ class _ChunkRows(torch.autograd.Function):
         grads = (dq, dk, dv, dgk, dgv, d_rel_table, d_glob)
         inputs = (q, k, v, gk, gv, rel_bias, global_bias)
         return (None, None, *(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)))
-
-
-def _compute_dtype(q):
-    """Half precision is computed in float32: the recomputed probabilities need an exact log-sum-exp."""
-    return torch.promote_types(q.dtype, torch.float32)
 
 
 def _part(t, index, dtype):

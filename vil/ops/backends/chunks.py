@@ -3,7 +3,7 @@ chunk, the scores outside the band masked, and a hand-written backward that save
 and one log-sum-exp per query.
 
 Chunk ``c`` holds the positions ``(c-1)w .. (c+1)w - 1`` (padded blocks ``c`` and ``c + 1``, see
-``chunked.band_blocks``), and its ``2w x 2w`` product scores every pair inside it. Query block ``m`` is the first
+``band_blocks.py``), and its ``2w x 2w`` product scores every pair inside it. Query block ``m`` is the first
 half of chunk ``m + 1``, where it takes its keys at offsets ``0..w``, and the second half of chunk ``m``, where it
 takes those at ``-w..-1`` (``geometry.band_chunk_tables``). A chunk scores ``4w`` keys per query where the band
 has ``2w + 1``: the chunk layout pays twice the scores of the band for one dense product, as the Longformer paper
@@ -23,7 +23,15 @@ import torch
 
 from ..base import LOG2E, Backend, in_float32_or_wider
 from ..geometry import band_chunk_tables
-from .band_blocks import band_blocks, band_masks, band_scores, band_windows, scatter_band_windows_
+from .band_blocks import (
+    band_blocks,
+    band_global_scores,
+    band_masks,
+    band_scores,
+    band_windows,
+    safe_max,
+    scatter_band_windows_,
+)
 from .sliding_chunk import BLOCK_BYTES
 
 SPAN = 2  # padded blocks per chunk
@@ -44,23 +52,10 @@ def _chunk_groups(q, window, blocks):
 
 
 def _chunk_masks(rel_bias, key_padding_mask, B, L, window, blocks, causal, device):
-    """The chunk's band table with the base-2 bias, and the hidden keys (``chunked.band_masks``)."""
+    """The chunk's band table with the base-2 bias, and the hidden keys (``band_blocks.band_masks``)."""
     allowed, bias_row = band_chunk_tables(window, causal, device)
     rel_bias2 = None if rel_bias is None else rel_bias * LOG2E
     return band_masks(allowed, bias_row, rel_bias2, key_padding_mask, B, L, window, blocks)
-
-
-def _global_part(queries, global_k, global_bias):
-    """Base-2 scores of every query against the global keys: (B, H, L, G)."""
-    scores = torch.matmul(queries, global_k.transpose(-1, -2))
-    if global_bias is not None:
-        scores += global_bias[:, None, :]
-    return scores
-
-
-def _safe(row_max):
-    """The maximum to subtract: 0 for rows that see no key, whose exponentials are then all 0."""
-    return row_max.masked_fill(row_max == float("-inf"), 0.0)
 
 
 def _merge_(state, rows, part_max, part_sum, part_out):
@@ -69,7 +64,7 @@ def _merge_(state, rows, part_max, part_sum, part_out):
     where that is -inf), and both sides are rescaled to the larger maximum."""
     run_max, run_sum, run_out = (x[:, :, rows] for x in state)
     new_max = torch.maximum(run_max, part_max)
-    top = _safe(new_max)
+    top = safe_max(new_max)
     old, new = (run_max - top).exp2_(), (part_max - top).exp2_()  # 0 for a side that sees no key yet
     run_sum.mul_(old).add_(part_sum * new)
     run_out.mul_(old[..., None]).add_(part_out * new[..., None])
@@ -97,9 +92,9 @@ class ChunksAttention1d(torch.autograd.Function):
             q.new_zeros(B, H, blocks + 2, w, D),
         ]
         if global_k is not None:
-            scores_g = _global_part(queries, global_k, None if global_bias is None else global_bias * LOG2E)
+            scores_g = band_global_scores(queries, global_k, None if global_bias is None else global_bias * LOG2E)
             max_g = scores_g.amax(-1)
-            weights_g = scores_g.sub_(_safe(max_g)[..., None]).exp2_()
+            weights_g = scores_g.sub_(safe_max(max_g)[..., None]).exp2_()
             for x, part in zip(state, (max_g, weights_g.sum(-1), torch.matmul(weights_g, global_v))):
                 x.flatten(2, 3)[:, :, w : w + L] = part
         for start, stop, halves in _chunk_groups(q, w, blocks):
@@ -107,7 +102,7 @@ class ChunksAttention1d(torch.autograd.Function):
             chunk_queries = band_windows(queries_b, start + halves.start, stop + halves.start, len(halves))
             scores = band_scores(chunk_queries, band_windows(keys_b, start, stop, SPAN), masks, start, stop, rows)
             chunk_max = scores.amax(-1)
-            weights = scores.sub_(_safe(chunk_max)[..., None]).exp2_()
+            weights = scores.sub_(safe_max(chunk_max)[..., None]).exp2_()
             chunk_sum = weights.sum(-1)
             chunk_out = torch.matmul(weights, band_windows(values_b, start, stop, SPAN))
             # Half j of chunk c is padded block c + j.
@@ -122,7 +117,7 @@ class ChunksAttention1d(torch.autograd.Function):
                 )
         row_max, total, out = (x[:, :, 1 : blocks + 1].flatten(2, 3)[:, :, :L] for x in state)
         out = out.div_(total.clamp(min=torch.finfo(total.dtype).tiny)[..., None])
-        lse = torch.where(total > 0, _safe(row_max) + total.log2(), float("inf"))  # base 2; +inf: sees no key
+        lse = torch.where(total > 0, safe_max(row_max) + total.log2(), float("inf"))  # base 2; +inf: sees no key
         ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse)
         ctx.options = window, causal, scale
         return out
@@ -172,7 +167,9 @@ class ChunksAttention1d(torch.autograd.Function):
         grad_gk = grad_gv = grad_gb = None
         if global_k is not None:
             queries = queries_b[..., :D].flatten(2, 3)[:, :, w : w + L]
-            scores_g = _global_part(queries * LOG2E, global_k, None if global_bias is None else global_bias * LOG2E)
+            scores_g = band_global_scores(
+                queries * LOG2E, global_k, None if global_bias is None else global_bias * LOG2E
+            )
             probs_g = scores_g.sub_(lse[..., None]).exp2_()
             grad_gv = torch.matmul(probs_g.transpose(-1, -2), grad_out)
             grad_scores_g = torch.matmul(grad_out, global_v.transpose(-1, -2)).sub_(row_term[..., None]).mul_(probs_g)

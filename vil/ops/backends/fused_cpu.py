@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from ...cpu import cpu_multiplies_natively
-from ..base import LOG2E, Backend, Extras, FusedPasses
+from ..base import LOG2E, Backend, Extras, FusedPasses, compute_dtype
 from ..geometry import neighbour_table
 from ..neighborhood import Neighborhood2d
 
@@ -170,11 +170,6 @@ def _slot_table(rows, cols, window, exact, mode):
     return torch.cat([table[..., None], offsets.expand(table.shape[0], -1, -1)], dim=-1)
 
 
-def _compute_dtype(q):
-    """The dtype the kernels compute q's dtype in, and keep the bias tables, the log-sum-exp and the sums in."""
-    return torch.promote_types(q.dtype, torch.float32)
-
-
 # Set by the check of half-precision products, which runs the passes both ways; else half_products decides.
 _forced_products: ContextVar[Optional[bool]] = ContextVar("fused_cpu_forced_products", default=None)
 
@@ -249,7 +244,7 @@ def _kernel_inputs(q, extras, half):
     """What the kernels take: the global keys and values in q's dtype (half-precision products) or the compute
     dtype, empty where absent; the bias tables in base 2, in the compute dtype."""
     global_k, global_v, rel_bias, global_bias = extras.differentiable
-    compute = _compute_dtype(q)
+    compute = compute_dtype(q)
     kernel_global = q.dtype if half else compute
     if global_k is None:
         global_k = global_v = q.new_empty(*q.shape[:2], 0, q.shape[-1], dtype=kernel_global)
@@ -264,7 +259,7 @@ def _kernel_inputs(q, extras, half):
 def _outputs(q):
     """The output, laid out as q is (a head view of a (B, L, heads * head_dim) projection gives an output that is
     such a view too, with no copy to go back), and the log-sum-exp of every query (in the compute dtype)."""
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q))
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=compute_dtype(q))
 
 
 def _gradient_buffers(q, k, v):
@@ -276,7 +271,7 @@ def _gradient_buffers(q, k, v):
 def _sums(q, shape):
     """Zeroed sums of ``shape`` in the compute dtype, which the backward kernels add gradients into; empty for None
     (an absent input)."""
-    return q.new_empty(0, dtype=_compute_dtype(q)) if shape is None else q.new_zeros(shape, dtype=_compute_dtype(q))
+    return q.new_empty(0, dtype=compute_dtype(q)) if shape is None else q.new_zeros(shape, dtype=compute_dtype(q))
 
 
 def _token_rows(t):
@@ -435,7 +430,7 @@ def _check_problem(q, k, v, hood, extras, grad_out, half):
 def _as_the_kernels_read(q, k, v, hood, extras):
     """q, k and v as they come (each token's elements contiguous); the small inputs in the compute dtype (the
     kernels read the global keys and values in q's dtype again for half-precision products)."""
-    compute = _compute_dtype(q)
+    compute = compute_dtype(q)
     return _token_rows(q), _token_rows(k), _token_rows(v), extras.cast(lambda t: t.to(compute).contiguous())
 
 

@@ -6,11 +6,12 @@ the working set then stays in cache and in memory the allocator reuses, which is
 than one huge batched product; the peak memory of attention is one block, whatever the map size.
 
 The softmax is written out: the forward normalises the ``S x D`` output rather than the ``L x S``
-probabilities and keeps the log-sum-exp. The backward appends a column to its operands (ones to the
+probabilities and keeps the log-sum-exp. The 2D backward appends a column to its operands (ones to the
 keys and values, ``-lse`` to the queries, ``-rowsum(dO * O)`` to the output gradient), so that one
 product gives ``scores - lse``, whose ``exp2`` is the probabilities, and one gives ``dP - rowsum(P * dP)``,
-the softmax backward's bracket. The G global keys are a separate small product in the same softmax, so
-the large products see only the local keys.
+the softmax backward's bracket; the 1D backward subtracts ``lse`` and ``rowsum(dO * O)`` from its products
+instead. The G global keys are a separate small product in the same softmax, so the large products see only
+the local keys.
 
 Scores are computed in base 2 (queries and biases times log2(e), ``exp2`` for ``exp``): on the CPU
 ``torch.exp`` goes through MKL's vector math, whose speed depends on the data (-inf entries make it
@@ -22,7 +23,15 @@ import torch.nn.functional as F
 
 from ..base import LOG2E, Backend, FusedPasses, in_float32_or_wider
 from ..geometry import band_block_tables, chunk_plan
-from .band_blocks import band_blocks, band_masks, band_scores, band_windows, scatter_band_windows_
+from .band_blocks import (
+    band_blocks,
+    band_global_scores,
+    band_masks,
+    band_scores,
+    band_windows,
+    safe_max,
+    scatter_band_windows_,
+)
 from .chunk_windows import (
     add_rel_bias_grad_,
     from_chunks,
@@ -205,9 +214,9 @@ def _forward_1d(q, k, v, hood, extras):
         scores = band_scores(block_queries, band_windows(keys, start, stop, 3), masks, start, stop)
         row_max = scores.amax(-1, keepdim=True)
         if global_k is not None:
-            scores_g = _band_global_scores(block_queries, global_k, global_bias2)
+            scores_g = band_global_scores(block_queries, global_k, global_bias2)
             row_max = torch.maximum(row_max, scores_g.amax(-1, keepdim=True))
-        row_max.masked_fill_(row_max == float("-inf"), 0.0)
+        row_max = safe_max(row_max)
         weights = scores.sub_(row_max).exp2_()
         total = weights.sum(-1, keepdim=True)
         block_out = torch.matmul(weights, band_windows(values, start, stop, 3))
@@ -253,7 +262,7 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
         if grad_bias is not None:
             grad_bias += grad_scores.sum((0, 2))
         if global_k is not None:
-            probs_g = _band_global_scores(block_queries * LOG2E, global_k, global_bias2).sub_(block_lse).exp2_()
+            probs_g = band_global_scores(block_queries * LOG2E, global_k, global_bias2).sub_(block_lse).exp2_()
             grad_gv += torch.matmul(probs_g.transpose(-1, -2), block_grad_out).sum(2)
             grad_scores_g = torch.matmul(block_grad_out, global_v[:, :, None].transpose(-1, -2))
             grad_scores_g.sub_(block_row_term).mul_(probs_g)
@@ -274,14 +283,6 @@ def _band_masks(q, hood, extras, blocks):
     B, _, L = q.shape[:3]
     allowed, bias_row = band_block_tables(hood.window, hood.causal, q.device)
     return band_masks(allowed, bias_row, _base2(extras.rel_bias), extras.key_padding_mask, B, L, hood.window, blocks)
-
-
-def _band_global_scores(queries, global_k, global_bias):
-    """Base-2 scores of query blocks ``(B, H, n, w, D)`` against the global keys: (B, H, n, w, G)."""
-    scores = torch.matmul(queries, global_k[:, :, None].transpose(-1, -2))
-    if global_bias is not None:
-        scores += global_bias[:, None, None, :]
-    return scores
 
 
 def _scored_pairs_1d(q, hood, num_global):

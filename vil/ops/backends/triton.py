@@ -3,8 +3,9 @@
 
 This file builds the 2D kernels' neighbour tables from the window geometry and declares each kernel family's two
 passes; the kernels and their launchers know nothing of this package. Triton is imported on first use, so that
-``import vil`` stays light and ``TRITON_INTERPRET`` (read when the kernels are defined) can still be set before
-that.
+``import vil`` stays light. ``TRITON_INTERPRET=1`` (Triton's CPU interpreter) has to be set before ``vil`` is
+imported: the backend's devices are fixed from it then (CUDA, and the CPU only under the interpreter), and Triton
+reads it again when it defines the kernels, on first use.
 """
 
 import os
@@ -53,6 +54,7 @@ def kernel_geometry(rows, cols, window, exact, mode, dilation, device):
         counts=counts,
         neighbours_t=neighbours_t,
         counts_t=counts_t,
+        key_tiles=int((table >= 0).sum()),
     )
 
 
@@ -73,10 +75,11 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
 
 def _scored_pairs(q, hood, num_global):
     """The (query, key) scores per batch item: in every head and on every sub-lattice, every token of a chunk's
-    padded ``P x P`` tile against the padded tiles of the chunks its slots read and the global keys."""
+    padded ``P x P`` tile against the padded tiles of the chunks its present slots read (border chunks read fewer)
+    and the global keys."""
     geo = _geometry(q, hood)
     tile = geo.chunk_pad**2
-    return q.shape[1] * hood.dilation**2 * geo.num_chunks * tile * (geo.num_slots * tile + num_global)
+    return q.shape[1] * hood.dilation**2 * tile * (geo.key_tiles * tile + geo.num_chunks * num_global)
 
 
 def _band_options(q, hood, extras):
