@@ -2,6 +2,8 @@
 
 Compiled results are held against eager ones; eager ones are held against the naive reference elsewhere."""
 
+import re
+
 import onnxruntime
 import pytest
 import torch
@@ -252,21 +254,31 @@ def test_onnx_records_dilated_windows(tmp_path):
     torch.testing.assert_close(torch.from_numpy(session.run(None, feeds)[0]), want, atol=1e-5, rtol=1e-5)
 
 
-def test_export_onnx_tool_writes_and_checks_a_file(tmp_path):
-    status, printed, _ = run_tool(
-        "export_onnx",
-        "--config-file",
-        ROOT / "configs" / "vil_digits.yaml",
-        "--output",
-        tmp_path / "small.onnx",
-        "MODEL.VIT.MSVIT.ARCH",
-        ONNX_ARCH,
-        "INPUT.IMAGE_SIZE",
-        "32",
+@pytest.mark.parametrize(
+    "attention,second_size",
+    [
+        ((), "48x64"),
+        (("MODEL.VIT.MSVIT.ATTN_TYPE", "triton"), "48x64"),
+        (("MODEL.VIT.MSVIT.ATTN_TYPE", "linformer"), "32x32"),
+    ],
+    ids=["default", "triton", "linformer"],  # any backend (the file holds none); one input size
+)
+def test_export_onnx_tool_writes_and_checks_a_file(tmp_path, attention, second_size):
+    common = ["MODEL.VIT.MSVIT.ARCH", ONNX_ARCH, "INPUT.IMAGE_SIZE", "32", *attention]
+    config = ROOT / "configs" / "vil_digits.yaml"
+    status, printed, error = run_tool("export_onnx", "--config-file", config, "--output", tmp_path / "m.onnx", *common)
+    assert status == 0, error
+    assert (tmp_path / "m.onnx").stat().st_size > 0
+    assert re.findall(r"(\d+x\d+): largest difference", printed) == ["32x32", second_size]
+
+
+def test_export_onnx_tool_says_what_the_model_refuses(tmp_path):
+    common = ["MODEL.VIT.MSVIT.ARCH", ONNX_ARCH, "INPUT.IMAGE_SIZE", "32", "MODEL.VIT.MSVIT.SW_EXACT", "-1"]
+    config = ROOT / "configs" / "vil_digits.yaml"
+    status, _, error = run_tool("export_onnx", "--config-file", config, "--output", tmp_path / "m.onnx", *common)
+    assert status == 1 and re.fullmatch(
+        r"error: SW_EXACT -1 [^\n]*fixed map size[^\n]*\n", error[error.index("error:") :]
     )
-    assert status == 0
-    assert (tmp_path / "small.onnx").stat().st_size > 0
-    assert "32x32: largest difference" in printed and "48x64: largest difference" in printed
 
 
 def test_compile_key_compiles_the_training_step():
@@ -279,3 +291,16 @@ def test_compile_key_compiles_the_training_step():
     assert _training_net(model, load_cfg(None, []), runtime) is model
     net = _training_net(model, load_cfg(None, ["MODEL.COMPILE", "True"]), runtime)
     assert isinstance(net, torch._dynamo.eval_frame.OptimizedModule) and net._orig_mod is model
+
+
+def test_a_dilation_tensor_is_refused_when_traced():
+    from vil.ops import local_attention_1d
+
+    class Dilated(torch.nn.Module):
+        def forward(self, q, dilation):
+            return local_attention_1d(q, q, q, 2, dilation=dilation)
+
+    q, dilation = torch.randn(1, 2, 11, 8), torch.tensor([1, 2])
+    torch.testing.assert_close(Dilated()(q, dilation), local_attention_1d(q, q, q, 2, dilation=(1, 2)))  # eagerly
+    with pytest.raises(ValueError, match=r"dilation as Python ints"):
+        torch.export.export(Dilated(), (q, dilation))

@@ -220,3 +220,43 @@ def test_bad_backbone_input(tmp_path):
         match=r"layer1.0.cls_token \(1, 1, 96\) vs \(1, 1, 48\)",
     ):
         build_fpn_backbone("vil_tiny", img_size=64, checkpoint=tmp_path / "small.pth")
+
+
+def test_a_padding_backbone_exports_and_compiles_for_sizes_that_are_not_multiples_of_its_patches(tmp_path):
+    """The padding depends on the image size: it must stay a function of the size in the traced graph."""
+    pytest.importorskip("onnxruntime")
+    import onnxruntime
+
+    arch = "l1,h2,d32,n1,s1,g1,p4,f2,a0_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g1,p2,f2,a0"
+    torch.manual_seed(0)
+    backbone = ViLBackbone(arch, img_size=32, out_indices=(0, 1, 2)).eval()
+
+    class Maps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = backbone
+
+        def forward(self, x):
+            return tuple(self.backbone(x).values())
+
+    height, width = torch.export.Dim("height", min=32, max=256), torch.export.Dim("width", min=32, max=256)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            Maps(), (torch.randn(1, 3, 32, 32),), dynamo=True, dynamic_shapes=({2: height, 3: width},)
+        )
+    program.save(str(tmp_path / "backbone.onnx"))
+    session = onnxruntime.InferenceSession(str(tmp_path / "backbone.onnx"), providers=["CPUExecutionProvider"])
+    compiled = torch.compile(Maps(), backend="aot_eager")
+    for size in ((45, 70), (50, 33)):  # traced at 32 x 32
+        x = torch.randn(1, 3, *size)
+        rows, cols, maps = -(-size[0] // 4), -(-size[1] // 4), []  # each stage pads to a multiple of its patch
+        for _ in range(3):
+            maps.append((rows, cols))
+            rows, cols = -(-rows // 2), -(-cols // 2)
+        with torch.no_grad():
+            expected = Maps()(x)
+            onnx_maps = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+            assert [tuple(m.shape[-2:]) for m in expected] == maps
+            for ours, theirs, compiled_map in zip(expected, onnx_maps, compiled(x)):
+                torch.testing.assert_close(torch.from_numpy(theirs), ours, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(compiled_map, ours, rtol=1e-4, atol=1e-4)

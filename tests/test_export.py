@@ -181,3 +181,26 @@ def test_bad_export_requests(tmp_path, capsys):
     assert not (tmp_path / "out.pth").exists()
     with pytest.raises(ValueError, match=r"'onnx'.*torchvision, detectron2, mmdet"):
         export_state({}, "onnx", PRESETS["vil_tiny"], (224, 224))
+
+
+def test_an_exported_backbone_loads_at_another_image_size(tmp_path):
+    """The export stores its image size: a backbone built for another one takes its tables resized from it."""
+    from vil.models.tables import resize_position_embedding
+
+    own_checkpoint(tmp_path / "cls.pth", classification_model(PRESETS["vil_tiny"]))  # built at 64 x 64
+    export_backbone.main(
+        [
+            str(tmp_path / "cls.pth"),
+            str(tmp_path / "out.pth"),
+            "--format",
+            "torchvision",
+            "--new-image-size",
+            "96",
+            "128",
+        ]
+    )
+    exported = torch.load(tmp_path / "out.pth", weights_only=True)
+    assert exported["vil"]["image_size"] == [96, 128]
+    built = build_fpn_backbone(exported["vil"]["arch"], img_size=64, checkpoint=tmp_path / "out.pth")
+    stored = exported["model"]["backbone.body.layer1.0.y_pos_embed"]  # 32 columns at 128 pixels
+    torch.testing.assert_close(built.body.layer1[0].y_pos_embed, resize_position_embedding(stored, 16))

@@ -23,7 +23,7 @@ from .checkpoint import load_model_state, model_state, read_checkpoint
 from .config import config_from_text
 from .model_config import model_kwargs
 from .models import PRESETS, MsViT, arch_string, parse_arch
-from .models.convert import backbone_specs, convert_classification_state, infer_image_size
+from .models.convert import backbone_specs, convert_classification_state, infer_image_size, resize_tables
 
 # Export format -> (the key holding the state dict, the prefix of the backbone's keys in a whole detector).
 EXPORT_FORMATS: dict[str, tuple[str, str]] = {
@@ -218,11 +218,16 @@ def load_backbone_checkpoint(
 ) -> None:
     """Load into ``body`` an exported backbone checkpoint, or a classification checkpoint of a model of
     ``source_arch`` converted by :func:`~vil.models.convert.convert_classification_state` with ``conversion``
-    (position tables resized to the body's image size). The per-level norms are in neither and keep their
-    initial values."""
+    (position tables resized to the body's image size, from the one the export stored or else the one the tables
+    show). The per-level norms are in neither and keep their initial values."""
     checkpoint = read_checkpoint(path)
     state = backbone_state(checkpoint)
-    if state is None:
+    if state is not None:
+        stored = checkpoint.get("vil", {}).get("image_size") if isinstance(checkpoint.get("vil"), dict) else None
+        size = tuple(stored) if stored else infer_image_size(state, body.stage_specs)
+        if size and tuple(size) != tuple(body.img_size):
+            state = resize_tables(state, body.stage_specs, size, body.img_size, body.dynamic_img_pad)
+    else:
         size = checkpoint_image_size(checkpoint, source_arch, path) or body.img_size
         state, _, _ = convert_classification_state(
             checkpoint, source_arch, size, new_image_size=body.img_size, pad=body.dynamic_img_pad, **conversion

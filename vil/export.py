@@ -8,6 +8,7 @@ decomposition into standard operators instead (the unfold_nnf computation of the
 import torch
 
 from .files import atomic_write
+from .ops.base import recording_for_onnx
 
 
 def _example_and_dims(model, height, width, batch=2):
@@ -52,10 +53,11 @@ def export_onnx(model, path, height, width):
             f"ONNX export needs the onnx and onnxscript packages ({error}); install them with pip install -e .[onnx]."
         ) from None
     example, dims = _example_and_dims(model, height, width)
-    with torch.no_grad():
-        onnx_program = torch.onnx.export(
-            model.eval(), (example,), dynamic_shapes=dims, dynamo=True, input_names=["images"], output_names=["logits"]
-        )
+    # Traced by torch.export (not strict: what the model refuses is raised as it is) with the op layer recording
+    # standard operators, then translated.
+    with torch.no_grad(), recording_for_onnx():
+        program = torch.export.export(model.eval(), (example,), dynamic_shapes=dims, strict=False)
+    onnx_program = torch.onnx.export(program, (example,), dynamo=True, input_names=["images"], output_names=["logits"])
     atomic_write(path, lambda f: f.write(onnx_program.model_proto.SerializeToString()))
     return path
 

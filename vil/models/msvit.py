@@ -66,9 +66,19 @@ class PatchEmbed(nn.Module):
         self.pos_drop = nn.Dropout(drop)
 
     def forward(self, x):
-        pad_rows, pad_cols = -x.shape[-2] % self.patch, -x.shape[-1] % self.patch
-        if self.pad and (pad_rows or pad_cols):
-            x = F.pad(x, (0, pad_cols, 0, pad_rows))
+        if self.pad:
+            # Unconditional, by sizes rounded up with floor division: a branch on the remainder, or Python's %
+            # of symbolic sizes, would fix the padding at the traced size under torch.export, ONNX and compile.
+            rows, cols = x.shape[-2:]
+            x = F.pad(
+                x,
+                (
+                    0,
+                    (cols + self.patch - 1) // self.patch * self.patch - cols,
+                    0,
+                    (rows + self.patch - 1) // self.patch * self.patch - rows,
+                ),
+            )
         x = self.proj(x)
         B, C, nx, ny = x.shape
         x = x.flatten(2).transpose(1, 2)

@@ -4,6 +4,7 @@ traced or exported. It imports nothing else of the package, so that every other 
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -25,9 +26,25 @@ def needs_grad(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+_recording_for_onnx = False  # set by recording_for_onnx
+
+
+@contextmanager
+def recording_for_onnx():
+    """While tracing a model for an ONNX file (:func:`vil.export.export_onnx`): the op layer records standard
+    operators. A plain flag, so that every trace (torch.export's too, strict or not) reads it as set."""
+    global _recording_for_onnx
+    _recording_for_onnx = True
+    try:
+        yield
+    finally:
+        _recording_for_onnx = False
+
+
 def exporting_to_onnx() -> bool:
-    """ONNX exports (either exporter) and TorchScript's tracer record standard operators only."""
-    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
+    """ONNX exports (either exporter, and :func:`recording_for_onnx`) and TorchScript's tracer record standard
+    operators only."""
+    return _recording_for_onnx or torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
 
 
 @dataclass(frozen=True, eq=False)

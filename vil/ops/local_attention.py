@@ -81,7 +81,7 @@ def local_attention_2d(
     _check_tensors(q, k, v, optional, hood)
     extras = _extras(q, optional, scale)
     hood = split.fitted(hood, q, extras)
-    b = _choose(backend, hood, q, needs_grad(q, k, v, *optional.values()))
+    b = _choose(backend, hood, q, needs_grad(q, k, v, *optional.values())) if not exporting_to_onnx() else None
     return _run(b, q, k, v, hood, extras, drawn_mode)
 
 
@@ -126,6 +126,10 @@ def local_attention_1d(
         raise ValueError(f"q must have shape (B, heads, L, head_dim), got {tuple(q.shape)}.")
     B, H, L, _ = q.shape
     if isinstance(dilation, torch.Tensor):
+        if tracing(q):  # its values set the shapes of the computation: the trace cannot take them as data
+            raise ValueError(
+                "Under torch.compile and torch.export give dilation as Python ints (one per head), not a tensor."
+            )
         dilation = dilation.tolist()
     if isinstance(dilation, (list, tuple)):
         if len(dilation) != H:
@@ -147,14 +151,15 @@ def local_attention_1d(
             raise ValueError(
                 f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}; both must match."
             )
-    b = _choose(backend, hood, q, needs_grad(q, k, v, *optional.values()))
+    b = _choose(backend, hood, q, needs_grad(q, k, v, *optional.values())) if not exporting_to_onnx() else None
     return _run(b, q, k, v, hood, extras)
 
 
 def _run(b, q, k, v, hood, extras, drawn_mode=None):
     """The request computed by ``b``: eagerly; under torch.compile and torch.export through its own operators (or
     its functions, where the compiler knows them) or else through the generic operator, which also reads a neighbour
-    mode drawn in the graph; in an ONNX export, as standard tensor operators."""
+    mode drawn in the graph; in an ONNX export (``b`` None: whatever the backend, none runs), as standard tensor
+    operators."""
     if exporting_to_onnx():
         if drawn_mode is not None:
             raise ValueError(
