@@ -210,8 +210,11 @@ def test_bad_backbone_input(tmp_path):
         backbone(torch.randn(1, 3, 20, 64))
     with pytest.raises(ValueError, match=r"\[0, 7\].*4 stages.*0..3"):
         build_fpn_backbone("vil_tiny", out_indices=(0, 7))
-    with pytest.raises(ValueError, match="trainable_stages 5 is out of range; use 0 to 4"):
-        build_fpn_backbone("vil_tiny", trainable_stages=5)
+    for trainable, kept, out_indices in ((5, 4, None), (1.5, 4, None), (3, 2, (0, 1))):
+        with pytest.raises(ValueError, match=rf"trainable_stages {trainable}.*0 to {kept}"):
+            build_fpn_backbone("vil_tiny", img_size=64, trainable_stages=trainable, out_indices=out_indices)
+    with pytest.raises(ValueError, match=r"out_channels.*got 0"):
+        build_fpn_backbone("vil_tiny", img_size=64, out_channels=0)
     with pytest.raises(ValueError, match="'vil_huge' is neither a ViL preset"):
         build_fpn_backbone("vil_huge")
     save_checkpoint(tmp_path / "small.pth", MsViT(PRESETS["vil_small"], img_size=64))
@@ -260,3 +263,18 @@ def test_a_padding_backbone_exports_and_compiles_for_sizes_that_are_not_multiple
             for ours, theirs, compiled_map in zip(expected, onnx_maps, compiled(x)):
                 torch.testing.assert_close(torch.from_numpy(theirs), ours, rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(compiled_map, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_the_default_maps_are_every_stages_and_trainable_stages_count_those_kept():
+    """A 3-stage architecture (the digits preset's) has 3 maps by default, for timm's features_only too; with
+    out_indices (0, 1) the backbone keeps 2 stages, the last trainable_stages of which train."""
+    import timm
+
+    arch = "l1,h2,d32,n1,s1,g1,p4,f2,a0_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g1,p2,f2,a0"
+    maps = build_fpn_backbone(arch, img_size=64).body(torch.randn(1, 3, 64, 64))
+    assert [tuple(m.shape[-2:]) for m in maps.values()] == [(16, 16), (8, 8), (4, 4)]
+    features = timm.create_model("vil_arch", arch=arch, img_size=64, features_only=True)
+    assert [f.shape[1] for f in features(torch.randn(1, 3, 64, 64))] == [32, 32, 32]
+    body = build_fpn_backbone(arch, img_size=64, trainable_stages=1, out_indices=(0, 1)).body
+    assert body.frozen_stages == 1 and not any(p.requires_grad for p in body.layer1.parameters())
+    assert all(p.requires_grad for p in body.layer2.parameters())

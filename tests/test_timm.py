@@ -227,12 +227,19 @@ def test_checkpoint_of_another_architecture(tmp_path):
         )
 
 
-def test_bad_pooling():
+def test_a_missing_checkpoint_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nothing\.pth does not exist.*\.safetensors.*Hub folder"):
+        timm.create_model("vil_tiny", pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "nothing.pth")))
+
+
+def test_bad_pooling_and_class_counts():
     model = timm.create_model("vil_tiny")
     with pytest.raises(ValueError, match="global_pool 'token'.*g0.*'avg'"):
         model.reset_classifier(0, "token")
     with pytest.raises(ValueError, match="global_pool 'max'.*'token', 'avg' or ''"):
         model.reset_classifier(0, "max")
+    with pytest.raises(ValueError, match=r"num_classes.*got -1"):
+        model.reset_classifier(-1)
 
 
 # What timm's train.py does with --model NAME: it builds the model through the registry with its own keyword

@@ -39,7 +39,7 @@ class ViLBackbone(MsViT):
 
     Args:
         arch: the architecture string; other :class:`~vil.models.MsViT` arguments by keyword.
-        out_indices: the stages to return (0-based; negative from the end).
+        out_indices: the stages to return (0-based; negative from the end); None: every stage.
         level_norm: a LayerNorm over channels on each returned map.
         global_tokens: ``"drop"``, or ``"average"`` (the mean of the stage's global tokens added everywhere).
         frozen_stages: the first k stages get no gradients and stay in eval mode.
@@ -50,7 +50,7 @@ class ViLBackbone(MsViT):
     def __init__(
         self,
         arch: str,
-        out_indices: Sequence[int] = (0, 1, 2, 3),
+        out_indices: Optional[Sequence[int]] = None,
         level_norm: bool = True,
         global_tokens: str = "drop",
         frozen_stages: int = 0,
@@ -68,14 +68,20 @@ class ViLBackbone(MsViT):
         self.level_norms = nn.ModuleList(
             LayerNorm2d(c) if level_norm else nn.Identity() for c in self.out_channels_list
         )
-        if not 0 <= frozen_stages <= len(self.stage_specs):
+        self.frozen_stages = 0
+        self.freeze(frozen_stages)
+
+    def freeze(self, stages: int) -> None:
+        """The first ``stages`` stages (of those the backbone keeps) get no gradients and stay in eval mode."""
+        kept = len(self.stage_specs)
+        if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= kept:
             raise ValueError(
-                f"frozen_stages {frozen_stages} is out of range; this backbone has {len(self.stage_specs)} stages."
+                f"frozen_stages {stages!r} is not a number of stages from 0 to {kept}, the stages this backbone keeps."
             )
-        self.frozen_stages = frozen_stages
+        self.frozen_stages = stages
         for stage in self._frozen():
             stage.requires_grad_(False)
-        self.train()
+        self.train(self.training)
 
     def _frozen(self) -> list[nn.Module]:
         return [getattr(self, f"layer{spec.index}") for spec in self.stage_specs[: self.frozen_stages]]
@@ -132,7 +138,7 @@ def build_fpn_backbone(
     out_channels: int = 256,
     trainable_stages: Optional[int] = None,
     checkpoint: Optional[Union[str, os.PathLike]] = None,
-    out_indices: Sequence[int] = (0, 1, 2, 3),
+    out_indices: Optional[Sequence[int]] = None,
     extra_blocks: Optional[ExtraFPNBlock] = None,
     level_norm: bool = True,
     global_tokens: str = "drop",
@@ -147,10 +153,11 @@ def build_fpn_backbone(
         name_or_cfg: a preset name (``"vil_small"``, ``"vil_tiny_rpb"``, ...), an arch string, or a config from
             :func:`vil.config.load_cfg` (its arch, image size, ATTN_TYPE and longformer options).
         out_channels: channels of every pyramid level.
-        trainable_stages: how many of the last stages train (the others are frozen); None: all.
+        trainable_stages: how many of the last stages the backbone keeps (those up to the last of ``out_indices``)
+            train, the others frozen; None: all.
         checkpoint: a classification checkpoint (this project's or the original release's; converted as the
             options below say) or a backbone checkpoint from ``tools/export_backbone.py``.
-        out_indices: the stages that feed the pyramid.
+        out_indices: the stages that feed the pyramid; None: every stage.
         extra_blocks: torchvision's extra pyramid block; None: ``LastLevelMaxPool`` (Mask/Faster R-CNN). RetinaNet
             takes ``LastLevelP6P7(out_channels, out_channels)`` and ``out_indices=(1, 2, 3)``.
         level_norm, global_tokens: see :class:`ViLBackbone`.
@@ -164,18 +171,19 @@ def build_fpn_backbone(
     specs = backbone_specs(parse_arch(source_arch), full_attention_to_local, num_global)
     if full_attention_to_local and kwargs.get("attention") == "full":
         kwargs["attention"] = "longformer"
-    stages = len(specs)
-    trainable = stages if trainable_stages is None else trainable_stages
-    if not 0 <= trainable <= stages:
-        raise ValueError(f"trainable_stages {trainable_stages} is out of range; use 0 to {stages}.")
+    if isinstance(out_channels, bool) or not isinstance(out_channels, int) or out_channels < 1:
+        raise ValueError(f"out_channels must be a positive number of channels, got {out_channels!r}.")
     body = ViLBackbone(
-        arch_string(specs),
-        out_indices=out_indices,
-        level_norm=level_norm,
-        global_tokens=global_tokens,
-        frozen_stages=stages - trainable,
-        **kwargs,
+        arch_string(specs), out_indices=out_indices, level_norm=level_norm, global_tokens=global_tokens, **kwargs
     )
+    kept = len(body.stage_specs)
+    trainable = kept if trainable_stages is None else trainable_stages
+    if isinstance(trainable, bool) or not isinstance(trainable, int) or not 0 <= trainable <= kept:
+        raise ValueError(
+            f"trainable_stages {trainable_stages!r} is not a number of stages from 0 to {kept}, the stages the "
+            f"backbone keeps for out_indices {body.out_indices}."
+        )
+    body.freeze(kept - trainable)
     if checkpoint is not None:
         load_backbone_checkpoint(
             body,

@@ -358,6 +358,10 @@ class MsViT(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A new, freshly initialised classifier for ``num_classes`` (0: none); optionally another pooling."""
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+            raise ValueError(
+                f"num_classes must be 0 (no classifier) or a positive number of classes, got {num_classes!r}."
+            )
         if global_pool is not None:
             self.global_pool = self._checked_pool(global_pool)
         self.num_classes = num_classes
@@ -646,11 +650,12 @@ default_cfgs = generate_default_cfgs(
 )
 
 
-def _feature_cfg(kwargs):
-    """timm's feature extractor for ``features_only``, taking ``feature_cls`` and ``output_fmt`` out of
-    ``kwargs``. The stages return tokens, so only the extractors that read the maps work: ``"getter"`` (the
-    default; NCHW or NHWC maps), and ``"hook"`` and ``"fx"``, which catch the :class:`StageMap` outputs (NCHW)."""
-    feature_cfg = dict(feature_cls="getter", out_indices=(0, 1, 2, 3))
+def _feature_cfg(kwargs, stages):
+    """timm's feature extractor for ``features_only`` (by default, the maps of all ``stages``), taking
+    ``feature_cls`` and ``output_fmt`` out of ``kwargs``. The stages return tokens, so only the extractors that read
+    the maps work: ``"getter"`` (the default; NCHW or NHWC maps), and ``"hook"`` and ``"fx"``, which catch the
+    :class:`StageMap` outputs (NCHW)."""
+    feature_cfg = dict(feature_cls="getter", out_indices=tuple(range(stages)))
     if not kwargs.get("features_only"):
         return feature_cfg
     feature_cls, output_fmt = kwargs.pop("feature_cls", "getter"), kwargs.pop("output_fmt", "NCHW")
@@ -689,6 +694,11 @@ def _create_vil(variant, pretrained=False, **kwargs):
     model_best.pth, which the cache, keyed by file name, would mix up) and converted on load. A
     ``pretrained_cfg_overlay`` file may be a Hub folder (tools/export_hub.py): its weights are loaded."""
     overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    if pretrained and overlay.get("file") and not os.path.exists(overlay["file"]):
+        raise FileNotFoundError(
+            f"Checkpoint {overlay['file']} does not exist; give pretrained_cfg_overlay's file as a .pth or "
+            ".safetensors file, or a Hub folder (tools/export_hub.py)."
+        )
     if os.path.isdir(overlay.get("file") or ""):
         kwargs["pretrained_cfg_overlay"] = dict(overlay, file=os.path.join(overlay["file"], SAFETENSORS_NAME))
     cfg = resolve_pretrained_cfg(
@@ -712,7 +722,7 @@ def _create_vil(variant, pretrained=False, **kwargs):
         pretrained,
         arch=arch,
         pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=_feature_cfg(kwargs),
+        feature_cfg=_feature_cfg(kwargs, len(parse_arch(arch))),
         **{**attention, **kwargs},
     )
 
