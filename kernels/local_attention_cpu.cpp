@@ -448,6 +448,7 @@ struct Geometry {
   int64_t chunks() const { return ((X + w - 1) / w) * chunk_cols; }
   int64_t max_queries() const { return static_cast<int64_t>(w) * w; }
   int64_t max_keys() const { return kMaxSlots * max_queries() + G; }
+  int64_t bias_rows() const { return static_cast<int64_t>(4 * w - 1) * (4 * w - 1); }  // offsets -(2w-1)..2w-1
 };
 
 // One query chunk: its queries (rows q_r0.., columns q_c0..) and the key block of each slot it reads, laid out
@@ -527,6 +528,7 @@ struct Geometry1d {
   int64_t span() const { return std::min<int64_t>(block + (causal ? 1 : 2) * w, L); }
   int64_t max_queries() const { return block; }
   int64_t max_keys() const { return span() + G; }
+  int64_t bias_rows() const { return 2 * w + 1; }  // offsets -w..w
 };
 
 // A block of queries t0 <= t < t0 + queries of residue class r of head h (positions r + d*t), and the span of
@@ -659,7 +661,7 @@ ChunkBiases<T> chunk_biases(const Geometry& g, const int64_t* slot_table, const 
   cb.start.push_back(total);
   if (total > kTableBudget) return cb;
   cb.tables.assign(total, T(0));
-  const int64_t table = (4 * g.w - 1) * (4 * g.w - 1);
+  const int64_t table = g.bias_rows();
   at::parallel_for(0, static_cast<int64_t>(cb.sample.size()) * g.H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const Chunk c = make_chunk(g, slot_table, cb.sample[item / g.H]);
@@ -1249,7 +1251,7 @@ void forward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_table
                   double scale) {
   using T = typename W::Compute;
   using Global = typename W::Global;
-  const int64_t C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1);
+  const int64_t C = g.chunks(), table = g.bias_rows();
   const auto recent = recent_chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
   const ChunkBiases<T>& biases = *recent;
   at::parallel_for(0, g.B * g.H * C, 1, [&](int64_t begin, int64_t end) {
@@ -1282,7 +1284,7 @@ void backward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_tabl
                    const at::Tensor& grad_out, const at::Tensor& lse, Gradients& grad, double scale) {
   using T = typename W::Compute;
   using Global = typename W::Global;
-  const int64_t C = g.chunks(), table = (4 * g.w - 1) * (4 * g.w - 1);
+  const int64_t C = g.chunks(), table = g.bias_rows();
   const auto recent = recent_chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
   const ChunkBiases<T>& biases = *recent;
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
@@ -1351,7 +1353,7 @@ void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& ke
   using Global = typename W::Global;
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
-  const int64_t n = static_cast<int64_t>(blocks.size()), bias_rows = 2 * g.w + 1;
+  const int64_t n = static_cast<int64_t>(blocks.size()), bias_rows = g.bias_rows();
   at::parallel_for(0, g.B * n, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
@@ -1389,7 +1391,7 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
   using Global = typename W::Global;
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
-  const int64_t classes = static_cast<int64_t>(runs.size()) - 1, bias_rows = 2 * g.w + 1;
+  const int64_t classes = static_cast<int64_t>(runs.size()) - 1, bias_rows = g.bias_rows();
   at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
@@ -1592,8 +1594,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
              bool half_products) {
   const Geometry g = make_geometry(q, gk, slots, window, exact);
   const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
-  check_inputs(in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse, (4 * window - 1) * (4 * window - 1),
-               half_products);
+  check_inputs(in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse, g.bias_rows(), half_products);
   dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
     using W = std::remove_pointer_t<decltype(w)>;
@@ -1610,12 +1611,11 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   const Geometry g = make_geometry(q, gk, slots, window, exact);
   const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
   Gradients grad{grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_global_bias};
-  const int64_t bias_rows = (4 * window - 1) * (4 * window - 1);
   check_inputs(in,
                {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"grad_out", &grad_out}, {"grad_q", &grad_q},
                 {"grad_k", &grad_k}, {"grad_v", &grad_v}},
-               lse, bias_rows, half_products);
-  check_gradient_sums(in, grad, {g.B, g.H}, bias_rows);
+               lse, g.bias_rows(), half_products);
+  check_gradient_sums(in, grad, {g.B, g.H}, g.bias_rows());
   dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
     using W = std::remove_pointer_t<decltype(w)>;
@@ -1629,7 +1629,7 @@ void forward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
                 int64_t window, bool causal, int64_t block, double scale, bool half_products) {
   const Geometry1d g = make_geometry_1d(q, gk, key_padding_mask, dilations, window, causal, block);
   const Inputs in{q, k, v, gk, gv, rel_bias, global_bias};
-  check_inputs(in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse, 2 * window + 1, half_products);
+  check_inputs(in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse, g.bias_rows(), half_products);
   dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
     using W = std::remove_pointer_t<decltype(w)>;
@@ -1650,8 +1650,8 @@ void backward_1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   check_inputs(in,
                {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"grad_out", &grad_out}, {"grad_q", &grad_q},
                 {"grad_k", &grad_k}, {"grad_v", &grad_v}},
-               lse, 2 * window + 1, half_products);
-  check_gradient_sums(in, grad, {g.B, g.H, g.residues}, 2 * window + 1);
+               lse, g.bias_rows(), half_products);
+  check_gradient_sums(in, grad, {g.B, g.H, g.residues}, g.bias_rows());
   dispatch(q, half_products, [&](auto s, auto* w) {
     using S = decltype(s);
     using W = std::remove_pointer_t<decltype(w)>;

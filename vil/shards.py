@@ -124,7 +124,7 @@ class ShardDataset:
         """:meth:`_decoded` with random states seeded by the run's seed, the epoch, the shard and the sample's key:
         the same augmentation whichever worker decodes it, and whether a resumed epoch decoded the ones before."""
         key = zlib.crc32(sample["__key__"].encode())
-        seed = sample_seed(self.seed, epoch, self.numbers.get(sample.get("__url__"), -1) + 1, key)
+        seed = sample_seed(self.seed, epoch, self.numbers[sample["__url__"]], key)
         return seeded_call(seed, self._decoded, sample)
 
     def _decoded(self, sample):

@@ -60,8 +60,12 @@ def trained_with(checkpoint, path, cfg):
     if text is None:
         return {}
     saved = config_from_text(text, f"the config stored in {path}")
-    values = {key: (config_value(saved, key), config_value(cfg, key)) for key in MODEL_DEFINING_KEYS}
-    return {key: pair for key, pair in values.items() if len({repr(MODEL_DEFINING_KEYS[key](v)) for v in pair}) > 1}
+    differences = {}
+    for key, same_form in MODEL_DEFINING_KEYS.items():
+        then, now = config_value(saved, key), config_value(cfg, key)
+        if same_form(then) != same_form(now):
+            differences[key] = (then, now)
+    return differences
 
 
 def load_weights(model, cfg, new_classifier=False):
