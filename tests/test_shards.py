@@ -33,11 +33,12 @@ def test_each_process_reads_its_own_shards_and_every_sample_once_an_epoch(shards
     assert train_set.classes == ["cat", "dog"] and len(train_set) == 12
     everything = {(target, 40 + i) for target in (0, 1) for i in range(6)}
     for workers in (0, 2):
+        assert train_set.steps_per_epoch(2, 2, 3, workers) == 2
         orders = []
         for epoch in (0, 1):
             seen = []
             for rank in (0, 1):
-                batches = list(train_set.training_batches(epoch, rank, 2, 3, workers, collate_fn=list))
+                batches = list(train_set.training_batches(epoch, rank, 2, 3, workers, collate_fn=list, stop=2))
                 assert len(batches) == 2 and all(len(b) == 3 for b in batches)  # as many steps in every process
                 seen.append([identity(sample) for batch in batches for sample in batch])
             assert not set(seen[0]) & set(seen[1]) and set(seen[0]) | set(seen[1]) == everything
@@ -61,7 +62,8 @@ def test_an_epoch_is_whole_steps_and_each_sample_augmented_by_its_own_seed(shard
     def draws(seed, epoch, workers, skip=0, accum=1):
         train_set = ShardDataset(shards / "train", transform=lambda image: (image.size[0], torch.rand(()).item()))
         train_set.seed = seed
-        batches = train_set.training_batches(epoch, 0, 1, 2, workers, list, skip=skip, accum=accum)
+        stop = train_set.steps_per_epoch(1, 1, 2, workers, accum) * accum
+        batches = train_set.training_batches(epoch, 0, 1, 2, workers, list, skip=skip, stop=stop)
         return [(target, width, draw) for batch in batches for (width, draw), target in batch]
 
     torch.manual_seed(0)
@@ -72,6 +74,26 @@ def test_an_epoch_is_whole_steps_and_each_sample_augmented_by_its_own_seed(shard
     assert sorted(draws(0, 0, 2)) == sorted(whole)  # workers: the same draws for each sample
     other_epoch, other_seed = ({(t, w): d for t, w, d in draws(*run, 0)} for run in ((0, 1), (1, 0)))
     assert all(other_epoch[t, w] != d and other_seed[t, w] != d for t, w, d in whole)
+
+
+def test_every_epoch_takes_the_steps_of_the_fewest_full_batches_and_the_schedule_counts_them(tmp_path):
+    """Shards of 5, 5 and 2 samples, batches of 2, 2 workers each batching its own shards: an epoch whose order
+    gives one worker both shards of 5 has 6 full batches, the others 5. Every epoch takes the fewest, counted from
+    the loaders themselves, and the cosine schedule ends at its minimum."""
+    folder = make_folder(tmp_path / "folder", per_class=6, corrupt=False)
+    assert run_tool("make_shards", folder, tmp_path / "shards", "--per-shard", "5")[0] == 0
+    train_set = ShardDataset(tmp_path / "shards" / "train", seed=4)
+    assert sorted(train_set.counts.values()) == [2, 5, 5]
+    assert [len(list(train_set.training_batches(epoch, 0, 1, 2, 2, list))) for epoch in (0, 1)] == [6, 5]
+    assert train_set.steps_per_epoch(1, 1, 2, 2) == 6 and train_set.steps_per_epoch(2, 1, 2, 2) == 5
+    assert train_set.steps_per_epoch(2, 1, 2, 2, accum=2) == 2
+    out = tmp_path / "run"
+    cfg = tiny_cfg(tmp_path / "shards", out, "DATA.FORMAT", "shards", "DATALOADER.BSZ", "2", "SEED", "4")
+    cfg.merge_from_list(["DATALOADER.WORKERS", "2", "SOLVER.WARMUP_EPOCHS", "0.0"])
+    train(cfg)
+    checkpoint = read_checkpoint(str(out / "checkpoint_last.pth"))
+    assert checkpoint["step"] == 2 * 5
+    assert all(group["lr"] == 0.0 for group in checkpoint["optimizer"]["param_groups"])  # SOLVER.MIN_LR
 
 
 def test_training_on_shards_skips_and_counts_a_damaged_sample(shards, tmp_path):

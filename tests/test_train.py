@@ -497,6 +497,27 @@ def test_repeated_augmentation_order_follows_the_seed():
     assert all(both.count(i) in (0, 3) for i in range(12)) and len(set(both)) == 4
 
 
+def test_the_schedule_counts_the_steps_every_process_samples_in_an_epoch():
+    """10 images over 3 processes: torch's DistributedSampler gives each 4 (it repeats 2 to fill the last round),
+    so with batches of 1 an epoch is 4 steps, with ACCUM_STEPS 3 one step; EpochSampler gives as many."""
+    from types import SimpleNamespace
+
+    from vil.training.epoch import EpochSampler, steps_per_epoch
+
+    for rank in range(3):
+        runtime = SimpleNamespace(world=3, rank=rank)
+        for accum, steps in ((1, 4), (3, 1)):
+            cfg = load_cfg(overrides=["OPTIM.ACCUM_STEPS", str(accum)])
+            assert steps_per_epoch(range(10), cfg, runtime, 1) == steps
+            assert len(EpochSampler(range(10), 0, runtime, False, accum)) == steps * accum
+
+
+def test_an_epoch_of_no_optimizer_step_is_refused(tmp_path):
+    data = make_folder(tmp_path / "data", per_class=3, corrupt=False)  # 6 images: one batch of 4, no step of 2
+    with pytest.raises(ValueError, match=r"6 training images make no optimizer step of OPTIM.ACCUM_STEPS 2 .* of 4"):
+        train(tiny_cfg(data, tmp_path / "out", "OPTIM.ACCUM_STEPS", "2"))
+
+
 def test_training_and_evaluation_data_must_name_the_same_classes(tmp_path):
     data = make_folder(tmp_path / "data", per_class=2, corrupt=False)
     (data / "val" / "dog").rename(data / "val" / "fox")  # label 1 would be dog in training, fox in evaluation

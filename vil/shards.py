@@ -8,9 +8,10 @@ with its sample count, so that every process knows an epoch's length without rea
 Each process reads its own shards (every world-th, in an order shuffled per epoch that all processes share) and
 each DataLoader worker every workers-th of those, through a shuffle buffer; an image that cannot be decoded or
 transformed is an :class:`~vil.unreadable.Unreadable` sample, skipped and counted as in image folders. In training
-every process takes the same number of batches, the full batches the process with the fewest samples has, so
-with as many samples per process (shards of one size, a shard count that the processes divide) every sample
-is seen once an epoch; otherwise the few that exceed it wait for a later epoch's order.
+every process takes the same number of batches in every epoch, the full batches the process with the fewest
+samples has in the epoch with the fewest (:meth:`ShardDataset.steps_per_epoch`). With shards of one size, in
+whole batches, and a shard count that the processes and their workers divide, every sample is seen once an
+epoch; otherwise the few that exceed it wait for a later epoch's order.
 """
 
 import io
@@ -107,14 +108,25 @@ class ShardDataset:
             drop_last=epoch is not None,
         )
 
-    def training_batches(self, epoch, rank, world, batch, workers, collate_fn, skip=0, accum=1):
-        """The batches process ``rank`` of ``world`` trains on in ``epoch``, from batch ``skip`` on (a resumed
-        epoch reads the ones before again and drops them): as many for every process, whole optimizer steps of
-        ``accum`` batches."""
-        steps = min(self._full_batches(self._shards_of(r, world, epoch), batch, workers) for r in range(world))
+    def steps_per_epoch(self, epochs, world, batch, workers, accum=1):
+        """The optimizer steps of ``accum`` batches that every process takes in every epoch below ``epochs``: the
+        fewest full batches any process's loader gives in any of them (each worker batches its own shards, and
+        the shards each process reads change from epoch to epoch), in whole steps. Every epoch takes as many, so
+        that a per-step schedule ends where the training does."""
+        fewest = min(
+            self._full_batches(self._shards_of(rank, world, epoch), batch, workers)
+            for epoch in range(epochs)
+            for rank in range(world)
+        )
+        return fewest // accum
+
+    def training_batches(self, epoch, rank, world, batch, workers, collate_fn, skip=0, stop=None):
+        """Batches ``skip`` to ``stop`` of the full batches process ``rank`` of ``world`` has in ``epoch`` (a
+        resumed epoch reads the ones before ``skip`` again and drops them); training stops where
+        :meth:`steps_per_epoch` says, ``stop`` None gives them all."""
         shuffle_seed = (self.seed * 1000 + epoch) * world + rank
         loader = self._loader(self._shards_of(rank, world, epoch), batch, workers, collate_fn, epoch, shuffle_seed)
-        return islice(loader, skip, steps - steps % accum)
+        return islice(loader, skip, stop)
 
     def evaluation_batches(self, rank, world, batch, workers, collate_fn):
         """Every sample of this process's shards once, in batches."""

@@ -126,8 +126,9 @@ def training_batches(run, epoch):
     cfg, runtime, collate = run.cfg, run.runtime, partial(collate_skipping, refill=True)
     accum = cfg.OPTIM.ACCUM_STEPS
     if isinstance(run.train_set, ShardDataset):
+        stop = run.steps_per_epoch * accum
         return run.train_set.training_batches(
-            epoch, runtime.rank, runtime.world, run.batch, cfg.DATALOADER.WORKERS, collate, run.batch_in_epoch, accum
+            epoch, runtime.rank, runtime.world, run.batch, cfg.DATALOADER.WORKERS, collate, run.batch_in_epoch, stop
         )
     if run.train_loader is None:
         workers = cfg.DATALOADER.WORKERS
@@ -145,6 +146,15 @@ def training_batches(run, epoch):
         )
     run.train_loader.sampler.set_epoch(epoch, run.batch_in_epoch * run.batch)
     return run.train_loader
+
+
+def steps_per_epoch(train_set, cfg, runtime, batch):
+    """The optimizer steps every epoch takes (a per-step schedule counts on them): whole steps of
+    ``OPTIM.ACCUM_STEPS`` batches of ``batch`` samples, from the samples this process trains on."""
+    accum = cfg.OPTIM.ACCUM_STEPS
+    if isinstance(train_set, ShardDataset):
+        return train_set.steps_per_epoch(cfg.OPTIM.EPOCHS, runtime.world, batch, cfg.DATALOADER.WORKERS, accum)
+    return len(epoch_order(train_set, 0, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG)) // (batch * accum)
 
 
 class EpochSampler(Sampler):

@@ -37,6 +37,7 @@ from ..training_state import (
     write_snapshot,
 )
 from ..weights import load_weights
+from .epoch import steps_per_epoch
 
 log = logging.getLogger("vil")
 MEMORY_FORMATS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
@@ -121,6 +122,7 @@ class Run:
     train_set: Union[Dataset, ShardDataset]
     test_set: Union[Dataset, ShardDataset]
     batch: int  # per process
+    steps_per_epoch: int  # the optimizer steps of every epoch
     lock: Optional[FolderLock] = None  # the main process's lock on OUTPUT_DIR
     train_loader: Optional[DataLoader] = None  # image folders' training loader, built at the first epoch
     epoch: int = 0
@@ -233,11 +235,12 @@ def _build_run(cfg, runtime, lock, starts_fresh):
             "Mixup/CutMix pairs the samples of a batch, so each process's batch (DATALOADER.BSZ / processes) "
             f"must be even, not {batch}."
         )
-    batches_per_epoch = len(train_set) // runtime.world // batch
-    if batches_per_epoch < accum:
+    steps = steps_per_epoch(train_set, cfg, runtime, batch)
+    if steps == 0:
         raise ValueError(
-            f"{len(train_set)} training images make {batches_per_epoch} batches of {batch} per process, "
-            f"fewer than OPTIM.ACCUM_STEPS {accum}; lower DATALOADER.BSZ."
+            f"{len(train_set)} training images make no optimizer step of OPTIM.ACCUM_STEPS {accum} batches of "
+            f"{batch} per process{' and DataLoader worker' if cfg.DATA.FORMAT == 'shards' else ''}; "
+            "lower DATALOADER.BSZ."
         )
     if cfg.AUG.REPEATED_AUG and cfg.DATA.FORMAT == "shards":
         raise ValueError(
@@ -261,7 +264,7 @@ def _build_run(cfg, runtime, lock, starts_fresh):
         model=model,
         net=_training_net(model, cfg, runtime),
         optimizer=optimizer,
-        scheduler=build_scheduler(cfg, optimizer, batches_per_epoch // accum),
+        scheduler=build_scheduler(cfg, optimizer, steps),
         scaler=scaler,
         ema=model_ema(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None,
         criterion=build_loss(cfg, mixup),
@@ -271,5 +274,6 @@ def _build_run(cfg, runtime, lock, starts_fresh):
         train_set=train_set,
         test_set=test_set,
         batch=batch,
+        steps_per_epoch=steps,
         lock=lock,
     )
