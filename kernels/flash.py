@@ -320,11 +320,17 @@ def _beyond_the_gpu(name, candidates, error):
     )
 
 
-def check_layout(tensors, rows, tables):
-    """Raise ``ValueError`` with one sentence unless each of ``tensors`` (by name; None: absent) named in ``rows``
-    has the shape given there and unit stride along its last dimension (the kernels read rows of channels through
-    the other strides), and each named in ``tables`` has the shape given there and is contiguous (the kernels
-    compute its offsets)."""
+def check_inputs(tensors, rows, tables):
+    """Raise ``ValueError`` with one sentence unless ``tensors`` (by name; None: absent) are what the kernels read:
+    each named in ``rows`` of the shape given there, of q's dtype (float32, float16 or bfloat16) and device, with
+    unit stride along its last dimension (the kernels read rows of channels through the other strides); each named
+    in ``tables`` of the shape given there, contiguous (the kernels compute its offsets), on q's device, ``lse``
+    float32 and the bias tables of a dtype above; global keys and values both or neither."""
+    q = tensors["q"]
+    if q.dtype not in DTYPES:
+        raise ValueError(f"The triton kernels take float32, float16 or bfloat16 q, k and v, got q of {q.dtype}.")
+    if (tensors.get("gk") is None) != (tensors.get("gv") is None):
+        raise ValueError("The triton kernels take global keys and values together (gk and gv), or neither.")
     for name, shape in rows.items():
         t = tensors.get(name)
         if t is not None and (t.shape != shape or t.stride(-1) != 1):
@@ -332,12 +338,23 @@ def check_layout(tensors, rows, tables):
                 f"The triton kernels take {name} of shape {tuple(shape)} with unit stride along its last dimension, "
                 f"got shape {tuple(t.shape)} with strides {t.stride()}."
             )
+        if t is not None and (t.dtype != q.dtype or t.device != q.device):
+            raise ValueError(
+                f"The triton kernels take {name} of q's dtype and device ({q.dtype} on {q.device}), "
+                f"got {t.dtype} on {t.device}."
+            )
     for name, shape in tables.items():
         t = tensors.get(name)
         if t is not None and (t.shape != shape or not t.is_contiguous()):
             raise ValueError(
                 f"The triton kernels take {name} as a contiguous tensor of shape {tuple(shape)}, got shape "
                 f"{tuple(t.shape)} with strides {t.stride()}."
+            )
+        dtypes = (torch.float32,) if name == "lse" else DTYPES
+        if t is not None and (t.dtype not in dtypes or t.device != q.device):
+            raise ValueError(
+                f"The triton kernels take {name} of {' or '.join(map(str, dtypes))} on q's device {q.device}, "
+                f"got {t.dtype} on {t.device}."
             )
 
 

@@ -644,22 +644,23 @@ def _strides4(t):
     return t.stride()[:4]
 
 
-def _check_layout(tensors, window):
+def _check_inputs(tensors, window):
     """One sentence (``ValueError``) unless ``tensors`` (by name: q, k, v, gk, gv, the bias tables, and in the
-    backward do, o and lse; None: absent) have the shapes the kernels take, given q's, laid out as they read them."""
+    backward do, o and lse; None: absent) have the shapes the kernels take, given q's, and the dtypes, laid out as
+    they read them (:func:`flash.check_inputs`)."""
     B, H, X, Y, D = tensors["q"].shape
     G = 0 if tensors["gk"] is None else tensors["gk"].shape[2]
     rows = dict.fromkeys(("q", "k", "v", "do", "o"), (B, H, X, Y, D)) | dict(gk=(B, H, G, D), gv=(B, H, G, D))
-    flash.check_layout(tensors, rows, dict(rel_bias=(H, (4 * window - 1) ** 2), global_bias=(H, G), lse=(B, H, X * Y)))
+    flash.check_inputs(tensors, rows, dict(rel_bias=(H, (4 * window - 1) ** 2), global_bias=(H, G), lse=(B, H, X * Y)))
 
 
 @flash.on_the_inputs_device
 def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
     """Output and base-2 log-sum-exp; q, k, v (B, H, X, Y, D), gk/gv (B, H, G, D), each with unit stride along D,
-    and contiguous bias tables, checked by :func:`_check_layout`; ``gk``/``gv`` and the bias tables may be None."""
+    and contiguous bias tables, checked by :func:`_check_inputs`; ``gk``/``gv`` and the bias tables may be None."""
     B, H, X, Y, D = q.shape
     G = 0 if gk is None else gk.shape[2]
-    _check_layout(dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias), geo.window)
+    _check_inputs(dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias), geo.window)
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = flash.new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
     dummy = q.new_empty(0)
@@ -719,7 +720,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
     B, H, X, Y, D = q.shape
     G = 0 if gk is None else gk.shape[2]
     tensors = dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias, do=do, o=o, lse=lse)
-    _check_layout(tensors, geo.window)
+    _check_inputs(tensors, geo.window)
     BLOCK_D, BLOCK_G = flash.next_power_of_2(D), max(16, flash.next_power_of_2(G))
     BT = max(16, flash.next_power_of_2(4 * geo.window - 1))
     dummy = q.new_empty(0)

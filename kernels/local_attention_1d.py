@@ -689,19 +689,23 @@ def _strides3(t):
     return t.stride()[:3]
 
 
-def _check_layout(tensors, dilations, window):
+def _check_inputs(tensors, dilations, window):
     """One sentence (``ValueError``) unless ``tensors`` (by name: q, k, v, gk, gv, the bias tables, the key padding
-    mask, and in the backward do, o and lse; None: absent) have the shapes the kernels take, given q's, laid out as
-    they read them (the mask in any layout: the launchers copy it), and ``dilations`` has one int per head."""
+    mask, and in the backward do, o and lse; None: absent) have the shapes the kernels take, given q's, and the
+    dtypes, laid out as they read them (:func:`flash.check_inputs`; the mask bool, in any layout: the launchers copy
+    it), and ``dilations`` has one positive int per head."""
     B, H, L, D = tensors["q"].shape
     G = 0 if tensors["gk"] is None else tensors["gk"].shape[2]
-    if len(dilations) != H:
-        raise ValueError(f"The triton kernels take one dilation per head ({H}), got {len(dilations)}.")
+    if len(dilations) != H or not all(isinstance(d, int) and d >= 1 for d in dilations):
+        raise ValueError(f"The triton kernels take one positive int dilation per head ({H}), got {tuple(dilations)}.")
     rows = dict.fromkeys(("q", "k", "v", "do", "o"), (B, H, L, D)) | dict(gk=(B, H, G, D), gv=(B, H, G, D))
-    flash.check_layout(tensors, rows, dict(rel_bias=(H, 2 * window + 1), global_bias=(H, G), lse=(B, H, L)))
+    flash.check_inputs(tensors, rows, dict(rel_bias=(H, 2 * window + 1), global_bias=(H, G), lse=(B, H, L)))
     mask = tensors["mask"]
-    if mask is not None and mask.shape != (B, L):
-        raise ValueError(f"The triton kernels take key_padding_mask of shape {(B, L)}, got {tuple(mask.shape)}.")
+    if mask is not None and (mask.shape != (B, L) or mask.dtype != torch.bool or mask.device != tensors["q"].device):
+        raise ValueError(
+            f"The triton kernels take a bool key_padding_mask of shape {(B, L)} on q's device, "
+            f"got {mask.dtype} of shape {tuple(mask.shape)} on {mask.device}."
+        )
 
 
 def _mask(key_padding_mask, q):
@@ -715,12 +719,12 @@ def _mask(key_padding_mask, q):
 @flash.on_the_inputs_device
 def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations, window, causal, scale):
     """Output and base-2 log-sum-exp ``(B, H, L)``; q, k, v (B, H, L, D), gk/gv (B, H, G, D), each with unit stride
-    along D, contiguous bias tables, a (B, L) mask and one dilation per head, checked by :func:`_check_layout`;
+    along D, contiguous bias tables, a (B, L) mask and one dilation per head, checked by :func:`_check_inputs`;
     ``gk``/``gv``, the bias tables and the mask may be None."""
     B, H, L, D = q.shape
     G = 0 if gk is None else gk.shape[2]
     tensors = dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias, mask=key_padding_mask)
-    _check_layout(tensors, dilations, window)
+    _check_inputs(tensors, dilations, window)
     dilations = _fitted(dilations, L)
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = flash.new_output((B, H, L), dtype=torch.float32, device=q.device)
@@ -778,7 +782,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
     B, H, L, D = q.shape
     G = 0 if gk is None else gk.shape[2]
     tensors = dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias, mask=key_padding_mask)
-    _check_layout(dict(tensors, do=do, o=o, lse=lse), dilations, window)
+    _check_inputs(dict(tensors, do=do, o=o, lse=lse), dilations, window)
     dilations = _fitted(dilations, L)
     dummy = q.new_empty(0)
     mask = _mask(key_padding_mask, q)

@@ -398,6 +398,10 @@ BACKWARD_ARGS = ("do", *FORWARD_ARGS, "o", "lse")
             r"do of shape \(1, 2, 5, 6, 16\) with unit stride .* strides \(1920, 960, 192, 32, 2\)",
         ),
         ("backward", "lse", lambda lse: lse[:, :, :-1], r"lse as a contiguous .* \(1, 2, 30\), got shape \(1, 2, 29\)"),
+        ("forward", "q", lambda q: q.double(), r"float32, float16 or bfloat16 q, k and v, got q of torch.float64"),
+        ("forward", "gk", lambda gk: None, r"global keys and values together"),
+        ("forward", "rel_bias", lambda rb: rb.double(), r"rel_bias of .*bfloat16 on q's device cpu, got torch.float64"),
+        ("backward", "v", lambda v: v.bfloat16(), r"v of q's dtype and device .* got torch.bfloat16 on cpu"),
     ],
 )
 def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(launcher, name, change, message):

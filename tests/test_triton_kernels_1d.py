@@ -284,8 +284,12 @@ BACKWARD_ARGS = ("do", "q", "k", "v", "gk", "gv", "rel_bias", "global_bias", "ma
         ("forward", "v", lambda v: v[:, :, :4], r"v of shape \(1, 2, 9, 16\) .* got shape \(1, 2, 4, 16\)"),
         ("forward", "gk", lambda gk: gk[..., :8], r"gk of shape \(1, 2, 1, 16\) .* got shape \(1, 2, 1, 8\)"),
         ("forward", "rel_bias", lambda rb: rb[:, :3], r"rel_bias as a contiguous .* \(2, 5\), got shape \(2, 3\)"),
-        ("forward", "mask", lambda mask: mask[:, :4], r"key_padding_mask of shape \(1, 9\), got \(1, 4\)"),
-        ("forward", "dilations", lambda dilations: (1,), r"one dilation per head \(2\), got 1"),
+        ("forward", "mask", lambda mask: mask[:, :4], r"a bool key_padding_mask of shape \(1, 9\) .* shape \(1, 4\)"),
+        ("forward", "dilations", lambda dilations: (1,), r"one positive int dilation per head \(2\), got \(1,\)"),
+        ("forward", "dilations", lambda dilations: (0, 1), r"one positive int dilation per head \(2\), got \(0, 1\)"),
+        ("forward", "mask", lambda mask: mask.long(), r"a bool key_padding_mask of shape \(1, 9\) .* got torch.int64"),
+        ("forward", "k", lambda k: k.half(), r"k of q's dtype and device \(torch.float32 on cpu\), got torch.float16"),
+        ("forward", "gv", lambda gv: None, r"global keys and values together"),
         ("backward", "o", with_stride_2, r"o of shape \(1, 2, 9, 16\) with unit stride .* strides \(576, 288, 32, 2\)"),
         (
             "backward",
@@ -293,6 +297,7 @@ BACKWARD_ARGS = ("do", "q", "k", "v", "gk", "gv", "rel_bias", "global_bias", "ma
             lambda lse: lse.transpose(1, 2),
             r"lse as a contiguous .* \(1, 2, 9\), got shape \(1, 9, 2\)",
         ),
+        ("backward", "lse", lambda lse: lse.half(), r"lse of torch.float32 on q's device cpu, got torch.float16"),
     ],
 )
 def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(launcher, name, change, message):
