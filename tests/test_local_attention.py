@@ -588,7 +588,11 @@ def test_fused_cpu_gradients_are_not_differentiated_again():
         out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="fused_cpu")
         with pytest.raises(RuntimeError, match="fused_cpu backend's backward is not differentiable") as err:
             torch.autograd.grad(loss(out), inputs["q"], create_graph=True)
-        assert "sliding_chunk_autograd" in str(err.value)
+        assert "sliding_chunk_autograd, unfold, unfold_nnf, chunk_rows or reference." in str(err.value)
+    one_d = torch.randn(1, 2, 9, 4, dtype=torch.float64, requires_grad=True)
+    out = local_attention_1d(one_d, one_d, one_d, 2, backend="fused_cpu")
+    with pytest.raises(RuntimeError, match=r"backward is autograd's: loop, chunks or reference\.$"):
+        torch.autograd.grad(out.square().sum(), one_d, create_graph=True)
     # Through the operator (under torch.compile, the profiler, a dispatch mode) the backward operator has no autograd
     # formula, which stops the second backward.
     with torch.profiler.profile():

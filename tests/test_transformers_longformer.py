@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import vil
+import vil.models.longformer
 
 transformers = pytest.importorskip("transformers", reason="the transformers extra (pip install 'vil[transformers]')")
 
@@ -245,12 +246,15 @@ def test_the_layer_compiles_as_one_graph():
     global_mask = torch.zeros_like(padding)
     global_mask[0, [0, 4]] = global_mask[1, 7] = True  # 2, 1 and 0 global tokens
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
-    results = []
-    for run in (layer, compiled):
-        out = run(x, padding, global_mask)
-        results.append((out, *torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])))
-    for got, want in zip(results[1], results[0]):
-        assert_same(got, want)
+    # No global token anywhere: the global projections get zero gradients (the compiled backward once crashed).
+    for marked in (global_mask, torch.zeros_like(padding)):
+        results = []
+        for run in (layer, compiled):
+            out = run(x, padding, marked)
+            leaves = [x, *layer.parameters()]
+            results.append((out, *torch.autograd.grad(out.square().sum(), leaves, materialize_grads=True)))
+        for got, want in zip(results[1], results[0]):
+            assert_same(got, want)
 
 
 EXPORT_LENGTH = 8 * torch.export.Dim("blocks", min=1, max=11)  # transformers pads to the largest window, 8
@@ -330,6 +334,53 @@ def test_parameters_and_checkpoints_are_unchanged(tmp_path):
         )
 
 
+class LowRankAdapted(torch.nn.Linear):
+    """A linear layer plus a trained low-rank update, as adapter libraries write one: a subclass with a forward of
+    its own, whose weight alone is not what it computes."""
+
+    def __init__(self, base, rank=2):
+        super().__init__(base.in_features, base.out_features, dtype=base.weight.dtype)
+        self.load_state_dict(base.state_dict())
+        self.down = torch.nn.Parameter(0.3 * torch.randn(rank, base.in_features, dtype=base.weight.dtype))
+        self.up = torch.nn.Parameter(0.3 * torch.randn(base.out_features, rank, dtype=base.weight.dtype))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.down.T @ self.up.T
+
+
+def test_global_projections_that_are_not_plain_linear_layers_are_called_as_they_are(caplog):
+    """Adapters and forward hooks on query_global, key_global and value_global change what they compute: the
+    accelerated model calls them (said once) and gives transformers' outputs and gradients, the adapters' too,
+    eagerly and compiled."""
+    torch.manual_seed(0)
+    reference = transformers.LongformerModel(longformer_config()).double()
+    for layer in reference.encoder.layer:
+        for name in ("query_global", "key_global", "value_global"):
+            setattr(layer.attention.self, name, LowRankAdapted(getattr(layer.attention.self, name)))
+    reference.encoder.layer[1].attention.self.value_global.register_forward_hook(lambda module, x, out: 0.5 * out)
+    accelerated = vil.accelerate_longformer(copy.deepcopy(reference))
+    ids, mask, global_mask = batch(one_global_each=True)
+    want, want_pooled, want_grads = training_results(reference, ids, mask, global_mask)
+    vil.models.longformer._said_projected.clear()
+    with caplog.at_level(logging.WARNING, logger="vil.models.longformer"):
+        got, got_pooled, got_grads = training_results(accelerated, ids, mask, global_mask)
+    assert caplog.text.count("calls them on every token") == 1 and "LowRankAdapted" in caplog.text
+    assert_same(got, want, mask)
+    assert_same(got_pooled, want_pooled)
+    assert any(".up" in name for name in want_grads)
+    for name, grad in want_grads.items():
+        if grad is not None:
+            assert_same(got_grads[name], grad), name
+    accelerated.zero_grad()
+    compiled = torch.compile(accelerated, backend="aot_eager", dynamic=True)
+    got = training_results(compiled, ids, mask, global_mask)[0]
+    assert_same(got, want, mask)
+    got_grads = {name: p.grad for name, p in accelerated.named_parameters()}
+    for name, grad in want_grads.items():
+        if grad is not None:
+            assert_same(got_grads[name], grad), name
+
+
 def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_once(caplog):
     reference, accelerated = pair(transformers.LongformerModel, longformer_config(attention_probs_dropout_prob=0.3))
     ids, mask, global_mask = batch(seed=6)
@@ -357,6 +408,9 @@ def test_what_is_refused():
     with pytest.raises(ValueError, match="Linear has no Longformer self-attention"):
         vil.accelerate_longformer(torch.nn.Linear(2, 2))
     assert vil.accelerate_longformer(accelerated) is accelerated  # a second call changes nothing
+    for name in ("nonsense", "unfold"):  # unfold computes 2D windows only
+        with pytest.raises(ValueError, match=rf"backend '{name}' computes no .* one of sliding_chunk, .*reference"):
+            vil.accelerate_longformer(accelerated, backend=name)
 
 
 def test_without_transformers_the_call_says_how_to_install_it(monkeypatch):

@@ -23,6 +23,7 @@ from transformers.models.led.modeling_led import LEDEncoderSelfAttention
 from transformers.models.longformer.modeling_longformer import LongformerModel, LongformerSelfAttention
 
 from .models.longformer import SlidingWindowSelfAttention
+from .ops import available_backends
 
 _log = logging.getLogger(__name__)
 
@@ -125,7 +126,13 @@ def accelerate_longformer(model, backend=None):
     ``vil.ops.local_attention_1d`` (``backend``: the op's backend, None for its default), in place; returns the
     model. Parameters, their names and the state dict stay as they are, so checkpoints load before or after and
     ``save_pretrained`` writes what transformers reads; a ``LongformerModel``'s ``config._attn_implementation``
-    becomes :data:`MASK_IMPLEMENTATION` (not saved). Raises ``ValueError`` where the model has no such layer."""
+    becomes :data:`MASK_IMPLEMENTATION` (not saved). Raises ``ValueError`` where the model has no such layer or
+    ``backend`` computes no 1D windows."""
+    if backend is not None and backend not in available_backends(1):
+        raise ValueError(
+            f"backend {backend!r} computes no Longformer (1D) windows; use None (the fastest for the inputs) or one "
+            f"of {', '.join(available_backends(1))}."
+        )
     converted = 0
     for module in model.modules():
         accelerated = CONVERSIONS.get(type(module))

@@ -9,27 +9,33 @@ autograd, so the compiler sees no data-dependent shape and adds no graph break. 
 function from standard operators, densely (every query against every key, as the op's own ONNX decomposition does).
 """
 
+import logging
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from ..ops import Neighborhood1d, local_attention_1d
 from ..ops.base import exporting_to_onnx, tracing
 from ..ops.geometry import pair_in_band
 from ..ops.operators import autograd_gradients, fake_gradients, laid_out_as, operator_gradients
 
+_log = logging.getLogger(__name__)
+
 
 class Band(NamedTuple):
-    """How the layer's op call attends: ``window`` keys on each side, one dilation per head, causal or not, and
-    the op's backend (None: its default)."""
+    """How the layer's op call attends: ``window`` keys on each side, one dilation per head, causal or not, the
+    op's backend (None: its default); ``projected``: the global projections come as their outputs for every token
+    rather than as weights and biases (see :meth:`SlidingWindowSelfAttention.attend`)."""
 
     window: int
     dilations: list
     causal: bool
     backend: Optional[str]
+    projected: bool
 
 
 class SlidingWindowSelfAttention:
@@ -41,14 +47,25 @@ class SlidingWindowSelfAttention:
 
     def attend(self, x: Tensor, padding: Tensor, is_global: Tensor) -> Tensor:
         """``x`` ``(B, L, dim)``; ``padding``, ``is_global`` ``(B, L)`` bool, checked by the caller. Returns
-        ``(B, L, dim)``, zeros at padded positions."""
+        ``(B, L, dim)``, zeros at padded positions.
+
+        Where the global projections are plain ``nn.Linear`` modules without hooks, the global keys and values are
+        never formed for every token: their weights fold into the global queries' products. Any other module
+        there (a low-rank adapter, a quantized linear layer, one with forward hooks) is called on every token, as
+        transformers calls ``key_global`` and ``value_global``, and said once: slower, the same result."""
         B, L, dim = x.shape
         q, k, v = (self._heads(proj(x)) for proj in (self.query, self.key, self.value))
         tensors = [x, q, k, v, padding, is_global]
-        for proj in (self.query_global, self.key_global, self.value_global):
-            tensors += [proj.weight, proj.bias]
+        projections = (self.query_global, self.key_global, self.value_global)
+        projected = not all(map(_plain_linear, projections))
+        if projected:
+            _say_projected(projections)
+            tensors += [proj(x) for proj in projections]
+        else:
+            for proj in projections:
+                tensors += [proj.weight, proj.bias]
         dilations = list(Neighborhood1d(self.window, self.dilation, self.causal).dilations(self.num_heads))
-        band = Band(self.window, dilations, self.causal, self.backend)
+        band = Band(self.window, dilations, self.causal, self.backend, projected)
         if exporting_to_onnx():
             out = dense_attention(tensors, band)
         elif tracing(q):
@@ -63,11 +80,34 @@ class SlidingWindowSelfAttention:
         return x.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
 
 
+def _plain_linear(module) -> bool:
+    """Whether ``module`` computes exactly ``F.linear(x, module.weight, module.bias)``."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks, _global_forward_hooks, _global_forward_pre_hooks)
+    return type(module) is nn.Linear and module.bias is not None and not any(hooks)
+
+
+_said_projected = set()
+
+
+def _say_projected(projections):
+    """Log once per kind of module that the global projections run on every token."""
+    kinds = tuple(type(p).__name__ for p in projections)
+    if kinds not in _said_projected and not torch.compiler.is_compiling():
+        _said_projected.add(kinds)
+        _log.warning(
+            "The global projections (%s) are not all plain nn.Linear modules without hooks, so Longformer's "
+            "attention calls them on every token (as transformers does) instead of folding their weights into "
+            "the global queries' products: the same result, more time and memory.",
+            ", ".join(kinds),
+        )
+
+
 def sliding_window_attention(tensors: list, band: Band) -> Tensor:
     """The layer's attention ``(B, heads, L, head_dim)``, zeros at padded positions, from ``tensors``: ``x (B, L,
     dim)``, ``q, k, v (B, heads, L, head_dim)``, ``padding``, ``is_global`` ``(B, L)`` bool, then the weight and the
-    bias of ``query_global``, ``key_global`` and ``value_global``. Every tensor in q's dtype but the masks, whatever
-    autocast does around it; scores and softmax of the global queries in float32 or wider."""
+    bias of ``query_global``, ``key_global`` and ``value_global`` (``band.projected``: their outputs ``(B, L,
+    dim)``). Every tensor in q's dtype but the masks, whatever autocast does around it; scores and softmax of the
+    global queries in float32 or wider."""
     x, q, k, v, padding, is_global, *projections = tensors
     if (padding & is_global).any():
         raise ValueError("global_mask marks padded positions; a padding token cannot have global attention.")
@@ -83,13 +123,14 @@ def sliding_window_attention(tensors: list, band: Band) -> Tensor:
         for g in sizes:
             rows = (counts == g).nonzero().squeeze(1)
             group = [t[rows] for t in (cast[0], q, k, v, padding, is_global)]
-            out[rows] = _same_count_attention(group + cast[1:], g, band)
+            projections = [t[rows] for t in cast[1:]] if band.projected else cast[1:]
+            out[rows] = _same_count_attention(group + projections, g, band)
     return out.masked_fill(padding[:, None, :, None], 0.0) if padding.any() else out
 
 
 def _same_count_attention(tensors, g, band):
     """:func:`sliding_window_attention` of sequences that all have ``g`` global tokens."""
-    x, q, k, v, padding, is_global, query_weight, query_bias, *key_value = tensors
+    x, q, k, v, padding, is_global, *projections = tensors
     B, H, L, D = q.shape
     scale = D**-0.5
     positions = is_global.nonzero()[:, 1].view(B, g)  # each sequence's global tokens, in order
@@ -109,9 +150,16 @@ def _same_count_attention(tensors, g, band):
     )
     if not g:
         return out
-    chosen = x.gather(1, positions[..., None].expand(B, g, x.shape[-1]))
-    global_q = F.linear(chosen, query_weight, query_bias).view(B, g, H, D).transpose(1, 2)
-    global_out = _global_attention(x, global_q * scale, padding, key_value)
+    chosen = positions[..., None].expand(B, g, x.shape[-1])
+    if band.projected:
+        global_q, global_k, global_v = projections
+        global_q = global_q.gather(1, chosen).view(B, g, H, D).transpose(1, 2)
+        global_k, global_v = (t.view(B, L, H, D).transpose(1, 2) for t in (global_k, global_v))
+        global_out = _masked_attention(global_q, global_k, global_v, ~padding[:, None, None, :])
+    else:
+        query_weight, query_bias, *key_value = projections
+        global_q = F.linear(x.gather(1, chosen), query_weight, query_bias).view(B, g, H, D).transpose(1, 2)
+        global_out = _global_attention(x, global_q * scale, padding, key_value)
     if out.requires_grad or global_out.requires_grad:
         return out.scatter(2, index, global_out)
     return out.scatter_(2, index, global_out)  # nothing saved the op's output for a backward: no copy
@@ -149,10 +197,9 @@ def dense_attention(tensors: list, band: Band) -> Tensor:
     local_keys = in_band & ~(padding | is_global)[:, None, None, :]
     out = _masked_attention(q, k, v, local_keys | is_global[:, None, None, :])
     x, *projections = (t.to(q.dtype) for t in [x] + projections)
-    global_q, global_k, global_v = (
-        F.linear(x, weight, bias).view(B, L, H, D).transpose(1, 2)
-        for weight, bias in zip(projections[::2], projections[1::2])
-    )
+    if not band.projected:
+        projections = [F.linear(x, weight, bias) for weight, bias in zip(projections[::2], projections[1::2])]
+    global_q, global_k, global_v = (t.view(B, L, H, D).transpose(1, 2) for t in projections)
     global_out = _masked_attention(global_q, global_k, global_v, ~padding[:, None, None, :])
     out = torch.where(is_global[:, None, :, None], global_out, out)
     return out.masked_fill(padding[:, None, :, None], 0.0)
@@ -170,23 +217,30 @@ def _masked_attention(q, k, v, seen):
 
 @torch.library.custom_op("vil::longformer_attention", mutates_args=())
 def _longformer_attention(
-    tensors: list[Tensor], window: int, dilations: list[int], causal: bool, backend: Optional[str]
+    tensors: list[Tensor], window: int, dilations: list[int], causal: bool, backend: Optional[str], projected: bool
 ) -> Tensor:
+    band = Band(window, dilations, causal, backend, projected)
     with torch.no_grad():
-        return laid_out_as(sliding_window_attention(tensors, Band(window, dilations, causal, backend)), tensors[1])
+        return laid_out_as(sliding_window_attention(tensors, band), tensors[1])
 
 
 @_longformer_attention.register_fake
-def _(tensors, window, dilations, causal, backend):
+def _(tensors, window, dilations, causal, backend, projected):
     return torch.empty_like(tensors[1])
 
 
 @torch.library.custom_op("vil::longformer_attention_backward", mutates_args=())
 def _longformer_attention_backward(
-    tensors: list[Tensor], grad_out: Tensor, window: int, dilations: list[int], causal: bool, backend: Optional[str]
+    tensors: list[Tensor],
+    grad_out: Tensor,
+    window: int,
+    dilations: list[int],
+    causal: bool,
+    backend: Optional[str],
+    projected: bool,
 ) -> list[Tensor]:
     x, q, k, v, padding, is_global, *projections = tensors
-    band = Band(window, dilations, causal, backend)
+    band = Band(window, dilations, causal, backend, projected)
 
     def forward(leaves):
         x, q, k, v, *projections = leaves
@@ -197,7 +251,7 @@ def _longformer_attention_backward(
 
 
 @_longformer_attention_backward.register_fake
-def _(tensors, grad_out, window, dilations, causal, backend):
+def _(tensors, grad_out, window, dilations, causal, backend, projected):
     x, q, k, v, padding, is_global, *projections = tensors
     return fake_gradients([x, q, k, v, *projections])
 
@@ -211,7 +265,7 @@ def _setup_longformer_attention(ctx, inputs, output):
 def _backward_longformer_attention(ctx, grad_out):
     tensors = list(ctx.saved_tensors)
     x, q, k, v, *projections = _longformer_attention_backward(tensors, grad_out, *ctx.band)
-    return [x, q, k, v, None, None, *projections], None, None, None, None
+    return [x, q, k, v, None, None, *projections], None, None, None, None, None
 
 
 _longformer_attention.register_autograd(_backward_longformer_attention, setup_context=_setup_longformer_attention)

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from . import split
-from .base import Backend, Extras, compute_dtype, needs_grad, tracing
+from .base import Backend, Extras, compute_dtype, listed, needs_grad, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import BACKENDS
 
@@ -90,13 +90,13 @@ class _EagerPasses(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         backend, hood, scale = ctx.request
+        *inputs, key_padding_mask, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True
+            able = (n for n, b in BACKENDS.items() if b.function(hood.dims) and b.trains_on_device(out.device.type))
             raise RuntimeError(
                 f"The {backend} backend's backward is not differentiable, so gradients of its gradients "
-                "(create_graph=True) cannot be taken; use a backend whose backward is autograd's, such as "
-                "sliding_chunk_autograd."
+                f"(create_graph=True) cannot be taken; use a backend whose backward is autograd's: {listed(able)}."
             )
-        *inputs, key_padding_mask, out, lse = ctx.saved_tensors
         extras = Extras(scale, *inputs[3:], key_padding_mask)
         grads = _backward(backend, *inputs[:3], hood, extras, out, lse, grad_out)
         return (None, None, None, None, *gradients_or_none(grads, inputs))
@@ -422,12 +422,13 @@ def _autograd_inside_an_operator():
 
 
 def autograd_gradients(forward, inputs, grad_out):
-    """The gradients of ``forward(inputs)`` (None for absent inputs), recomputing it with autograd."""
+    """The gradients of ``forward(inputs)`` (None for absent inputs, zeros for inputs it does not use, as the fake
+    implementations promise: a tensor of the input's shape), recomputing it with autograd."""
     leaves = [None if x is None else x.detach().requires_grad_() for x in inputs]
     with _autograd_inside_an_operator():
         out = forward(leaves)
         present = [x for x in leaves if x is not None]
-        grads = iter(torch.autograd.grad(out, present, grad_out, allow_unused=True))
+        grads = iter(torch.autograd.grad(out, present, grad_out, allow_unused=True, materialize_grads=True))
     return [None if x is None else next(grads) for x in leaves]
 
 
