@@ -97,9 +97,11 @@ def test_untrusted_pickles_are_not_executed(tmp_path):
             return (os.system, ("touch " + str(tmp_path / "pwned"),))
 
     torch.save({"net": {}, "payload": Evil()}, tmp_path / "evil.pth")
-    with pytest.raises(ValueError, match="is not a readable PyTorch checkpoint"):
+    refusal = r"is not a readable PyTorch checkpoint.*posix.system.*weights_only=True"
+    with pytest.raises(ValueError, match=refusal) as err:
         load_checkpoint(model(0), tmp_path / "evil.pth")
     assert not (tmp_path / "pwned").exists()
+    assert "weights_only` set to `False`" not in str(err.value)  # torch's advice to run the file's code is left out
 
 
 def test_share_w_false_checkpoint_is_refused_by_a_share_w_true_model(tmp_path):

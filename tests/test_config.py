@@ -108,6 +108,12 @@ def test_integers_are_accepted_for_float_keys_and_lists_for_tuples():
     assert cfg.OPTIM.LR == 1.0 and isinstance(cfg.OPTIM.LR, float) and cfg.AUG.SCALE == (0.5, 1.0)
 
 
+def test_a_value_of_the_wrong_type_names_the_value_the_key_had():
+    # under a preset, the preset's value, not vil/config.py's default (1.0)
+    with pytest.raises(ValueError, match=r"OPTIM.LR is 'abc', but it must be a number \(until then it was 0.003\)"):
+        load_cfg("vil_digits", ["OPTIM.LR", "abc"])
+
+
 def test_compatibility_only_keys_warn_when_set():
     assert compatibility_warnings(get_cfg()) == []
     cfg = load_cfg(overrides=["MODEL.PRETRAINED", "True", "OPTIM.LR", "0.5"])

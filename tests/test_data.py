@@ -111,6 +111,15 @@ def test_digits_split_is_disjoint_stratified_and_fixed():
     assert train.images[0].size == (8, 8) and train.images[0].mode == "RGB"
 
 
+def test_digits_without_scikit_learn_is_one_line_from_the_tools(monkeypatch, tmp_path):
+    from tool_runner import run_tool
+
+    monkeypatch.setitem(__import__("sys").modules, "sklearn.datasets", None)  # as if it were not installed
+    status, _, stderr = run_tool("train", "--config-file", "vil_digits", "OUTPUT_DIR", tmp_path)
+    assert status == 1 and stderr.startswith("error: The digits data set comes with scikit-learn")
+    assert "pip install 'vil[digits]'" in stderr and "Traceback" not in stderr
+
+
 def test_mixup_and_loss_follow_the_config(tmp_path):
     cfg = cfg_for(
         tmp_path, "AUG.MIXUP_PROB", "1.0", "AUG.MIXUP", "0.8", "AUG.MIXCUT", "1.0", "LOSS.LABEL_SMOOTHING", "0.1"

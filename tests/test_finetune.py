@@ -299,3 +299,10 @@ def test_a_checkpoint_trained_with_other_model_options_is_refused_or_said(tmp_pa
         with caplog.at_level("WARNING", logger="vil"):
             load_weights(model, cfg, new_classifier=True)
         assert re.search(rf"own.pth was trained with {key} .*\(now .*{value}.*starts from its weights", caplog.text)
+    caplog.clear()  # weights that do not fit the new architecture: refused, and nothing said before
+    cfg = load_cfg(
+        overrides=[*common, "MODEL.MODEL_PATH", str(path), "MODEL.VIT.MSVIT.ARCH", TINY_ARCH.replace("d16", "d24")]
+    )
+    with caplog.at_level("WARNING", logger="vil"), pytest.raises(ValueError, match="does not fit"):
+        load_weights(MsViT(cfg.MODEL.VIT.MSVIT.ARCH, img_size=32, num_classes=2), cfg, new_classifier=True)
+    assert "starts from its weights" not in caplog.text

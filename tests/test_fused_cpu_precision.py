@@ -279,18 +279,20 @@ def test_below_the_bfloat16_instructions_half_products_are_refused():
 
 
 def test_amp_runs_on_the_cpu_when_asked_and_says_so_where_its_products_are_slow(monkeypatch, caplog):
-    amp, _ = setup.amp_context(load_cfg(overrides=["AMP.ENABLED", "True"]), torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="vil"):
+        amp, _ = setup.amp_context(load_cfg(overrides=["AMP.ENABLED", "True"]), torch.device("cpu"))
     with amp():
         assert not torch.is_autocast_enabled("cpu")  # the presets' AMP is their GPU recipe's
+    assert "this run is float32 on cpu" in caplog.text
     cfg = load_cfg(overrides=["AMP.ENABLED", "True", "AMP.ON_CPU", "True"])
     for native in (True, False):
         monkeypatch.setattr(setup, "cpu_multiplies_natively", lambda dtype, native=native: native)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="vil"):
+        with caplog.at_level(logging.INFO, logger="vil"):
             amp, scaler = setup.amp_context(cfg, torch.device("cpu"))
         with amp():
             assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
-        assert not scaler.is_enabled()
+        assert not scaler.is_enabled() and "this run is float32" not in caplog.text
         assert ("bfloat16" in caplog.text and "AVX512-BF16" in caplog.text) != native
 
 

@@ -47,14 +47,14 @@ def exported(tmp_path):
     cfg = load_cfg("vil_tiny", overrides)
     model, ema = random_model(cfg, 0), random_model(cfg, 1)
     checkpoint = tmp_path / "checkpoint_last.pth"
-    save_checkpoint(checkpoint, model, ema=ema.state_dict(), best_acc=87.5, epoch=4)
+    save_checkpoint(checkpoint, model, ema=ema.state_dict(), best_acc=87.5, epoch=4, config=cfg.dump())
     out = tmp_path / "hub"
     status, stdout, err = run_tool(
         "export_hub", "--config-file", "vil_tiny", "--out", out, *overrides, "MODEL.MODEL_PATH", checkpoint
     )
     assert status == 0, err
     assert "local-dir:" in stdout
-    return dict(cfg=cfg, data=data, out=out, ema=ema, checkpoint=checkpoint)
+    return dict(cfg=cfg, data=data, out=out, ema=ema, checkpoint=checkpoint, overrides=overrides)
 
 
 def test_a_hub_folder_rebuilds_the_ema_weights_through_timm(exported):
@@ -135,6 +135,52 @@ def test_export_refuses_a_missing_checkpoint_in_one_sentence(tmp_path):
     assert not (tmp_path / "hub").exists()
 
 
+def test_the_model_cards_code_run_as_written_gives_the_checkpoints_logits(exported):
+    out, ema, cfg = exported["out"], exported["ema"], exported["cfg"]
+    card = (out / "README.md").read_text()
+    code = card.split("```python\n")[1].split("```")[0].replace("path/to/this/folder", str(out))
+    names = {}
+    exec(code, names)
+    image = default_loader(str(exported["data"] / "val" / "dog" / "0.JPEG"))
+    preprocessed = names["transform"](image)
+    assert torch.allclose(preprocessed, build_transform(cfg, train=False)(image), atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(names["model"](preprocessed[None]), ema(preprocessed[None]))
+
+
+def test_export_takes_out_after_the_overrides(exported, tmp_path):
+    """The order the usage once showed: MODEL.MODEL_PATH ckpt --out DIR."""
+    out = tmp_path / "hub_last"
+    status, _, err = run_tool(
+        "export_hub", "--config-file", "vil_tiny", *exported["overrides"],
+        "MODEL.MODEL_PATH", exported["checkpoint"], "--out", out,
+    )  # fmt: skip
+    assert status == 0, err
+    for name in ("model.safetensors", "config.json"):
+        assert (out / name).read_bytes() == (exported["out"] / name).read_bytes()
+
+
+def test_export_refuses_a_checkpoint_trained_with_other_model_options(exported, tmp_path):
+    assert exported["cfg"].MODEL.VIT.MSVIT.SW_EXACT == 0  # what the checkpoint was trained with
+    status, _, err = run_tool(
+        "export_hub", "--config-file", "vil_tiny", "--out", tmp_path / "hub_sw", *exported["overrides"],
+        "MODEL.MODEL_PATH", exported["checkpoint"], "MODEL.VIT.MSVIT.SW_EXACT", "1",
+    )  # fmt: skip
+    assert status == 1 and "checkpoint_last.pth was trained with MODEL.VIT.MSVIT.SW_EXACT 0 (now 1)" in err
+    assert not (tmp_path / "hub_sw").exists()
+
+
+def test_export_refuses_an_unwritable_out_in_one_sentence(exported, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "hub"
+    status, _, err = run_tool(
+        "export_hub", "--config-file", "vil_tiny", "--out", out, *exported["overrides"],
+        "MODEL.MODEL_PATH", exported["checkpoint"],
+    )  # fmt: skip
+    assert status == 1 and f"--out {out} cannot be written (Not a directory)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_vil_arch_builds_any_architecture_string():
     model = timm.create_model("vil_arch", arch=TINY_ARCH, img_size=32, num_classes=3)
     assert model.stage_specs == MsViT(TINY_ARCH, img_size=32, num_classes=3).stage_specs
@@ -184,6 +230,32 @@ def test_predict_labels_files_folders_and_globs_and_skips_unreadable_images(expo
     records = json.loads((tmp_path / "labels.json").read_text())
     assert [r["path"] for r in records] == [r["path"] for r in rows[:4]]
     assert [r["classes"][0] for r in records] == [r["class_1"] for r in rows[:4]]
+
+
+def test_predict_writes_as_many_csv_columns_as_the_model_has_classes_below_top_k(exported, tmp_path):
+    out, ema, data, cfg = exported["out"], exported["ema"], exported["data"], exported["cfg"]
+    status, _, err = run_tool(
+        "predict", "--model", f"local-dir:{out}", "--top-k", "5", data / "val", "--output", tmp_path / "labels.csv"
+    )
+    assert status == 0, err
+    with open(tmp_path / "labels.csv") as f:
+        header, *rows = list(csv.reader(f))
+    assert header == ["path", "class_1", "probability_1", "class_2", "probability_2"]  # 2 classes, not 5
+    assert len(rows) == 4 and all(len(row) == len(header) for row in rows)
+    transform = build_transform(cfg, train=False)
+    for path, *cells in rows:
+        with torch.no_grad():
+            probabilities = ema(transform(default_loader(path))[None]).softmax(-1)[0].tolist()
+        shown = dict(zip(cells[0::2], map(float, cells[1::2])))
+        assert shown == pytest.approx(dict(zip(["cat", "dog"], probabilities)), abs=1e-5)
+
+
+def test_predict_refuses_an_unknown_model_naming_the_registered_ones(tmp_path):
+    data = make_folder(tmp_path, per_class=1, corrupt=False)
+    status, _, err = run_tool("predict", "--model", "vil_tinyy", data / "val")
+    assert status == 1 and "vil_tinyy" in err and "local-dir:DIR" in err
+    assert all(name in err for name in timm.list_models("vil_*")) and "vil_small.in1k" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_predict_refuses_inputs_that_name_nothing(exported, tmp_path):

@@ -317,6 +317,7 @@ def test_no_weight_decay_names():
         ("l1,s2_l2_l3", r"'s2'.*0 or 1"),
         ("l1,h1,d5_l2_l3", r"d5.*even"),
         ("l1,h3,h3_l2_l3", r"'h'.*twice"),
+        ("vil_small", r"'vil_small' is the name of a preset.*PRESETS\['vil_small'\].*build_fpn_backbone"),
     ],
 )
 def test_bad_arch_strings(arch, facts):

@@ -80,3 +80,10 @@ def test_python_m_vil_names_its_commands_and_presets_load_by_name(capsys):
     with pytest.raises(SystemExit) as done:  # each command reaches its tool
         main(["export-onnx", "--help"])
     assert done.value.code == 0 and "Export a classification model to ONNX" in capsys.readouterr().out
+    main(["--help"])
+    listed = capsys.readouterr().out
+    assert all(f"  {command} " in listed for command in ("train", "eval", "export-hub", "timm-train"))
+    from tool_runner import run_tool
+
+    status, out, _ = run_tool("timm_train", "--help")
+    assert status == 0 and "path/to/timm/train.py --model vil_tiny" in out

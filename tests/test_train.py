@@ -379,12 +379,20 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
     assert f"top-1 {result['top1']:.2f} top-5 {result['top5']:.2f}" == lines[0] and result["images"] == 12
     status, _, stderr = run_tool("eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common)
     assert status == 1 and re.fullmatch(r"error: [^\n]*MODEL\.MODEL_PATH[^\n]*\.", stderr.strip())
-    net["head.bias"][1] = float("nan")  # every image's logits
+    net["head.weight"].fill_(3e38)  # finite weights whose logits overflow
+    torch.save({"net": net}, tmp_path / "huge.pth")
+    status, _, stderr = run_tool(
+        "eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common, "MODEL.MODEL_PATH", tmp_path / "huge.pth"
+    )
+    assert status == 1 and re.search(r"error: .*12 of the 12 evaluation images are not finite.*huge\.pth", stderr)
+    net["head.bias"][1] = float("nan")  # weights that are not finite are refused as the checkpoint is loaded
     torch.save({"net": net}, tmp_path / "nan.pth")
     status, _, stderr = run_tool(
         "eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common, "MODEL.MODEL_PATH", tmp_path / "nan.pth"
     )
-    assert status == 1 and re.search(r"error: .*12 of the 12 evaluation images are not finite.*nan\.pth", stderr)
+    assert status == 1 and re.search(
+        r"error: Checkpoint \S*nan\.pth holds values that are not finite .* 1 tensors, e.g. head\.bias", stderr
+    )
 
 
 @pytest.mark.parametrize("big,accum,epochs", [(4, 2, 1), (8, 4, 2)])

@@ -1,5 +1,6 @@
-"""Write a checkpoint as a Hugging Face Hub folder: ``python tools/export_hub.py --config-file F MODEL.MODEL_PATH
-ckpt --out DIR [KEY VALUE ...]`` (console script ``vil-export-hub``).
+"""Write a checkpoint as a Hugging Face Hub folder: ``python tools/export_hub.py --config-file F --out DIR
+MODEL.MODEL_PATH ckpt [KEY VALUE ...]`` (console script ``vil-export-hub``; the options and the overrides in any
+order).
 
 DIR gets ``model.safetensors`` (the weights alone: the checkpoint's EMA weights when it has them, as MODEL.LOAD_EMA
 evaluation reads them, else its model weights), ``config.json`` in timm's layout (architecture ``vil_arch`` with the
@@ -20,8 +21,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-file", required=True, help="the run's config: a YAML file or a preset's name")
     parser.add_argument("--out", required=True, help="the folder to write (created if needed)")
-    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ... (MODEL.MODEL_PATH)")
-    args = parser.parse_args(argv)
+    parser.add_argument("opts", nargs="*", metavar="KEY VALUE", help="config overrides, MODEL.MODEL_PATH among them")
+    args = parser.parse_intermixed_args(argv)  # --out after the overrides too
     try:
         cfg = load_cfg(args.config_file, args.opts)
         if not cfg.MODEL.MODEL_PATH:

@@ -22,6 +22,7 @@ import sys
 import timm
 import torch
 from timm.data import create_transform, resolve_data_config
+from timm.models import parse_model_name
 
 from vil.config import get_cfg, load_cfg
 from vil.data import build_transform
@@ -69,9 +70,22 @@ def parse_args(argv=None):
     return args
 
 
+def check_model_name(name):
+    """Refuse, in one sentence, a ``--model`` that is neither a registered model (with or without a pretrained tag)
+    nor a source-prefixed one (``local-dir:DIR``, ``hf-hub:REPO``)."""
+    source, model_name = parse_model_name(name)
+    if source is None and not timm.is_model(model_name):
+        raise ValueError(
+            f"--model {name} is not a registered model: give one of {', '.join(timm.list_models('vil_*'))} "
+            "(with a pretrained tag such as vil_small.in1k to load published weights; timm.list_pretrained('vil*') "
+            "lists them) or a Hub folder that tools/export_hub.py wrote, as local-dir:DIR."
+        )
+
+
 def model_and_preprocessing(args):
     """(model, its evaluation transform, its class names)."""
     if args.model:
+        check_model_name(args.model)
         model = timm.create_model(args.model, pretrained=True)
         transform = create_transform(**resolve_data_config({}, model=model))
         names = model.pretrained_cfg.get("label_names") or default_class_names(model.num_classes)
@@ -110,7 +124,8 @@ def main(argv=None):
         shown = ", ".join(f"{n} ({p:.3f})" for n, p in zip(record["classes"], record["probabilities"]))
         print(f"{record['path']}\t{shown}")
     if args.output:
-        text = table(records, args.top_k) if args.output.endswith(".csv") else json.dumps(records, indent=2) + "\n"
+        top_k = min(args.top_k, len(names))  # as many as the records have
+        text = table(records, top_k) if args.output.endswith(".csv") else json.dumps(records, indent=2) + "\n"
         atomic_write(args.output, lambda f: f.write(text.encode()))
     print(f"{len(records)} of {len(paths)} images labelled.", file=sys.stderr)
 

@@ -15,6 +15,9 @@ import vil  # noqa: F401  (registers vil_tiny, vil_small, ... with timm)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return
     if not argv or not argv[0].endswith(".py"):
         sys.exit(
             "error: Give the path of timm's train.py first, then its arguments: "

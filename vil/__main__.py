@@ -21,6 +21,10 @@ COMMANDS = {
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        commands = "\n".join(f"  {name:12} tools/{module}.py" for name, module in COMMANDS.items())
+        print(f"usage: python -m vil <command> [arguments]; <command> --help says more\n\ncommands:\n{commands}")
+        return
     if not argv or argv[0] not in COMMANDS:
         given = f"unknown command {argv[0]!r}" if argv else "no command given"
         sys.exit(

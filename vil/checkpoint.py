@@ -68,14 +68,27 @@ def read_checkpoint(path):
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        detail = next(iter(str(e).splitlines()), "")
-        raise ValueError(
-            f"{path} is not a readable PyTorch checkpoint of tensors "
-            f"({type(e).__name__}{': ' + detail if detail else ''})."
-        ) from None
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors ({_load_failure(e)}).") from None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
     return checkpoint
+
+
+def _load_failure(error):
+    """What ``torch.load`` with ``weights_only=True`` failed on, without its advice to load with ``weights_only=False``
+    (which runs whatever code the file holds): the weights unpickler's own reason where it gives one."""
+    text = str(error)
+    if not text.startswith("Weights only load failed"):
+        detail = next(iter(text.splitlines()), "")
+        return f"{type(error).__name__}{': ' + detail if detail else ''}"
+    marker = "WeightsUnpickler error:"
+    after = text.split(marker, 1)[1] if marker in text else text.split("\n\n", 1)[-1]
+    chunks = [chunk.strip() for chunk in after.split("\n\n") if chunk.strip()]
+    reason = chunks[0].split(". ")[0].rstrip(".") if chunks else "an object it does not take"
+    return (
+        f"{reason}; checkpoints are read with weights_only=True, which takes tensors, numbers, strings and "
+        "containers of them, no other objects"
+    )
 
 
 # Where checkpoints keep the EMA weights: this project's trainer, and timm's.

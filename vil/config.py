@@ -371,7 +371,7 @@ def _coerced(value, default, key, source):
         list: "a list",
         tuple: "a list",
     }.get(type(default), type(default).__name__)
-    raise ValueError(f"In {source}, {key} is {_shown(value)}, but it must be {kind} (its default is {default!r}).")
+    raise ValueError(f"In {source}, {key} is {_shown(value)}, but it must be {kind} (until then it was {default!r}).")
 
 
 def _shown(value):

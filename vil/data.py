@@ -61,8 +61,8 @@ class DigitsDataset(Dataset):
     def __init__(self, train, transform=None, held_out=0.2, classes=None):
         try:
             from sklearn.datasets import load_digits
-        except ImportError as error:
-            raise ImportError(
+        except ImportError as error:  # a ValueError, as the other missing extras: the tools print it as one line
+            raise ValueError(
                 f"The digits data set comes with scikit-learn ({error}); install it with pip install 'vil[digits]'."
             ) from None
 

@@ -15,12 +15,12 @@ from timm.data import ImageNetInfo
 from timm.models._hub import save_config_for_hf  # timm's writer of config.json (save_for_hf without the weights)
 from torchvision.datasets.folder import find_classes
 
-from .checkpoint import SAFETENSORS_NAME, has_ema, load_model_state, read_checkpoint
+from .checkpoint import SAFETENSORS_NAME, has_ema, read_checkpoint
 from .data import INTERPOLATIONS
-from .files import atomic_write
+from .files import atomic_write, check_writable_folder
 from .model_config import model_kwargs
 from .profiling import flop_counter
-from .weights import fitted_state, resolve_model_path
+from .weights import load_weights, resolve_model_path
 
 # What a model is built from, as config.json records it (the rest of model_kwargs is training's: dropout rates,
 # and the backend, which the loading machine chooses).
@@ -65,13 +65,17 @@ def default_class_names(num_classes: int) -> list:
 
 def export_hub_folder(cfg, out: str) -> dict:
     """Write the Hub folder of ``MODEL.MODEL_PATH`` (its EMA weights when it has them) under ``cfg`` to ``out``;
-    returns what the model card states."""
-    path = resolve_model_path(cfg)
-    checkpoint = read_checkpoint(path)
+    returns what the model card states. A checkpoint that does not fit ``cfg``'s model, or was trained with other
+    model options, is refused as evaluation refuses it (:func:`~vil.weights.load_weights`)."""
+    checkpoint = read_checkpoint(resolve_model_path(cfg))
+    ema = has_ema(checkpoint)
     args = hub_model_args(cfg)
     model = timm.create_model("vil_arch", **args).eval()
-    ema = has_ema(checkpoint)
-    load_model_state(model, fitted_state(checkpoint, path, model, ema), path)
+    loading = cfg.clone()
+    loading.defrost()
+    loading.MODEL.LOAD_EMA = ema
+    load_weights(model, loading)
+    check_writable_folder(out, "--out")  # after the checkpoint: a refused one leaves no empty folder behind
     size = cfg.INPUT.IMAGE_SIZE
     data_config = dict(  # timm's names
         input_size=(3, size, size),
@@ -92,7 +96,6 @@ def export_hub_folder(cfg, out: str) -> dict:
         **data_config,
     )
     tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}  # no shared storage
-    os.makedirs(out, exist_ok=True)
     atomic_write(os.path.join(out, SAFETENSORS_NAME), lambda f: f.write(safetensors.torch.save(tensors)))
     pool = size // model.total_stride
     model.pretrained_cfg = dict(model.pretrained_cfg, **data_config, pool_size=(pool, pool))  # config.json's
@@ -139,7 +142,7 @@ license: mit
 import timm
 import vil  # registers the ViL models with timm
 
-model = timm.create_model("local-dir:path/to/this/folder").eval()
+model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()
 config = timm.data.resolve_data_config({{}}, model=model)
 transform = timm.data.create_transform(**config)
 ```

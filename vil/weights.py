@@ -78,16 +78,16 @@ def load_weights(model, cfg, new_classifier=False):
     path = resolve_model_path(cfg)
     checkpoint = read_checkpoint(path)
     differences = trained_with(checkpoint, path, cfg)
-    if differences:
-        listed = ", ".join(f"{key} {saved!r} (now {now!r})" for key, (saved, now) in differences.items())
-        if not new_classifier:
-            raise ValueError(
-                f"Checkpoint {path} was trained with {listed}; set those values to use it as it was trained."
-            )
-        log.warning(
-            f"Checkpoint {path} was trained with {listed}: this run starts from its weights with the new values."
-        )
+    listed = ", ".join(f"{key} {saved!r} (now {now!r})" for key, (saved, now) in differences.items())
+    if differences and not new_classifier:
+        raise ValueError(f"Checkpoint {path} was trained with {listed}; set those values to use it as it was trained.")
     state = fitted_state(checkpoint, path, model, cfg.MODEL.LOAD_EMA)
+    broken = [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
+    if broken:
+        raise ValueError(
+            f"Checkpoint {path} holds values that are not finite (NaN or infinite) in {len(broken)} tensors, "
+            f"e.g. {broken[0]}; use a checkpoint written before the training diverged."
+        )
     head = {k: v.shape for k, v in state.items() if k.startswith("head.")}
     if head != {k: v.shape for k, v in model.state_dict().items() if k.startswith("head.")}:
         found = f"a classifier for {head['head.weight'][0]} classes" if "head.weight" in head else "no classifier"
@@ -99,4 +99,8 @@ def load_weights(model, cfg, new_classifier=False):
         log.info(f"Checkpoint {path} has {found}: this run trains a new one for DATA.NUM_CLASSES {model.num_classes}.")
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     load_model_state(model, state, path, may_miss=("head.",))
+    if differences:  # said once the weights fit
+        log.warning(
+            f"Checkpoint {path} was trained with {listed}: this run starts from its weights with the new values."
+        )
     return path

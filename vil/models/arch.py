@@ -41,6 +41,11 @@ class StageSpec:
 
 def parse_arch(arch: str) -> list[StageSpec]:
     """``"l1,h3,d96,..._l2,..."`` -> a list of 3 or 4 :class:`StageSpec`; malformed strings raise ``ValueError``."""
+    if arch in PRESETS:
+        raise ValueError(
+            f"{arch!r} is the name of a preset, not an arch string; give its arch string, vil.models.PRESETS[{arch!r}]"
+            ", or build it by name (timm.create_model, vil.detection.build_fpn_backbone)."
+        )
     stages = arch.split("_")
     if len(stages) not in (3, 4):
         raise ValueError(f"Arch string {arch!r} has {len(stages)} stages; it needs 3 or 4: {GRAMMAR}.")

@@ -75,6 +75,8 @@ def amp_context(cfg, device):
     the CPU it is a choice of its own, since only CPUs with half-precision matrix instructions gain from it."""
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.AMP.DTYPE]
     on = amp_enabled(cfg, device)
+    if cfg.AMP.ENABLED and not on:
+        log.info(f"AMP.ENABLED applies on CUDA, and on the CPU with AMP.ON_CPU True; this run is float32 on {device}.")
     if on and device.type == "cpu" and not cpu_multiplies_natively(dtype):
         log.warning(
             "AMP.DTYPE %s: this CPU has no %s matrix instructions, so torch's %s matrix products run many times slower "
@@ -226,8 +228,6 @@ def _build_run(cfg, runtime, lock, starts_fresh):
     model = model.to(runtime.device, memory_format=layout)
     model.set_grad_checkpointing(cfg.MODEL.GRAD_CHECKPOINT)
     amp, scaler = amp_context(cfg, runtime.device)
-    if cfg.AMP.ENABLED and runtime.device.type != "cuda":
-        log.info("AMP.ENABLED applies on CUDA; this run trains in float32 on the CPU.")
     batch, accum = per_process_batch(cfg, runtime), cfg.OPTIM.ACCUM_STEPS
     mixup = build_mixup(cfg)
     if mixup is not None and batch % 2:
