@@ -254,6 +254,34 @@ def test_onnx_records_dilated_windows(tmp_path):
     torch.testing.assert_close(torch.from_numpy(session.run(None, feeds)[0]), want, atol=1e-5, rtol=1e-5)
 
 
+class _FixedSizeWindows(torch.nn.Module):
+    def forward(self, q, sequence):
+        return local_attention_2d(q, q, q, 3, exact=-1), local_attention_1d(sequence, sequence, sequence, 2)
+
+
+def test_tables_built_while_an_export_traces_are_not_kept_for_later_calls():
+    """The decomposition builds its window tables from the traced sizes, as fake tensors: kept, they would reach
+    later eager calls of the same sizes (which returned fake tensors) and later exports."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from vil.ops.base import recording_for_onnx
+    from vil.ops.geometry import unfolded_window_tables
+
+    unfolded_window_tables.cache_clear()
+    q, sequence = torch.randn(1, 2, 9, 9, 8), torch.randn(1, 2, 11, 8)
+    for _ in range(2):  # a second export finds no fake tensor among its constants either
+        with recording_for_onnx():
+            torch.export.export(_FixedSizeWindows(), (q, sequence), strict=False)
+    for backend in ("unfold", "reference"):
+        out, out_1d = (
+            local_attention_2d(q, q, q, 3, exact=-1, backend=backend),
+            local_attention_1d(sequence, sequence, sequence, 2, backend="reference"),
+        )
+        assert not is_fake(out) and not is_fake(out_1d)
+        torch.testing.assert_close(out, local_attention_2d(q, q, q, 3, exact=-1, backend="sliding_chunk"))
+        torch.testing.assert_close(out_1d, local_attention_1d(sequence, sequence, sequence, 2, backend="loop"))
+
+
 @pytest.mark.parametrize(
     "attention,second_size",
     [
@@ -277,7 +305,7 @@ def test_export_onnx_tool_says_what_the_model_refuses(tmp_path):
     config = ROOT / "configs" / "vil_digits.yaml"
     status, _, error = run_tool("export_onnx", "--config-file", config, "--output", tmp_path / "m.onnx", *common)
     assert status == 1 and re.fullmatch(
-        r"error: SW_EXACT -1 [^\n]*fixed map size[^\n]*\n", error[error.index("error:") :]
+        r"error: SW_EXACT -1 [^\n]*fixed map size[^\n]*--static[^\n]*\n", error[error.index("error:") :]
     )
 
 

@@ -1,5 +1,7 @@
-"""tools/export_backbone.py: classification checkpoints into torchvision, detectron2 and mmdet backbones."""
+"""tools/export_backbone.py: classification checkpoints into torchvision, detectron2 and mmdet backbones; and
+tools/export_onnx.py's output check and export at one image size."""
 
+import onnxruntime
 import pytest
 import torch
 from test_checkpoint import original_release_checkpoint
@@ -8,9 +10,13 @@ from tool_runner import ROOT, load_tool, run_tool
 from vil.checkpoint import save_checkpoint
 from vil.config import load_cfg
 from vil.detection import ViLBackbone, build_fpn_backbone, export_state
+from vil.export import export_onnx, onnx_outputs
 from vil.models import PRESETS, MsViT, arch_string, parse_arch
 
 export_backbone = load_tool("export_backbone")
+# Two small architectures: the second has one more block in stage 2 and a wider stage 3.
+TINY = arch_string(parse_arch("l1,h1,d16,p4,f2_l2,h1,d32,f2_l3,h2,d32,s0"))
+OTHER = arch_string(parse_arch("l1,h1,d16,p4,f2_l2,h1,d32,n2,f2_l3,h2,d48,s0"))
 
 
 def classification_model(arch, seed=0, size=64):
@@ -204,3 +210,98 @@ def test_an_exported_backbone_loads_at_another_image_size(tmp_path):
     built = build_fpn_backbone(exported["vil"]["arch"], img_size=64, checkpoint=tmp_path / "out.pth")
     stored = exported["model"]["backbone.body.layer1.0.y_pos_embed"]  # 32 columns at 128 pixels
     torch.testing.assert_close(built.body.layer1[0].y_pos_embed, resize_position_embedding(stored, 16))
+
+
+def _refusal(argv):
+    """The sentence export_backbone exits with."""
+    with pytest.raises(SystemExit) as exit_info:
+        export_backbone.main([str(a) for a in argv])
+    return str(exit_info.value)
+
+
+@pytest.mark.parametrize("layout", ["bare", "original"])
+def test_weights_of_another_architecture_are_refused(tmp_path, layout):
+    """A checkpoint without a config, given --arch of another model: refused naming what does not fit, not written
+    under that arch."""
+    source = classification_model(TINY, size=32)
+    state = source.state_dict()
+    torch.save(state if layout == "bare" else original_release_checkpoint(state), tmp_path / "in.pth")
+    error = _refusal([tmp_path / "in.pth", tmp_path / "out.pth", "--format", "detectron2", "--arch", OTHER])
+    expected = MsViT(OTHER, img_size=32, num_classes=0).state_dict()
+    missing = [key for key in expected if key not in state]  # stage 2's second block
+    assert f"{len(missing)} missing: {missing[0]}" in error
+    key = "layer3.0.proj.weight"
+    assert f"{key} {tuple(state[key].shape)} vs {tuple(expected[key].shape)}" in error
+    assert error.startswith("error: ") and str(tmp_path / "in.pth") in error
+    assert not (tmp_path / "out.pth").exists()
+    # The model's own arch exports it.
+    export_backbone.main(
+        [str(tmp_path / "in.pth"), str(tmp_path / "out.pth"), "--format", "detectron2", "--arch", TINY]
+    )
+    assert torch.load(tmp_path / "out.pth", weights_only=True)["vil"]["arch"] == TINY
+
+
+def test_an_arch_other_than_the_stored_one_is_refused(tmp_path):
+    own_checkpoint(tmp_path / "cls.pth", classification_model(TINY, size=32))
+    common = [tmp_path / "cls.pth", tmp_path / "out.pth", "--format", "mmdet"]
+    error = _refusal([*common, "--arch", OTHER])
+    assert f"arch {TINY} " in error and f"not {OTHER} (--arch {OTHER})" in error
+    tiny_preset = arch_string(parse_arch(load_cfg("vil_tiny").MODEL.VIT.MSVIT.ARCH))
+    error = _refusal([*common, "--config-file", "vil_tiny"])
+    assert f"arch {TINY} " in error and f"not {tiny_preset} (--config-file vil_tiny)" in error
+    assert not (tmp_path / "out.pth").exists()
+    # The stored arch, given again (written without the fields it leaves at their defaults), is accepted.
+    export_backbone.main([*map(str, common), "--arch", "l1,h1,d16,p4,f2_l2,h1,d32,f2_l3,h2,d32,s0"])
+    assert torch.load(tmp_path / "out.pth", weights_only=True)["meta"]["vil"] == {"arch": TINY, "image_size": [32, 32]}
+
+
+# --- tools/export_onnx.py ---
+
+export_onnx_tool = load_tool("export_onnx")
+
+
+def test_export_onnx_checks_the_output_before_exporting(tmp_path, monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("the export started")
+
+    monkeypatch.setattr(export_onnx_tool, "build_model", started)
+    (tmp_path / "file").write_text("")
+    output = tmp_path / "file" / "m.onnx"
+    with pytest.raises(SystemExit) as exit_info:
+        export_onnx_tool.main(["--config-file", "vil_digits", "--output", str(output)])
+    assert str(exit_info.value).startswith("error: ") and f"{output} cannot be written" in str(exit_info.value)
+    assert "not a folder" in str(exit_info.value)
+
+
+def test_sw_exact_minus_one_exports_at_one_image_size(tmp_path):
+    """Windows that wrap around the map (SW_EXACT -1, which differ from zero-padded ones at this size) export at a
+    fixed size: the file takes only that size, any batch, and computes the PyTorch model's logits."""
+    torch.manual_seed(0)
+    model = MsViT(TINY, img_size=32, num_classes=5, sw_exact=-1).eval()
+    padded = MsViT(TINY, img_size=32, num_classes=5, sw_exact=0).eval()
+    padded.load_state_dict(model.state_dict())
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        want = model(images)
+        assert (want - padded(images)).abs().max() > 1e-5
+    export_onnx(model, tmp_path / "m.onnx", 32, 32, dynamic_size=False)
+    shape = onnxruntime.InferenceSession(str(tmp_path / "m.onnx")).get_inputs()[0].shape
+    assert shape[1:] == [3, 32, 32] and not isinstance(shape[0], int)
+    torch.testing.assert_close(onnx_outputs(tmp_path / "m.onnx", images), want, atol=1e-6, rtol=0)
+    # The trace left no fake tensors in the op layer's window tables for that size: the unfold backends, whose
+    # computation the file records, still compute the model eagerly.
+    unfold = MsViT(TINY, img_size=32, num_classes=5, sw_exact=-1, attn_backend="unfold").eval()
+    unfold.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(unfold(images), want)
+
+
+def test_export_onnx_tool_static(tmp_path):
+    """``--static``: a SW_EXACT -1 model exports, and the second check runs at the same size with another batch."""
+    overrides = ["MODEL.VIT.MSVIT.ARCH", TINY, "INPUT.IMAGE_SIZE", "32", "MODEL.VIT.MSVIT.SW_EXACT", "-1"]
+    status, printed, error = run_tool(
+        "export_onnx", "--config-file", "vil_digits", "--output", tmp_path / "m.onnx", "--static", *overrides
+    )
+    assert status == 0, error
+    assert printed.count("32x32: largest difference from PyTorch") == 2
+    assert onnxruntime.InferenceSession(str(tmp_path / "m.onnx")).get_inputs()[0].shape[2:] == [32, 32]

@@ -2,10 +2,12 @@
 
     python tools/export_backbone.py IN OUT --format {torchvision,detectron2,mmdet} [options]
 
-IN is this project's checkpoint (its architecture and image size are read from the config stored in it) or
-the original release's (give ``--arch`` or ``--config-file``). The classifier and the final norm are dropped;
-the backbone's keys are written as a whole detector of the framework names them: ``backbone.body.`` under
-``"model"`` (torchvision), ``backbone.bottom_up.`` under ``"model"`` (detectron2, as the original detection
+IN is this project's checkpoint (its architecture and image size are read from the config stored in it; an
+``--arch`` or ``--config-file`` of another architecture is refused) or the original release's (give ``--arch`` or
+``--config-file``). Its weights are checked against that architecture as loading them into the model would be:
+those of another model are refused, naming the keys and shapes that do not fit. The classifier and the final norm
+are dropped; the backbone's keys are written as a whole detector of the framework names them: ``backbone.body.``
+under ``"model"`` (torchvision), ``backbone.bottom_up.`` under ``"model"`` (detectron2, as the original detection
 release), ``backbone.`` under ``"state_dict"`` (mmdetection). The arch string and image size of the exported
 backbone are stored beside them and printed. OUT is written atomically.
 """
@@ -15,12 +17,12 @@ import sys
 
 import torch
 
-from vil.checkpoint import read_checkpoint
+from vil.checkpoint import model_state, read_checkpoint
 from vil.config import load_cfg
 from vil.detection import EXPORT_FORMATS, checkpoint_image_size, export_state, stored_config
 from vil.files import atomic_write, check_writable_file
-from vil.models import PRESETS, arch_string, parse_arch
-from vil.models.convert import GLOBAL_INITS, convert_classification_state
+from vil.models import PRESETS, MsViT, arch_string, parse_arch
+from vil.models.convert import GLOBAL_INITS, convert_classification_state, fit_to_model
 
 
 def parse_args(argv=None):
@@ -30,8 +32,13 @@ def parse_args(argv=None):
     parser.add_argument(
         "--format", required=True, choices=list(EXPORT_FORMATS), help="the detection framework's layout"
     )
-    parser.add_argument("--arch", help="preset name or arch string of IN (default: the config stored in IN)")
-    parser.add_argument("--config-file", help="the YAML config IN was trained with (its arch and image size)")
+    parser.add_argument(
+        "--arch", help="preset name or arch string of IN (default: the config stored in IN, which it must match)"
+    )
+    parser.add_argument(
+        "--config-file",
+        help="the YAML config IN was trained with (its arch and image size; the config stored in IN goes first)",
+    )
     parser.add_argument(
         "--image-size", type=int, nargs="+", help="image size IN was trained for, N or H W (default: from IN)"
     )
@@ -62,22 +69,31 @@ def _size(values, flag):
 
 
 def source_model(args, checkpoint):
-    """The arch string and image size (H, W) of the classification model in IN."""
-    arch = size = None
+    """The arch string and image size (H, W) of the classification model in IN. Where IN stores its config, that
+    says both, and an arch given by --arch or --config-file must be the stored one."""
+    given = size = None
     if args.config_file:
         cfg = load_cfg(args.config_file)
-        arch, size = cfg.MODEL.VIT.MSVIT.ARCH, (cfg.INPUT.IMAGE_SIZE,) * 2
-    else:
-        stored = stored_config(checkpoint, args.input)
-        arch = stored.MODEL.VIT.MSVIT.ARCH if stored else None
+        given, size = cfg.MODEL.VIT.MSVIT.ARCH, (cfg.INPUT.IMAGE_SIZE,) * 2
     if args.arch:
-        arch = PRESETS.get(args.arch, args.arch)
-    if arch is None:
+        given = PRESETS.get(args.arch, args.arch)
+    stored = stored_config(checkpoint, args.input)
+    if stored:
+        arch, size = stored.MODEL.VIT.MSVIT.ARCH, (stored.INPUT.IMAGE_SIZE,) * 2
+    elif given is None:
         raise ValueError(
             f"{args.input} does not say which architecture it holds; "
             "give --arch (a preset or arch string) or --config-file."
         )
+    else:
+        arch = given
     arch = arch_string(parse_arch(arch))
+    if given is not None and arch_string(parse_arch(given)) != arch:
+        flag, value = ("--arch", args.arch) if args.arch else ("--config-file", args.config_file)
+        raise ValueError(
+            f"{args.input} holds a model of arch {arch} (its stored config says so), not "
+            f"{arch_string(parse_arch(given))} ({flag} {value}); leave {flag} out to export it as it is."
+        )
     size = (
         _size(args.image_size, "--image-size")
         or size
@@ -87,6 +103,14 @@ def source_model(args, checkpoint):
     return arch, size
 
 
+def source_state(checkpoint, path, arch, size):
+    """The model weights in IN, checked against the classification model of ``arch`` at ``size`` as loading them
+    into it is (keys and shapes; position tables made for another size resized), so that weights of another model
+    are refused rather than exported under ``arch``."""
+    model = MsViT(arch, img_size=size, num_classes=0, dynamic_img_pad=True)
+    return fit_to_model(model_state(checkpoint, path), model, path)
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -94,7 +118,7 @@ def main(argv=None):
         checkpoint = read_checkpoint(args.input)
         arch, size = source_model(args, checkpoint)
         state, specs, new_size = convert_classification_state(
-            checkpoint,
+            source_state(checkpoint, args.input, arch, size),
             arch,
             size,
             full_attention_to_local=args.full_attention_to_local,

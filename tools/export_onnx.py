@@ -1,13 +1,14 @@
 """Export a classification model to ONNX and check it: ``python tools/export_onnx.py --config-file F --output
-model.onnx [MODEL.MODEL_PATH ckpt] [KEY VALUE ...]``.
+model.onnx [--static] [MODEL.MODEL_PATH ckpt] [KEY VALUE ...]``.
 
 The file takes any batch and any image size that is a multiple of the model's total stride (32 for the
-presets); its input is ``images`` (B, 3, H, W), its output ``logits``. Without ``MODEL.MODEL_PATH`` the model
-keeps its initial weights. After writing, onnxruntime runs the file at ``INPUT.IMAGE_SIZE`` and at a second
-size (another batch for a model of one input size), and the tool prints the largest difference from the PyTorch
-model's logits, computed with the local attention backend this machine runs fastest (any backend computes the same
-function; the file holds none); it exits with an error above 1e-4. Needs the ``onnx`` extra (``pip install -e
-.[onnx]``).
+presets); with ``--static`` only images of ``INPUT.IMAGE_SIZE`` (any batch), which SW_EXACT -1 needs. Its input is
+``images`` (B, 3, H, W), its output ``logits``. Without ``MODEL.MODEL_PATH`` the model keeps its initial weights.
+The output is checked to be writable before the export starts. After writing, onnxruntime runs the file at
+``INPUT.IMAGE_SIZE`` and at a second size (another batch for a file of one input size), and the tool prints the
+largest difference from the PyTorch model's logits, computed with the local attention backend this machine runs
+fastest (any backend computes the same function; the file holds none); it exits with an error above 1e-4. Needs
+the ``onnx`` extra (``pip install -e .[onnx]``).
 """
 
 import argparse
@@ -17,6 +18,7 @@ import torch
 
 from vil.config import load_cfg
 from vil.export import export_onnx, onnx_outputs
+from vil.files import check_writable_file
 from vil.model_config import build_model, model_kwargs
 from vil.models import MsViT
 from vil.weights import load_weights
@@ -30,22 +32,31 @@ def main(argv=None):
         "--config-file", required=True, help="a YAML file, or a preset's name (vil_tiny, vil_small, ...)"
     )
     parser.add_argument("--output", required=True, help="the ONNX file to write")
+    parser.add_argument(
+        "--static",
+        action="store_true",
+        help="export for images of INPUT.IMAGE_SIZE only (any batch), not any multiple of the total stride: "
+        "needed for SW_EXACT -1, whose windows wrap around a map of one size",
+    )
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args(argv)
     try:
+        check_writable_file(args.output)
         cfg = load_cfg(args.config_file, args.opts)
         model = build_model(cfg).eval()
         if cfg.MODEL.MODEL_PATH:
             load_weights(model, cfg)
         stride, size = model.total_stride, cfg.INPUT.IMAGE_SIZE
-        size = max(stride, size - size % stride)
-        export_onnx(model, args.output, size, size)
+        if not args.static:
+            size = max(stride, size - size % stride)
+        export_onnx(model, args.output, size, size, dynamic_size=not args.static)
         print(f"wrote {args.output}", flush=True)
         here = MsViT(**{**model_kwargs(cfg), "attn_backend": None}).eval()
         here.load_state_dict(model.state_dict())
         worst = 0.0
-        # Another size too, where the model takes any (another batch at its one size where it does not).
-        checks = [(2, size, size), (3, size, size) if model.fixed_input_size else (2, size + stride, size + 2 * stride)]
+        # Another size too, where the file takes any (another batch at its one size where it does not).
+        one_size = model.fixed_input_size or args.static
+        checks = [(2, size, size), (3, size, size) if one_size else (2, size + stride, size + 2 * stride)]
         for batch, height, width in checks:
             images = torch.randn(batch, model.in_chans, height, width)
             with torch.no_grad():

@@ -1,4 +1,5 @@
-"""The classification model for deployment: ``torch.export`` with dynamic batch, height and width, and ONNX.
+"""The classification model for deployment: ``torch.export`` with dynamic batch, height and width, and ONNX (with
+dynamic height and width, or at one image size).
 
 Local attention is one operator per call (``vil/ops/operators.py``); the exported program keeps it, so it runs
 with the backend it was built with. ONNX has no such operator: during an ONNX export the op layer records its
@@ -11,16 +12,19 @@ from .files import atomic_write
 from .ops.base import recording_for_onnx
 
 
-def _example_and_dims(model, height, width, batch=2):
+def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
     """An input of ``batch x C x height x width`` and the dynamic shapes of any batch and any height and width
-    that are multiples of the model's total stride (of any batch only, for a model of fixed input size)."""
-    if model.fixed_input_size:
-        if (height, width) != tuple(model.img_size):
-            raise ValueError(
-                f"This model takes only {model.img_size[0]}x{model.img_size[1]} images (linformer "
-                f"attention is built for one token count); export it at that size, not {height}x{width}."
-            )
-        return torch.randn(batch, model.in_chans, height, width), ({0: torch.export.Dim("batch", min=1, max=1024)},)
+    that are multiples of the model's total stride (of any batch only, for a model of fixed input size or without
+    ``dynamic_size``)."""
+    example = torch.randn(batch, model.in_chans, height, width)
+    any_batch = {0: torch.export.Dim("batch", min=1, max=1024)}
+    if model.fixed_input_size and (height, width) != tuple(model.img_size):
+        raise ValueError(
+            f"This model takes only {model.img_size[0]}x{model.img_size[1]} images (linformer "
+            f"attention is built for one token count); export it at that size, not {height}x{width}."
+        )
+    if model.fixed_input_size or not dynamic_size:
+        return example, (any_batch,)
     stride = model.total_stride
     if height % stride or width % stride:
         raise ValueError(
@@ -30,8 +34,7 @@ def _example_and_dims(model, height, width, batch=2):
         torch.export.Dim("rows", min=1, max=4096 // stride),
         torch.export.Dim("cols", min=1, max=4096 // stride),
     )
-    dims = {0: torch.export.Dim("batch", min=1, max=1024), 2: stride * rows, 3: stride * cols}
-    return torch.randn(batch, model.in_chans, height, width), (dims,)
+    return example, ({**any_batch, 2: stride * rows, 3: stride * cols},)
 
 
 def export_program(model, height, width):
@@ -42,9 +45,10 @@ def export_program(model, height, width):
         return torch.export.export(model.eval(), (example,), dynamic_shapes=dims)
 
 
-def export_onnx(model, path, height, width):
+def export_onnx(model, path, height, width, dynamic_size=True):
     """Write ``model`` as an ONNX file at ``path`` (atomically) that takes any batch and any image size that is a
-    multiple of the total stride; returns the path."""
+    multiple of the total stride, or without ``dynamic_size`` only ``height x width`` images (what a model whose
+    attention needs one map size, SW_EXACT -1, exports at); returns the path."""
     try:
         import onnx  # noqa: F401  (torch.onnx's exporter needs onnx and onnxscript)
         import onnxscript  # noqa: F401
@@ -52,7 +56,7 @@ def export_onnx(model, path, height, width):
         raise ValueError(
             f"ONNX export needs the onnx and onnxscript packages ({error}); install them with pip install -e .[onnx]."
         ) from None
-    example, dims = _example_and_dims(model, height, width)
+    example, dims = _example_and_dims(model, height, width, dynamic_size=dynamic_size)
     # Traced by torch.export (not strict: what the model refuses is raised as it is) with the op layer recording
     # standard operators, then translated.
     with torch.no_grad(), recording_for_onnx():

@@ -4,8 +4,10 @@ traced or exported. It imports nothing else of the package, so that every other 
 """
 
 import math
+from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
+from functools import wraps
 from typing import Callable, Optional
 
 import torch
@@ -84,6 +86,46 @@ class Extras:
             rel_bias=None if self.rel_bias is None else self.rel_bias[heads],
             global_bias=None if self.global_bias is None else self.global_bias[heads],
         )
+
+
+def kept_tables(maxsize: int) -> Callable:
+    """``functools.lru_cache(maxsize)`` for functions that build index and mask tables from numbers, except that
+    tables built while an export traces the op layer's standard operators (as fake tensors) are not kept: a later
+    call with real tensors would get them. Under torch.compile the builder is traced as it is."""
+
+    def wrap(build: Callable) -> Callable:
+        kept = OrderedDict()
+
+        @wraps(build)
+        def tables(*args):
+            if torch.compiler.is_compiling():
+                return build(*args)
+            if args in kept:
+                kept.move_to_end(args)
+                return kept[args]
+            result = build(*args)
+            if not any(is_fake(t) for t in _tensors_in(result)):
+                kept[args] = result
+                if len(kept) > maxsize:
+                    kept.popitem(last=False)
+            return result
+
+        tables.cache_clear = kept.clear
+        return tables
+
+    return wrap
+
+
+def _tensors_in(value):
+    """The tensors in ``value``: itself, or those in its items or dataclass fields, at any depth."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif is_dataclass(value):
+        for field in fields(value):
+            yield from _tensors_in(getattr(value, field.name))
 
 
 def listed(names) -> str:

@@ -16,9 +16,11 @@ the bias row is ``a + w`` (:func:`band_offset`).
 
 import operator
 from dataclasses import dataclass
-from functools import lru_cache, reduce
+from functools import reduce
 
 import torch
+
+from .base import kept_tables
 
 # The 3x3 neighbour chunks (row offset, column offset), row-major.
 NEIGHBOURS = tuple((a, b) for a in (-1, 0, 1) for b in (-1, 0, 1))
@@ -112,7 +114,7 @@ def neighbour_slots(mx, my, exact, mode):
     return offsets, neighbour, used
 
 
-@lru_cache(maxsize=64)
+@kept_tables(64)
 def chunk_plan(rows, cols, window, exact, mode, device):
     w, S = window, window * window
     mx, my = -(-rows // w), -(-cols // w)
@@ -170,7 +172,7 @@ def chunk_plan(rows, cols, window, exact, mode, device):
     )
 
 
-@lru_cache(maxsize=16)
+@kept_tables(16)
 def unfolded_window_tables(rows, cols, window, exact, mode, device):
     """For the 3x3-chunk window of every chunk unfolded as ``3w x 3w`` tokens (row-major): ``allowed``
     (mx, my, 1 or S, 9S) bool: slots of the mode, each key once under wrap-around, and the distance for SW_EXACT
@@ -295,7 +297,7 @@ def pair_in_band(q_idx, kv_idx, window, dilation, causal):
     return allowed, (a + window).clamp(0, 2 * window)
 
 
-@lru_cache(maxsize=16)
+@kept_tables(16)
 def band_block_tables(window, causal, device):
     """The band seen from a block of ``w`` consecutive queries and the ``3w`` keys of the blocks before, at and
     after it (key column ``c`` is ``c - w`` positions after the block's start): ``allowed (w, 3w)`` bool and
@@ -306,7 +308,7 @@ def band_block_tables(window, causal, device):
     return allowed.to(device), row.to(device)
 
 
-@lru_cache(maxsize=16)
+@kept_tables(16)
 def band_chunk_tables(window, causal, device):
     """The band seen from one of Longformer's chunks: ``2w`` consecutive positions, scored against themselves
     (row ``r`` and column ``c`` are positions of the chunk, the key at offset ``a = c - r``). Each query lies in

@@ -5,14 +5,12 @@ purpose apart from the geometry module the fast backends share, so that tests ca
 against it. Memory grows with tokens squared: use it on small problems only.
 """
 
-from functools import lru_cache
-
 import torch
 
-from ..base import Backend
+from ..base import Backend, kept_tables
 
 
-@lru_cache(maxsize=4)  # tokens^2 entries each
+@kept_tables(4)  # tokens^2 entries each
 def window_pairs(rows, cols, window, exact, mode, device, dilation=1):
     """For every (query, key) pair of an ``rows x cols`` map: may the query see the key, and which row
     of the ``(4w-1)^2`` relative bias table applies. Returns ``(allowed, bias_index)``, both ``(N, N)``."""

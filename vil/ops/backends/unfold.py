@@ -54,8 +54,8 @@ def _window_tables(rows, cols, window, exact, mode, device):
     # a 3x3 grid does; which keys are padding is checked separately.
     if exact == -1:
         raise ValueError(
-            "SW_EXACT -1 (windows wrapping around the map) needs a fixed map size; export at one "
-            "image size, or use SW_EXACT 0 or 1."
+            "SW_EXACT -1 (windows wrapping around the map) needs a fixed map size; export at one image size "
+            "(tools/export_onnx.py --static, vil.export.export_onnx(..., dynamic_size=False)), or use SW_EXACT 0 or 1."
         )
     return _inner_chunk_tables(window, exact, mode, device)
 
