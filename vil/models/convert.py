@@ -170,11 +170,11 @@ def fit_to_model(state, model, path):
     return state
 
 
-def checkpoint_filter_fn(state_dict, model):
+def checkpoint_filter_fn(state_dict, model, source="the pretrained checkpoint"):
     """timm's checkpoint filter: the original release's checkpoints and this project's (the ``"net"`` entry,
     wrapper prefixes and derived buffers removed), fitted to the model by :func:`fit_to_model` (timm replaces
-    a classifier of another class count)."""
-    return fit_to_model(model_state(state_dict), model, "pretrained_cfg file")
+    a classifier of another class count); ``source`` names the checkpoint in a refusal."""
+    return fit_to_model(model_state(state_dict), model, source)
 
 
 def convert_classification_state(

@@ -716,12 +716,13 @@ def _create_vil(variant, pretrained=False, **kwargs):
         )
     if pretrained and cfg.url and not (cfg.file or cfg.state_dict):
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, file=_downloaded(cfg))
+    source = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") or cfg.file or cfg.hf_hub_id or variant
     return build_model_with_cfg(
         MsViT,
         variant,
         pretrained,
         arch=arch,
-        pretrained_filter_fn=checkpoint_filter_fn,
+        pretrained_filter_fn=partial(checkpoint_filter_fn, source=source),
         feature_cfg=_feature_cfg(kwargs, len(parse_arch(arch))),
         **{**attention, **kwargs},
     )
