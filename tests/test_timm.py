@@ -227,6 +227,48 @@ def test_checkpoint_of_another_architecture(tmp_path):
         )
 
 
+ARCH_8 = "l1,h1,d16,n1,s1,g1,p4,f8,a1_l2,h2,d32,n1,s1,g1,p2,f8,a1_l3,h2,d32,n1,s0,g1,p2,f2,a1"
+
+
+@pytest.mark.parametrize(
+    "trained,built,option",
+    [
+        (dict(share_w=False), {}, "SHARE_W"),
+        (dict(attention="linformer", share_kv=False), dict(attention="linformer"), "SHARE_KV"),
+    ],
+)
+def test_different_tensors_under_names_one_tensor_holds_are_refused(tmp_path, trained, built, option):
+    """Loaded into a model where query and query_global (linformer: proj_k and proj_v) are one tensor, the second
+    name would overwrite the first."""
+    model = timm.create_model("vil_arch", arch=ARCH_8, img_size=32, num_classes=3, **trained)
+    torch.save({"net": model.state_dict()}, tmp_path / "w.pth")
+    with pytest.raises(ValueError, match=rf"w\.pth holds different tensors under .*{option} False"):
+        timm.create_model(
+            "vil_arch", arch=ARCH_8, img_size=32, num_classes=3, pretrained=True,
+            pretrained_cfg_overlay=dict(file=str(tmp_path / "w.pth")), **built,
+        )  # fmt: skip
+
+
+def test_pretrained_weights_for_other_input_channels_adapt_the_first_convolution(tmp_path):
+    """timm's in_chans: with 1, the first convolution's weights summed over the channels, so a grey image gives
+    the features of the 3-channel model on that image repeated 3 times; with 4, weights of the right shape."""
+    torch.manual_seed(0)
+    model = timm.create_model("vil_arch", arch=ARCH_8, img_size=32, num_classes=3).eval()
+    torch.save({"net": model.state_dict()}, tmp_path / "w.pth")
+    overlay = dict(file=str(tmp_path / "w.pth"))
+    grey = timm.create_model(
+        "vil_arch", arch=ARCH_8, img_size=32, num_classes=3, in_chans=1, pretrained=True, pretrained_cfg_overlay=overlay
+    ).eval()
+    images = torch.randn(2, 1, 32, 32)
+    with torch.no_grad():
+        want = model.forward_features(images.expand(2, 3, 32, 32))  # the classifier: timm's new one for 3 classes
+        torch.testing.assert_close(grey.forward_features(images), want, atol=1e-5, rtol=1e-5)
+    four = timm.create_model(
+        "vil_arch", arch=ARCH_8, img_size=32, num_classes=3, in_chans=4, pretrained=True, pretrained_cfg_overlay=overlay
+    )
+    assert four.layer1[0].proj.weight.shape[1] == 4
+
+
 def test_a_missing_checkpoint_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nothing\.pth does not exist.*\.safetensors.*Hub folder"):
         timm.create_model("vil_tiny", pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "nothing.pth")))

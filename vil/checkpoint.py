@@ -143,7 +143,7 @@ def load_model_state(model, state, path, strict=True, may_miss=()):
     target = _unwrap(model)
     if strict:
         check_fits(state, target, path, may_miss)
-    _check_shared(state, target, path)
+    check_shared(state, target, path)
     expected = target.state_dict()
     fitting = {k: v for k, v in state.items() if k in expected and v.shape == expected[k].shape}
     target.load_state_dict(fitting, strict=False)  # what is missing or does not fit was refused above if strict
@@ -173,9 +173,10 @@ def check_fits(state, model, path, may_miss=()):
         raise ValueError(f"Checkpoint {path} does not fit this model's architecture: " + "; ".join(problems) + ".")
 
 
-def _check_shared(state, model, path):
-    """Names that are one tensor in the model (e.g. ``query`` and ``query_global`` with SHARE_W True) must
-    hold equal tensors in the checkpoint: otherwise one would silently overwrite the other."""
+def check_shared(state, model, path):
+    """Names that are one tensor in the model (``query`` and ``query_global`` with SHARE_W True, linformer's
+    ``proj_k`` and ``proj_v`` with SHARE_KV True) must hold equal tensors in the checkpoint: otherwise one would
+    silently overwrite the other."""
     names_by_tensor = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         names_by_tensor.setdefault(tensor, []).append(name)
@@ -183,9 +184,10 @@ def _check_shared(state, model, path):
         present = [n for n in names if n in state]
         for other in present[1:]:
             if state[other].shape == state[present[0]].shape and not torch.equal(state[other], state[present[0]]):
+                option = "MODEL.VIT.MSVIT.SHARE_KV" if other.endswith("proj_v") else "MODEL.VIT.MSVIT.SHARE_W"
                 raise ValueError(
                     f"Checkpoint {path} holds different tensors under {present[0]} and {other}, which are one "
-                    "tensor in this model (SHARE_W True); build the model with SHARE_W False to load it."
+                    f"tensor in this model ({option} True); build the model with {option} False to load it."
                 )
 
 

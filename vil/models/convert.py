@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from ..checkpoint import check_fits, model_state
+from ..checkpoint import check_fits, check_shared, model_state
 from .arch import parse_arch, stage_map_sizes
 from .tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
 
@@ -156,25 +156,31 @@ def set_num_global(state, specs, num_global, init="copy"):
     return converted, backbone_specs(specs, num_global=num_global)
 
 
-def fit_to_model(state, model, path):
+def fit_to_model(state, model, path, adapted=()):
     """A model state dict for ``model`` (an :class:`~vil.models.MsViT`): position tables resized when the model
     was built for another image size than the state's (taken as square, as both releases train). A state of
-    another architecture is refused in one sentence naming the mismatched keys; the classifier may differ."""
+    another architecture, or with different tensors under names that are one tensor in the model, is refused in
+    one sentence naming the keys; the classifier, and the keys in ``adapted``, may differ."""
     expected = model.state_dict()
     if any(k in expected and expected[k].shape != v.shape for k, v in state.items()):
         source = infer_image_size(state, model.stage_specs)
         if source:
             state = resize_tables(state, model.stage_specs, source, model.img_size, model.dynamic_img_pad)
-    body = {k: v for k, v in state.items() if not k.startswith("head.")}
-    check_fits(body, model, path, may_miss=("head.",))
+    body = {k: v for k, v in state.items() if not k.startswith("head.") and k not in adapted}
+    check_fits(body, model, path, may_miss=("head.", *adapted))
+    check_shared(body, model, path)
     return state
 
 
 def checkpoint_filter_fn(state_dict, model, source="the pretrained checkpoint"):
     """timm's checkpoint filter: the original release's checkpoints and this project's (the ``"net"`` entry,
     wrapper prefixes and derived buffers removed), fitted to the model by :func:`fit_to_model` (timm replaces
-    a classifier of another class count); ``source`` names the checkpoint in a refusal."""
-    return fit_to_model(model_state(state_dict), model, source)
+    a classifier of another class count, and adapts the first convolution to ``in_chans`` other than 3 after
+    this filter); ``source`` names the checkpoint in a refusal."""
+    state = model_state(state_dict)
+    first = model.pretrained_cfg["first_conv"] + ".weight"
+    adapted = (first,) if first in state and state[first].shape[1] != model.in_chans else ()
+    return fit_to_model(state, model, source, adapted)
 
 
 def convert_classification_state(
