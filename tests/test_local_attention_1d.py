@@ -333,3 +333,11 @@ def assert_products_counted(attend, pairs, head_dim):
     with FlopCounterMode(display=False) as counter:
         out.sum().backward()
     assert counter.get_total_flops() == 5 * 2 * pairs * head_dim
+
+
+@pytest.mark.parametrize("backend", ["reference", *TRAINING])
+def test_a_query_that_is_not_a_number_gives_its_own_output_only_as_not_a_number(backend):
+    q, k, v = (torch.randn(1, 1, 24, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    q[0, 0, 3, 1] = float("nan")
+    out = local_attention_1d(q, k, v, 2, backend=backend)
+    assert out[0, 0, 3].isnan().all() and not out[0, 0, torch.arange(24) != 3].isnan().any()

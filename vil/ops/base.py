@@ -183,7 +183,9 @@ class Backend:
     ``check(hood, head_dim, q=None)``: raises for options the backend cannot take (and, given the queries ``q``, for
     their dtype, device or shape). ``traceable``: torch.compile and torch.export trace its functions as they are
     (FlexAttention, which the compiler knows); under them, the op runs a backend that has neither passes nor this
-    as one generic operator whose backward recomputes its forward.
+    as one generic operator whose backward recomputes its forward. ``twice_differentiable``: the backward of its
+    functions is autograd's (gradients of gradients, ``create_graph=True``); False where a function has a
+    hand-written backward (marked ``once_differentiable``, so that a second backward is refused).
     """
 
     name: str
@@ -201,6 +203,7 @@ class Backend:
     available: Optional[Callable] = None
     check: Optional[Callable] = None
     traceable: bool = False
+    twice_differentiable: bool = True
 
     def function(self, dims: int) -> Optional[Callable]:
         return self.attention_1d if dims == 1 else self.attention_2d

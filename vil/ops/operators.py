@@ -92,7 +92,11 @@ class _EagerPasses(torch.autograd.Function):
         backend, hood, scale = ctx.request
         *inputs, key_padding_mask, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True
-            able = (n for n, b in BACKENDS.items() if b.function(hood.dims) and b.trains_on_device(out.device.type))
+            able = (
+                name
+                for name, b in BACKENDS.items()
+                if b.function(hood.dims) and b.twice_differentiable and b.trains_on_device(out.device.type)
+            )
             raise RuntimeError(
                 f"The {backend} backend's backward is not differentiable, so gradients of its gradients "
                 f"(create_graph=True) cannot be taken; use a backend whose backward is autograd's: {listed(able)}."

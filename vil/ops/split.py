@@ -35,12 +35,21 @@ def run_2d(attend, b: Backend, q, k, v, hood: Neighborhood2d, extras: Extras):
 def _per_sub_lattice(attend, q, k, v, hood, extras):
     """The positions whose row and column have the same residues modulo the dilation form a map of their own, on
     which the window is the undilated one."""
-    d, out = hood.dilation, torch.empty_like(q)
+    d, out = hood.dilation, None
     for r in range(min(d, q.shape[2])):
         for c in range(min(d, q.shape[3])):
             part = (slice(None), slice(None), slice(r, None, d), slice(c, None, d))
             pieces = (q[part].contiguous(), k[part].contiguous(), v[part].contiguous())
-            out[part] = attend(*pieces, hood.with_dilation(1), extras)
+            out = _placed(out, q, part, attend(*pieces, hood.with_dilation(1), extras))
+    return out
+
+
+def _placed(out, q, index, piece):
+    """``out[index] = piece``, ``out`` made at the first piece: q's shape in the piece's dtype (under autocast a
+    backend may return another dtype than q's)."""
+    if out is None:
+        out = q.new_empty(q.shape, dtype=piece.dtype)
+    out[index] = piece
     return out
 
 
@@ -49,18 +58,19 @@ def run_1d(attend, b: Backend, q, k, v, hood: Neighborhood1d, extras: Extras):
     by residue class, where it has no dilated windows of its own (the positions ``r, r+d, r+2d, ...`` are a
     sequence of their own, on which the window is the undilated one)."""
     if hood.per_head and not b.per_head_dilation:
-        out = torch.empty_like(q)
-        dilations = hood.dilation
+        out, dilations = None, hood.dilation
         for d in sorted(set(dilations)):
             heads = torch.tensor([h for h, x in enumerate(dilations) if x == d], device=q.device)
             pieces = (q[:, heads], k[:, heads], v[:, heads])
-            out[:, heads] = run_1d(attend, b, *pieces, hood.with_dilation(d), extras.of_heads(heads))
+            piece = run_1d(attend, b, *pieces, hood.with_dilation(d), extras.of_heads(heads))
+            out = _placed(out, q, (slice(None), heads), piece)
         return out
     if hood.dilated and b.dilation(1) == "split":
-        d, out = hood.dilation, torch.empty_like(q)
+        d, out = hood.dilation, None
         mask = extras.key_padding_mask
         for r in range(min(d, q.shape[2])):
             part = replace(extras, key_padding_mask=None if mask is None else mask[:, r::d])
-            out[:, :, r::d] = attend(q[:, :, r::d], k[:, :, r::d], v[:, :, r::d], hood.with_dilation(1), part)
+            piece = attend(q[:, :, r::d], k[:, :, r::d], v[:, :, r::d], hood.with_dilation(1), part)
+            out = _placed(out, q, (slice(None), slice(None), slice(r, None, d)), piece)
         return out
     return attend(q, k, v, hood, extras)

@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..base import Backend, compute_dtype
 from ..geometry import unfolded_window_tables
@@ -145,6 +146,7 @@ class _ChunkRows(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, gk, gv, rel_bias, global_bias, out, lse = ctx.saved_tensors
         geo, scale = ctx.geo, ctx.scale
@@ -229,4 +231,4 @@ def attention_2d(q, k, v, hood, extras):
     return _ChunkRows.apply(geo, extras.scale, q, k, v, *extras.differentiable)
 
 
-BACKEND = Backend("chunk_rows", attention_2d=attention_2d, dilation_2d="split")
+BACKEND = Backend("chunk_rows", attention_2d=attention_2d, dilation_2d="split", twice_differentiable=False)

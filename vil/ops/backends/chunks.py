@@ -20,6 +20,7 @@ Undilated windows only, as the paper's chunks.
 """
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..base import LOG2E, Backend, in_float32_or_wider
 from ..geometry import band_chunk_tables
@@ -123,6 +124,7 @@ class ChunksAttention1d(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, out, lse = ctx.saved_tensors
         w, causal, scale = ctx.options
@@ -192,4 +194,4 @@ def attention_1d(q, k, v, hood, extras):
         return ChunksAttention1d.apply(hood, extras.scale, *tensors).to(q.dtype)
 
 
-BACKEND = Backend("chunks", attention_1d=attention_1d, dilation_1d=None)
+BACKEND = Backend("chunks", attention_1d=attention_1d, dilation_1d=None, twice_differentiable=False)

@@ -28,7 +28,7 @@ def softmax_with_globals(scores, queries, global_k, global_bias):
         if global_bias is not None:
             global_scores = global_scores + global_bias[:, None, :]
         scores = torch.cat([global_scores, scores], dim=-1)
-    sees_any = scores.amax(-1, keepdim=True) > float("-inf")
+    sees_any = (scores != float("-inf")).any(-1, keepdim=True)  # a NaN score is seen: NaN goes on as NaN
     return torch.softmax(scores.masked_fill(~sees_any, 0.0), dim=-1) * sees_any
 
 

@@ -99,13 +99,14 @@ def unfolded_attention(unfold, q, k, v, hood, extras):
             grid.reshape(B * H, n_rows, w, n_cols, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_rows, n_cols, S, D)
         )
         valid = real[:, :, None, :] & allowed
+    queries = queries * scale  # before the products: in half precision q.k itself may exceed the dtype's range
     # (B*H, n_rows, n_cols, queries per window, K)
-    scores = torch.einsum("nijqd,ndijk->nijqk", queries, keys) * scale
+    scores = torch.einsum("nijqd,ndijk->nijqk", queries, keys)
     if rel_bias is not None:
         scores = scores + rel_bias[:, bias_index].repeat(B, 1, 1)[:, None, None]
     scores = scores.masked_fill(~valid, float("-inf"))
     if global_k is not None:
-        g_scores = torch.einsum("nijqd,ngd->nijqg", queries, global_k.reshape(B * H, -1, D)) * scale
+        g_scores = torch.einsum("nijqd,ngd->nijqg", queries, global_k.reshape(B * H, -1, D))
         if global_bias is not None:
             g_scores = g_scores + global_bias.repeat(B, 1)[:, None, None, None, :]
         scores = torch.cat([g_scores, scores], dim=-1)
