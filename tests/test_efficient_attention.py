@@ -98,7 +98,7 @@ def plain_performer(layer, x):
 @pytest.mark.parametrize("share_kv", [True, False])
 def test_linformer_matches_the_spec(share_kv):
     torch.manual_seed(0)
-    layer = LinformerAttention(24, 3, seq_len=2 + 5 * 6, k=7, share_kv=share_kv)
+    layer = LinformerAttention(24, 3, num_global=2, grid=(5, 6), k=7, share_kv=share_kv)
     assert (layer.proj_v is layer.proj_k) == share_kv
     assert set(layer.state_dict()) >= {"proj_k", "proj_v"}  # both names, also when shared
     bound = 7**-0.5
@@ -107,10 +107,12 @@ def test_linformer_matches_the_spec(share_kv):
     torch.testing.assert_close(layer(x, 5, 6), plain_linformer(layer, x), atol=1e-5, rtol=1e-5)
 
 
-def test_linformer_refuses_another_token_count():
-    layer = LinformerAttention(16, 2, seq_len=1 + 16, k=4, stage=1)
-    with pytest.raises(ValueError, match=r"stage 1.*17 tokens.*26 \(5x5"):
+def test_linformer_refuses_another_map():
+    layer = LinformerAttention(16, 2, num_global=1, grid=(4, 6), k=4, stage=1)
+    with pytest.raises(ValueError, match=r"stage 1.*a 4x6 map.*got 5x5"):
         layer(torch.randn(1, 26, 16), 5, 5)
+    with pytest.raises(ValueError, match=r"a 4x6 map.*got 6x4"):  # as many tokens, transposed
+        layer(torch.randn(1, 25, 16), 6, 4)
 
 
 @pytest.mark.parametrize("num_global, nx, ny, ratio", [(1, 8, 6, 2), (0, 7, 9, 3), (2, 4, 4, 2)])
@@ -360,7 +362,7 @@ def test_features_only_and_linformer_refuses_another_size():
     model = timm.create_model("vil_small_linformer_partial", features_only=True, img_size=64)
     maps = model(torch.randn(1, 3, 64, 64))
     assert [m.shape[1:] for m in maps] == [(96, 16, 16), (192, 8, 8), (384, 4, 4), (768, 2, 2)]
-    with pytest.raises(ValueError, match=r"stage 1.*257 tokens"):
+    with pytest.raises(ValueError, match=r"stage 1.*16x16 map.*24x24"):
         model(torch.randn(1, 3, 96, 96))
     srformer = timm.create_model("vil_small_srformer32_partial", features_only=True, img_size=96)
     assert [m.shape[-1] for m in srformer(torch.randn(1, 3, 128, 96))] == [24, 12, 6, 3]  # any size
@@ -370,7 +372,7 @@ def test_flop_counting_sees_each_mechanism():
     """torch's FLOP counter counts every product: for linformer, q/kv/proj, the two token projections and the
     attention over k keys, by hand."""
     N, d, k, H = 17, 16, 5, 2
-    layer = LinformerAttention(d, H, N, k)
+    layer = LinformerAttention(d, H, 1, (4, 4), k)
     with flop_counter() as counter:
         layer(torch.randn(1, N, d), 4, 4)
     linears = 2 * N * d * (d + 2 * d + d)

@@ -25,13 +25,15 @@ class LinformerAttention(nn.Module):
     """Linformer (Wang et al., 2020): keys and values, all heads at once, are projected along the token axis to
     ``k`` rows (``proj_k^T K``, ``proj_v^T V``), then ordinary softmax attention of the queries over them.
 
-    ``proj_k`` and ``proj_v`` are ``(seq_len, k)`` for the token count of the image size the model is built for,
-    so the layer takes only that count. With ``share_kv`` they are one parameter under two names.
+    ``proj_k`` and ``proj_v`` are ``(seq_len, k)`` for the tokens of the ``grid`` (rows, columns) of the image size
+    the model is built for, global tokens first, so the layer takes only that map. With ``share_kv`` they are one
+    parameter under two names.
     """
 
-    def __init__(self, dim, heads, seq_len, k, share_kv=True, drop=0.0, stage=None):
+    def __init__(self, dim, heads, num_global, grid, k, share_kv=True, drop=0.0, stage=None):
         super().__init__()
-        self.heads, self.seq_len, self.stage = heads, seq_len, stage
+        self.heads, self.grid, self.stage = heads, tuple(grid), stage
+        seq_len = num_global + grid[0] * grid[1]
         self.query = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -41,12 +43,12 @@ class LinformerAttention(nn.Module):
         self.proj_v = self.proj_k if share_kv else nn.Parameter(torch.empty(seq_len, k).uniform_(-bound, bound))
 
     def forward(self, x, nx, ny):
-        N = x.shape[1]
-        if N != self.seq_len:
+        if (nx, ny) != self.grid:  # the token count alone would let a transposed map through
+            rows, cols = self.grid
             raise ValueError(
-                f"Linformer attention{_in_stage(self.stage)} is built for {self.seq_len} tokens (the image size the "
-                f"model was built for) and got {N} ({nx}x{ny} + global tokens); give images of the size the model was "
-                "built for, or build it (img_size, INPUT.IMAGE_SIZE) for this size."
+                f"Linformer attention{_in_stage(self.stage)} is built for a {rows}x{cols} map (the image size the "
+                f"model was built for) and got {nx}x{ny}; give images of the size the model was built for, or build "
+                "it (img_size, INPUT.IMAGE_SIZE) for this size."
             )
         q = split_heads(self.query(x), self.heads)
         keys, values = self.kv(x).chunk(2, dim=-1)

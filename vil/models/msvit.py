@@ -275,7 +275,7 @@ class MsViT(nn.Module):
         if attention == "longformer":
             return LongformerAttention(dim, heads, G, f, rpe=not spec.ape, options=longformer, drop=drop)
         if attention == "linformer":
-            return LinformerAttention(dim, heads, G + nx * ny, f, share_kv=share_kv, drop=drop, stage=spec.index)
+            return LinformerAttention(dim, heads, G, (nx, ny), f, share_kv=share_kv, drop=drop, stage=spec.index)
         if attention == "srformer":
             return SpatialReductionAttention(dim, heads, G, f, drop=drop, stage=spec.index)
         return PerformerAttention(dim, heads, f, drop=drop)
