@@ -226,9 +226,20 @@ def _parameter_count(model):
     return sum(p.numel() for p in model.parameters())
 
 
-def test_only_global_belongs_to_longformer_attention():
-    with pytest.raises(ValueError, match=r"ONLY_GLOBAL.*longformer.*'performer'"):
-        build_model(tiny_cfg("performer", "MODEL.VIT.MSVIT.ONLY_GLOBAL", "True"))
+@pytest.mark.parametrize(
+    "attention,key,value,owner",
+    [
+        ("performer", "ONLY_GLOBAL", "True", "longformer"),
+        ("full", "SW_EXACT", "1", "longformer"),
+        ("linformer", "MODE", "1", "longformer"),
+        ("srformer", "SHARE_W", "False", "longformer"),
+        ("performer", "SHARE_KV", "False", "linformer"),
+    ],
+)
+def test_options_of_another_attention_are_refused(attention, key, value, owner):
+    """An option that changes nothing in the chosen attention is refused rather than ignored."""
+    with pytest.raises(ValueError, match=rf"{key} \({key.lower()}\) {value} is an option of {owner}.*'{attention}'"):
+        build_model(tiny_cfg(attention, f"MODEL.VIT.MSVIT.{key}", value))
 
 
 def redraws(model, forwards, x):

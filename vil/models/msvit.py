@@ -236,8 +236,15 @@ class MsViT(nn.Module):
             raise ValueError(
                 f"attention {attention!r} is not a mechanism of this model; use one of {', '.join(MECHANISMS)}."
             )
-        if only_global and attention != "longformer":
-            raise ValueError(f"ONLY_GLOBAL (only_global) is an option of longformer attention, not of {attention!r}.")
+        options = dict(sw_exact=(sw_exact, 0, "longformer"), mode=(mode, 0, "longformer"))
+        options.update(share_w=(share_w, True, "longformer"), only_global=(only_global, False, "longformer"))
+        options.update(share_kv=(share_kv, True, "linformer"))
+        for name, (value, default, owner) in options.items():
+            if value != default and attention != owner:
+                raise ValueError(
+                    f"{name.upper()} ({name}) {value!r} is an option of {owner} attention, not of {attention!r}: it "
+                    f"would change nothing; leave it at {default!r}."
+                )
         norm_layer = partial(nn.LayerNorm, eps=ln_eps)
         longformer = LongformerOptions(sw_exact, mode, share_w, only_global, attn_backend)
         rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs)).tolist()
