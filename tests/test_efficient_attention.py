@@ -128,6 +128,9 @@ def test_srformer_refuses_a_map_reduced_to_one_position():
     layer = SpatialReductionAttention(16, 2, 1, 4, stage=2)
     with pytest.raises(ValueError, match=r"stage 2 reduces its 5x7 map by 4 to 1x1"):
         layer(torch.randn(1, 36, 16), 5, 7)
+    # A model built for such an image size is refused as it is built (its pretrained_cfg says 128 at least).
+    with pytest.raises(ValueError, match=r"stage 1 reduces its 16x16 map by 16 to 1x1"):
+        timm.create_model("vil_small_srformer64", img_size=64)
 
 
 def test_performer_matches_the_spec():

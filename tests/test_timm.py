@@ -386,3 +386,19 @@ def test_pretrained_tags_download_once_into_the_hub_cache_under_their_own_names(
     model = timm.create_model("vil_medium_deep.in22k_ft_in1k_384")
     assert model.img_size == (384, 384) and model.pretrained_cfg["input_size"] == (3, 384, 384)
     assert timm.create_model("vil_medium_deep.in22k", img_size=64).num_classes == 21841
+
+
+def test_vil_arch_pretrained_cfg_follows_the_arch_and_attention_it_is_built_with():
+    arch = "l1,h1,d16,n1,s1,g1,p4,f2,a1_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g1,p2,f2,a1"  # stride 16
+    model = timm.create_model("vil_arch", arch=arch, num_classes=3).eval()
+    with torch.no_grad():
+        features = model.forward_features(torch.randn(1, *model.pretrained_cfg["input_size"]))
+    assert model.pretrained_cfg["pool_size"] == tuple(features.shape[1:3]) == (14, 14)
+    linformer = timm.create_model("vil_arch", arch=arch, attention="linformer", img_size=64, num_classes=3)
+    assert linformer.pretrained_cfg["fixed_input_size"] and linformer.fixed_input_size
+    srformer = timm.create_model("vil_arch", arch=arch.replace("f2", "f8"), attention="srformer", img_size=256)
+    side = srformer.pretrained_cfg["min_input_size"][-1]
+    with torch.no_grad():
+        srformer(torch.randn(1, 3, side, side))  # the smallest image it says it takes runs
+        with pytest.raises(ValueError, match="needs at least 2 positions"):
+            srformer(torch.randn(1, 3, side - 16, side - 16))

@@ -63,11 +63,14 @@ class SpatialReductionAttention(nn.Module):
     """Spatial-reduction attention (as in PVT, Wang et al., 2021): the local tokens, as a map, go through a
     ``ratio x ratio`` convolution of stride ``ratio`` and an instance norm without parameters; keys and values are
     ``kv`` of the global tokens followed by the reduced map's tokens; every query (``query`` of all tokens) attends
-    to them with an ordinary softmax."""
+    to them with an ordinary softmax. ``grid``: the map of the image size the model is built for, refused at once
+    where it reduces to too few positions."""
 
-    def __init__(self, dim, heads, num_global, ratio, drop=0.0, stage=None):
+    def __init__(self, dim, heads, num_global, ratio, drop=0.0, stage=None, grid=None):
         super().__init__()
         self.heads, self.num_global, self.ratio, self.stage = heads, num_global, ratio, stage
+        if grid is not None:
+            self._check_map(*grid)
         self.query = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -75,15 +78,19 @@ class SpatialReductionAttention(nn.Module):
         self.proj_sr = nn.Conv2d(dim, dim, kernel_size=ratio, stride=ratio, bias=False)
         self.norm = nn.InstanceNorm2d(dim)
 
-    def forward(self, x, nx, ny):
-        B, _, C = x.shape
-        G, r = self.num_global, self.ratio
+    def _check_map(self, nx, ny):
+        r = self.ratio
         if (nx // r) * (ny // r) < 2:
             raise ValueError(
                 f"Spatial-reduction attention{_in_stage(self.stage)} reduces its {nx}x{ny} map by {r} to "
                 f"{nx // r}x{ny // r}, and its instance norm needs at least 2 positions; use a smaller reduction "
                 f"(the stage's f field) or larger images."
             )
+
+    def forward(self, x, nx, ny):
+        B, _, C = x.shape
+        G = self.num_global
+        self._check_map(nx, ny)
         q = split_heads(self.query(x), self.heads)
         local = x[:, G:].transpose(1, 2).reshape(B, C, nx, ny)
         reduced = self.norm(self.proj_sr(local)).flatten(2).transpose(1, 2)

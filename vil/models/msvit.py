@@ -284,7 +284,7 @@ class MsViT(nn.Module):
         if attention == "linformer":
             return LinformerAttention(dim, heads, G, (nx, ny), f, share_kv=share_kv, drop=drop, stage=spec.index)
         if attention == "srformer":
-            return SpatialReductionAttention(dim, heads, G, f, drop=drop, stage=spec.index)
+            return SpatialReductionAttention(dim, heads, G, f, drop=drop, stage=spec.index, grid=(nx, ny))
         return PerformerAttention(dim, heads, f, drop=drop)
 
     @property
@@ -531,20 +531,26 @@ def _smallest_image(arch, attention):
     return -(-side // stride) * stride
 
 
-def _cfg(name, url="", size=224, num_classes=1000, description=None):
-    arch, attention = VARIANTS[name]
+def _input_fields(arch, attention, size):
+    """The ``pretrained_cfg`` fields that follow from the architecture and the attention, for ``size`` images."""
     stride = math.prod(spec.patch for spec in parse_arch(arch))
-    fixed_input_size = attention.get("attention") == "linformer"  # its projections are made for one token count
     smallest = _smallest_image(arch, attention)
     return {
         **({"min_input_size": (3, smallest, smallest)} if smallest else {}),
+        "pool_size": (size // stride, size // stride),
+        "fixed_input_size": attention.get("attention") == "linformer",  # its projections are made for one map
+    }
+
+
+def _cfg(name, url="", size=224, num_classes=1000, description=None):
+    arch, attention = VARIANTS[name]
+    return {
+        **_input_fields(arch, attention, size),
         "url": url,
         "num_classes": num_classes,
         "input_size": (3, size, size),
-        "pool_size": (size // stride, size // stride),
         "crop_pct": 0.875 if size == 224 else 1.0,
         "interpolation": "bicubic",
-        "fixed_input_size": fixed_input_size,
         "mean": IMAGENET_DEFAULT_MEAN,
         "std": IMAGENET_DEFAULT_STD,
         "first_conv": "layer1.0.proj",
@@ -724,7 +730,7 @@ def _create_vil(variant, pretrained=False, **kwargs):
     if pretrained and cfg.url and not (cfg.file or cfg.state_dict):
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, file=_downloaded(cfg))
     source = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") or cfg.file or cfg.hf_hub_id or variant
-    return build_model_with_cfg(
+    model = build_model_with_cfg(
         MsViT,
         variant,
         pretrained,
@@ -733,6 +739,12 @@ def _create_vil(variant, pretrained=False, **kwargs):
         feature_cfg=_feature_cfg(kwargs, len(parse_arch(arch))),
         **{**attention, **kwargs},
     )
+    if arch != VARIANTS[variant][0] or "attention" in kwargs:  # vil_arch's own arch, or another attention
+        built = {k: v for k, v in {**attention, **kwargs}.items() if k == "attention"}
+        fields = _input_fields(arch, built, model.pretrained_cfg["input_size"][-1])
+        rest = {k: v for k, v in model.pretrained_cfg.items() if k != "min_input_size"}
+        model.pretrained_cfg = model.default_cfg = {**rest, **fields}
+    return model
 
 
 @register_model
