@@ -902,3 +902,21 @@ def test_half_precision_products_that_fit_once_scaled_stay_finite(backend):
     out = local_attention_2d(q.half(), k.half(), v.half(), 2, exact=1, backend=backend)
     want = local_attention_2d(q.double(), k.double(), v.double(), 2, exact=1, backend="reference")
     torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("backend", [b for b in available_backends(2) if b not in ("triton", "flex", "reference")])
+def test_queries_whose_every_key_a_bias_hides_give_zeros_as_the_reference_does(backend):
+    """A -inf bias hides a key as padding does: with one offset of the table left, some queries see one key and
+    the others none, which output zeros with zero gradients."""
+    seeds = [torch.Generator().manual_seed(i) for i in range(3)]
+    inputs = [torch.randn(1, 2, 4, 5, 4, dtype=torch.float64, generator=seed) for seed in seeds]
+    rel_bias = torch.full((2, 7 * 7), float("-inf"), dtype=torch.float64)
+    rel_bias[:, 0] = 0.5  # the offset (-3, -3): 19 of the 20 queries have no such key
+    results = []
+    for name in (backend, "reference"):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = local_attention_2d(*leaves, 2, rel_bias=rel_bias, backend=name)
+        results.append((out, *torch.autograd.grad((out * out.detach().sign()).sum(), leaves)))
+    assert (results[1][0].abs().sum(-1) == 0).sum() == 2 * 19
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)

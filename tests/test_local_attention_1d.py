@@ -341,3 +341,13 @@ def test_a_query_that_is_not_a_number_gives_its_own_output_only_as_not_a_number(
     q[0, 0, 3, 1] = float("nan")
     out = local_attention_1d(q, k, v, 2, backend=backend)
     assert out[0, 0, 3].isnan().all() and not out[0, 0, torch.arange(24) != 3].isnan().any()
+
+
+@pytest.mark.parametrize("backend", ["reference", *TRAINING])
+def test_queries_whose_every_key_a_bias_hides_give_zeros(backend):
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    rel_bias = torch.full((2, 5), float("-inf"))
+    rel_bias[:, 4] = 0.0  # only the key 2 positions ahead: the last 2 queries see none
+    out = local_attention_1d(q, k, v, 2, rel_bias=rel_bias, backend=backend)
+    torch.testing.assert_close(out[:, :, :7], v[:, :, 2:])
+    assert (out[:, :, 7:] == 0).all()

@@ -128,6 +128,13 @@ def _tensors_in(value):
             yield from _tensors_in(getattr(value, field.name))
 
 
+def softmax_or_zeros(scores: Tensor, dim: int = -1) -> Tensor:
+    """Softmax over ``dim``, zeros (and zero gradients) for a query whose every score there is -inf: one that sees
+    no key, hidden by the window, by padding or by -inf biases. The fused backends give the same."""
+    sees_any = (scores != float("-inf")).any(dim, keepdim=True)
+    return torch.softmax(scores.masked_fill(~sees_any, 0.0), dim) * sees_any
+
+
 def listed(names) -> str:
     """``names`` as a sentence lists them: "a", "a or b", "a, b or c"."""
     names = list(names)

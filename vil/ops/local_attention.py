@@ -105,7 +105,7 @@ def local_attention_1d(
 
     Query ``i`` attends to the global keys and to the window keys ``i + d*a``, ``-w <= a <= w`` (``a <= 0`` when
     ``causal``), that lie in ``[0, L)`` and are not masked by ``key_padding_mask``. A query that sees no key (its
-    whole window masked, no global keys) outputs zeros and gets zero gradients.
+    whole window masked or hidden by -inf biases, no global keys) outputs zeros and gets zero gradients.
 
     Args:
         q, k, v: ``(B, heads, L, head_dim)``; the result has the same shape.

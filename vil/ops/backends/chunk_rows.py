@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from ..base import Backend, compute_dtype
 from ..geometry import unfolded_window_tables
+from .band_blocks import safe_max
 
 # Scores per block. A block's working memory is a few times this (scores, probabilities, their gradients,
 # the unfolded windows), which is all the memory this backend needs beyond its inputs, outputs and gradients.
@@ -134,7 +135,7 @@ class _ChunkRows(torch.autograd.Function):
                 _part(global_bias, h, dtype),
                 scale,
             )
-            row_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            row_lse = safe_max(torch.logsumexp(scores, dim=-1, keepdim=True))  # 0 where no key: probabilities 0
             probs = torch.exp(scores - row_lse)
             row_out = torch.matmul(probs[..., G:], geo.windows(geo.gather(vc[b, h].to(dtype), r), r))
             if G:

@@ -10,7 +10,7 @@ as the Longformer paper's testing loop.
 import torch
 import torch.nn.functional as F
 
-from ..base import Backend
+from ..base import Backend, softmax_or_zeros
 from ..geometry import pair_in_band
 
 
@@ -28,8 +28,7 @@ def softmax_with_globals(scores, queries, global_k, global_bias):
         if global_bias is not None:
             global_scores = global_scores + global_bias[:, None, :]
         scores = torch.cat([global_scores, scores], dim=-1)
-    sees_any = (scores != float("-inf")).any(-1, keepdim=True)  # a NaN score is seen: NaN goes on as NaN
-    return torch.softmax(scores.masked_fill(~sees_any, 0.0), dim=-1) * sees_any
+    return softmax_or_zeros(scores)  # a NaN score is seen: NaN goes on as NaN
 
 
 def attention_1d(q, k, v, hood, extras):

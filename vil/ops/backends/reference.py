@@ -7,7 +7,7 @@ against it. Memory grows with tokens squared: use it on small problems only.
 
 import torch
 
-from ..base import Backend, kept_tables
+from ..base import Backend, kept_tables, softmax_or_zeros
 
 
 @kept_tables(4)  # tokens^2 entries each
@@ -73,16 +73,13 @@ def _attend(q, k, v, allowed, bias, extras):
     if bias is not None:
         scores = scores + bias
     scores = scores.masked_fill(~allowed, float("-inf"))
-    sees_any = allowed.any(-1, keepdim=True)
     if global_k is not None:
         global_scores = torch.matmul(q, global_k.transpose(-1, -2)) * scale
         if global_bias is not None:
             global_scores = global_scores + global_bias[:, None, :]
         scores = torch.cat([global_scores, scores], dim=-1)
         v = torch.cat([global_v, v], dim=2)
-        sees_any = torch.ones_like(sees_any)
-    probs = torch.softmax(scores.masked_fill(~sees_any, 0.0), dim=-1) * sees_any
-    return torch.matmul(probs, v)
+    return torch.matmul(softmax_or_zeros(scores), v)
 
 
 def attention_2d(q, k, v, hood, extras):

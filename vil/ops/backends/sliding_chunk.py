@@ -102,6 +102,7 @@ def _forward_2d(q, k, v, hood, extras):
         if global_k is not None:
             scores_g = global_scores(block_queries, global_k[b], global_bias2)
             row_max = torch.maximum(row_max, scores_g.amax(-2, keepdim=True))
+        row_max = safe_max(row_max)
         weights = scores.sub_(row_max).exp2_()  # unnormalised probabilities, in place
         total = weights.sum(-2, keepdim=True)
         block_out = torch.matmul(weights.transpose(-1, -2), gather_windows(values, group, b, c), out=out[b, cx])
@@ -109,8 +110,8 @@ def _forward_2d(q, k, v, hood, extras):
             weights_g = scores_g.sub_(row_max).exp2_()
             total += weights_g.sum(-2, keepdim=True)
             block_out += torch.matmul(weights_g.transpose(-1, -2), global_v[b, None])
-        block_out /= total.transpose(-1, -2)
-        lse[b, cx] = (row_max + total.log2()).squeeze(-2)
+        block_out /= total.transpose(-1, -2).clamp(min=torch.finfo(total.dtype).tiny)
+        lse[b, cx] = torch.where(total > 0, row_max + total.log2(), float("inf")).squeeze(-2)  # +inf: sees no key
     return from_chunks(out, plan), from_chunks(lse[..., None], plan)[..., 0]
 
 

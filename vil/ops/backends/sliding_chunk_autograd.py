@@ -2,7 +2,7 @@
 
 import torch
 
-from ..base import Backend
+from ..base import Backend, softmax_or_zeros
 from ..geometry import chunk_plan
 from .chunk_windows import from_chunks, gather_windows, global_scores, to_chunks, window_bias, window_scores
 
@@ -20,7 +20,7 @@ def attention_2d(q, k, v, hood, extras):
         if global_k is not None:
             scores = torch.cat([global_scores(group_queries, global_k, global_bias), scores], dim=-2)
             group_values = torch.cat([global_v[:, None].expand(-1, group.num_chunks, -1, -1, -1), group_values], dim=-2)
-        probs = torch.softmax(scores, dim=-2)  # over the keys, dim -2
+        probs = softmax_or_zeros(scores, dim=-2)  # over the keys, dim -2
         outputs.append(torch.matmul(probs.transpose(-1, -2), group_values))
     return from_chunks(torch.cat(outputs, dim=1), plan)
 

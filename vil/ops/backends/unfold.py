@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..base import Backend
+from ..base import Backend, softmax_or_zeros
 from ..geometry import (
     NEIGHBOURS,
     exact_window_bias_index,
@@ -110,7 +110,7 @@ def unfolded_attention(unfold, q, k, v, hood, extras):
         if global_bias is not None:
             g_scores = g_scores + global_bias.repeat(B, 1)[:, None, None, None, :]
         scores = torch.cat([g_scores, scores], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_or_zeros(scores)
     G = 0 if global_k is None else global_k.shape[2]
     out = torch.einsum("nijqk,ndijk->nijqd", probs[..., G:], values)
     if G:
