@@ -766,9 +766,9 @@ void finish_scores(const Geometry1d& g, const Block& blk, T* scores, int ld, T f
 #pragma omp simd
       for (int j = band.lo; j < band.hi; ++j) row[j] += bias[j];
     }
-    if (key_padding != nullptr) {
+    if (key_padding != nullptr) {  // chosen, not added: a padded key's score may be NaN (padding of any value)
 #pragma omp simd
-      for (int j = band.lo; j < band.hi; ++j) row[j] += key_mask[j];
+      for (int j = band.lo; j < band.hi; ++j) row[j] = key_mask[j] == masked ? masked : row[j];
     }
     add_global_bias(row, blk.keys, global_bias, g.G);
   }

@@ -219,3 +219,16 @@ def test_kernels_refuse_other_shapes_in_one_sentence(name, value, message):
     names = (BACKWARD_1D if backward else FORWARD_1D).split() + ["scale", "half_products"]
     with pytest.raises(RuntimeError, match=f"^local_attention_cpu: {message}"):
         (ops.backward_1d if backward else ops.forward_1d)(*(arguments[n] for n in names))
+
+
+def test_padded_keys_of_any_value_stay_hidden():
+    """Padding holds anything, NaN too: a padded key's score is masked, not summed with the mask."""
+    q, k, v = (torch.randn(2, 2, 40, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[:, 30:] = True
+    want = local_attention_1d(q, k, v, 2, key_padding_mask=mask, backend="reference")
+    k[:, :, 30:] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        got = local_attention_1d(q.to(dtype), k.to(dtype), v.to(dtype), 2, key_padding_mask=mask, backend="fused_cpu")
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got[:, :, :30].float(), want[:, :, :30], atol=tol, rtol=tol)
