@@ -4,6 +4,7 @@ traced or exported. It imports nothing else of the package, so that every other 
 """
 
 import math
+import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, is_dataclass, replace
@@ -94,20 +95,22 @@ def kept_tables(maxsize: int) -> Callable:
     call with real tensors would get them. Under torch.compile the builder is traced as it is."""
 
     def wrap(build: Callable) -> Callable:
-        kept = OrderedDict()
+        kept, lock = OrderedDict(), threading.Lock()
 
         @wraps(build)
         def tables(*args):
             if torch.compiler.is_compiling():
                 return build(*args)
-            if args in kept:
-                kept.move_to_end(args)
-                return kept[args]
+            with lock:
+                if args in kept:
+                    kept.move_to_end(args)
+                    return kept[args]
             result = build(*args)
             if not any(is_fake(t) for t in _tensors_in(result)):
-                kept[args] = result
-                if len(kept) > maxsize:
-                    kept.popitem(last=False)
+                with lock:
+                    kept[args] = result
+                    if len(kept) > maxsize:
+                        kept.popitem(last=False)
             return result
 
         tables.cache_clear = kept.clear
