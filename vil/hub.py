@@ -20,7 +20,7 @@ from .data import INTERPOLATIONS
 from .files import atomic_write, check_writable_folder
 from .model_config import model_kwargs
 from .profiling import flop_counter
-from .weights import load_weights, resolve_model_path
+from .weights import load_read_weights, resolve_model_path
 
 # What a model is built from, as config.json records it (the rest of model_kwargs is training's: dropout rates,
 # and the backend, which the loading machine chooses).
@@ -67,14 +67,12 @@ def export_hub_folder(cfg, out: str) -> dict:
     """Write the Hub folder of ``MODEL.MODEL_PATH`` (its EMA weights when it has them) under ``cfg`` to ``out``;
     returns what the model card states. A checkpoint that does not fit ``cfg``'s model, or was trained with other
     model options, is refused as evaluation refuses it (:func:`~vil.weights.load_weights`)."""
-    checkpoint = read_checkpoint(resolve_model_path(cfg))
+    path = resolve_model_path(cfg)
+    checkpoint = read_checkpoint(path)
     ema = has_ema(checkpoint)
     args = hub_model_args(cfg)
     model = timm.create_model("vil_arch", **args).eval()
-    loading = cfg.clone()
-    loading.defrost()
-    loading.MODEL.LOAD_EMA = ema
-    load_weights(model, loading)
+    load_read_weights(model, cfg, path, checkpoint, ema)
     check_writable_folder(out, "--out")  # after the checkpoint: a refused one leaves no empty folder behind
     size = cfg.INPUT.IMAGE_SIZE
     data_config = dict(  # timm's names

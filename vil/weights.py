@@ -76,12 +76,17 @@ def load_weights(model, cfg, new_classifier=False):
     with the config's, both said in the log. Otherwise (evaluating, predicting, exporting) both are refused in one
     sentence, with the rest of a checkpoint that does not fit."""
     path = resolve_model_path(cfg)
-    checkpoint = read_checkpoint(path)
+    load_read_weights(model, cfg, path, read_checkpoint(path), cfg.MODEL.LOAD_EMA, new_classifier)
+    return path
+
+
+def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
+    """:func:`load_weights` of the checkpoint dict already read from ``path`` (its EMA weights with ``ema``)."""
     differences = trained_with(checkpoint, path, cfg)
     listed = ", ".join(f"{key} {saved!r} (now {now!r})" for key, (saved, now) in differences.items())
     if differences and not new_classifier:
         raise ValueError(f"Checkpoint {path} was trained with {listed}; set those values to use it as it was trained.")
-    state = fitted_state(checkpoint, path, model, cfg.MODEL.LOAD_EMA)
+    state = fitted_state(checkpoint, path, model, ema)
     broken = [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
     if broken:
         raise ValueError(
@@ -103,4 +108,3 @@ def load_weights(model, cfg, new_classifier=False):
         log.warning(
             f"Checkpoint {path} was trained with {listed}: this run starts from its weights with the new values."
         )
-    return path

@@ -236,10 +236,13 @@ class MsViT(nn.Module):
             raise ValueError(
                 f"attention {attention!r} is not a mechanism of this model; use one of {', '.join(MECHANISMS)}."
             )
-        options = dict(sw_exact=(sw_exact, 0, "longformer"), mode=(mode, 0, "longformer"))
-        options.update(share_w=(share_w, True, "longformer"), only_global=(only_global, False, "longformer"))
-        options.update(share_kv=(share_kv, True, "linformer"))
-        for name, (value, default, owner) in options.items():
+        for name, value, default, owner in (
+            ("sw_exact", sw_exact, 0, "longformer"),
+            ("mode", mode, 0, "longformer"),
+            ("share_w", share_w, True, "longformer"),
+            ("only_global", only_global, False, "longformer"),
+            ("share_kv", share_kv, True, "linformer"),
+        ):
             if value != default and attention != owner:
                 raise ValueError(
                     f"{name.upper()} ({name}) {value!r} is an option of {owner} attention, not of {attention!r}: it "
