@@ -108,8 +108,9 @@ def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
     """Adds a block of base-2 scores ``s`` (queries, keys; -inf for hidden keys) and their values to the running
     maximum, sum of exponentials and unnormalised output of each query."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exponentials 0, not NaN
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION)
     return m_new, l_i, acc
@@ -117,15 +118,17 @@ def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def initial_softmax_state(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The running state before any key: a finite maximum (so that rows whose keys are all hidden stay finite)."""
-    return tl.full([ROWS], -1.0e30, tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, BLOCK_D], tl.float32)
+    """The running state before any key. The maximum starts at -inf, not at a finite stand-in, so that scores below
+    any such stand-in (huge negative biases on every key of a query) still count."""
+    return tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, BLOCK_D], tl.float32)
 
 
 @triton.jit
 def softmax_result(m_i, l_i, acc):
-    """The output and the base-2 log-sum-exp; a query that saw no key outputs zeros."""
+    """The output and the base-2 log-sum-exp; a query that saw no key outputs zeros, and its log-sum-exp is +inf, so
+    that the backward's probabilities ``2^(s - lse)`` are zeros."""
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    return acc / l_safe[:, None], m_i + tl.log2(l_safe)
+    return acc / l_safe[:, None], tl.where(l_i > 0, m_i + tl.log2(l_safe), float("inf"))
 
 
 @triton.jit

@@ -904,6 +904,18 @@ def test_half_precision_products_that_fit_once_scaled_stay_finite(backend):
     torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("backend", [b for b in available_backends(2) if b != "reference"])
+def test_a_huge_finite_bias_on_every_key_gives_the_mean_of_the_values(backend):
+    """-1e31 on every offset hides nothing: each query's scores all round to -1e31, so it outputs the mean of its
+    window's values, as the reference does. (A running maximum that starts at a finite -1e30, or a log-sum-exp
+    that rounds to the maximum, gave zeros or sums.)"""
+    q, k, v = (torch.randn(1, 2, 5, 6, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    rel_bias = torch.full((2, 7 * 7), -1e31)
+    out = local_attention_2d(q, k, v, 2, exact=1, rel_bias=rel_bias, backend=backend)
+    want = local_attention_2d(q, k, v, 2, exact=1, backend="unfold", scale=0.0)  # equal scores: the mean
+    torch.testing.assert_close(out, want)
+
+
 @pytest.mark.parametrize("backend", [b for b in available_backends(2) if b not in ("triton", "flex", "reference")])
 def test_queries_whose_every_key_a_bias_hides_give_zeros_as_the_reference_does(backend):
     """A -inf bias hides a key as padding does: with one offset of the table left, some queries see one key and

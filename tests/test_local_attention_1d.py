@@ -343,6 +343,16 @@ def test_a_query_that_is_not_a_number_gives_its_own_output_only_as_not_a_number(
     assert out[0, 0, 3].isnan().all() and not out[0, 0, torch.arange(24) != 3].isnan().any()
 
 
+@pytest.mark.parametrize("backend", available_backends(1))
+def test_a_huge_finite_bias_on_every_key_gives_the_mean_of_the_values(backend):
+    """-1e31 on every offset hides nothing: the scores all round to -1e31, so each query outputs the mean of the
+    values in its window."""
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    out = local_attention_1d(q, k, v, 2, rel_bias=torch.full((2, 5), -1e31), backend=backend)
+    keys = (torch.arange(9)[:, None] - torch.arange(9)).abs() <= 2
+    torch.testing.assert_close(out, (keys / keys.sum(1, keepdim=True)).float() @ v)
+
+
 @pytest.mark.parametrize("backend", ["reference", *TRAINING])
 def test_queries_whose_every_key_a_bias_hides_give_zeros(backend):
     q, k, v = (torch.randn(1, 2, 9, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))

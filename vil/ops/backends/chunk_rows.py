@@ -135,8 +135,13 @@ class _ChunkRows(torch.autograd.Function):
                 _part(global_bias, h, dtype),
                 scale,
             )
-            row_lse = safe_max(torch.logsumexp(scores, dim=-1, keepdim=True))  # 0 where no key: probabilities 0
-            probs = torch.exp(scores - row_lse)
+            # Normalised by the sum, not by exp(scores - logsumexp): where every score is about -1e8 or below, the
+            # log-sum-exp rounds to the maximum and the probabilities would each come out 1.
+            row_max = safe_max(scores.amax(dim=-1, keepdim=True))  # 0 where no key: probabilities 0
+            weights = torch.exp(scores - row_max)
+            total = weights.sum(dim=-1, keepdim=True)
+            probs = weights / total.clamp_min(1.0)  # at least 1 (the maximum's own term) where a key is seen
+            row_lse = torch.where(total > 0, row_max + total.log(), float("inf"))  # +inf: sees no key
             row_out = torch.matmul(probs[..., G:], geo.windows(geo.gather(vc[b, h].to(dtype), r), r))
             if G:
                 row_out += torch.matmul(probs[..., :G], gv[b, h, None].to(dtype))
