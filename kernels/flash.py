@@ -120,7 +120,11 @@ def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
 def initial_softmax_state(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """The running state before any key. The maximum starts at -inf, not at a finite stand-in, so that scores below
     any such stand-in (huge negative biases on every key of a query) still count."""
-    return tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, BLOCK_D], tl.float32)
+    return (
+        tl.full([ROWS], float("-inf"), tl.float32),
+        tl.zeros([ROWS], tl.float32),
+        tl.zeros([ROWS, BLOCK_D], tl.float32),
+    )
 
 
 @triton.jit
