@@ -97,6 +97,18 @@ def test_missing_or_empty_data_folder_is_one_sentence(tmp_path, layout):
     )
 
 
+def test_class_folders_that_are_links_are_read(tmp_path):
+    """DATA.PATH/train/<class> as symbolic links to folders elsewhere (a common way to lay out ImageNet), read as
+    torchvision's ImageFolder reads them."""
+    make_folder(tmp_path / "store", corrupt=False)
+    for split in ("train", "val"):
+        (tmp_path / "data" / split).mkdir(parents=True)
+        for name in ("cat", "dog"):
+            (tmp_path / "data" / split / name).symlink_to(tmp_path / "store" / split / name)
+    dataset = build_dataset(cfg_for(tmp_path / "data"), train=True)
+    assert len(dataset) == 6 and dataset.classes == ["cat", "dog"]
+
+
 def test_class_count_must_match(tmp_path):
     with pytest.raises(ValueError, match="2 classes.*DATA.NUM_CLASSES is 5.*NUM_CLASSES 2"):
         build_dataset(cfg_for(make_folder(tmp_path), "DATA.NUM_CLASSES", "5"), train=True)

@@ -72,6 +72,7 @@ def test_evaluate_counts_top1_top5_per_class_and_nonfinite_outputs_by_hand(caplo
     ]
     assert result["per_class"].tolist() == per_class and result["per_class"].device.type == "cpu"
     assert result["nonfinite"] == 1  # image 6's -inf
+    assert (result["images"], result["skipped"]) == (8, 3)  # eval.json's counts: images scored, and skipped
     # Each unreadable image named in a warning, and their number in one more.
     assert sum("broken.JPEG (cannot identify image file)" in m for m in caplog.messages) == 3, caplog.messages
     assert sum(bool(re.search(r"\bskipped 3 unreadable\b", m)) for m in caplog.messages) == 1, caplog.messages

@@ -1,15 +1,19 @@
 """DATA.FORMAT shards: tar shards written by tools/make_shards.py, read per process and per worker, every sample
 once an epoch, damaged samples skipped and counted."""
 
+import io
 import re
 
 import pytest
+from PIL import Image
 from test_data import make_folder
 from test_train import tiny_cfg
 from tool_runner import run_tool
+from torchvision.transforms import Compose, Resize, ToTensor
 
 from vil.checkpoint import read_checkpoint
-from vil.shards import ShardDataset
+from vil.data import collate_skipping
+from vil.shards import ShardDataset, write_index
 from vil.training.loop import train
 
 
@@ -118,6 +122,42 @@ def test_training_on_shards_skips_and_counts_a_damaged_sample(shards, tmp_path):
     assert re.search(r"Skipped unreadable image \S*shard-000000\.tar:b \(cannot identify image file", log)
     assert "epoch 1/1:" in log and "skipped 1 unreadable images" in log
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3  # 12 images, 4 a batch
+
+
+def png_bytes(colour=(10, 20, 30)):
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 40), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def evaluated(folder):
+    """Every sample of the split ``folder`` read for evaluation: (targets, names of the unreadable samples)."""
+    transform = Compose([Resize((8, 8)), ToTensor()])
+    batches = list(ShardDataset(folder, transform).evaluation_batches(0, 1, 2, 0, collate_skipping))
+    return [int(t) for _, targets, _ in batches for t in targets], [n for _, _, names in batches for n in names]
+
+
+def test_a_sample_is_its_image_and_class_whatever_else_it_holds(tmp_path):
+    import webdataset
+
+    write_index(tmp_path, ["cat", "dog"], {"shard-000000.tar": 3})
+    with webdataset.TarWriter(str(tmp_path / "shard-000000.tar")) as tar:
+        tar.write({"__key__": "a", "jpg": png_bytes(), "cls": b"1", "json": b"{}"})  # an extra member
+        tar.write({"__key__": "b", "cls": b"0", "json": b"{}"})  # no image
+        tar.write({"__key__": "c", "png": png_bytes(), "json": b"{}"})  # no class
+    targets, unreadable = evaluated(tmp_path)
+    assert targets == [1] and len(unreadable) == 2
+    assert re.search(r"shard-000000\.tar:b \(no image member \(members: cls, json\)", unreadable[0])
+    assert re.search(r"shard-000000\.tar:c \(no cls member", unreadable[1])
+
+
+def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_itself(shards):
+    first = shards / "val" / "shard-000000.tar"
+    first.write_bytes(first.read_bytes()[: first.stat().st_size // 2])
+    targets, unreadable = evaluated(shards / "val")
+    assert 9 <= len(targets) < 12  # the other three shards whole, the first one's samples before the cut
+    (name,) = unreadable
+    assert re.search(r"shard-000000\.tar:after \S+ \(the shard cannot be read past this point, .*make_shards", name)
 
 
 def test_bad_shard_requests_are_one_sentence(shards, tmp_path):

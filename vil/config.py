@@ -379,6 +379,8 @@ def _shown(value):
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+_PROBABILITY = (lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+
 # Keys whose values have a range: (test, what the value must be).
 _RULES = {
     "INPUT.IMAGE_SIZE": (lambda v: v >= 1, "a positive number of pixels"),
@@ -415,11 +417,26 @@ _RULES = {
     "LOG_FREQ": (lambda v: v >= 0, "a number of optimizer steps >= 0 (0: no step lines)"),
     "CHECKPOINT.EVERY_STEPS": (lambda v: v >= 0, "a number of optimizer steps >= 0 (0: once an epoch)"),
     "CHECKPOINT.KEEP": (lambda v: v >= 1, "a positive number of epoch checkpoints"),
+    "AUG.MIXUP_PROB": _PROBABILITY,
+    "AUG.MIXUP_SWITCH_PROB": _PROBABILITY,
+    "AUG.GRAY_SCALE": _PROBABILITY,
+    "AUG.GAUSSIAN_BLUR": _PROBABILITY,
+    "AUG.TIMM_AUG.HFLIP": _PROBABILITY,
+    "AUG.TIMM_AUG.VFLIP": _PROBABILITY,
+    "AUG.TIMM_AUG.RE_PROB": _PROBABILITY,
     "AUG.SCALE": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "two fractions, low <= high, in (0, 1]"),
     "AUG.RATIO": (lambda v: len(v) == 2 and 0 < v[0] <= v[1], "two positive aspect ratios, low <= high"),
     "DATA.TRAIN": (lambda v: len(v) == 1 and isinstance(v[0], str), "one dataset name, like ('imagenet',)"),
     "DATA.TEST": (lambda v: len(v) == 1 and isinstance(v[0], str), "one dataset name, like ('imagenet',)"),
-    "AUG.MIXUP_MODE": (lambda v: v in ("batch", "pair", "elem", "half"), "'batch', 'pair', 'elem' or 'half' (timm's)"),
+    # timm's Mixup takes these three modes; its "half" is FastCollateMixup's alone, which Mixup would run as "batch".
+    "AUG.MIXUP_MODE": (lambda v: v in ("batch", "pair", "elem"), "'batch', 'pair' or 'elem' (timm's Mixup modes)"),
+    "AUG.MIXUP": (lambda v: math.isfinite(v) and v >= 0, "a finite Beta alpha >= 0 (0: no mixup)"),
+    "AUG.MIXCUT": (lambda v: math.isfinite(v) and v >= 0, "a finite Beta alpha >= 0 (0: no CutMix)"),
+    "AUG.MIXCUT_MINMAX": (
+        lambda v: not v or (len(v) == 2 and 0 < v[0] <= v[1] <= 1),
+        "[] (CutMix boxes from AUG.MIXCUT) or two fractions of the image side, low <= high, in (0, 1]",
+    ),
+    "AUG.TIMM_AUG.RE_COUNT": (lambda v: v >= 1, "a positive number of erased boxes"),
     "AUG.TIMM_AUG.RE_MODE": (lambda v: v in ("const", "rand", "pixel"), "'const', 'rand' or 'pixel' (timm's)"),
     "AUG.TIMM_AUG.AUTO_AUGMENT": (
         lambda v: not v or _is_timm_policy(v),

@@ -229,7 +229,7 @@ def build_dataset(cfg, train):
     else:
         root = os.path.join(cfg.DATA.PATH, "train" if train else "val")
         has_images = os.path.isdir(root) and any(
-            f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(root) for f in files
+            f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(root, followlinks=True) for f in files
         )
         if not has_images:
             raise ValueError(f"No images found in {root}: the data must be ImageNet-style folders, {EXPECTED_LAYOUT}.")

@@ -18,18 +18,22 @@ import io
 import json
 import os
 import random
+import tarfile
 import zlib
 from functools import partial
 from itertools import islice
 
 from PIL import Image
 from torch.utils.data import DataLoader
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .files import atomic_write
 from .seeding import sample_seed, seeded_call
 from .unreadable import skipped
 
 INDEX = "index.json"
+IMAGE_SUFFIXES = tuple(extension.lstrip(".") for extension in IMG_EXTENSIONS)
+DAMAGED = "__damaged__"  # the key of the sample that stands for the unreadable rest of a shard
 
 
 def require_webdataset():
@@ -95,7 +99,7 @@ class ShardDataset:
         stages = [
             wds.SimpleShardList([os.path.join(self.root, name) for name in shards]),
             wds.split_by_worker,
-            wds.tarfile_to_samples(),
+            samples_of_shards,
         ]
         if shuffle_seed is not None:
             stages.append(wds.shuffle(1000, initial=100, rng=random.Random(shuffle_seed)))
@@ -142,12 +146,47 @@ class ShardDataset:
     def _decoded(self, sample):
         name = f"{sample.get('__url__', self.root)}:{sample['__key__']}"
         try:
-            (suffix,) = [k for k in sample if not k.startswith("__") and k != "cls"]
-            with Image.open(io.BytesIO(sample[suffix])) as image:
+            if DAMAGED in sample:
+                raise ValueError(
+                    f"the shard cannot be read past this point, {sample[DAMAGED]}, so its later samples are lost; "
+                    "copy it again or write the split again with tools/make_shards.py"
+                )
+            with Image.open(io.BytesIO(sample[image_member(sample)])) as image:
                 image = image.convert("RGB")
+            if "cls" not in sample:
+                raise ValueError("no cls member (the class index)")
             target = int(sample["cls"])
             if not 0 <= target < len(self.classes):
                 raise ValueError(f"class index {target} outside the {len(self.classes)} classes")
             return (self.transform(image) if self.transform else image), target
         except Exception as e:  # one damaged sample is one skipped sample, as in image folders
             return skipped(name, e)
+
+
+def image_member(sample):
+    """The name of a sample's one image member (its suffix: jpg, png, ...); other members, such as json, are left."""
+    found = [key for key in sample if key.lower() in IMAGE_SUFFIXES]
+    if len(found) != 1:
+        members = ", ".join(sorted(key for key in sample if not key.startswith("__"))) or "none"
+        raise ValueError(
+            f"{'no' if not found else 'more than one'} image member (members: {members}); a sample holds one image "
+            "(.jpg, .png, ...) and its .cls"
+        )
+    return found[0]
+
+
+def samples_of_shards(shards):
+    """webdataset's samples of each shard in turn. A shard that cannot be read to its end (cut short, damaged)
+    gives, after the samples before the damage, one sample holding the reason under ``DAMAGED``, which decoding
+    skips and counts as an unreadable sample naming the shard; the next shard is read as usual."""
+    wds = require_webdataset()
+    for shard in shards:
+        key = "start"
+        try:
+            for sample in wds.tarfile_samples([shard]):
+                key = sample["__key__"]
+                yield sample
+        except (tarfile.TarError, OSError) as error:
+            # webdataset appends the stream and the URL to the exception's arguments and " @ <stream>" to the first
+            reason = str(error.args[0]).split(" @ ")[0] if error.args else type(error).__name__
+            yield {"__key__": f"after {key}", "__url__": shard["url"], DAMAGED: reason}

@@ -32,8 +32,9 @@ log = logging.getLogger("vil")
 @torch.no_grad()
 def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.contiguous_format):
     """Top-1 and top-5 accuracy (percent) over the whole evaluation set, all processes together, and per class:
-    ``{"top1", "top5", "per_class": (classes, 3) tensor of images, top-1 hits, top-5 hits, "nonfinite": images
-    whose outputs are not all finite}``. Unreadable images are skipped, each named in a warning."""
+    ``{"top1", "top5", "per_class": (classes, 3) tensor of images, top-1 hits, top-5 hits, "images": images
+    scored, "skipped": unreadable images, "nonfinite": images whose outputs are not all finite}``. Unreadable images
+    are skipped, each named in a warning."""
     model.eval()
     counts = torch.zeros(num_classes, 3, dtype=torch.float64, device=runtime.device)
     skipped, nonfinite = 0, torch.zeros((), dtype=torch.long, device=runtime.device)
@@ -58,6 +59,8 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
         "top1": 100 * top1 / max(images, 1),
         "top5": 100 * top5 / max(images, 1),
         "per_class": counts.cpu(),
+        "images": int(images),
+        "skipped": int(skipped),
         "nonfinite": int(nonfinite),
     }
 
@@ -164,13 +167,14 @@ def evaluate_checkpoint(cfg):
     )
     if result["nonfinite"]:
         raise ValueError(
-            f"The outputs of {result['nonfinite']} of the {len(dataset)} evaluation images are not finite with the "
+            f"The outputs of {result['nonfinite']} of the {result['images']} evaluation images are not finite with the "
             f"weights of {path}; the checkpoint holds values that are not finite, or the arithmetic overflowed "
             "(try AMP.ENABLED False)."
         )
     if not runtime.is_main:
         return None
-    report = {"checkpoint": path, "top1": result["top1"], "top5": result["top5"], "images": len(dataset)}
+    report = {key: result[key] for key in ("top1", "top5", "images", "skipped")}
+    report = {"checkpoint": path, **report}
     if cfg.OUTPUT_PERCLASS_ACC:
         report["per_class"] = {
             name: {"images": int(n), "top1": 100 * hit1 / max(n, 1), "top5": 100 * hit5 / max(n, 1)}
