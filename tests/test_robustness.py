@@ -454,6 +454,42 @@ def test_epoch_checkpoints_are_rotated_by_number_and_the_best_is_copied(tmp_path
     assert not (tmp_path / "checkpoint_epoch12.pth").exists()
 
 
+def test_a_run_stopped_before_an_epochs_copies_writes_them_when_resumed(data, tmp_path, monkeypatch):
+    """Stopped (a kill) between writing epoch 1's checkpoint_last.pth and copying it to model_best.pth and
+    checkpoint_epoch1.pth, the resumed run makes the copies. (It held the raised best top-1 and never made them:
+    epoch 1's best model was lost.)"""
+    from vil.training import loop
+
+    straight, out = tmp_path / "straight", tmp_path / "stopped"
+    train(tiny_cfg(data, straight))
+
+    def stop(*args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(loop, "copy_epoch_checkpoints", stop)
+        train(tiny_cfg(data, out))
+    assert (out / "checkpoint_last.pth").exists() and not (out / "model_best.pth").exists()
+    train(tiny_cfg(data, out))
+    names = sorted(n for n in os.listdir(out) if n.endswith(".pth"))
+    assert names == sorted(n for n in os.listdir(straight) if n.endswith(".pth"))
+    for name in names:
+        want, got = (read_checkpoint(str(folder / name)) for folder in (straight, out))
+        assert want["epoch"] == got["epoch"], name
+        assert_same_weights(want["net"], got["net"])
+
+
+def test_a_first_epoch_of_top1_zero_is_the_best_so_far(data, tmp_path, monkeypatch):
+    """As timm's checkpoint saver counts it: model_best.pth is written and OPTIM.VAL lowers no learning rate."""
+    from vil.training import loop
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(loop, "evaluate_epoch", lambda *args: 0.0)
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1", "OPTIM.OPT", "sgd", "OPTIM.VAL", "1"))
+    assert read_checkpoint(str(out / "model_best.pth"))["epoch"] == 1
+    assert "did not improve" not in (out / "log.txt").read_text()
+
+
 def test_resume_check_follows_schedule_changes_and_names_other_changes(caplog):
     from vil.training_state import check_resumable
 

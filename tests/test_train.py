@@ -66,6 +66,28 @@ def assert_same_weights(a, b):
         assert torch.equal(a[key], b[key]), key
 
 
+def test_the_logged_learning_rate_is_the_one_each_step_used(data, tmp_path, monkeypatch):
+    """Each step line's learning rate is its step's (the schedule moves on after the step), the largest group's
+    under layer decay (the head's, which the schedule sets; the stem's is 0.5^depth of it); the epoch line's is
+    its last step's."""
+    used, build = [], training_setup.build_optimizer
+
+    def recording(cfg, model):
+        optimizer = build(cfg, model)
+        optimizer.register_step_pre_hook(lambda o, *_: used.append(max(g["lr"] for g in o.param_groups)))
+        return optimizer
+
+    monkeypatch.setattr(training_setup, "build_optimizer", recording)
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "LOG_FREQ", "1", "OPTIM.LAYER_DECAY", "0.5"))
+    text = (out / "log.txt").read_text()
+    logged = [float(x) for x in re.findall(r" step \d+: loss [^,]*, lr ([^,]*),", text)]
+    assert len(used) == 6 and len(set(used)) == 6  # 3 steps an epoch; warm-up, then cosine: each its own rate
+    assert logged == pytest.approx(used, rel=1e-3)  # the lines' 4 digits
+    epoch_lines = [float(x) for x in re.findall(r"epoch \d/2: loss [^,]*, lr ([^,]*)", text)]
+    assert epoch_lines == pytest.approx([used[2], used[5]], rel=1e-3)
+
+
 def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_path):
     out = tmp_path / "run"
     top1 = train(tiny_cfg(data, out, "LOG_FREQ", "2"))
@@ -209,13 +231,13 @@ def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp
 
     monkeypatch.setattr(LongformerAttention, "current_mode", recorded)
     out, resumed = straight_and_resumed(
-        data, tmp_path, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.5"
+        data, tmp_path, "MODEL.VIT.MSVIT.MODE", "2", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.3", "OPTIM.EPOCHS", "3"
     )
-    # The straight run: 2 layers x 3 batches an epoch, random modes 1..8 in epoch 1 and mode 0 in epoch 2; then the
-    # resumed run's epoch 2, mode 0 as well.
-    assert len(drawn) == 18 and all(1 <= m <= 8 for m in drawn[:6]) and drawn[6:] == [0] * 12
+    # The straight run: 2 layers x 3 batches an epoch, random modes 1..8 in epoch 1 and mode 0 in epochs 2 and 3;
+    # then the resumed run's epochs 2 and 3, mode 0 as well.
+    assert len(drawn) == 30 and all(1 <= m <= 8 for m in drawn[:6]) and drawn[6:] == [0] * 24
     text = (out / "log.txt").read_text()
-    assert "Epoch 2: random-shift training ends" in text and "Epoch 1: random-shift" not in text
+    assert re.findall(r"Epoch \d: random-shift training ends", text) == ["Epoch 2: random-shift training ends"]
     assert "Epoch 2: random-shift training ends" in (resumed / "log.txt").read_text()
     assert_same_weights(final_weights(out), final_weights(resumed))
 

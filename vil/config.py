@@ -402,6 +402,14 @@ _RULES = {
     "OPTIM.LR": (lambda v: math.isfinite(v) and v >= 0, "a finite learning rate >= 0"),
     "OPTIM.EPOCHS": (lambda v: v >= 1, "a positive number of epochs"),
     "OPTIM.ACCUM_STEPS": (lambda v: v >= 1, "a positive number of batches per optimizer step"),
+    "OPTIM.MOM": (lambda v: math.isfinite(v) and v >= 0, "a finite momentum >= 0"),
+    "OPTIM.NU": (lambda v: 0 <= v <= 1, "a fraction in [0, 1] (qhm's nu)"),
+    "OPTIM.WD": (lambda v: math.isfinite(v) and v >= 0, "a finite weight decay >= 0"),
+    "OPTIM.WD0": (lambda v: math.isfinite(v) and v >= 0, "a finite weight decay >= 0"),
+    "OPTIM.ADAM.BETA1": (lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
+    "OPTIM.ADAM.BETA2": (lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
+    "OPTIM.ADAM.EPS": (lambda v: math.isfinite(v) and v > 0, "a small positive number"),
+    "SEED": (lambda v: 0 <= v < 2**31, "an integer in [0, 2**31) (each process seeds with SEED + its rank)"),
     "OPTIM.CLIP_GRAD": (lambda v: math.isfinite(v) and v >= 0, "a finite gradient norm >= 0 (0: no clipping)"),
     "OPTIM.DROP_FACTOR": (lambda v: math.isfinite(v) and v > 0, "a positive factor"),
     "OPTIM.DROP_FREQ": (lambda v: v >= 1, "a positive number of epochs"),
@@ -474,6 +482,11 @@ def check_values(cfg, source=None):
             raise ValueError(
                 f"{'In ' + source + ', ' if source else ''}{key} is {_shown(value)}, but it must be {expected}."
             )
+    if cfg.SOLVER.LR_POLICY in ("cosine", "linear") and cfg.SOLVER.MIN_LR > cfg.OPTIM.LR:  # they decay to MIN_LR
+        raise ValueError(
+            f"{'In ' + source + ', ' if source else ''}SOLVER.MIN_LR {cfg.SOLVER.MIN_LR:g} is above OPTIM.LR "
+            f"{cfg.OPTIM.LR:g}, so the schedule would rise to it; give a SOLVER.MIN_LR of at most OPTIM.LR."
+        )
 
 
 def config_from_command_line(description, argv=None):

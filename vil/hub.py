@@ -4,6 +4,7 @@ size, crop, interpolation) and a ``README.md`` model card. ``timm.create_model("
 from it; every place of this project that takes a checkpoint takes the folder too.
 """
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -88,7 +89,7 @@ def export_hub_folder(cfg, out: str) -> dict:
         weights="EMA" if ema else "model",
         parameters=sum(p.numel() for p in model.parameters()),
         gmacs=_gmacs(model, size),
-        top1=checkpoint.get("best_acc"),
+        top1=_recorded(checkpoint.get("best_acc")),
         epoch=checkpoint.get("epoch"),
         classes=len(names),
         **data_config,
@@ -104,6 +105,11 @@ def export_hub_folder(cfg, out: str) -> dict:
     atomic_write(os.path.join(out, "config.json"), lambda f: f.write(config))
     atomic_write(os.path.join(out, "README.md"), lambda f: f.write(model_card(card).encode()))
     return card
+
+
+def _recorded(best):
+    """A checkpoint's best top-1, or None before its run's first evaluation (-inf)."""
+    return best if best is not None and math.isfinite(best) else None
 
 
 def _gmacs(model, size):

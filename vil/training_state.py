@@ -81,6 +81,7 @@ class Snapshot:
     lr_drop: float  # the product of OPTIM.VAL's learning-rate drops so far
     rng: list  # every process's random state, in rank order
     buffers: dict = field(default_factory=dict)  # the model's state-dict buffers, copied (empty: read when written)
+    improved: bool = False  # an epoch's end whose evaluation improved top-1: model_best.pth holds this checkpoint
 
     def where(self):
         if self.batch_in_epoch:
@@ -110,6 +111,7 @@ def write_snapshot(cfg, snapshot, model, optimizer, scaler, ema):
         step=snapshot.step,
         best_acc=snapshot.best,
         lr_drop=snapshot.lr_drop,
+        improved=snapshot.improved,
         optimizer=optimizer.state_dict(),
         scaler=scaler.state_dict(),
         ema=ema.module.state_dict() if ema else None,
@@ -121,7 +123,8 @@ def write_snapshot(cfg, snapshot, model, optimizer, scaler, ema):
 def copy_epoch_checkpoints(cfg, epoch, improved):
     """After ``checkpoint_last.pth`` was written at the end of ``epoch``: ``model_best.pth`` when top-1
     improved, ``checkpoint_epoch<epoch>.pth`` (unless ``ONLY_SAVE_LAST``), and the oldest copies beyond
-    ``CHECKPOINT.KEEP`` removed."""
+    ``CHECKPOINT.KEEP`` removed. Copying again what was copied before changes nothing: a resumed run does it, in
+    case the run stopped between writing ``checkpoint_last.pth`` and its copies."""
     out = cfg.OUTPUT_DIR
     last = os.path.join(out, LAST)
     if improved:
@@ -232,7 +235,8 @@ def restore(checkpoint, path, model, optimizer, scaler, ema, rank):
     epoch, batch_in_epoch, step, best = (checkpoint[k] for k in ("epoch", "batch_in_epoch", "step", "best_acc"))
     set_rng_state(checkpoint["rng"][min(rank, len(checkpoint["rng"]) - 1)])
     log.info(f"Resumed from {path}: epoch {epoch + 1}, optimizer step {step}.")
-    return Snapshot(epoch, batch_in_epoch, step, best, lr_drop, checkpoint["rng"])
+    improved = bool(checkpoint.get("improved", False))
+    return Snapshot(epoch, batch_in_epoch, step, best, lr_drop, checkpoint["rng"], improved=improved)
 
 
 def _followed(key):

@@ -378,6 +378,11 @@ class MsViT(nn.Module):
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.head.apply(self._init_weights)
 
+    @property
+    def vil_mode(self) -> int:
+        """The neighbour mode of the longformer attention layers (0 where there are none)."""
+        return next((m.mode for m in self.modules() if isinstance(m, LongformerAttention)), 0)
+
     def reset_vil_mode(self, mode: int) -> None:
         """Set the neighbour mode of every longformer attention layer (e.g. 0 when random shifting ends)."""
         layers = [m for m in self.modules() if isinstance(m, LongformerAttention)]

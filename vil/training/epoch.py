@@ -57,6 +57,7 @@ def optimizer_step(run, where):
     if run.pending:
         run.write_checkpoint(run.pending)
         run.pending = None
+    run.lr = max(group["lr"] for group in optimizer.param_groups)  # before the schedule moves on
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -108,7 +109,7 @@ def train_one_epoch(run, epoch):
         window["steps"] += last_micro
         bar.set_postfix(
             loss=f"{loss_mean:.4f}",
-            lr=f"{run.optimizer.param_groups[0]['lr']:.2e}",
+            lr=f"{run.lr:.2e}",
             img_s=f"{window['images'] / max(step_end - window['start'], 1e-9):.1f}",
         )
         if last_micro and cfg.LOG_FREQ and run.step % cfg.LOG_FREQ == 0:
@@ -231,7 +232,7 @@ def _log_steps(run, window, now):
     steps = max(window["steps"], 1)
     scalars = {
         "loss": window["loss"] * run.runtime.world / max(window["images"], 1),
-        "lr": run.optimizer.param_groups[0]["lr"],
+        "lr": run.lr,
         "images_per_s": window["images"] / max(now - window["start"], 1e-9),
         "data_s": window["data_s"] / steps,
         "step_s": window["step_s"] / steps,

@@ -17,7 +17,6 @@ from ..config import warn_compatibility_keys
 from ..data import build_dataset, collate_skipping
 from ..files import atomic_write, check_writable_file
 from ..model_config import build_model
-from ..models.attention import LongformerAttention
 from ..profiling import peak_memory_mib
 from ..runtime import Runtime
 from ..shards import ShardDataset
@@ -96,15 +95,14 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
             f"the end of epoch {epoch + 1}",
         )
     memory = peak_memory_mib(runtime.device)
-    mode = next((m.mode for m in model.modules() if isinstance(m, LongformerAttention)), 0)
     scalars = {
         "loss": loss,
-        "lr": run.optimizer.param_groups[0]["lr"],
+        "lr": run.lr,
         "top1": result["top1"],
         "top5": result["top5"],
         "images_per_s": seen / elapsed,
         "max_memory_mib": memory,
-        "attention_mode": mode,
+        "attention_mode": model.vil_mode,
     }
     if run.ema is not None:
         ema_loader = eval_loader(run.test_set, cfg, runtime)

@@ -43,7 +43,7 @@ def end_epoch(run, epoch, top1):
             f"the learning rate is divided by {cfg.OPTIM.DROP_FACTOR:g}."
         )
     run.pending = None
-    run.write_checkpoint(run.snapshot(epoch + 1, 0))
+    run.write_checkpoint(run.snapshot(epoch + 1, 0, improved))
     if run.runtime.is_main:
         copy_epoch_checkpoints(cfg, epoch + 1, improved)
 
@@ -60,7 +60,7 @@ def _train_epochs(run):
     top1 = 0.0
     run.started = time.perf_counter(), run.epoch
     for epoch in range(run.epoch, cfg.OPTIM.EPOCHS):
-        if cfg.MODEL.VIT.MSVIT.MODE > 0 and epoch >= mode_switch_epoch:
+        if epoch >= mode_switch_epoch and model.vil_mode > 0:  # once, at the first epoch past the switch
             model.reset_vil_mode(0)
             log.info(f"Epoch {epoch + 1}: random-shift training ends; every attention layer now uses mode 0.")
         if hasattr(model, "calls_since_last_redraw"):

@@ -31,6 +31,7 @@ from ..training_state import (
     Snapshot,
     check_fresh_folder,
     check_resumable,
+    copy_epoch_checkpoints,
     gather_rng_states,
     read_resume_point,
     restore,
@@ -129,20 +130,22 @@ class Run:
     train_loader: Optional[DataLoader] = None  # image folders' training loader, built at the first epoch
     epoch: int = 0
     step: int = 0
-    best: float = 0.0
+    best: float = float("-inf")  # so that the first evaluation improves on it, whatever its top-1
     batch_in_epoch: int = 0
     lr_drop: float = 1.0  # the product of OPTIM.VAL's learning-rate drops so far
+    lr: float = 0.0  # the last optimizer step's learning rate: its largest group's (layer decay scales the others)
     kept: Optional[Snapshot] = None  # the one checkpoint_last.pth holds
     pending: Optional[Snapshot] = None  # to write once the next step's loss and gradients are finite
     writer: Optional[SummaryWriter] = None
     started: Optional[tuple[float, int]] = None  # (time.perf_counter(), epoch) when this process began training
 
-    def snapshot(self, epoch, batch_in_epoch):
-        """A :class:`Snapshot` of the run now, at ``batch_in_epoch`` of ``epoch`` (every process takes part)."""
+    def snapshot(self, epoch, batch_in_epoch, improved=False):
+        """A :class:`Snapshot` of the run now, at ``batch_in_epoch`` of ``epoch`` (every process takes part);
+        ``improved``: at an epoch's end whose evaluation improved top-1."""
         state = self.model.state_dict()
         buffers = {name: state[name].clone() for name, _ in self.model.named_buffers() if name in state}
         rng = gather_rng_states(self.runtime)
-        return Snapshot(epoch, batch_in_epoch, self.step, self.best, self.lr_drop, rng, buffers)
+        return Snapshot(epoch, batch_in_epoch, self.step, self.best, self.lr_drop, rng, buffers, improved)
 
     def write_checkpoint(self, snapshot):
         """Write ``checkpoint_last.pth`` from ``snapshot`` (main process); it becomes the one kept."""
@@ -156,6 +159,8 @@ class Run:
         self.epoch, self.batch_in_epoch, self.step = kept.epoch, kept.batch_in_epoch, kept.step
         self.best, self.lr_drop, self.kept = kept.best, kept.lr_drop, kept
         self.scheduler.step_update(self.step)
+        if self.runtime.is_main and kept.epoch and not kept.batch_in_epoch:  # an epoch's end: its copies again
+            copy_epoch_checkpoints(self.cfg, kept.epoch, kept.improved)
 
     def close(self):
         if self.writer:
