@@ -12,7 +12,8 @@ import vil.models.attention as attention
 import vil.models.msvit as msvit
 from vil.checkpoint import save_checkpoint
 from vil.config import load_cfg
-from vil.detection import ViLBackbone, build_fpn_backbone
+from vil.detection import BACKBONE_OPTIONS, ViLBackbone, build_fpn_backbone, export_state, load_backbone_checkpoint
+from vil.model_config import build_model, model_kwargs
 from vil.models import PRESETS, MsViT, stage_map_sizes
 from vil.models.convert import resize_tables
 from vil.models.tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
@@ -278,3 +279,110 @@ def test_the_default_maps_are_every_stages_and_trainable_stages_count_those_kept
     body = build_fpn_backbone(arch, img_size=64, trainable_stages=1, out_indices=(0, 1)).body
     assert body.frozen_stages == 1 and not any(p.requires_grad for p in body.layer1.parameters())
     assert all(p.requires_grad for p in body.layer2.parameters())
+
+
+# --- Checkpoints into backbones: stored options, pruned stages, training sizes, freezing. ---
+
+# Three small stages (strides 4, 8, 16): an absolute position embedding in stage 1, relative biases after, full
+# attention in stage 3.
+SMALL = "l1,h1,d16,p4,f2,a1_l2,h1,d32,f2,a0_l3,h2,d32,s0,a0"
+
+
+# Options that change what the same weights compute, none of them at its default.
+TRAINED_OPTIONS = [
+    "MODEL.VIT.MSVIT.LN_EPS",
+    "0.1",
+    "MODEL.VIT.MSVIT.ONLY_GLOBAL",
+    "True",
+    "MODEL.VIT.MSVIT.SHARE_W",
+    "False",
+]
+
+
+def small_checkpoint(path, size=64, overrides=(), arch=SMALL):
+    """This project's checkpoint of a model built from a config (its options and image size stored): the model, in
+    eval mode, and the config."""
+    cfg = load_cfg(overrides=["MODEL.VIT.MSVIT.ARCH", arch, "INPUT.IMAGE_SIZE", str(size), *overrides])
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    save_checkpoint(path, model, config=cfg.dump())
+    return model, cfg
+
+
+def assert_maps_of(backbone, source, x):
+    """The backbone's maps are the classification model's own stage outputs."""
+    with torch.no_grad():
+        got, want = list(backbone.eval()(x).values()), source.forward_intermediates(x, intermediates_only=True)
+    assert len(got) <= len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_classification_checkpoint_builds_the_backbone_with_its_trained_options(tmp_path):
+    source, cfg = small_checkpoint(tmp_path / "cls.pth", overrides=TRAINED_OPTIONS)
+    assert set(BACKBONE_OPTIONS) <= set(model_kwargs(cfg)) and "ln_eps" in BACKBONE_OPTIONS
+    x = torch.randn(1, 3, 64, 64)
+    for name_or_cfg in (SMALL, cfg):
+        built = build_fpn_backbone(name_or_cfg, img_size=64, level_norm=False, checkpoint=tmp_path / "cls.pth")
+        assert built.body.model_options["ln_eps"] == 0.1 and built.body.model_options["share_w"] is False
+        assert_maps_of(built.body, source, x)
+    with pytest.raises(ValueError, match=r"trained with ln_eps 0\.1 \(MODEL\.VIT\.MSVIT\.LN_EPS\), not 1e-05;"):
+        build_fpn_backbone(SMALL, img_size=64, ln_eps=1e-5, checkpoint=tmp_path / "cls.pth")
+    default_cfg = load_cfg(overrides=["MODEL.VIT.MSVIT.ARCH", SMALL, "INPUT.IMAGE_SIZE", "64"])
+    with pytest.raises(ValueError, match=r"only_global True \(MODEL.VIT.MSVIT.ONLY_GLOBAL\), not False, share_w"):
+        build_fpn_backbone(default_cfg, checkpoint=tmp_path / "cls.pth")
+    with pytest.raises(ValueError, match=r"share_w False \(MODEL.VIT.MSVIT.SHARE_W\), not True"):
+        load_backbone_checkpoint(ViLBackbone(SMALL, img_size=64), tmp_path / "cls.pth", SMALL)
+
+
+def test_a_backbone_of_fewer_stages_loads_the_stages_it_keeps(tmp_path):
+    """out_indices that end before the last stage: the checkpoint's weights of the stages after it are left out,
+    those of the stages kept are still all required."""
+    source, _ = small_checkpoint(tmp_path / "cls.pth")
+    state = {k: v for k, v in source.state_dict().items() if not k.startswith(("head.", "norm."))}
+    torch.save(export_state(state, "torchvision", SMALL, (64, 64)), tmp_path / "export.pth")
+    x = torch.randn(1, 3, 64, 64)
+    for path in (tmp_path / "cls.pth", tmp_path / "export.pth"):
+        body = build_fpn_backbone(SMALL, img_size=64, level_norm=False, out_indices=(0, 1), checkpoint=path).body
+        assert not hasattr(body, "layer3") and [s.index for s in body.pruned_specs] == [3]
+        assert_maps_of(body, source, x)
+    del state["layer2.0.proj.weight"]
+    torch.save(export_state(state, "torchvision", SMALL, (64, 64)), tmp_path / "partial.pth")
+    with pytest.raises(ValueError, match=r"1 missing: layer2\.0\.proj\.weight\.$"):
+        build_fpn_backbone(SMALL, img_size=64, out_indices=(0, 1), checkpoint=tmp_path / "partial.pth")
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_a_checkpoint_trained_at_a_size_that_is_not_a_multiple_of_the_stride(tmp_path, pad):
+    """At 72 pixels stage 3's map is 4x4 (72 // 16) without padding, 5x5 with: the tables are converted from the
+    maps the model made them for, so that at 64 pixels (4x4, padded or not) the backbone computes the model's own
+    maps, whose tables it then uses as they are."""
+    overrides = ["MODEL.VIT.DYNAMIC_IMG_PAD", str(pad)]
+    source, _ = small_checkpoint(tmp_path / "cls.pth", size=72, overrides=overrides)
+    rows = source.state_dict()["layer3.1.attn.local_relative_position_bias_table"].shape[0]
+    assert rows == (9 * 9 if pad else 7 * 7)
+    body = build_fpn_backbone(SMALL, img_size=64, level_norm=False, checkpoint=tmp_path / "cls.pth").body
+    assert_maps_of(body, source, torch.randn(1, 3, 64, 64))
+
+
+def test_freeze_sets_each_stage_to_frozen_or_not():
+    body = ViLBackbone(SMALL, img_size=32, frozen_stages=2)
+    body.freeze(0)
+    body.train()
+    assert all(p.requires_grad for p in body.parameters())
+    assert body.layer1.training and body.layer2.training
+    body.freeze(1)
+    assert not any(p.requires_grad for p in body.layer1.parameters()) and not body.layer1.training
+    assert all(p.requires_grad for p in body.layer2.parameters()) and body.layer2.training
+    body.eval().freeze(0)
+    assert all(p.requires_grad for p in body.parameters()) and not body.layer1.training
+
+
+def test_crafted_backbone_options_are_refused(tmp_path):
+    state = ViLBackbone(SMALL, img_size=64).state_dict()
+    exported = export_state(state, "mmdet", SMALL, (64, 64), {"ln_eps": 0.1})
+    assert exported["meta"]["vil"]["options"] == {"ln_eps": 0.1}
+    exported["meta"]["vil"]["options"] = {"ln_eps": "0.1", "depth": 3}
+    torch.save(exported, tmp_path / "crafted.pth")
+    with pytest.raises(ValueError, match=r"crafted\.pth stores the backbone options .* export the backbone again"):
+        build_fpn_backbone(SMALL, img_size=64, checkpoint=tmp_path / "crafted.pth")

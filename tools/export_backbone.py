@@ -2,13 +2,15 @@
 
     python tools/export_backbone.py IN OUT --format {torchvision,detectron2,mmdet} [options]
 
-IN is this project's checkpoint (its architecture and image size are read from the config stored in it; an
-``--arch`` or ``--config-file`` of another architecture is refused) or the original release's (give ``--arch`` or
-``--config-file``). Its weights are checked against that architecture as loading them into the model would be:
-those of another model are refused, naming the keys and shapes that do not fit. The classifier and the final norm
-are dropped; the backbone's keys are written as a whole detector of the framework names them: ``backbone.body.``
-under ``"model"`` (torchvision), ``backbone.bottom_up.`` under ``"model"`` (detectron2, as the original detection
-release), ``backbone.`` under ``"state_dict"`` (mmdetection). The arch string and image size of the exported
+IN is this project's checkpoint (its architecture, image size and model options are read from the config stored
+in it; an ``--arch`` or ``--config-file`` of another architecture, or a ``--config-file`` of other model options, is
+refused) or the original release's (give ``--arch`` or ``--config-file``). Its weights are checked against that
+model as loading them into it would be: those of another model are refused, naming the keys and shapes that do not
+fit. The classifier and the final norm are dropped; the position tables are remade from the maps the model made them
+for to those of the backbone, whose patch embeddings pad; the backbone's keys are written as a whole detector of the
+framework names them: ``backbone.body.`` under ``"model"`` (torchvision), ``backbone.bottom_up.`` under ``"model"``
+(detectron2, as the original detection release), ``backbone.`` under ``"state_dict"`` (mmdetection). The arch
+string, image size and model options (``vil.detection.BACKBONE_OPTIONS`` other than the defaults) of the exported
 backbone are stored beside them and printed. OUT is written atomically.
 """
 
@@ -19,10 +21,20 @@ import torch
 
 from vil.checkpoint import model_state, read_checkpoint
 from vil.config import load_cfg
-from vil.detection import EXPORT_FORMATS, checkpoint_image_size, export_state, stored_config
+from vil.detection import (
+    EXPORT_FORMATS,
+    check_options,
+    checkpoint_image_size,
+    classification_backbone_state,
+    config_options,
+    export_info,
+    export_state,
+    stored_config,
+)
 from vil.files import atomic_write, check_writable_file
+from vil.model_config import model_kwargs
 from vil.models import PRESETS, MsViT, arch_string, parse_arch
-from vil.models.convert import GLOBAL_INITS, convert_classification_state, fit_to_model
+from vil.models.convert import GLOBAL_INITS, fit_to_model
 
 
 def parse_args(argv=None):
@@ -37,7 +49,8 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--config-file",
-        help="the YAML config IN was trained with (its arch and image size; the config stored in IN goes first)",
+        help="the YAML config IN was trained with (its arch, image size and model options; the config stored in IN "
+        "goes first, and must agree with it)",
     )
     parser.add_argument(
         "--image-size", type=int, nargs="+", help="image size IN was trained for, N or H W (default: from IN)"
@@ -69,46 +82,43 @@ def _size(values, flag):
 
 
 def source_model(args, checkpoint):
-    """The arch string and image size (H, W) of the classification model in IN. Where IN stores its config, that
-    says both, and an arch given by --arch or --config-file must be the stored one."""
-    given = size = None
-    if args.config_file:
-        cfg = load_cfg(args.config_file)
-        given, size = cfg.MODEL.VIT.MSVIT.ARCH, (cfg.INPUT.IMAGE_SIZE,) * 2
-    if args.arch:
-        given = PRESETS.get(args.arch, args.arch)
+    """The MsViT arguments of the classification model in IN, ``arch`` and ``img_size`` (H, W) included, without a
+    classifier. Where IN stores its config, that says them, and an arch given by --arch or --config-file must be the
+    stored one, and model options given by --config-file the stored ones; else --config-file's (its arch replaced by
+    --arch's where given), else --arch's with the model's defaults."""
+    given_cfg = load_cfg(args.config_file) if args.config_file else None
+    given = PRESETS.get(args.arch, args.arch) if args.arch else given_cfg and given_cfg.MODEL.VIT.MSVIT.ARCH
     stored = stored_config(checkpoint, args.input)
-    if stored:
-        arch, size = stored.MODEL.VIT.MSVIT.ARCH, (stored.INPUT.IMAGE_SIZE,) * 2
-    elif given is None:
+    cfg = stored or given_cfg
+    if cfg is None and given is None:
         raise ValueError(
             f"{args.input} does not say which architecture it holds; "
             "give --arch (a preset or arch string) or --config-file."
         )
-    else:
-        arch = given
-    arch = arch_string(parse_arch(arch))
+    kwargs = model_kwargs(cfg) if cfg is not None else {}
+    arch = arch_string(parse_arch(stored.MODEL.VIT.MSVIT.ARCH if stored else given))
     if given is not None and arch_string(parse_arch(given)) != arch:
         flag, value = ("--arch", args.arch) if args.arch else ("--config-file", args.config_file)
         raise ValueError(
             f"{args.input} holds a model of arch {arch} (its stored config says so), not "
             f"{arch_string(parse_arch(given))} ({flag} {value}); leave {flag} out to export it as it is."
         )
+    if stored and given_cfg:
+        check_options(config_options(stored), config_options(given_cfg), args.input)
     size = (
         _size(args.image_size, "--image-size")
-        or size
+        or (cfg and (cfg.INPUT.IMAGE_SIZE,) * 2)
         or checkpoint_image_size(checkpoint, arch, args.input)
         or (224, 224)
     )
-    return arch, size
+    return {**kwargs, "arch": arch, "img_size": size, "num_classes": 0}
 
 
-def source_state(checkpoint, path, arch, size):
-    """The model weights in IN, checked against the classification model of ``arch`` at ``size`` as loading them
-    into it is (keys and shapes; position tables made for another size resized), so that weights of another model
-    are refused rather than exported under ``arch``."""
-    model = MsViT(arch, img_size=size, num_classes=0, dynamic_img_pad=True)
-    return fit_to_model(model_state(checkpoint, path), model, path)
+def source_state(checkpoint, path, source):
+    """The model weights in IN, checked against the classification model ``source`` describes (its MsViT arguments)
+    as loading them into it is (keys and shapes; position tables made for another size resized), so that weights of
+    another model are refused rather than exported under its arch."""
+    return fit_to_model(model_state(checkpoint, path), MsViT(**source), path)
 
 
 def main(argv=None):
@@ -116,24 +126,27 @@ def main(argv=None):
     try:
         check_writable_file(args.output)
         checkpoint = read_checkpoint(args.input)
-        arch, size = source_model(args, checkpoint)
-        state, specs, new_size = convert_classification_state(
-            source_state(checkpoint, args.input, arch, size),
-            arch,
-            size,
+        source = source_model(args, checkpoint)
+        state, specs, new_size = classification_backbone_state(
+            source_state(checkpoint, args.input, source),
+            source,
+            pad=True,
+            new_image_size=_size(args.new_image_size, "--new-image-size"),
             full_attention_to_local=args.full_attention_to_local,
             num_global=args.num_global,
             global_init=args.global_init,
-            new_image_size=_size(args.new_image_size, "--new-image-size"),
         )
         new_arch = arch_string(specs)
-        exported = export_state(state, args.format, new_arch, new_size)
+        exported = export_state(state, args.format, new_arch, new_size, source)
         atomic_write(args.output, lambda f: torch.save(exported, f))
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     print(f"{args.output}: {len(state)} backbone tensors in the {args.format} layout")
     print(f"arch {new_arch}")
     print(f"image size {new_size[0]}x{new_size[1]}")
+    options = export_info(exported).get("options")
+    if options:
+        print("options " + ", ".join(f"{name} {value!r}" for name, value in options.items()))
 
 
 if __name__ == "__main__":

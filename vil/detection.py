@@ -5,25 +5,28 @@
 - :func:`build_fpn_backbone`: that backbone with torchvision's feature pyramid, which torchvision's
   ``MaskRCNN``, ``FasterRCNN`` and ``RetinaNet`` take as their ``backbone``.
 - :func:`export_state` / :func:`backbone_state`: backbone checkpoints in the layouts of torchvision,
-  detectron2 and mmdetection, and back.
+  detectron2 and mmdetection, and back, with the model options the backbone must be built with.
 """
 
+import inspect
 import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
-from timm.layers import LayerNorm2d
+from timm.layers import LayerNorm2d, to_2tuple
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, FeaturePyramidNetwork, LastLevelMaxPool
 from yacs.config import CfgNode
 
 from .checkpoint import load_model_state, model_state, read_checkpoint
-from .config import config_from_text
+from .config import config_from_text, config_value
 from .model_config import model_kwargs
-from .models import PRESETS, MsViT, arch_string, parse_arch
+from .models import PRESETS, MsViT, arch_string, parse_arch, stage_map_sizes
 from .models.convert import backbone_specs, convert_classification_state, infer_image_size, resize_tables
+from .weights import MODEL_DEFINING_KEYS
 
 # Export format -> (the key holding the state dict, the prefix of the backbone's keys in a whole detector).
 EXPORT_FORMATS: dict[str, tuple[str, str]] = {
@@ -32,6 +35,17 @@ EXPORT_FORMATS: dict[str, tuple[str, str]] = {
     "mmdet": ("state_dict", "backbone."),
 }
 GLOBAL_TOKENS: tuple[str, ...] = ("drop", "average")
+# The MODEL_DEFINING_KEYS a backbone keeps from the classification model it is made from, by the MsViT argument each
+# sets (the key's last part in lower case). Not the arch (converted, and checked by the weights' shapes), the
+# classifier's pooling, nor the patch embeddings' padding (the backbone's own choice; its tables are converted).
+BACKBONE_OPTIONS: dict[str, str] = {
+    key.rsplit(".", 1)[1].lower(): key
+    for key in MODEL_DEFINING_KEYS
+    if key not in ("MODEL.VIT.MSVIT.ARCH", "MODEL.VIT.AVG_POOL", "MODEL.VIT.DYNAMIC_IMG_PAD")
+}
+BACKBONE_DEFAULTS: dict[str, Any] = {
+    name: inspect.signature(MsViT).parameters[name].default for name in BACKBONE_OPTIONS
+}
 
 
 class ViLBackbone(MsViT):
@@ -42,9 +56,13 @@ class ViLBackbone(MsViT):
         out_indices: the stages to return (0-based; negative from the end); None: every stage.
         level_norm: a LayerNorm over channels on each returned map.
         global_tokens: ``"drop"``, or ``"average"`` (the mean of the stage's global tokens added everywhere).
-        frozen_stages: the first k stages get no gradients and stay in eval mode.
+        frozen_stages: the first k stages get no gradients and stay in eval mode (see :meth:`freeze`).
         dynamic_img_pad: patch embeddings pad images to a multiple of their patch size (the default here,
             unlike the classification model, which drops the remainder as the original release did).
+
+    Attributes:
+        model_options: the :data:`BACKBONE_OPTIONS` values it is built with (a checkpoint's must be the same).
+        pruned_specs: the specs of the stages after the last of ``out_indices``, which it does not have.
     """
 
     def __init__(
@@ -62,7 +80,10 @@ class ViLBackbone(MsViT):
             raise ValueError(
                 f"global_tokens {global_tokens!r} is not an option; use one of {', '.join(GLOBAL_TOKENS)}."
             )
+        self.model_options = {name: kwargs.get(name, default) for name, default in BACKBONE_DEFAULTS.items()}
+        built = self.stage_specs
         self.out_indices = self.prune_intermediate_layers(out_indices, prune_norm=True)
+        self.pruned_specs = built[len(self.stage_specs) :]  # the stages after the last of out_indices
         self.global_tokens = global_tokens
         self.out_channels_list = [self.feature_info[i]["num_chs"] for i in self.out_indices]
         self.level_norms = nn.ModuleList(
@@ -72,15 +93,16 @@ class ViLBackbone(MsViT):
         self.freeze(frozen_stages)
 
     def freeze(self, stages: int) -> None:
-        """The first ``stages`` stages (of those the backbone keeps) get no gradients and stay in eval mode."""
+        """The first ``stages`` stages (of those the backbone keeps) get no gradients and stay in eval mode; the
+        others get gradients and follow the backbone's mode (a smaller number than before unfreezes stages)."""
         kept = len(self.stage_specs)
         if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= kept:
             raise ValueError(
                 f"frozen_stages {stages!r} is not a number of stages from 0 to {kept}, the stages this backbone keeps."
             )
         self.frozen_stages = stages
-        for stage in self._frozen():
-            stage.requires_grad_(False)
+        for i, spec in enumerate(self.stage_specs):
+            getattr(self, f"layer{spec.index}").requires_grad_(i >= stages)
         self.train(self.training)
 
     def _frozen(self) -> list[nn.Module]:
@@ -156,7 +178,9 @@ def build_fpn_backbone(
         trainable_stages: how many of the last stages the backbone keeps (those up to the last of ``out_indices``)
             train, the others frozen; None: all.
         checkpoint: a classification checkpoint (this project's or the original release's; converted as the
-            options below say) or a backbone checkpoint from ``tools/export_backbone.py``.
+            options below say) or a backbone checkpoint from ``tools/export_backbone.py``. Where it says the
+            :data:`BACKBONE_OPTIONS` its model was trained with (this project's config stored in it, or an export's
+            options), the backbone is built with them; a config or keyword asking for other values is refused.
         out_indices: the stages that feed the pyramid; None: every stage.
         extra_blocks: torchvision's extra pyramid block; None: ``LastLevelMaxPool`` (Mask/Faster R-CNN). RetinaNet
             takes ``LastLevelP6P7(out_channels, out_channels)`` and ``out_indices=(1, 2, 3)``.
@@ -167,12 +191,18 @@ def build_fpn_backbone(
         model_overrides: other :class:`~vil.models.MsViT` arguments (``drop_path_rate``, ``attn_backend``, ...).
     """
     kwargs = {**_model_arguments(name_or_cfg), **model_overrides}
+    if isinstance(out_channels, bool) or not isinstance(out_channels, int) or out_channels < 1:
+        raise ValueError(f"out_channels must be a positive number of channels, got {out_channels!r}.")
+    read = None
+    if checkpoint is not None:
+        read = read_checkpoint(checkpoint)
+        trained = trained_options(read, checkpoint) or {}
+        check_options(trained, model_overrides if isinstance(name_or_cfg, str) else kwargs, checkpoint)
+        kwargs = {**trained, **kwargs}
     source_arch = kwargs.pop("arch")
     specs = backbone_specs(parse_arch(source_arch), full_attention_to_local, num_global)
     if full_attention_to_local and kwargs.get("attention") == "full":
         kwargs["attention"] = "longformer"
-    if isinstance(out_channels, bool) or not isinstance(out_channels, int) or out_channels < 1:
-        raise ValueError(f"out_channels must be a positive number of channels, got {out_channels!r}.")
     body = ViLBackbone(
         arch_string(specs), out_indices=out_indices, level_norm=level_norm, global_tokens=global_tokens, **kwargs
     )
@@ -184,31 +214,47 @@ def build_fpn_backbone(
             f"backbone keeps for out_indices {body.out_indices}."
         )
     body.freeze(kept - trainable)
-    if checkpoint is not None:
-        load_backbone_checkpoint(
-            body,
-            checkpoint,
-            source_arch,
-            full_attention_to_local=full_attention_to_local,
-            num_global=num_global,
-            global_init=global_init,
+    if read is not None:
+        conversion = dict(
+            full_attention_to_local=full_attention_to_local, num_global=num_global, global_init=global_init
         )
+        _load_read_checkpoint(body, read, checkpoint, source_arch, conversion)
     return ViLWithFPN(body, out_channels, extra_blocks)
 
 
-def export_state(state: Mapping[str, torch.Tensor], fmt: str, arch: str, image_size: Sequence[int]) -> dict[str, Any]:
+def export_state(
+    state: Mapping[str, torch.Tensor],
+    fmt: str,
+    arch: str,
+    image_size: Sequence[int],
+    options: Optional[Mapping[str, Any]] = None,
+) -> dict[str, Any]:
     """A backbone state dict in ``fmt``'s layout: keys prefixed as in a whole detector of that framework,
-    under its usual key, with the arch string and image size alongside."""
+    under its usual key, with the arch string, the image size and the ``options`` (:data:`BACKBONE_OPTIONS`
+    values) other than :class:`~vil.models.MsViT`'s defaults alongside."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"Export format {fmt!r} does not exist; use one of {', '.join(EXPORT_FORMATS)}.")
     container, prefix = EXPORT_FORMATS[fmt]
     info = {"arch": arch, "image_size": list(image_size)}
+    options = options or {}
+    changed = {k: options[k] for k in BACKBONE_OPTIONS if k in options and options[k] != BACKBONE_DEFAULTS[k]}
+    if changed:
+        info["options"] = changed
     exported = {container: {prefix + k: v for k, v in state.items()}}
     if fmt == "mmdet":
         exported["meta"] = {"vil": info}
     else:
         exported["vil"] = info
     return exported
+
+
+def export_info(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What :func:`export_state` stored beside the weights (arch, image size, options): under ``"vil"``, or under
+    ``"meta"``'s ``"vil"`` in mmdetection's layout; empty where neither holds it."""
+    for holder in (checkpoint, checkpoint.get("meta")):
+        if isinstance(holder, Mapping) and isinstance(holder.get("vil"), Mapping):
+            return holder["vil"]
+    return {}
 
 
 def backbone_state(checkpoint: Mapping[str, Any]) -> Optional[dict[str, torch.Tensor]]:
@@ -221,25 +267,116 @@ def backbone_state(checkpoint: Mapping[str, Any]) -> Optional[dict[str, torch.Te
     return None
 
 
+def config_options(cfg: CfgNode) -> dict[str, Any]:
+    """The :data:`BACKBONE_OPTIONS` values of a config, by MsViT argument."""
+    return {name: config_value(cfg, key) for name, key in BACKBONE_OPTIONS.items()}
+
+
+def trained_options(checkpoint: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint") -> Optional[dict]:
+    """The :data:`BACKBONE_OPTIONS` values the model of a checkpoint was trained with: an exported backbone's (the
+    options it stores, the others at their defaults), or those of this project's config stored in a classification
+    checkpoint; None where the checkpoint does not say (the original release's, a bare state dict)."""
+    if backbone_state(checkpoint) is None:
+        cfg = stored_config(checkpoint, path)
+        return None if cfg is None else config_options(cfg)
+    options = export_info(checkpoint).get("options", {})
+    if not (
+        isinstance(options, Mapping)
+        and all(k in BACKBONE_OPTIONS and isinstance(v, (bool, int, float)) for k, v in options.items())
+    ):
+        raise ValueError(
+            f"{path} stores the backbone options {options!r}, which are not numbers or booleans by the names "
+            f"{', '.join(BACKBONE_OPTIONS)}; export the backbone again with tools/export_backbone.py."
+        )
+    return {**BACKBONE_DEFAULTS, **options}
+
+
+def check_options(
+    trained: Mapping[str, Any], asked: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint"
+) -> None:
+    """Refuse, in one sentence naming them, the :data:`BACKBONE_OPTIONS` in ``asked`` that compute otherwise than
+    the ``trained`` ones (compared as :data:`~vil.weights.MODEL_DEFINING_KEYS` compares them)."""
+    differ = [
+        f"{name} {trained[name]!r} ({BACKBONE_OPTIONS[name]}), not {asked[name]!r}"
+        for name in BACKBONE_OPTIONS
+        if name in trained
+        and name in asked
+        and MODEL_DEFINING_KEYS[BACKBONE_OPTIONS[name]](trained[name])
+        != MODEL_DEFINING_KEYS[BACKBONE_OPTIONS[name]](asked[name])
+    ]
+    if differ:
+        raise ValueError(
+            f"Checkpoint {path} was trained with {', '.join(differ)}; leave those options out or give the trained "
+            "values to build the model it holds."
+        )
+
+
+def classification_backbone_state(
+    state: Mapping[str, torch.Tensor],
+    source: Mapping[str, Any],
+    pad: bool,
+    new_image_size: Optional[Sequence[int]] = None,
+    **conversion: Any,
+) -> tuple[dict[str, torch.Tensor], list, tuple[int, int]]:
+    """A classification model's state as a backbone's whose patch embeddings ``pad`` (or not), for images of
+    ``new_image_size`` (None: the source's): :func:`~vil.models.convert.convert_classification_state` with
+    ``conversion``, the position tables first remade from the maps the source model made them for (``source``: its
+    ``arch``, ``img_size`` and ``dynamic_img_pad``) to those of the backbone. Returns ``(state, arch specs, image
+    size)``."""
+    specs = parse_arch(source["arch"])
+    old_size = tuple(to_2tuple(source["img_size"]))
+    size = tuple(to_2tuple(new_image_size)) if new_image_size is not None else old_size
+    old_maps = stage_map_sizes(specs, old_size, source.get("dynamic_img_pad", False))
+    state = _resize_stage_tables(state, specs, old_maps, stage_map_sizes(specs, size, pad))
+    return convert_classification_state(state, source["arch"], size, pad=pad, **conversion)
+
+
+def _resize_stage_tables(
+    state: Mapping[str, torch.Tensor], specs: Sequence, old_maps: Sequence, new_maps: Sequence
+) -> dict[str, torch.Tensor]:
+    """Position tables made for the maps ``old_maps`` ((rows, columns), one per stage of ``specs``), remade for
+    ``new_maps`` by :func:`~vil.models.convert.resize_tables`, a stage at a time (a stage taken with patch size 1
+    has the map of the size it is given)."""
+    state = dict(state)
+    for spec, old, new in zip(specs, old_maps, new_maps):
+        state = resize_tables(state, [replace(spec, patch=1)], old, new)
+    return state
+
+
 def load_backbone_checkpoint(
     body: ViLBackbone, path: Union[str, os.PathLike], source_arch: str, **conversion: Any
 ) -> None:
     """Load into ``body`` an exported backbone checkpoint, or a classification checkpoint of a model of
-    ``source_arch`` converted by :func:`~vil.models.convert.convert_classification_state` with ``conversion``
-    (position tables resized to the body's image size, from the one the export stored or else the one the tables
-    show). The per-level norms are in neither and keep their initial values."""
-    checkpoint = read_checkpoint(path)
+    ``source_arch`` converted by :func:`classification_backbone_state` with ``conversion`` (position tables
+    remade for the body's image size from the one the export stored, or else the one the tables show). The weights
+    of the stages the body pruned are left out; the per-level norms are in neither and keep their initial values. A
+    checkpoint trained with other :data:`BACKBONE_OPTIONS` than the body's is refused."""
+    _load_read_checkpoint(body, read_checkpoint(path), path, source_arch, conversion)
+
+
+def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
+    """:func:`load_backbone_checkpoint` of the checkpoint dict already read from ``path``."""
+    check_options(trained_options(checkpoint, path) or {}, body.model_options, path)
+    specs = body.stage_specs
     state = backbone_state(checkpoint)
-    if state is not None:
-        stored = checkpoint.get("vil", {}).get("image_size") if isinstance(checkpoint.get("vil"), dict) else None
-        size = tuple(stored) if stored else infer_image_size(state, body.stage_specs)
-        if size and tuple(size) != tuple(body.img_size):
-            state = resize_tables(state, body.stage_specs, size, body.img_size, body.dynamic_img_pad)
+    if state is not None:  # exports hold tables for the maps of patch embeddings that pad
+        stored = export_info(checkpoint).get("image_size")
+        size = tuple(stored) if stored else infer_image_size(state, specs)
+        if size:
+            new_maps = stage_map_sizes(specs, body.img_size, body.dynamic_img_pad)
+            state = _resize_stage_tables(state, specs, stage_map_sizes(specs, size, True), new_maps)
     else:
-        size = checkpoint_image_size(checkpoint, source_arch, path) or body.img_size
-        state, _, _ = convert_classification_state(
-            checkpoint, source_arch, size, new_image_size=body.img_size, pad=body.dynamic_img_pad, **conversion
+        cfg = stored_config(checkpoint, path)
+        source = dict(
+            arch=source_arch,
+            img_size=checkpoint_image_size(checkpoint, source_arch, path) or body.img_size,
+            dynamic_img_pad=cfg is not None and cfg.MODEL.VIT.DYNAMIC_IMG_PAD,
         )
+        state, _, _ = classification_backbone_state(
+            model_state(checkpoint, path), source, body.dynamic_img_pad, body.img_size, **conversion
+        )
+    pruned = tuple(f"layer{spec.index}." for spec in body.pruned_specs)
+    state = {k: v for k, v in state.items() if not k.startswith(pruned)}
     load_model_state(body, state, path, may_miss=("level_norms.",))
 
 
@@ -263,13 +400,19 @@ def checkpoint_image_size(
 
 
 __all__ = [
+    "BACKBONE_OPTIONS",
     "EXPORT_FORMATS",
     "ViLBackbone",
     "ViLWithFPN",
     "backbone_state",
     "build_fpn_backbone",
+    "check_options",
     "checkpoint_image_size",
+    "classification_backbone_state",
+    "config_options",
+    "export_info",
     "export_state",
     "load_backbone_checkpoint",
     "stored_config",
+    "trained_options",
 ]

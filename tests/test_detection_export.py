@@ -1,0 +1,83 @@
+"""tools/export_backbone.py and the backbone builder together: the exported backbone is the trained model's, with
+its options, its image size in every layout, and tables made for the maps the model had."""
+
+import pytest
+import torch
+from test_checkpoint import original_release_checkpoint
+from test_detection import SMALL, TRAINED_OPTIONS, assert_maps_of, small_checkpoint
+from tool_runner import run_tool
+
+from vil.detection import build_fpn_backbone
+from vil.models.tables import resize_full_bias_table
+
+# SMALL without the absolute position embedding: relative biases only.
+SMALL_RPB = SMALL.replace("a1", "a0")
+
+
+def export(*args):
+    status, printed, error = run_tool("export_backbone", *args)
+    assert status == 0, error
+    return printed
+
+
+def test_the_export_keeps_the_options_the_model_was_trained_with(tmp_path):
+    source, _ = small_checkpoint(tmp_path / "cls.pth", overrides=TRAINED_OPTIONS)
+    printed = export(tmp_path / "cls.pth", tmp_path / "d2.pth", "--format", "detectron2")
+    info = torch.load(tmp_path / "d2.pth", weights_only=True)["vil"]
+    assert info["options"] == {"only_global": True, "share_w": False, "ln_eps": 0.1}
+    assert "options only_global True, share_w False, ln_eps 0.1" in printed
+    built = build_fpn_backbone(SMALL, img_size=64, level_norm=False, checkpoint=tmp_path / "d2.pth").body
+    assert_maps_of(built, source, torch.randn(1, 3, 64, 64))
+    with pytest.raises(ValueError, match=r"d2\.pth was trained with share_w False \(MODEL.VIT.MSVIT.SHARE_W\), not"):
+        build_fpn_backbone(SMALL, img_size=64, share_w=True, checkpoint=tmp_path / "d2.pth")
+    # The original release's layout holds no config: --config-file says how the model was trained.
+    torch.save(original_release_checkpoint(source.state_dict()), tmp_path / "orig.pth")
+    (tmp_path / "trained.yaml").write_text(
+        f'MODEL:\n  VIT:\n    MSVIT:\n      ARCH: "{SMALL}"\n      LN_EPS: 0.1\n      ONLY_GLOBAL: True\n'
+        "      SHARE_W: False\nINPUT:\n  IMAGE_SIZE: 64\n"
+    )
+    export(
+        tmp_path / "orig.pth", tmp_path / "mmdet.pth", "--format", "mmdet", "--config-file", tmp_path / "trained.yaml"
+    )
+    assert torch.load(tmp_path / "mmdet.pth", weights_only=True)["meta"]["vil"]["options"] == info["options"]
+    built = build_fpn_backbone(SMALL, img_size=64, level_norm=False, checkpoint=tmp_path / "mmdet.pth").body
+    assert_maps_of(built, source, torch.randn(1, 3, 64, 64))
+    # A --config-file of other options than those stored in the checkpoint is refused.
+    (tmp_path / "other.yaml").write_text(f'MODEL:\n  VIT:\n    MSVIT:\n      ARCH: "{SMALL}"\n')
+    status, _, error = run_tool(
+        "export_backbone",
+        tmp_path / "cls.pth",
+        tmp_path / "x.pth",
+        "--format",
+        "mmdet",
+        "--config-file",
+        tmp_path / "other.yaml",
+    )
+    assert status == 1 and "cls.pth was trained with only_global True (MODEL.VIT.MSVIT.ONLY_GLOBAL), not False" in error
+    assert not (tmp_path / "x.pth").exists()
+
+
+@pytest.mark.parametrize("fmt", ["torchvision", "mmdet"])
+def test_an_export_for_another_image_size_loads_in_every_layout(tmp_path, fmt):
+    """Exported for 96x128 (stage 3: a 6x8 map, an 11x15 table, which shows no square image size), built for 64x64
+    (a 4x4 map): the table is resized from the stored size's map, in mmdetection's layout (size under "meta") too."""
+    small_checkpoint(tmp_path / "cls.pth", arch=SMALL_RPB)
+    export(tmp_path / "cls.pth", tmp_path / "out.pth", "--format", fmt, "--new-image-size", "96", "128")
+    exported = torch.load(tmp_path / "out.pth", weights_only=True)
+    container, prefix = ("state_dict", "backbone.") if fmt == "mmdet" else ("model", "backbone.body.")
+    key = "layer3.1.attn.local_relative_position_bias_table"
+    stored = exported[container][prefix + key]
+    assert stored.shape == (11 * 15, 2)
+    built = build_fpn_backbone(SMALL_RPB, img_size=64, checkpoint=tmp_path / "out.pth").body
+    torch.testing.assert_close(built.get_parameter(key), resize_full_bias_table(stored, (6, 8), (4, 4)))
+
+
+def test_a_model_trained_at_a_size_that_is_not_a_multiple_of_the_stride_exports(tmp_path):
+    """At 72 pixels the model's stage-3 map is 4x4 (72 // 16, no padding): exported for 64x64 (also 4x4), its tables
+    are the model's own, and the backbone computes the model's maps."""
+    source, _ = small_checkpoint(tmp_path / "cls.pth", size=72)
+    export(tmp_path / "cls.pth", tmp_path / "out.pth", "--format", "torchvision", "--new-image-size", "64")
+    built = build_fpn_backbone(SMALL, img_size=64, level_norm=False, checkpoint=tmp_path / "out.pth").body
+    assert_maps_of(built, source, torch.randn(1, 3, 64, 64))
+    export(tmp_path / "cls.pth", tmp_path / "at72.pth", "--format", "torchvision")  # padded: a 5x5 map at 72
+    assert torch.load(tmp_path / "at72.pth", weights_only=True)["vil"]["image_size"] == [72, 72]
