@@ -194,8 +194,11 @@ void exponentiate_row(T* row, int n, const Finish<T>& finish, Out* out, T& max, 
 }
 
 // The backward of the softmax of n rows of products (row length ld): the probabilities 2^(finish(s) - lse) in place of
-// the products, and the score gradients dS = P * (dP - delta) in place of dP (delta = rowsum(dO * O)), also added to
-// grad_sum (a matrix of the same shape) where it is not null.
+// the products, and the score gradients dS = P * (dP - delta) in place of dP, also added to grad_sum (a matrix of the
+// same shape) where it is not null. delta = rowsum(dO * O) as given, or, where delta is null, sum_j P_ij dP_ij from the
+// rows themselves (each row holds all of its query's keys): the same number, but not off by the rounding of an output
+// stored in half precision, which would leave each row of dS summing to its rounding error rather than to zero (and
+// the bias gradients, sums of dS over many queries, off by far more than the dtype's precision).
 template <typename T>
 void softmax_backward(int n, int ld, T* scores, T* grad_scores, const T* lse, const T* delta, const Finish<T>& finish,
                       T* grad_sum) {
@@ -203,11 +206,23 @@ void softmax_backward(int n, int ld, T* scores, T* grad_scores, const T* lse, co
     const int64_t offset = static_cast<int64_t>(i) * ld;
     T *p = scores + offset, *ds = grad_scores + offset;
     finish_row(p, ld, finish.offset(offset));
-    const T row_lse = lse[i], row_delta = delta[i];
+    const T row_lse = lse[i];
+    if (delta != nullptr) {
+      const T row_delta = delta[i];
 #pragma omp simd
-    for (int j = 0; j < ld; ++j) {
-      p[j] = exp2_nonpositive(p[j] - row_lse);
-      ds[j] = p[j] * (ds[j] - row_delta);
+      for (int j = 0; j < ld; ++j) {
+        p[j] = exp2_nonpositive(p[j] - row_lse);
+        ds[j] = p[j] * (ds[j] - row_delta);
+      }
+    } else {
+      T row_delta = 0;
+#pragma omp simd reduction(+ : row_delta)
+      for (int j = 0; j < ld; ++j) {
+        p[j] = exp2_nonpositive(p[j] - row_lse);
+        row_delta += p[j] * ds[j];
+      }
+#pragma omp simd
+      for (int j = 0; j < ld; ++j) ds[j] = p[j] * (ds[j] - row_delta);
     }
     if (grad_sum != nullptr) {
       T* sum = grad_sum + offset;
@@ -311,11 +326,28 @@ struct SoftmaxLanes {
   __m512 prob, grad;
 };
 
-inline SoftmaxLanes softmax_backward_lanes(const float* s, const float* dp, const Finish<float>& finish, __m512 lse,
-                                           __m512 delta, __mmask16 lanes) {
+inline __m512 probability_lanes(const float* s, const Finish<float>& finish, __m512 lse, __mmask16 lanes) {
   const __m512 finished = finish_lanes(_mm512_maskz_loadu_ps(lanes, s), _mm512_set1_ps(finish.factor),
                                        finish.table, lanes);
-  const __m512 prob = exp2_nonpositive(_mm512_sub_ps(finished, lse));
+  return exp2_nonpositive(_mm512_sub_ps(finished, lse));
+}
+
+// The probabilities of one row of ld products in place, and delta from them: sum_j P_j dP_j (see softmax_backward).
+inline float probabilities_and_delta(int ld, float* s, const float* dp, const Finish<float>& finish, float lse) {
+  __m512 delta = _mm512_setzero_ps();
+  for (int j = 0; j < ld; j += 16) {
+    const __mmask16 lanes = lanes_at(j, ld);
+    const __m512 prob = probability_lanes(s + j, finish.offset(j), _mm512_set1_ps(lse), lanes);
+    _mm512_mask_storeu_ps(s + j, lanes, prob);
+    delta = _mm512_fmadd_ps(prob, _mm512_maskz_loadu_ps(lanes, dp + j), delta);
+  }
+  return _mm512_reduce_add_ps(delta);
+}
+
+// P (computed, or read where the row holds it already) and dS = P * (dP - delta) of 16 columns.
+inline SoftmaxLanes softmax_backward_lanes(const float* s, const float* dp, const Finish<float>& finish, __m512 lse,
+                                           __m512 delta, __mmask16 lanes, bool probabilities) {
+  const __m512 prob = probabilities ? _mm512_maskz_loadu_ps(lanes, s) : probability_lanes(s, finish, lse, lanes);
   return {prob, _mm512_mul_ps(prob, _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, dp), delta))};
 }
 
@@ -323,11 +355,15 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
                              const Finish<float>& finish, float* grad_sum) {
   for (int i = 0; i < n; ++i) {
     const int64_t offset = static_cast<int64_t>(i) * ld;
-    const __m512 row_lse = _mm512_set1_ps(lse[i]), row_delta = _mm512_set1_ps(delta[i]);
+    const float row_delta = delta != nullptr ? delta[i]
+                                             : probabilities_and_delta(ld, scores + offset, grad_scores + offset,
+                                                                       finish.offset(offset), lse[i]);
+    const __m512 row_lse = _mm512_set1_ps(lse[i]), delta_lanes = _mm512_set1_ps(row_delta);
     for (int j = 0; j < ld; j += 16) {
       const __mmask16 lanes = lanes_at(j, ld);
       const SoftmaxLanes x = softmax_backward_lanes(scores + offset + j, grad_scores + offset + j,
-                                                    finish.offset(offset + j), row_lse, row_delta, lanes);
+                                                    finish.offset(offset + j), row_lse, delta_lanes, lanes,
+                                                    delta == nullptr);
       _mm512_mask_storeu_ps(scores + offset + j, lanes, x.prob);
       _mm512_mask_storeu_ps(grad_scores + offset + j, lanes, x.grad);
       if (grad_sum != nullptr) {
@@ -782,7 +818,8 @@ struct FloatProducts {
   using Compute = T;
   using Global = T;  // the type of the global keys and values it reads
   std::vector<T> queries, keys, values, grad_out, scores, grad_scores, result, row_max, total, delta;
-  int ld = 0;  // score row length: local keys + G
+  int ld = 0;                    // score row length: local keys + G
+  bool delta_from_rows = false;  // the outputs are in a half type: delta from the rows (see softmax_backward)
 
   FloatProducts(int64_t S, int64_t L, int64_t D)
       : queries(S * D), keys(L * D), values(L * D), grad_out(S * D), scores(S * L), grad_scores(S * L),
@@ -819,6 +856,8 @@ struct FloatProducts {
   template <typename S>
   void load_grad_out(const Window& win, Map<const S> grad_out_map, Map<const S> out, int64_t D) {
     gather(grad_out.data(), grad_out_map, win.queries, D, T(1));
+    delta_from_rows = !std::is_same_v<S, T>;
+    if (delta_from_rows) return;
     for (size_t i = 0; i < win.queries.size(); ++i) {
       const S* o = out.at(win.queries[i]);
       const T* dout = grad_out.data() + static_cast<int64_t>(i) * D;
@@ -832,7 +871,8 @@ struct FloatProducts {
   // The score gradients (also added to grad_sum where not null) from the products of the scores (see Finish).
   void differentiate(int n, int64_t D, const T* lse, const Finish<T>& finish, T* grad_sum) {
     matmul<T>(false, true, n, ld, D, T(1), grad_out.data(), D, values.data(), D, T(0), grad_scores.data(), ld);
-    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta.data(), finish, grad_sum);
+    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta_from_rows ? nullptr : delta.data(), finish,
+                     grad_sum);
   }
 
   const T* grad_queries(int n, int64_t D, double scale) {
@@ -1034,20 +1074,21 @@ struct RoundedSoftmax {
   int lp, ldb;
 };
 
-// softmax_backward, then the roundings (P is not needed in float after them).
+// softmax_backward with delta from the rows (the outputs are in half precision), then the roundings (P is not needed in
+// float after them).
 template <typename S>
-void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const float* delta,
-                      const Finish<float>& finish, float* grad_sum, const RoundedSoftmax<S>& rounded) {
-  softmax_backward(n, ld, scores, grad_scores, lse, delta, finish, grad_sum);
+void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const Finish<float>& finish,
+                      float* grad_sum, const RoundedSoftmax<S>& rounded) {
+  softmax_backward(n, ld, scores, grad_scores, lse, nullptr, finish, grad_sum);
   round_rows(rounded.ds_rows, grad_scores, n, ld, rounded.lp);
   round_row_pairs(rounded.ds_row_pairs, grad_scores, n, ld, rounded.ldb);
   round_row_pairs(rounded.p_row_pairs, scores, n, ld, rounded.ldb);
 }
 
 #if VIL_AVX512
-// The same for bfloat16, in one pass over each pair of rows (a row pair interleaves two rows): each score is read,
-// finished, exponentiated and rounded once, and P is never written in float.
-inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const float* delta,
+// The same for bfloat16: a pass over each row for P (in place) and delta, then one over each pair of rows (a row pair
+// interleaves two rows) for dS and the roundings.
+inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse,
                              const Finish<float>& finish, float* grad_sum,
                              const RoundedSoftmax<c10::BFloat16>& rounded) {
   const __m512 zero = _mm512_setzero_ps();
@@ -1058,8 +1099,12 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
   for (int i = 0; i < n; i += 2) {
     const bool pair = i + 1 < n;
     const int64_t offset = static_cast<int64_t>(i) * ld;
-    const __m512 lse_0 = _mm512_set1_ps(lse[i]), delta_0 = _mm512_set1_ps(delta[i]);
-    const __m512 lse_1 = _mm512_set1_ps(pair ? lse[i + 1] : 0.0f), delta_1 = _mm512_set1_ps(pair ? delta[i + 1] : 0.0f);
+    float row_delta[2] = {0.0f, 0.0f};
+    for (int r = 0; r < (pair ? 2 : 1); ++r) {
+      const int64_t at = offset + r * ld;
+      row_delta[r] = probabilities_and_delta(ld, scores + at, grad_scores + at, finish.offset(at), lse[i + r]);
+    }
+    const __m512 delta_0 = _mm512_set1_ps(row_delta[0]), delta_1 = _mm512_set1_ps(row_delta[1]);
     c10::BFloat16* ds_row = rounded.ds_rows + static_cast<int64_t>(i) * rounded.lp;
     c10::BFloat16* ds_pairs = rounded.ds_row_pairs + static_cast<int64_t>(i) * rounded.ldb;
     c10::BFloat16* p_pairs = rounded.p_row_pairs + static_cast<int64_t>(i) * rounded.ldb;
@@ -1067,9 +1112,9 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
       const __mmask16 lanes = lanes_at(j, ld);
       const int64_t at_0 = offset + j, at_1 = offset + ld + j;
       const SoftmaxLanes first =
-          softmax_backward_lanes(scores + at_0, grad_scores + at_0, finish.offset(at_0), lse_0, delta_0, lanes);
+          softmax_backward_lanes(scores + at_0, grad_scores + at_0, finish, zero, delta_0, lanes, true);
       const SoftmaxLanes second =
-          pair ? softmax_backward_lanes(scores + at_1, grad_scores + at_1, finish.offset(at_1), lse_1, delta_1, lanes)
+          pair ? softmax_backward_lanes(scores + at_1, grad_scores + at_1, finish, zero, delta_1, lanes, true)
                : SoftmaxLanes{zero, zero};
       _mm512_mask_storeu_ps(grad_scores + at_0, lanes, first.grad);
       if (pair) _mm512_mask_storeu_ps(grad_scores + at_1, lanes, second.grad);
@@ -1143,7 +1188,7 @@ struct HalfProducts {
   std::vector<const S*> query_tokens, key_tokens, value_tokens, grad_out_tokens;
   std::vector<S> q_rows, q_columns, k_element_pairs, k_token_pairs, v_element_pairs, v_token_pairs;
   std::vector<S> grad_out_rows, grad_out_columns, p_rows, p_row_pairs, ds_rows, ds_row_pairs;
-  std::vector<float> scores, grad_scores, result, transposed, row_max, total, delta;
+  std::vector<float> scores, grad_scores, result, transposed, row_max, total;
 
   HalfProducts(int64_t S_, int64_t L, int64_t D_)
       : D(D_), Dp(even(D_)), Dq(pairs_per_row(D_)), q_rows(S_ * Dp), q_columns(D_ * even(S_)),
@@ -1151,7 +1196,7 @@ struct HalfProducts {
         v_token_pairs(even(L) * Dq), grad_out_rows(S_ * Dp), grad_out_columns(D_ * even(S_)), p_rows(S_ * even(L)),
         p_row_pairs(even(S_) * pairs_per_row(L)), ds_rows(S_ * even(L)), ds_row_pairs(even(S_) * pairs_per_row(L)),
         scores(S_ * L), grad_scores(S_ * L), result(std::max(S_, L) * D_), transposed(L * D_), row_max(S_),
-        total(S_), delta(S_) {}
+        total(S_) {}
 
   void load(const Window& win, Map<const S> q, Map<const S> k, Map<const S> v, const S* gk, const S* gv, int64_t G,
             int64_t /*D*/, double scale, bool backward) {
@@ -1196,23 +1241,17 @@ struct HalfProducts {
     return result.data();
   }
 
-  void load_grad_out(const Window& win, Map<const S> grad_out, Map<const S> out, int64_t /*D*/) {
+  // The output is not read: delta comes from the rows (see softmax_backward).
+  void load_grad_out(const Window& win, Map<const S> grad_out, Map<const S> /*out*/, int64_t /*D*/) {
     grad_out_tokens.resize(n);
-    for (int i = 0; i < n; ++i) {
-      const S* dout = grad_out_tokens[i] = grad_out.at(win.queries[i]);
-      const S* o = out.at(win.queries[i]);
-      float sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t d = 0; d < D; ++d) sum += widen<float>(dout[d]) * widen<float>(o[d]);
-      delta[i] = sum;
-    }
+    for (int i = 0; i < n; ++i) grad_out_tokens[i] = grad_out.at(win.queries[i]);
     write_rows(grad_out_rows.data(), grad_out_tokens.data(), n, D, Dp);
     write_columns(grad_out_columns.data(), grad_out_tokens.data(), n, np, D);
   }
 
   void differentiate(int /*n*/, int64_t /*D*/, const float* lse, const Finish<float>& finish, float* grad_sum) {
     half_product(n, ld, Dp, grad_out_rows.data(), Dp, v_element_pairs.data(), lq, grad_scores.data(), ld);
-    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta.data(), finish, grad_sum,
+    softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, finish, grad_sum,
                      RoundedSoftmax<S>{ds_rows.data(), ds_row_pairs.data(), p_row_pairs.data(), lp, lq});
   }
 

@@ -150,6 +150,70 @@ def test_1d_strided_inputs_in_their_dtype_match_the_reference(products, dilation
     assert_close_to_reference(*case_1d(products[1], dilation, causal, D, window), products)
 
 
+@pytest.mark.parametrize("products", [p for p in PATHS if p[1] != torch.float32], ids=path_ids, indirect=True)
+@pytest.mark.parametrize("case", ["1d", "2d"])
+def test_each_querys_score_gradients_sum_to_zero_in_half_precision(products, case):
+    """Adding one number to all of a query's scores changes nothing, so where every key has a bias (a relative one in
+    the window, a global one for the global keys) the bias gradients of a head sum to zero. The backward takes
+    delta = sum_j P_ij dP_ij from its rows, in float32; rowsum(dO * O) from the output rounded to the half type left
+    each row of dS summing to its rounding error, and the totals far from zero: up to 8% of the gradients' size
+    here, where the entries' own rounding allows 0.4% in bfloat16 and 0.05% in float16."""
+    dtype, gen = products[1], torch.Generator().manual_seed(0)
+    B, H, D, G = 3, 2, 33, 2
+    if case == "2d":
+        q, k, v = (torch.randn(B, H, 4, 16, D, generator=gen).to(dtype) for _ in range(3))
+        rel_bias = torch.randn(H, 9, generator=gen).requires_grad_()
+        options = dict(exact=-1, mode=8)  # wrapped neighbour chunks: every key is one of the window's 9 offsets
+        attend = local_attention_2d
+    else:
+        q, k, v = (torch.randn(B, H, 80, D, generator=gen).to(dtype) for _ in range(3))
+        rel_bias = torch.randn(H, 2 * 3 + 1, generator=gen).requires_grad_()
+        padding = torch.rand(B, 80, generator=gen) < 0.2
+        options = dict(dilation=(1, 4), causal=True, key_padding_mask=padding)
+        attend = local_attention_1d
+    global_k, global_v = (torch.randn(B, H, G, D, generator=gen).to(dtype) for _ in range(2))
+    v, global_v = v + 16, global_v + 16  # values far from 0: an output's rounding is large against dS
+    global_bias = torch.randn(H, G, generator=gen).requires_grad_()  # float32 tables, as under autocast
+    out = attend(
+        q,
+        k,
+        v,
+        3 if case == "1d" else 1,
+        global_k=global_k,
+        global_v=global_v,
+        rel_bias=rel_bias,
+        global_bias=global_bias,
+        backend="fused_cpu",
+        **options,
+    )
+    out.backward(torch.randn(out.shape, generator=gen).to(dtype))
+    total = rel_bias.grad.sum(1) + global_bias.grad.sum(1)
+    size = rel_bias.grad.abs().sum(1) + global_bias.grad.abs().sum(1)
+    assert (total.abs() <= torch.finfo(dtype).eps / 2 * size).all(), (total / size).tolist()  # each entry rounded
+
+
+@pytest.mark.parametrize("products", [p for p in PATHS if p[1] == torch.bfloat16], ids=path_ids, indirect=True)
+def test_dilated_windows_sum_the_sub_lattices_gradients_of_shared_inputs_in_float32(products):
+    """Dilated 2D windows run once per sub-lattice, each with the same global keys and bias tables; here the four
+    pieces of the global bias's gradient are about -4.0, -3.7, 0.7 and 7.5, and their sum 0.45. Summed in bfloat16
+    it was 0.469 (the reference's 0.449); in float32, then rounded once, it is within bfloat16's precision."""
+    gen = torch.Generator().manual_seed(485)
+    shape = (2, 1, 9, 10, 80)
+    q, k, v = (torch.randn(*shape, generator=gen).bfloat16() for _ in range(3))
+    global_k, global_v = (torch.randn(2, 1, 1, 80, generator=gen).bfloat16() for _ in range(2))
+    global_bias = torch.randn(1, 1, generator=gen).bfloat16()
+    upstream = torch.randn(shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    grads = []
+    for dtype, backend in ((torch.float64, "reference"), (torch.bfloat16, "fused_cpu")):
+        bias = global_bias.to(dtype).requires_grad_()
+        qd, kd, vd, gk, gv = (t.to(dtype) for t in (q, k, v, global_k, global_v))
+        out = local_attention_2d(
+            qd, kd, vd, 5, exact=1, dilation=2, global_k=gk, global_v=gv, global_bias=bias, backend=backend
+        )
+        grads.append(torch.autograd.grad(out, bias, upstream.to(dtype))[0].item())
+    assert grads[1] == pytest.approx(grads[0], rel=TOLERANCE[products])
+
+
 def largest_relative_error(dtype):
     """Over every 2D and 1D case above: the largest relative error of any result."""
     cases = [case_2d(dtype, *case) for case in CASES_2D] + [case_1d(dtype, *case) for case in CASES_1D]

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from .base import Backend, Extras
+from .base import Backend, Extras, compute_dtype
 from .neighborhood import Neighborhood1d, Neighborhood2d
 
 
@@ -35,13 +35,20 @@ def run_2d(attend, b: Backend, q, k, v, hood: Neighborhood2d, extras: Extras):
 def _per_sub_lattice(attend, q, k, v, hood, extras):
     """The positions whose row and column have the same residues modulo the dilation form a map of their own, on
     which the window is the undilated one."""
-    d, out = hood.dilation, None
+    d, out, extras = hood.dilation, None, _shared_in_float32(extras)
     for r in range(min(d, q.shape[2])):
         for c in range(min(d, q.shape[3])):
             part = (slice(None), slice(None), slice(r, None, d), slice(c, None, d))
             pieces = (q[part].contiguous(), k[part].contiguous(), v[part].contiguous())
             out = _placed(out, q, part, attend(*pieces, hood.with_dilation(1), extras))
     return out
+
+
+def _shared_in_float32(extras):
+    """The inputs every piece shares (global keys and values, bias tables) in float32 at least, so that autograd
+    sums the pieces' gradients for them in float32: summed in bfloat16, pieces that are large and cancel lose their
+    sum (the backends compute half precision in float32, and each piece's gradient comes back in float32)."""
+    return extras.cast(lambda t: t.to(compute_dtype(t)))
 
 
 def _placed(out, q, index, piece):
@@ -66,7 +73,7 @@ def run_1d(attend, b: Backend, q, k, v, hood: Neighborhood1d, extras: Extras):
             out = _placed(out, q, (slice(None), heads), piece)
         return out
     if hood.dilated and b.dilation(1) == "split":
-        d, out = hood.dilation, None
+        d, out, extras = hood.dilation, None, _shared_in_float32(extras)
         mask = extras.key_padding_mask
         for r in range(min(d, q.shape[2])):
             part = replace(extras, key_padding_mask=None if mask is None else mask[:, r::d])
