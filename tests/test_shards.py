@@ -177,6 +177,14 @@ def test_bad_shard_requests_are_one_sentence(shards, tmp_path):
     assert status == 1 and stderr.startswith(f"error: {shards / 'train'} exists; remove it or choose another")
     status, _, stderr = run_tool("make_shards", tmp_path / "folder", tmp_path / "new", "--per-shard", "0")
     assert status == 1 and stderr.startswith("error: --per-shard must be a positive number of samples, got 0.")
+    (tmp_path / "folder" / "val" / "empty").mkdir()  # a class of no images, found before anything is written
+    status, _, stderr = run_tool("make_shards", tmp_path / "folder", tmp_path / "new")
+    assert status == 1 and "empty" in stderr and not (tmp_path / "new" / "train").exists()
+    (tmp_path / "folder" / "val" / "empty" / "0.JPEG").write_bytes(
+        (tmp_path / "folder" / "val" / "cat" / "0.JPEG").read_bytes()
+    )
+    status, _, stderr = run_tool("make_shards", tmp_path / "folder", tmp_path / "new")
+    assert status == 1 and "only the evaluation data has ['empty']" in stderr and not (tmp_path / "new").exists()
     status, _, stderr = run_tool("make_shards", shards / "train", tmp_path / "new")
     assert status == 1 and stderr.startswith(
         f"error: {shards / 'train'} has neither train/ nor val/; give the DATA.PATH"

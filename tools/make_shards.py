@@ -5,7 +5,8 @@
 ``OUTPUT/train/shard-000000.tar, ...`` and ``OUTPUT/val/...``, each split with its ``index.json`` (classes, samples
 per shard). The images are stored as they are (their bytes, not decoded), the classes numbered in sorted order
 as image folders number them, the training images in a seeded random order so that every shard mixes the
-classes. A split is written into ``<split>.partial`` and renamed when complete; an existing split is refused.
+classes. Both splits are listed before anything is written (an empty class, or classes that differ between them,
+are refused); a split is written into ``<split>.partial`` and renamed when complete; an existing split is refused.
 Needs webdataset (``pip install -e .[shards]``).
 """
 
@@ -17,13 +18,19 @@ import sys
 
 from torchvision.datasets import ImageFolder
 
+from vil.data import check_same_classes
 from vil.shards import require_webdataset, write_index
 
 
-def write_split(source, output, per_shard, shuffle_seed=None):
-    """Write one split; returns (shards, samples)."""
+def image_folder(source):
+    """The image paths and classes of one split (nothing is decoded); an empty class or split is refused here, before
+    anything is written."""
+    return ImageFolder(source, loader=lambda path: path)
+
+
+def write_split(folder, output, per_shard, shuffle_seed=None):
+    """Write one split (an :func:`image_folder`); returns (shards, samples)."""
     wds = require_webdataset()
-    folder = ImageFolder(source, loader=lambda path: path)  # paths only: nothing is decoded
     samples = list(folder.samples)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(samples)
@@ -64,12 +71,12 @@ def main(argv=None):
             target = os.path.join(args.output, split)
             if os.path.exists(target):
                 raise ValueError(f"{target} exists; remove it or choose another output folder.")
-        for split in splits:
+        folders = {split: image_folder(os.path.join(args.source, split)) for split in splits}
+        if len(folders) == 2:
+            check_same_classes(folders["train"], folders["val"])
+        for split, folder in folders.items():
             shards, samples = write_split(
-                os.path.join(args.source, split),
-                os.path.join(args.output, split),
-                args.per_shard,
-                args.seed if split == "train" else None,
+                folder, os.path.join(args.output, split), args.per_shard, args.seed if split == "train" else None
             )
             print(f"{split}: {samples} images in {shards} shards under {os.path.join(args.output, split)}", flush=True)
     except (ValueError, OSError) as e:
