@@ -160,6 +160,23 @@ def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_itself(sha
     assert re.search(r"shard-000000\.tar:after \S+ \(the shard cannot be read past this point, .*make_shards", name)
 
 
+def test_fewer_shards_than_processes_is_one_sentence(shards, tmp_path, monkeypatch):
+    """Each process reads shards of its own: a process left with none would end training with advice (a smaller
+    batch) that cannot help. (Only a barrier runs before the check: the other processes need not exist.)"""
+    from vil import runtime
+
+    real_init = runtime.Runtime.__init__
+
+    def eight_processes(self, backend="nccl"):
+        real_init(self, backend)
+        self.world = 8
+
+    monkeypatch.setattr(runtime.Runtime, "__init__", eight_processes)
+    monkeypatch.setattr(runtime.Runtime, "barrier", lambda self: None)  # the output folder's set-up waits for all
+    with pytest.raises(ValueError, match=r"4 shards for 8 processes.*at least one shard per process"):
+        train(tiny_cfg(shards, tmp_path / "run", "DATA.FORMAT", "shards", "DATALOADER.BSZ", "8"))
+
+
 def test_bad_shard_requests_are_one_sentence(shards, tmp_path):
     with pytest.raises(
         ValueError,

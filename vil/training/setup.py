@@ -241,6 +241,11 @@ def _build_run(cfg, runtime, lock, starts_fresh):
             f"must be even, not {batch}."
         )
     steps = steps_per_epoch(train_set, cfg, runtime, batch)
+    if isinstance(train_set, ShardDataset) and len(train_set.counts) < runtime.world:
+        raise ValueError(
+            f"The training data has {len(train_set.counts)} shards for {runtime.world} processes, each of which reads "
+            "shards of its own; write at least one shard per process (tools/make_shards.py --per-shard smaller)."
+        )
     if steps == 0:
         raise ValueError(
             f"{len(train_set)} training images make no optimizer step of OPTIM.ACCUM_STEPS {accum} batches of "
