@@ -1,6 +1,7 @@
 """Training end to end on tiny data: outputs, exact resume, torchrun, the mode switch, and clear failures."""
 
 import json
+import logging
 import os
 import random
 import re
@@ -86,6 +87,16 @@ def test_the_logged_learning_rate_is_the_one_each_step_used(data, tmp_path, monk
     assert logged == pytest.approx(used, rel=1e-3)  # the lines' 4 digits
     epoch_lines = [float(x) for x in re.findall(r"epoch \d/2: loss [^,]*, lr ([^,]*)", text)]
     assert epoch_lines == pytest.approx([used[2], used[5]], rel=1e-3)
+
+
+def test_a_second_run_in_one_process_closes_the_first_ones_log(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    training_setup.setup_logging(tmp_path / "a", True)
+    (first,) = [h for h in training_setup.log.handlers if isinstance(h, logging.FileHandler)]
+    training_setup.setup_logging(tmp_path / "b", True)
+    training_setup.log.info("the second run")
+    assert first.stream is None and "the second run" not in (tmp_path / "a" / "log.txt").read_text()
+    assert "the second run" in (tmp_path / "b" / "log.txt").read_text()
 
 
 def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_path):

@@ -47,7 +47,11 @@ PLATEAU_OPTIMIZERS = ("sgd", "qhm")
 
 
 def setup_logging(output_dir, is_main):
-    log.handlers.clear()
+    """The "vil" logger to the console and, in the main process, to ``output_dir/log.txt``; the handlers of an earlier
+    run in this process are closed (its log file with them)."""
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+        handler.close()
     log.setLevel(logging.INFO if is_main else logging.WARNING)
     log.propagate = False
     console = logging.StreamHandler()
