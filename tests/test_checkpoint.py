@@ -21,8 +21,9 @@ def original_release_checkpoint(state):
     """A state dict saved the way the original release did: under "net", from a DDP wrapper (``module.``),
     with its ``relative_position_index`` buffers, plus its other entries."""
     net = {f"module.{k}": v for k, v in state.items()}
-    net["module.layer1.1.attn.relative_position_index"] = torch.zeros(49, 441, dtype=torch.int64)
-    net["module.layer3.1.attn.relative_position_index"] = torch.zeros(4, 4, dtype=torch.int64)
+    for key in state:  # beside each relative bias table (of models that have them)
+        if key.endswith(".local_relative_position_bias_table"):
+            net[f"module.{key.rpartition('.')[0]}.relative_position_index"] = torch.zeros(4, 4, dtype=torch.int64)
     return {"net": net, "arch": "msvit", "epoch": 300, "best_acc": 76.6}
 
 
@@ -35,6 +36,18 @@ def test_original_release_checkpoint_loads_and_gives_the_same_outputs(tmp_path):
     checkpoint = load_checkpoint(target, path)
     assert checkpoint["epoch"] == 300
     torch.testing.assert_close(target(x), source(x), rtol=0, atol=0)
+
+
+def test_an_index_buffer_beside_no_bias_table_is_an_unexpected_key(tmp_path):
+    """The original release saved relative_position_index beside each relative bias table; one elsewhere (an
+    absolute-position model has none) is a key the model does not have, named as such."""
+    absolute = MsViT(PRESETS["vil_tiny"], img_size=64, num_classes=7)
+    checkpoint = original_release_checkpoint(absolute.state_dict())
+    for layer in ("layer1.1", "layer3.1"):
+        checkpoint["net"][f"module.{layer}.attn.relative_position_index"] = torch.zeros(4, 4, dtype=torch.int64)
+    torch.save(checkpoint, tmp_path / "absolute.pth")
+    with pytest.raises(ValueError, match=r"2 unexpected: layer1.1.attn.relative_position_index, layer3.1"):
+        load_checkpoint(absolute, tmp_path / "absolute.pth")
 
 
 def test_own_checkpoint_round_trip_and_bare_state_dict(tmp_path):

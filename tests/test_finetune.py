@@ -233,6 +233,27 @@ def test_model_path_is_looked_up_under_data_dir_and_other_architectures_are_refu
         )
 
 
+@pytest.mark.parametrize("change, named", [("drop", "no head.bias"), ("add", "head.extra")])
+def test_a_classifier_with_a_missing_or_foreign_part_is_refused_naming_it(tmp_path, change, named):
+    """Whether the run keeps the classifier or trains a new one, a classifier that is not a linear layer's is another
+    model's or a damaged file."""
+    original_checkpoint(tmp_path / "tiny.pth", img_size=32, num_classes=2)
+    checkpoint = torch.load(tmp_path / "tiny.pth", weights_only=True)
+    if change == "drop":
+        del checkpoint["net"]["module.head.bias"]
+    else:
+        checkpoint["net"]["module.head.extra"] = torch.zeros(3)
+    torch.save(checkpoint, tmp_path / "changed.pth")
+    overrides = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "2"]
+    for new_classifier in (False, True):
+        with pytest.raises(ValueError, match=rf"changed.pth has {named}, which a linear classifier"):
+            load_weights(
+                MsViT(TINY_ARCH, img_size=32, num_classes=2),
+                load_cfg(overrides=[*overrides, "MODEL.MODEL_PATH", str(tmp_path / "changed.pth")]),
+                new_classifier=new_classifier,
+            )
+
+
 def test_evaluate_true_makes_train_py_evaluate_model_path(tmp_path):
     data = make_folder(tmp_path / "data", per_class=6)
     original_checkpoint(tmp_path / "tiny.pth", img_size=32, num_classes=2)

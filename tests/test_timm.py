@@ -17,7 +17,7 @@ def test_every_preset_is_registered_with_its_pretrained_cfg():
     for name in NAMES:
         cfg = timm.models.get_pretrained_cfg(name).to_dict()  # the default tag's
         if cfg.get("tag", "").endswith("_384"):  # the Base presets: published only as 384 fine-tunes on ImageNet-1K
-            assert cfg["input_size"] == (3, 384, 384) and cfg["crop_pct"] == 1.0 and cfg["pool_size"] == (12, 12)
+            assert cfg["input_size"] == (3, 384, 384) and cfg["crop_pct"] == 0.922 and cfg["pool_size"] == (12, 12)
         else:
             assert cfg["input_size"] == (3, 224, 224) and cfg["crop_pct"] == 0.875
             assert cfg["pool_size"] == (7, 7)  # 224 / a total stride of 4 * 2 * 2 * 2

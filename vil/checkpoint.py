@@ -14,8 +14,9 @@ import torch
 
 from .files import atomic_write
 
-# Buffers the original release saved that this project derives from the shapes instead.
-_DERIVED_KEYS = ("relative_position_index",)
+# A buffer the original release saved beside each relative position bias table (the table's name in the same module),
+# which this project derives from the shapes instead.
+_DERIVED_KEY, _ITS_TABLE = "relative_position_index", "local_relative_position_bias_table"
 
 
 def save_checkpoint(path, model, entries=None, **extra):
@@ -123,7 +124,14 @@ def model_state(checkpoint, path="checkpoint"):
     for prefix in ("module.", "_orig_mod."):  # DistributedDataParallel, torch.compile
         if state and all(k.startswith(prefix) for k in state):
             state = {k[len(prefix) :]: v for k, v in state.items()}
-    return {k: v for k, v in state.items() if not k.endswith(_DERIVED_KEYS)}
+    return {k: v for k, v in state.items() if not _derived(k, state)}
+
+
+def _derived(key, state):
+    """Whether ``key`` is a buffer the original release saved beside a bias table of ``state`` (elsewhere, such a
+    name is a key the model does not have, and is named as one)."""
+    module, _, name = key.rpartition(".")
+    return name == _DERIVED_KEY and f"{module}.{_ITS_TABLE}" in state
 
 
 def load_checkpoint(model, path, strict=True):

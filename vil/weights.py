@@ -80,6 +80,20 @@ def load_weights(model, cfg, new_classifier=False):
     return path
 
 
+def _check_classifier_parts(head, path):
+    """Refuse, naming them, classifier entries (``head``: name -> shape) that are not a linear classifier's: names
+    other than head.weight and head.bias, or one of the two without the other. (A classifier of another class count
+    may be replaced; one that is not a classifier is another model's, or a damaged file.)"""
+    parts = {"head.weight", "head.bias"}
+    odd, missing = sorted(set(head) - parts), sorted(parts - set(head)) if head else []
+    if odd or missing:
+        found = f"{', '.join(odd)}, which" if odd else f"no {', '.join(missing)}, which"
+        raise ValueError(
+            f"Checkpoint {path} has {found} a linear classifier (head.weight and head.bias) "
+            f"{'does not have' if odd else 'needs'}; use a checkpoint of a ViL classification model."
+        )
+
+
 def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
     """:func:`load_weights` of the checkpoint dict already read from ``path`` (its EMA weights with ``ema``)."""
     differences = trained_with(checkpoint, path, cfg)
@@ -94,6 +108,7 @@ def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
             f"e.g. {broken[0]}; use a checkpoint written before the training diverged."
         )
     head = {k: v.shape for k, v in state.items() if k.startswith("head.")}
+    _check_classifier_parts(head, path)
     if head != {k: v.shape for k, v in model.state_dict().items() if k.startswith("head.")}:
         found = f"a classifier for {head['head.weight'][0]} classes" if "head.weight" in head else "no classifier"
         if not new_classifier:

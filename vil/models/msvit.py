@@ -557,7 +557,7 @@ def _cfg(name, url="", size=224, num_classes=1000, description=None):
         "url": url,
         "num_classes": num_classes,
         "input_size": (3, size, size),
-        "crop_pct": 0.875 if size == 224 else 1.0,
+        "crop_pct": 0.875 if size == 224 else 0.922,  # the original recipes' evaluation crops (224 and 384)
         "interpolation": "bicubic",
         "mean": IMAGENET_DEFAULT_MEAN,
         "std": IMAGENET_DEFAULT_STD,
