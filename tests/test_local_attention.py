@@ -593,14 +593,16 @@ def test_fused_cpu_gradients_are_not_differentiated_again():
     out = local_attention_1d(one_d, one_d, one_d, 2, backend="fused_cpu")
     with pytest.raises(RuntimeError, match=r"backward is autograd's: loop or reference\.$"):
         torch.autograd.grad(out.square().sum(), one_d, create_graph=True)
-    # The backends with a hand-written backward in Python refuse the second backward (they gave wrong numbers).
-    for q, out in (
-        (one_d, local_attention_1d(one_d, one_d, one_d, 2, backend="chunks")),
-        (inputs["q"], local_attention_2d(inputs["q"], inputs["k"], inputs["v"], 2, backend="chunk_rows")),
+    qkv = inputs["q"], inputs["k"], inputs["v"]
+    # The backends with a hand-written backward in Python refuse the second backward as the fused ones do, also
+    # for a constant upstream gradient (a gradient penalty: once_differentiable let that through, with wrong numbers).
+    for name, q, attend in (
+        ("chunks", one_d, lambda: local_attention_1d(one_d, one_d, one_d, 2, backend="chunks")),
+        ("chunk_rows", inputs["q"], lambda: local_attention_2d(*qkv, 2, backend="chunk_rows")),
     ):
-        (grad_q,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
-        with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_diff"):
-            grad_q.square().sum().backward()
+        for loss in (lambda out: out.sum(), lambda out: out.square().sum()):
+            with pytest.raises(RuntimeError, match=f"The {name} backend's backward is not differentiable.*autograd's"):
+                torch.autograd.grad(loss(attend()), q, create_graph=True)
     # Through the operator (under torch.compile, the profiler, a dispatch mode) the backward operator has no autograd
     # formula, which stops the second backward.
     with torch.profiler.profile():
@@ -608,6 +610,33 @@ def test_fused_cpu_gradients_are_not_differentiated_again():
         (grad_q,) = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         grad_q.sum().backward()
+
+
+@pytest.mark.parametrize("backend", [b for b in available_backends(2) if b != "flex"])
+def test_dilated_windows_in_bfloat16_with_every_extra(backend):
+    """Dilated windows split per sub-lattice share float32 copies of the global keys and bias tables (so that their
+    gradients are summed in float32); each piece takes them in the dtype the backend reads: bfloat16 out, close to
+    the reference. (Backends that read them only in q's dtype failed on the float32 copies.)"""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 6, 16, generator=gen) for _ in range(3))
+    gk, gv = (torch.randn(1, 2, 1, 16, generator=gen) for _ in range(2))
+    rel_bias, global_bias = torch.randn(2, 9, generator=gen), torch.randn(2, 1, generator=gen)
+    extras = dict(global_k=gk, global_v=gv, rel_bias=rel_bias, global_bias=global_bias)
+    want = local_attention_2d(
+        *(t.double() for t in (q, k, v)), 1, exact=1, dilation=2, **{n: t.double() for n, t in extras.items()}
+    )
+    for dilation in (2, 5):  # 5: past a side of the map, which every backend splits
+        out = local_attention_2d(
+            *(t.bfloat16() for t in (q, k, v)),
+            1,
+            exact=1,
+            dilation=dilation,
+            backend=backend,
+            **{n: t.bfloat16() for n, t in extras.items()},
+        )
+        assert out.dtype == torch.bfloat16
+        if dilation == 2:
+            torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("backend", ["sliding_chunk", "fused_cpu"])

@@ -194,8 +194,10 @@ class Backend:
     their dtype, device or shape). ``traceable``: torch.compile and torch.export trace its functions as they are
     (FlexAttention, which the compiler knows); under them, the op runs a backend that has neither passes nor this
     as one generic operator whose backward recomputes its forward. ``twice_differentiable``: the backward of its
-    functions is autograd's (gradients of gradients, ``create_graph=True``); False where a function has a
-    hand-written backward (marked ``once_differentiable``, so that a second backward is refused).
+    functions is autograd's (gradients of gradients, ``create_graph=True``); False where a backward is hand-written
+    (passes, or a function's own autograd.Function), so that a second backward is refused in one sentence.
+    ``extras_in_float32``: it takes the global keys and values and bias tables in float32 beside half-precision q
+    (its passes compute them in float32), so that pieces of a split request can share float32 copies.
     """
 
     name: str
@@ -214,6 +216,7 @@ class Backend:
     check: Optional[Callable] = None
     traceable: bool = False
     twice_differentiable: bool = True
+    extras_in_float32: bool = False
 
     def function(self, dims: int) -> Optional[Callable]:
         return self.attention_1d if dims == 1 else self.attention_2d

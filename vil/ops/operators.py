@@ -40,7 +40,40 @@ def run_eagerly(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extra
         b = BACKENDS["reference"]
     run = split.run_1d if hood.dims == 1 else split.run_2d
     attend = b.function(hood.dims) if b.passes(hood.dims) is None else partial(fused_attention, b)
-    return run(attend, b, q, k, v, hood, extras)
+    out = run(attend, b, q, k, v, hood, extras)
+    if b.passes(hood.dims) is None and not b.twice_differentiable and out.requires_grad:  # passes refuse themselves
+        out = _FirstOrderOnly.apply(out, b.name, hood.dims)
+    return out
+
+
+def refuse_second_order(backend, dims, device_type):
+    """Raise, in one sentence naming those that can, for gradients of the gradients of ``backend``'s output."""
+    if torch.is_grad_enabled():  # in a backward: create_graph=True
+        able = (
+            name
+            for name, b in BACKENDS.items()
+            if b.function(dims) and b.twice_differentiable and b.trains_on_device(device_type)
+        )
+        raise RuntimeError(
+            f"The {backend} backend's backward is not differentiable, so gradients of its gradients "
+            f"(create_graph=True) cannot be taken; use a backend whose backward is autograd's: {listed(able)}."
+        )
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The identity, whose backward refuses a second-order backward (:func:`refuse_second_order`) before it reaches
+    a hand-written backward that would compute it wrong (``once_differentiable`` catches that only where the
+    incoming gradient itself requires grad)."""
+
+    @staticmethod
+    def forward(ctx, out, backend, dims):
+        ctx.request = backend, dims
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        refuse_second_order(*ctx.request, grad_out.device.type)
+        return grad_out, None, None
 
 
 def fused_attention(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> Tensor:
@@ -91,16 +124,7 @@ class _EagerPasses(torch.autograd.Function):
     def backward(ctx, grad_out):
         backend, hood, scale = ctx.request
         *inputs, key_padding_mask, out, lse = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True
-            able = (
-                name
-                for name, b in BACKENDS.items()
-                if b.function(hood.dims) and b.twice_differentiable and b.trains_on_device(out.device.type)
-            )
-            raise RuntimeError(
-                f"The {backend} backend's backward is not differentiable, so gradients of its gradients "
-                f"(create_graph=True) cannot be taken; use a backend whose backward is autograd's: {listed(able)}."
-            )
+        refuse_second_order(backend, hood.dims, out.device.type)
         extras = Extras(scale, *inputs[3:], key_padding_mask)
         grads = _backward(backend, *inputs[:3], hood, extras, out, lse, grad_out)
         return (None, None, None, None, *gradients_or_none(grads, inputs))

@@ -28,27 +28,37 @@ def run_2d(attend, b: Backend, q, k, v, hood: Neighborhood2d, extras: Extras):
     rows, cols = q.shape[2:4]
     static = isinstance(rows, int) and isinstance(cols, int)
     if hood.dilated and (b.dilation(2) == "split" or (static and hood.dilation >= min(rows, cols))):
-        return _per_sub_lattice(attend, q, k, v, hood, extras)
+        return _per_sub_lattice(attend, q, k, v, hood, _piece_extras(b, extras))
     return attend(q, k, v, hood, extras)
 
 
-def _per_sub_lattice(attend, q, k, v, hood, extras):
+def _per_sub_lattice(attend, q, k, v, hood, piece_extras):
     """The positions whose row and column have the same residues modulo the dilation form a map of their own, on
     which the window is the undilated one."""
-    d, out, extras = hood.dilation, None, _shared_in_float32(extras)
+    d, out = hood.dilation, None
     for r in range(min(d, q.shape[2])):
         for c in range(min(d, q.shape[3])):
             part = (slice(None), slice(None), slice(r, None, d), slice(c, None, d))
             pieces = (q[part].contiguous(), k[part].contiguous(), v[part].contiguous())
-            out = _placed(out, q, part, attend(*pieces, hood.with_dilation(1), extras))
+            out = _placed(out, q, part, attend(*pieces, hood.with_dilation(1), piece_extras()))
     return out
 
 
-def _shared_in_float32(extras):
-    """The inputs every piece shares (global keys and values, bias tables) in float32 at least, so that autograd
-    sums the pieces' gradients for them in float32: summed in bfloat16, pieces that are large and cancel lose their
-    sum (the backends compute half precision in float32, and each piece's gradient comes back in float32)."""
-    return extras.cast(lambda t: t.to(compute_dtype(t)))
+def _piece_extras(b: Backend, extras: Extras):
+    """A function giving each piece the inputs all pieces share (global keys and values, bias tables), taken from
+    float32 copies made once, so that autograd sums the pieces' gradients in float32 (summed in bfloat16, pieces that
+    are large and cancel lose their sum): the copies themselves where ``b`` takes them in float32, else each piece's
+    own cast to the dtypes they came in."""
+    shared = extras.cast(lambda t: t.to(compute_dtype(t)))
+    if b.extras_in_float32:
+        return lambda: shared
+    dtypes = [t.dtype for t in extras.differentiable if t is not None]
+
+    def in_given_dtypes():
+        given = iter(dtypes)
+        return shared.cast(lambda t: t.to(next(given)))
+
+    return in_given_dtypes
 
 
 def _placed(out, q, index, piece):
@@ -73,10 +83,10 @@ def run_1d(attend, b: Backend, q, k, v, hood: Neighborhood1d, extras: Extras):
             out = _placed(out, q, (slice(None), heads), piece)
         return out
     if hood.dilated and b.dilation(1) == "split":
-        d, out, extras = hood.dilation, None, _shared_in_float32(extras)
+        d, out, piece_extras = hood.dilation, None, _piece_extras(b, extras)
         mask = extras.key_padding_mask
         for r in range(min(d, q.shape[2])):
-            part = replace(extras, key_padding_mask=None if mask is None else mask[:, r::d])
+            part = replace(piece_extras(), key_padding_mask=None if mask is None else mask[:, r::d])
             piece = attend(q[:, :, r::d], k[:, :, r::d], v[:, :, r::d], hood.with_dilation(1), part)
             out = _placed(out, q, (slice(None), slice(None), slice(r, None, d)), piece)
         return out

@@ -301,6 +301,8 @@ BACKEND = Backend(
     passes_2d=FusedPasses(_forward_2d, _backward_2d, _scored_pairs),
     passes_1d=FusedPasses(_forward_1d, _backward_1d, _scored_pairs_1d),
     prepare=in_float32_or_wider,
+    extras_in_float32=True,
+    twice_differentiable=False,
     dilation_2d="split",
     dilation_1d="split",
 )

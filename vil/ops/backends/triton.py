@@ -125,6 +125,7 @@ BACKEND = Backend(
     passes_2d=FusedPasses(_forward_2d, _backward_2d, _scored_pairs),
     passes_1d=FusedPasses(_forward_1d, _backward_1d, _scored_pairs_1d),
     prepare=_rows_of_unit_stride,
+    twice_differentiable=False,
     per_head_dilation=True,
     devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
