@@ -407,6 +407,19 @@ def test_what_is_refused():
         accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask, output_attentions=True)
     with pytest.raises(ValueError, match="Linear has no Longformer self-attention"):
         vil.accelerate_longformer(torch.nn.Linear(2, 2))
+    for not_a_model, named in (
+        ("allenai/longformer-base-4096", "a str"),
+        (transformers.LongformerModel, "the class LongformerModel"),
+    ):
+        with pytest.raises(ValueError, match=f"model instance .*got {named}"):
+            vil.accelerate_longformer(not_a_model)
+    subclassed = transformers.LongformerModel(longformer_config())
+    for layer in subclassed.encoder.layer:
+        layer.attention.self.__class__ = type(
+            "OwnAttention", (transformers.models.longformer.modeling_longformer.LongformerSelfAttention,), {}
+        )
+    with pytest.raises(ValueError, match="OwnAttention subclasses transformers' LongformerSelfAttention"):
+        vil.accelerate_longformer(subclassed)
     assert vil.accelerate_longformer(accelerated) is accelerated  # a second call changes nothing
     for name in ("nonsense", "unfold"):  # unfold computes 2D windows only
         with pytest.raises(ValueError, match=rf"backend '{name}' computes no .* one of sliding_chunk, .*reference"):

@@ -126,12 +126,19 @@ def accelerate_longformer(model, backend=None):
     ``vil.ops.local_attention_1d`` (``backend``: the op's backend, None for its default), in place; returns the
     model. Parameters, their names and the state dict stay as they are, so checkpoints load before or after and
     ``save_pretrained`` writes what transformers reads; a ``LongformerModel``'s ``config._attn_implementation``
-    becomes :data:`MASK_IMPLEMENTATION` (not saved). Raises ``ValueError`` where the model has no such layer or
-    ``backend`` computes no 1D windows."""
+    becomes :data:`MASK_IMPLEMENTATION` (not saved). Raises ``ValueError`` where ``model`` is not a module, has no
+    such layer (subclasses of transformers' layers included: they may change its forward) or ``backend`` computes no
+    1D windows."""
     if backend is not None and backend not in available_backends(1):
         raise ValueError(
             f"backend {backend!r} computes no Longformer (1D) windows; use None (the fastest for the inputs) or one "
             f"of {', '.join(available_backends(1))}."
+        )
+    if not isinstance(model, torch.nn.Module):
+        kind = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
+        raise ValueError(
+            f"vil.accelerate_longformer takes a transformers model instance (e.g. "
+            f"LongformerModel.from_pretrained(path)), got {kind}."
         )
     converted = 0
     for module in model.modules():
@@ -144,6 +151,13 @@ def accelerate_longformer(model, backend=None):
         if isinstance(module, LongformerModel):
             module.config._attn_implementation = MASK_IMPLEMENTATION
     if not converted and not any(isinstance(m, _Accelerated) for m in model.modules()):
+        for module in model.modules():
+            base = next((c for c in CONVERSIONS if isinstance(module, c)), None)
+            if base is not None:
+                raise ValueError(
+                    f"{type(module).__name__} subclasses transformers' {base.__name__}, whose forward it may "
+                    "change; vil.accelerate_longformer converts only transformers' own classes."
+                )
         raise ValueError(
             f"{type(model).__name__} has no Longformer self-attention layer to accelerate; "
             "vil.accelerate_longformer takes transformers' Longformer and LED models."
