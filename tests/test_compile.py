@@ -92,14 +92,58 @@ def test_random_neighbour_training_draws_in_the_compiled_graph():
     assert len({float(loss) for loss in results}) > 1  # the neighbours differ from call to call
 
 
-def test_a_drawn_neighbour_is_refused_by_the_onnx_exporter(monkeypatch):
-    from vil.ops import Neighborhood2d, local_attention
-    from vil.ops.base import Extras
-
-    monkeypatch.setattr(local_attention, "exporting_to_onnx", lambda: True)
-    q = torch.randn(1, 1, 4, 4, 8)
+def test_a_drawn_neighbour_is_refused_by_the_onnx_exporter(tmp_path):
+    """TorchScript's tracer runs the op on real tensors: the neighbour drawn then would stay in the file for good."""
+    model = MsViT(ARCH, img_size=32, num_classes=5, mode=3).train()
     with pytest.raises(ValueError, match=r"MODE > 0 in training.*model.eval\(\)"):
-        local_attention._run(BACKENDS["unfold"], q, q, q, Neighborhood2d(2), Extras(1.0), torch.tensor(3))
+        torch.onnx.export(
+            model,
+            (torch.randn(1, 3, 32, 32),),
+            tmp_path / "m.onnx",
+            dynamo=False,
+            training=torch.onnx.TrainingMode.PRESERVE,
+        )
+
+
+def test_a_drawn_neighbour_needs_chunked_windows_compiled_or_not():
+    q = torch.randn(1, 1, 4, 6, 8)
+    attend = lambda q, mode: local_attention_2d(q, q, q, 2, exact=1, mode=mode)  # noqa: E731
+    for run in (attend, torch.compile(attend, backend="aot_eager")):
+        with pytest.raises(ValueError, match=r"mode as a tensor.*exact 0 or -1"):
+            run(q, torch.tensor(0))
+
+
+def test_dynamic_compile_takes_the_window_numbers_as_arguments():
+    q = torch.randn(1, 2, 8, 7, 8, dtype=torch.float64)
+
+    def attend(q, window, exact, mode, dilation):
+        return local_attention_2d(q, q, q, window, exact=exact, mode=mode, dilation=dilation)
+
+    compiled = torch.compile(attend, backend="aot_eager", dynamic=True)
+    for numbers in ((2, 0, 0, 1), (3, 0, 5, 1), (1, 1, 0, 2), (2, -1, -1, 1)):
+        torch.testing.assert_close(compiled(q, *numbers), attend(q, *numbers), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_autocast_leaves_every_backend_in_the_inputs_dtype_compiled_or_not(dims):
+    """The operators torch.compile records run below autocast, so eagerly too every backend computes in q's dtype:
+    float32 inputs under bfloat16 autocast give float32 results, the same compiled or not."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 8, 16) for _ in range(3))
+    if dims == 1:
+        q, k, v = (t.flatten(2, 3) for t in (q, k, v))
+    op = local_attention_1d if dims == 1 else local_attention_2d
+    for backend in OTHER_2D + COMPILED_BACKENDS if dims == 2 else ALL_1D:
+        if backend == "triton":
+            continue  # CUDA tensors only, outside its interpreter
+        attend = lambda q, k, v: op(q, k, v, 2, backend=backend)  # noqa: E731,B023
+        torch._dynamo.reset()  # one code object for every backend
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            eager = attend(q, k, v)
+            compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
+        assert eager.dtype == compiled.dtype == torch.float32, backend
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0, msg=backend)
+        torch.testing.assert_close(eager, attend(q, k, v), rtol=0, atol=0, msg=backend)
 
 
 @pytest.mark.parametrize("backend", ["fused_cpu", "unfold"])  # an operator of its own, the generic one
@@ -332,3 +376,56 @@ def test_a_dilation_tensor_is_refused_when_traced():
     torch.testing.assert_close(Dilated()(q, dilation), local_attention_1d(q, q, q, 2, dilation=(1, 2)))  # eagerly
     with pytest.raises(ValueError, match=r"dilation as Python ints"):
         torch.export.export(Dilated(), (q, dilation))
+
+
+@pytest.mark.parametrize("backend", ["fused_cpu", "sliding_chunk"])
+def test_dilated_windows_export_with_dynamic_sizes_and_run_at_others(backend):
+    """Split per sub-lattice (2D) or residue class (``sliding_chunk`` 1D), whose number depends on the size: with
+    symbolic sizes the request runs as the generic operator, on the real tensors."""
+    from torch.export import Dim
+
+    class Dilated2d(torch.nn.Module):
+        def forward(self, q, k, v):
+            return local_attention_2d(q, k, v, 1, exact=1, dilation=2, backend=backend)
+
+    class Dilated1d(torch.nn.Module):
+        def forward(self, q, k, v):
+            return local_attention_1d(q, k, v, 2, dilation=[1, 3], backend=backend)
+
+    sides = {0: Dim("batch", min=1, max=8), 2: Dim("rows", min=2, max=64), 3: Dim("cols", min=2, max=64)}
+    for module, traced, others, dims in (
+        (Dilated2d(), (2, 2, 6, 5, 8), ((1, 2, 9, 7, 8), (2, 2, 3, 2, 8)), sides),
+        (Dilated1d(), (1, 2, 20, 8), ((1, 2, 3, 8), (1, 2, 37, 8)), {2: Dim("length", min=2, max=200)}),
+    ):
+        program = torch.export.export(module, tuple(torch.randn(traced) for _ in range(3)), dynamic_shapes=(dims,) * 3)
+        for shape in others:
+            inputs = [torch.randn(shape) for _ in range(3)]
+            torch.testing.assert_close(program.module()(*inputs), module(*inputs), msg=f"{backend} {shape}")
+
+
+def test_dilated_windows_train_compiled_with_dynamic_sizes():
+    attend = lambda q, k, v: local_attention_2d(q, k, v, 1, exact=1, dilation=2)  # noqa: E731
+    compiled = torch.compile(attend, backend="aot_eager", dynamic=True)
+    for shape in ((1, 2, 6, 5, 8), (2, 2, 9, 7, 8), (1, 2, 4, 10, 8)):
+        inputs = [torch.randn(shape, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        grad_out = torch.randn(shape, dtype=torch.float64)
+        want = torch.autograd.grad(attend(*inputs), inputs, grad_out)
+        got = torch.autograd.grad(compiled(*inputs), inputs, grad_out)
+        for name, a, b in zip("qkv", got, want):
+            torch.testing.assert_close(a, b, msg=f"{shape} {name}")
+
+
+def test_flex_refuses_dynamic_sizes_in_an_export():
+    from torch.export import Dim
+
+    class Flex(torch.nn.Module):
+        def forward(self, q):
+            return local_attention_1d(q, q, q, 3, backend="flex")
+
+    with pytest.raises(ValueError, match="flex .*dynamic sizes.*fused_cpu"):
+        torch.export.export(
+            Flex(), (torch.randn(1, 2, 40, 8),), dynamic_shapes=({2: Dim("length", min=2, max=200)},), strict=False
+        )
+    program = torch.export.export(Flex(), (torch.randn(1, 2, 40, 8),))  # static sizes export
+    q = torch.randn(1, 2, 40, 8)
+    torch.testing.assert_close(program.module()(q), Flex()(q))

@@ -70,7 +70,12 @@ def local_attention_2d(
                 f"mode must be an int or a 0-dim integer tensor, got a {mode.dtype} tensor of shape "
                 f"{tuple(mode.shape)}."
             )
-        if not tracing(q):
+        if exact == 1:
+            raise ValueError(
+                "mode as a tensor draws a neighbour chunk, which needs chunked windows (exact 0 or -1); "
+                "the exact window (exact 1) takes mode 0 only."
+            )
+        if not tracing(q) and not exporting_to_onnx():  # an exporter would keep the value drawn now for good
             mode = int(mode)
     drawn_mode = mode if isinstance(mode, torch.Tensor) else None  # read by the operator when it runs
     hood = Neighborhood2d(window, exact, mode if drawn_mode is None else 1, dilation)  # 1: any neighbour, to check
@@ -167,7 +172,9 @@ def _run(b, q, k, v, hood, extras, drawn_mode=None):
                 "export the model in evaluation mode (model.eval())."
             )
         return operators.decomposed_attention(q, k, v, hood, extras)
-    if drawn_mode is not None or (tracing(q) and b.passes(hood.dims) is None and not b.traceable):
+    if drawn_mode is not None or (
+        tracing(q) and ((b.passes(hood.dims) is None and not b.traceable) or split.splits_by_size(b, hood, q))
+    ):
         return operators.recomputed_attention(b, q, k, v, hood, extras, drawn_mode)
     return operators.run_eagerly(b, q, k, v, hood, extras)
 

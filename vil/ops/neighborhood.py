@@ -35,7 +35,7 @@ class Neighborhood2d:
             raise ValueError(f"window must be a positive integer, got {self.window!r}.")
         if not _is_int(self.exact) or self.exact not in (1, 0, -1):
             raise ValueError(f"exact (SW_EXACT) must be 1, 0 or -1, got {self.exact!r}.")
-        if not _is_int(self.mode) or self.mode not in range(-1, 9):
+        if not _is_int(self.mode) or not -1 <= self.mode <= 8:
             raise ValueError(f"mode (MODE) must be 0, -1 or one of 1..8, got {self.mode!r}.")
         if self.exact == 1 and self.mode != 0:
             raise ValueError(

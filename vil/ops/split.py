@@ -22,6 +22,14 @@ def fitted(hood, q, extras: Extras):
     return hood.fitted(*sizes)
 
 
+def splits_by_size(b: Backend, hood, q) -> bool:
+    """Whether running ``b`` on this request splits it into pieces whose number depends on q's sizes while those are
+    symbolic (torch.export with dynamic sizes): the pieces would fix the sizes, so the request must run where the
+    tensors are real (the op's generic operator)."""
+    sizes = q.shape[2:4] if hood.dims == 2 else q.shape[2:3]
+    return hood.dilated and b.dilation(hood.dims) == "split" and not all(isinstance(n, int) for n in sizes)
+
+
 def run_2d(attend, b: Backend, q, k, v, hood: Neighborhood2d, extras: Extras):
     """``attend`` on the whole map, or per sub-lattice where ``b`` splits dilated windows or the dilation reaches
     past a side of the map (which leaves too little of it for a backend's own dilated windows)."""

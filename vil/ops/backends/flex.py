@@ -48,9 +48,20 @@ def _no_grad_on_cpu(q, k, v, extras):
     return q.detach(), k.detach(), v.detach(), extras.cast(torch.Tensor.detach)
 
 
+def _refuse_dynamic_export(q):
+    """The block mask is built from the map or sequence size, so an exported program could only keep the traced
+    size: refused where torch.export gives symbolic sizes, which would otherwise fail in torch's own words."""
+    if torch.compiler.is_exporting() and not all(isinstance(n, int) for n in q.shape[2:-1]):
+        raise ValueError(
+            "The flex backend builds its block mask from the map or sequence size, so torch.export cannot give it "
+            "dynamic sizes; export the sizes as static or use another backend (fused_cpu on the CPU, triton on CUDA)."
+        )
+
+
 def attention_2d(q, k, v, hood, extras):
     from torch.nn.attention.flex_attention import flex_attention
 
+    _refuse_dynamic_export(q)
     q, k, v, extras = _no_grad_on_cpu(q, k, v, extras)
     global_k, global_v, rel_bias, global_bias = extras.differentiable
     B, H, X, Y, D = q.shape
@@ -110,6 +121,7 @@ def attention_1d(q, k, v, hood, extras):
     mask are read inside ``mask_mod`` by head and batch index."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+    _refuse_dynamic_export(q)
     q, k, v, extras = _no_grad_on_cpu(q, k, v, extras)
     global_k, global_v, rel_bias, global_bias = extras.differentiable
     B, H, L, D = q.shape
