@@ -53,7 +53,7 @@ def exported(tmp_path):
         "export_hub", "--config-file", "vil_tiny", "--out", out, *overrides, "MODEL.MODEL_PATH", checkpoint
     )
     assert status == 0, err
-    assert "local-dir:" in stdout
+    assert f"timm.create_model('local-dir:{out}', pretrained=True)" in stdout  # the hint loads the weights
     return dict(cfg=cfg, data=data, out=out, ema=ema, checkpoint=checkpoint, overrides=overrides)
 
 

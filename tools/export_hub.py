@@ -32,7 +32,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     print(
         f"{args.out}: {card['arch']}, {card['parameters'] / 1e6:.2f}M parameters, {card['classes']} classes, "
-        f"{card['weights']} weights; load it with timm.create_model('local-dir:{args.out}')."
+        f"{card['weights']} weights; load it with timm.create_model('local-dir:{args.out}', pretrained=True)."
     )
 
 
