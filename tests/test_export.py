@@ -7,10 +7,11 @@ import torch
 from test_checkpoint import original_release_checkpoint
 from tool_runner import ROOT, load_tool, run_tool
 
+import vil.models.attention
 from vil.checkpoint import save_checkpoint
 from vil.config import load_cfg
 from vil.detection import ViLBackbone, build_fpn_backbone, export_state
-from vil.export import export_onnx, onnx_outputs
+from vil.export import export_onnx, export_program, onnx_outputs
 from vil.models import PRESETS, MsViT, arch_string, parse_arch
 
 export_backbone = load_tool("export_backbone")
@@ -305,3 +306,23 @@ def test_export_onnx_tool_static(tmp_path):
     assert status == 0, error
     assert printed.count("32x32: largest difference from PyTorch") == 2
     assert onnxruntime.InferenceSession(str(tmp_path / "m.onnx")).get_inputs()[0].shape[2:] == [32, 32]
+
+
+def test_an_exported_program_takes_sizes_on_both_sides_of_the_written_out_scores_limit(monkeypatch):
+    """On the CPU a head with few scores has them written out, others go to scaled_dot_product_attention: an
+    export must not turn that choice into a guard on the image size."""
+    monkeypatch.setattr(vil.models.attention, "WRITTEN_OUT_SCORES", 100)  # 32x32 under it, 96x96 over it
+    torch.manual_seed(0)
+    model = MsViT(TINY, img_size=64, num_classes=5).eval()
+    program = export_program(model, 32, 32)
+    for side in (32, 96):
+        images = torch.randn(1, 3, side, side)
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(images), model(images))
+
+
+def test_an_export_below_twice_the_stride_is_refused():
+    model = MsViT(TINY, img_size=64, num_classes=5).eval()
+    stride = model.total_stride
+    with pytest.raises(ValueError, match=f"multiple of the model's total stride {stride} and at least {2 * stride}"):
+        export_program(model, stride, 2 * stride)

@@ -14,8 +14,8 @@ from .ops.base import recording_for_onnx
 
 def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
     """An input of ``batch x C x height x width`` and the dynamic shapes of any batch and any height and width
-    that are multiples of the model's total stride (of any batch only, for a model of fixed input size or without
-    ``dynamic_size``)."""
+    that are multiples of the model's total stride from twice the stride (of any batch only, for a model of fixed
+    input size or without ``dynamic_size``)."""
     example = torch.randn(batch, model.in_chans, height, width)
     any_batch = {0: torch.export.Dim("batch", min=1, max=1024)}
     if model.fixed_input_size and (height, width) != tuple(model.img_size):
@@ -26,20 +26,22 @@ def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
     if model.fixed_input_size or not dynamic_size:
         return example, (any_batch,)
     stride = model.total_stride
-    if height % stride or width % stride:
+    if height % stride or width % stride or min(height, width) < 2 * stride:
         raise ValueError(
-            f"Export at an image size that is a multiple of the model's total stride {stride}, got {height}x{width}."
+            f"Export at an image size that is a multiple of the model's total stride {stride} and at least "
+            f"{2 * stride} on each side, got {height}x{width}."
         )
+    # At least two positions per side of the last map: torch specialises a size of 1 (broadcasting).
     rows, cols = (
-        torch.export.Dim("rows", min=1, max=4096 // stride),
-        torch.export.Dim("cols", min=1, max=4096 // stride),
+        torch.export.Dim("rows", min=2, max=4096 // stride),
+        torch.export.Dim("cols", min=2, max=4096 // stride),
     )
     return example, ({**any_batch, 2: stride * rows, 3: stride * cols},)
 
 
 def export_program(model, height, width):
     """``torch.export`` of ``model`` in evaluation mode, traced at ``height x width``, for any batch and any
-    height and width that are multiples of the model's total stride."""
+    height and width that are multiples of the model's total stride from twice the stride."""
     example, dims = _example_and_dims(model, height, width)
     with torch.no_grad():
         return torch.export.export(model.eval(), (example,), dynamic_shapes=dims)

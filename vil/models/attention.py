@@ -40,8 +40,13 @@ def softmax_attention(q, k, v, bias=None):
     ``scaled_dot_product_attention``, or the same written out in q's dtype (as timm's attention without SDPA; torch's
     CPU softmax sums half precision in float32) on the CPU where a head has at most ``WRITTEN_OUT_SCORES`` scores,
     and during an ONNX export, where the exporter's decomposition of it with a mask returns other strides than
-    torch.export recorded and merging the heads then fails (pytorch/pytorch#136543)."""
-    few_scores = q.device.type == "cpu" and q.shape[-2] * k.shape[-2] <= WRITTEN_OUT_SCORES
+    torch.export recorded and merging the heads then fails (pytorch/pytorch#136543). With symbolic sizes
+    (torch.export, ``dynamic=True``) the CPU writes them out at every size: the count would be a guard that
+    refuses other image sizes."""
+    scores_per_head = q.shape[-2] * k.shape[-2]
+    few_scores = q.device.type == "cpu" and (
+        not isinstance(scores_per_head, int) or scores_per_head <= WRITTEN_OUT_SCORES
+    )
     if not (few_scores or torch.onnx.is_in_onnx_export()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
