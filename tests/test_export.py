@@ -7,6 +7,7 @@ import torch
 from test_checkpoint import original_release_checkpoint
 from tool_runner import ROOT, load_tool, run_tool
 
+import vil.export
 import vil.models.attention
 from vil.checkpoint import save_checkpoint
 from vil.config import load_cfg
@@ -326,3 +327,47 @@ def test_an_export_below_twice_the_stride_is_refused():
     stride = model.total_stride
     with pytest.raises(ValueError, match=f"multiple of the model's total stride {stride} and at least {2 * stride}"):
         export_program(model, stride, 2 * stride)
+
+
+# A chunked local stage 3 (stride 16, chunks of 5): at 64x64 its 4x4 map is one chunk per side, from 96 two.
+ONE_CHUNK = "l1,h1,d16,p4,f3,s1,g1,a1_l2,h1,d16,f3,s0,g1,a1_l3,h1,d16,s1,g0,f5,a1"
+
+
+def test_a_trace_size_with_one_chunk_per_side_is_refused(tmp_path):
+    """torch narrowed the sizes to the traced one's chunk count (ONNX keeps no such guard, and onnxruntime failed on
+    larger images): refused naming the traced size and the smallest that works, which gives a file for any size."""
+    torch.manual_seed(0)
+    model = MsViT(ONE_CHUNK, img_size=64, num_classes=5).eval()
+    with pytest.raises(ValueError, match=r"Traced at 64x64.* at most 80x4096 .* export at 96x96 or larger"):
+        export_onnx(model, tmp_path / "m.onnx", 64, 64)
+    assert not (tmp_path / "m.onnx").exists()
+    export_onnx(model, tmp_path / "m.onnx", 96, 96)
+    for height, width in ((32, 32), (80, 96), (128, 160)):  # one chunk per side, then two, then more
+        images = torch.randn(1, 3, height, width)
+        with torch.no_grad():
+            torch.testing.assert_close(onnx_outputs(tmp_path / "m.onnx", images), model(images), atol=1e-5, rtol=0)
+
+
+def test_export_onnx_tool_writes_only_a_file_that_passes_its_check(tmp_path, monkeypatch):
+    """A refused trace size and an onnxruntime failure each end in one ``error:`` line and leave the output as it
+    was (and no temporary file beside it)."""
+    output = tmp_path / "m.onnx"
+    output.write_text("the previous file")
+
+    def failure(arch, size):
+        with pytest.raises(SystemExit) as exit_info:
+            export_onnx_tool.main(
+                ["--config-file", "vil_digits", "--output", str(output), "MODEL.VIT.MSVIT.ARCH", arch]
+                + ["INPUT.IMAGE_SIZE", str(size)]
+            )
+        error = str(exit_info.value)
+        assert error.startswith("error: ") and "\n" not in error, error
+        assert output.read_text() == "the previous file" and list(tmp_path.iterdir()) == [output]
+        return error
+
+    assert "total stride 16 and at least 32" in failure(TINY, 16)
+    error = failure(ONE_CHUNK, 64)
+    assert "Traced at 64x64" in error and "export at 96x96" in error
+    # Without that refusal, onnxruntime fails at the check's second size.
+    monkeypatch.setattr(vil.export, "_check_any_size", lambda *args: None)
+    assert "onnxruntime cannot run the exported file at 80x96" in failure(ONE_CHUNK, 64)

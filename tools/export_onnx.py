@@ -2,13 +2,17 @@
 model.onnx [--static] [MODEL.MODEL_PATH ckpt] [KEY VALUE ...]``.
 
 The file takes any batch and any image size that is a multiple of the model's total stride (32 for the
-presets); with ``--static`` only images of ``INPUT.IMAGE_SIZE`` (any batch), which SW_EXACT -1 needs. Its input is
-``images`` (B, 3, H, W), its output ``logits``. Without ``MODEL.MODEL_PATH`` the model keeps its initial weights.
-The output is checked to be writable before the export starts. After writing, onnxruntime runs the file at
-``INPUT.IMAGE_SIZE`` and at a second size (another batch for a file of one input size), and the tool prints the
-largest difference from the PyTorch model's logits, computed with the local attention backend this machine runs
-fastest (any backend computes the same function; the file holds none); it exits with an error above 1e-4. Needs
-the ``onnx`` extra (``pip install -e .[onnx]``).
+presets) from twice the stride (64); it is traced at ``INPUT.IMAGE_SIZE`` (rounded down to a multiple of the
+stride), which must be at least that, and large enough that every chunked local stage has at least two chunks per
+side (the tool says which size otherwise). With ``--static`` the file takes only images of ``INPUT.IMAGE_SIZE``
+(any batch), which SW_EXACT -1 needs. Its input is ``images`` (B, 3, H, W), its output ``logits``. Without
+``MODEL.MODEL_PATH`` the model keeps its initial weights. The output is checked to be writable before the export
+starts. Before the file is written, onnxruntime runs it at ``INPUT.IMAGE_SIZE`` and at a second size (another
+batch for a file of one input size), and the tool prints the largest difference from the PyTorch model's logits,
+computed with the local attention backend this machine runs fastest (any backend computes the same function; the
+file holds none). Only a file that passes (1e-4) is written (atomically); where onnxruntime fails or the difference
+is larger the tool exits with an error and writes nothing. Needs the ``onnx``
+extra (``pip install -e .[onnx]``).
 """
 
 import argparse
@@ -17,13 +21,43 @@ import sys
 import torch
 
 from vil.config import load_cfg
-from vil.export import export_onnx, onnx_outputs
-from vil.files import check_writable_file
+from vil.export import onnx_model, onnx_outputs
+from vil.files import atomic_write, check_writable_file
 from vil.model_config import build_model, model_kwargs
 from vil.models import MsViT
 from vil.weights import load_weights
 
 TOLERANCE = 1e-4
+
+
+def check(onnx_file, output, model, cfg, size, one_size):
+    """Run ``onnx_file`` (the bytes to become ``output``) with onnxruntime at ``size`` and at a second size (another
+    batch for a file of ``one_size``), print the largest difference from ``model``'s logits at each, and exit with
+    an error where onnxruntime fails or a difference is above ``TOLERANCE``."""
+    here = MsViT(**{**model_kwargs(cfg), "attn_backend": None}).eval()
+    here.load_state_dict(model.state_dict())
+    stride, worst = model.total_stride, 0.0
+    checks = [(2, size, size), (3, size, size) if one_size else (2, size + stride, size + 2 * stride)]
+    for batch, height, width in checks:
+        images = torch.randn(batch, model.in_chans, height, width)
+        try:
+            logits = onnx_outputs(onnx_file, images)
+        except (ValueError, OSError):
+            raise
+        except Exception as e:  # onnxruntime's own error types
+            sys.exit(
+                f"error: onnxruntime cannot run the exported file at {height}x{width} ({str(e).splitlines()[0]}); "
+                f"{output} was not written."
+            )
+        with torch.no_grad():
+            difference = (logits - here(images)).abs().max().item()
+        print(f"{height}x{width}: largest difference from PyTorch {difference:.2e}", flush=True)
+        worst = max(worst, difference)
+    if not worst <= TOLERANCE:
+        sys.exit(
+            f"error: the ONNX file's logits differ from the model's by {worst:.2e}, more than {TOLERANCE}; "
+            f"{output} was not written."
+        )
 
 
 def main(argv=None):
@@ -48,32 +82,11 @@ def main(argv=None):
             load_weights(model, cfg)
         stride, size = model.total_stride, cfg.INPUT.IMAGE_SIZE
         if not args.static:
-            size = max(stride, size - size % stride)
-        export_onnx(model, args.output, size, size, dynamic_size=not args.static)
+            size -= size % stride
+        onnx_file = onnx_model(model, size, size, dynamic_size=not args.static)
+        check(onnx_file, args.output, model, cfg, size, one_size=model.fixed_input_size or args.static)
+        atomic_write(args.output, lambda f: f.write(onnx_file))  # only a file that passed its check
         print(f"wrote {args.output}", flush=True)
-        here = MsViT(**{**model_kwargs(cfg), "attn_backend": None}).eval()
-        here.load_state_dict(model.state_dict())
-        worst = 0.0
-        # Another size too, where the file takes any (another batch at its one size where it does not).
-        one_size = model.fixed_input_size or args.static
-        checks = [(2, size, size), (3, size, size) if one_size else (2, size + stride, size + 2 * stride)]
-        for batch, height, width in checks:
-            images = torch.randn(batch, model.in_chans, height, width)
-            try:
-                logits = onnx_outputs(args.output, images)
-            except (ValueError, OSError):
-                raise
-            except Exception as e:  # onnxruntime's own error types
-                sys.exit(
-                    f"error: onnxruntime cannot run {args.output} at {height}x{width} ({str(e).splitlines()[0]}); "
-                    f"export at a larger INPUT.IMAGE_SIZE, where every local stage's map has two windows per side."
-                )
-            with torch.no_grad():
-                difference = (logits - here(images)).abs().max().item()
-            print(f"{height}x{width}: largest difference from PyTorch {difference:.2e}", flush=True)
-            worst = max(worst, difference)
-        if not worst <= TOLERANCE:
-            sys.exit(f"error: the ONNX file's logits differ from the model's by {worst:.2e}, more than {TOLERANCE}.")
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     except Exception as e:  # torch.onnx wraps what the model raised while it was traced

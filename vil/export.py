@@ -9,7 +9,10 @@ decomposition into standard operators instead (the unfold_nnf computation of the
 import torch
 
 from .files import atomic_write
+from .models.attention import LongformerAttention
 from .ops.base import recording_for_onnx
+
+LARGEST_SIDE = 4096  # the largest image side the exports declare
 
 
 def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
@@ -33,24 +36,72 @@ def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
         )
     # At least two positions per side of the last map: torch specialises a size of 1 (broadcasting).
     rows, cols = (
-        torch.export.Dim("rows", min=2, max=4096 // stride),
-        torch.export.Dim("cols", min=2, max=4096 // stride),
+        torch.export.Dim("rows", min=2, max=LARGEST_SIDE // stride),
+        torch.export.Dim("cols", min=2, max=LARGEST_SIDE // stride),
     )
     return example, ({**any_batch, 2: stride * rows, 3: stride * cols},)
 
 
+def _two_chunks_size(model):
+    """The smallest image side, a multiple of the total stride from twice it, at which every chunked local stage
+    (SW_EXACT 0 or -1, not ONLY_GLOBAL) has at least two chunks per side of its map."""
+    side, stride = 2 * model.total_stride, 1
+    for spec in model.stage_specs:
+        stride *= spec.patch
+        if any(
+            isinstance(m, LongformerAttention) and m.exact != 1 and not m.only_global
+            for m in getattr(model, f"layer{spec.index}").modules()
+        ):
+            side = max(side, (spec.window + 1) * stride)
+    return -(-side // model.total_stride) * model.total_stride
+
+
+def _check_any_size(model, program, height, width):
+    """Refuse a program whose height or width torch narrowed below the declared largest while tracing: where a
+    chunked local stage has one chunk per side, the unfold computation broadcasts it and torch specialises that
+    (the program would refuse larger images; an ONNX file, which keeps no guards, would fail on them)."""
+    (name,) = program.graph_signature.user_inputs
+    shape = next(node for node in program.graph.nodes if node.name == name).meta["val"].shape
+    largest, declared = [], []
+    for side in shape[2:]:
+        expr = side.node.expr  # stride * rows
+        (root,) = expr.free_symbols
+        largest.append(int(expr.subs(root, program.range_constraints[root].upper)))
+        declared.append(int(expr.subs(root, LARGEST_SIDE // model.total_stride)))
+    if largest != declared:
+        # The first size torch did not narrow away, and the size at which no chunked stage has one chunk.
+        wanted = max(_two_chunks_size(model), *(a + model.total_stride for a, b in zip(largest, declared) if a < b))
+        raise ValueError(
+            f"Traced at {height}x{width}, where a chunked local stage has one chunk per side, the program takes images "
+            f"of at most {largest[0]}x{largest[1]} only, not every multiple of {model.total_stride} up to "
+            f"{declared[0]}x{declared[1]}; export at {max(height, wanted)}x{max(width, wanted)} or larger (every "
+            f"chunked local stage then has at least two chunks per side) for a program that takes any size."
+        )
+
+
+def _traced(model, height, width, dynamic_size=True):
+    """The example input and the ``torch.export`` program of ``model`` in evaluation mode traced at ``height x
+    width`` (not strict: what the model refuses is raised as it is), for the sizes of :func:`_example_and_dims`."""
+    example, dims = _example_and_dims(model, height, width, dynamic_size=dynamic_size)
+    with torch.no_grad():
+        program = torch.export.export(model.eval(), (example,), dynamic_shapes=dims, strict=False)
+    if 2 in dims[0]:
+        _check_any_size(model, program, height, width)
+    return example, program
+
+
 def export_program(model, height, width):
     """``torch.export`` of ``model`` in evaluation mode, traced at ``height x width``, for any batch and any
-    height and width that are multiples of the model's total stride from twice the stride."""
-    example, dims = _example_and_dims(model, height, width)
-    with torch.no_grad():
-        return torch.export.export(model.eval(), (example,), dynamic_shapes=dims)
+    height and width that are multiples of the model's total stride from twice the stride (a trace size at which
+    torch would narrow that is refused: :func:`_check_any_size`)."""
+    return _traced(model, height, width)[1]
 
 
-def export_onnx(model, path, height, width, dynamic_size=True):
-    """Write ``model`` as an ONNX file at ``path`` (atomically) that takes any batch and any image size that is a
-    multiple of the total stride, or without ``dynamic_size`` only ``height x width`` images (what a model whose
-    attention needs one map size, SW_EXACT -1, exports at); returns the path."""
+def onnx_model(model, height, width, dynamic_size=True) -> bytes:
+    """``model`` as the bytes of an ONNX file that takes any batch and any image size that is a multiple of the
+    total stride from twice the stride, or without ``dynamic_size`` only ``height x width`` images (what a model
+    whose attention needs one map size, SW_EXACT -1, exports at). A trace size at which torch would narrow the sizes
+    the file takes is refused (:func:`_check_any_size`)."""
     try:
         import onnx  # noqa: F401  (torch.onnx's exporter needs onnx and onnxscript)
         import onnxscript  # noqa: F401
@@ -58,23 +109,30 @@ def export_onnx(model, path, height, width, dynamic_size=True):
         raise ValueError(
             f"ONNX export needs the onnx and onnxscript packages ({error}); install them with pip install -e .[onnx]."
         ) from None
-    example, dims = _example_and_dims(model, height, width, dynamic_size=dynamic_size)
-    # Traced by torch.export (not strict: what the model refuses is raised as it is) with the op layer recording
-    # standard operators, then translated.
-    with torch.no_grad(), recording_for_onnx():
-        program = torch.export.export(model.eval(), (example,), dynamic_shapes=dims, strict=False)
+    # Traced by torch.export with the op layer recording standard operators, then translated.
+    with recording_for_onnx():
+        example, program = _traced(model, height, width, dynamic_size)
     onnx_program = torch.onnx.export(program, (example,), dynamo=True, input_names=["images"], output_names=["logits"])
-    atomic_write(path, lambda f: f.write(onnx_program.model_proto.SerializeToString()))
+    return onnx_program.model_proto.SerializeToString()
+
+
+def export_onnx(model, path, height, width, dynamic_size=True):
+    """Write :func:`onnx_model` to ``path`` (atomically); returns the path."""
+    data = onnx_model(model, height, width, dynamic_size)
+    atomic_write(path, lambda f: f.write(data))
     return path
 
 
-def onnx_outputs(path, images):
-    """The logits onnxruntime computes from the ONNX file at ``path`` for ``images``."""
+def onnx_outputs(onnx_file, images):
+    """The logits onnxruntime computes for ``images`` from an ONNX file: its path, or its bytes."""
     try:
         import onnxruntime
     except ImportError as error:
         raise ValueError(
             f"Running an ONNX file needs onnxruntime ({error}); install it with pip install -e .[onnx]."
         ) from None
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4  # a failure is raised with its message; not logged to stderr besides
+    source = onnx_file if isinstance(onnx_file, bytes) else str(onnx_file)
+    session = onnxruntime.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: images.numpy()})[0])
