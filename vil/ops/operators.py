@@ -16,7 +16,7 @@ query that only its own backward reads (a log-sum-exp, in the backend's base). O
 tracer record the same function in standard tensor operators instead (:func:`decomposed_attention`).
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Optional
 
@@ -36,14 +36,16 @@ def run_eagerly(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extra
     """``b``'s output for a request, split into the pieces it can take (``vil/ops/split.py``); a request with no
     element (no batch entry, head or map position: ``local_attention_1d`` refuses empty sequences) has nothing to
     compute, and the reference handles it. Every backend computes in q's dtype, autocast or not: the operators
-    that torch.compile and torch.export record run below autocast, so the eager call must not depend on it."""
+    that torch.compile and torch.export record run below autocast, so the eager call must not depend on it (the
+    fused passes switch it off themselves)."""
     if q.numel() == 0:
         b = BACKENDS["reference"]
     run = split.run_1d if hood.dims == 1 else split.run_2d
-    attend = b.function(hood.dims) if b.passes(hood.dims) is None else partial(fused_attention, b)
-    with torch.autocast(q.device.type, enabled=False):
+    fused = b.passes(hood.dims) is not None
+    attend = partial(fused_attention, b) if fused else b.function(hood.dims)
+    with nullcontext() if fused else torch.autocast(q.device.type, enabled=False):
         out = run(attend, b, q, k, v, hood, extras)
-    if b.passes(hood.dims) is None and not b.twice_differentiable and out.requires_grad:  # passes refuse themselves
+    if not fused and not b.twice_differentiable and out.requires_grad:  # the passes refuse themselves
         out = _FirstOrderOnly.apply(out, b.name, hood.dims)
     return out
 

@@ -13,29 +13,34 @@ from .base import Backend, Extras, compute_dtype
 from .neighborhood import Neighborhood1d, Neighborhood2d
 
 
+def _sizes(hood, q):
+    """q's map (rows, cols) or sequence length (length,); ``None`` where they are symbolic (torch.export with
+    dynamic sizes, ``torch.compile(dynamic=True)``)."""
+    sizes = tuple(q.shape[2:4] if hood.dims == 2 else q.shape[2:3])
+    return sizes if all(isinstance(n, int) for n in sizes) else None
+
+
 def fitted(hood, q, extras: Extras):
     """The neighbourhood fitted to q's map or sequence (``Neighborhood2d.fitted``, ``Neighborhood1d.fitted``) where
     nothing depends on its window: no relative position bias table, and sizes that are numbers (not symbolic)."""
-    sizes = q.shape[2:4] if hood.dims == 2 else q.shape[2:3]
-    if extras.rel_bias is not None or not all(isinstance(n, int) for n in sizes):
+    sizes = _sizes(hood, q)
+    if extras.rel_bias is not None or sizes is None:
         return hood
     return hood.fitted(*sizes)
 
 
 def splits_by_size(b: Backend, hood, q) -> bool:
     """Whether running ``b`` on this request splits it into pieces whose number depends on q's sizes while those are
-    symbolic (torch.export with dynamic sizes): the pieces would fix the sizes, so the request must run where the
-    tensors are real (the op's generic operator)."""
-    sizes = q.shape[2:4] if hood.dims == 2 else q.shape[2:3]
-    return hood.dilated and b.dilation(hood.dims) == "split" and not all(isinstance(n, int) for n in sizes)
+    symbolic: the pieces would fix the sizes, so the request must run where the tensors are real (the op's generic
+    operator)."""
+    return hood.dilated and b.dilation(hood.dims) == "split" and _sizes(hood, q) is None
 
 
 def run_2d(attend, b: Backend, q, k, v, hood: Neighborhood2d, extras: Extras):
     """``attend`` on the whole map, or per sub-lattice where ``b`` splits dilated windows or the dilation reaches
     past a side of the map (which leaves too little of it for a backend's own dilated windows)."""
-    rows, cols = q.shape[2:4]
-    static = isinstance(rows, int) and isinstance(cols, int)
-    if hood.dilated and (b.dilation(2) == "split" or (static and hood.dilation >= min(rows, cols))):
+    sizes = _sizes(hood, q)
+    if hood.dilated and (b.dilation(2) == "split" or (sizes is not None and hood.dilation >= min(sizes))):
         return _per_sub_lattice(attend, q, k, v, hood, _piece_extras(b, extras))
     return attend(q, k, v, hood, extras)
 

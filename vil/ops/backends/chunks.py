@@ -186,12 +186,11 @@ class ChunksAttention1d(torch.autograd.Function):
 
 
 def attention_1d(q, k, v, hood, extras):
-    """Half precision is computed in float32, autocast off: the backward recomputes probabilities from a saved
-    log-sum-exp, which must be exact."""
+    """Half precision is computed in float32 (the op runs function backends with autocast off): the backward
+    recomputes probabilities from a saved log-sum-exp, which must be exact."""
     inputs = in_float32_or_wider(q, k, v, hood, extras)
     tensors = (*inputs[:3], *inputs[3].differentiable, extras.key_padding_mask)
-    with torch.autocast(q.device.type, enabled=False):
-        return ChunksAttention1d.apply(hood, extras.scale, *tensors).to(q.dtype)
+    return ChunksAttention1d.apply(hood, extras.scale, *tensors).to(q.dtype)
 
 
 BACKEND = Backend("chunks", attention_1d=attention_1d, dilation_1d=None, twice_differentiable=False)
