@@ -406,7 +406,7 @@ def test_dilated_windows_export_with_dynamic_sizes_and_run_at_others(backend):
 def test_dilated_windows_train_compiled_with_dynamic_sizes():
     attend = lambda q, k, v: local_attention_2d(q, k, v, 1, exact=1, dilation=2)  # noqa: E731
     compiled = torch.compile(attend, backend="aot_eager", dynamic=True)
-    for shape in ((1, 2, 6, 5, 8), (2, 2, 9, 7, 8), (1, 2, 4, 10, 8)):
+    for shape in ((1, 2, 6, 5, 8), (2, 2, 9, 7, 8)):  # the second compiles with symbolic sizes
         inputs = [torch.randn(shape, dtype=torch.float64, requires_grad=True) for _ in range(3)]
         grad_out = torch.randn(shape, dtype=torch.float64)
         want = torch.autograd.grad(attend(*inputs), inputs, grad_out)

@@ -1,6 +1,8 @@
 """tools/export_backbone.py: classification checkpoints into torchvision, detectron2 and mmdet backbones; and
 tools/export_onnx.py's output check and export at one image size."""
 
+import re
+
 import onnxruntime
 import pytest
 import torch
@@ -333,14 +335,11 @@ def test_an_export_below_twice_the_stride_is_refused():
 ONE_CHUNK = "l1,h1,d16,p4,f3,s1,g1,a1_l2,h1,d16,f3,s0,g1,a1_l3,h1,d16,s1,g0,f5,a1"
 
 
-def test_a_trace_size_with_one_chunk_per_side_is_refused(tmp_path):
-    """torch narrowed the sizes to the traced one's chunk count (ONNX keeps no such guard, and onnxruntime failed on
-    larger images): refused naming the traced size and the smallest that works, which gives a file for any size."""
+def test_the_trace_size_a_refusal_names_gives_a_file_for_any_size(tmp_path):
+    """At 64 torch narrows the sizes to the traced one's chunk count (ONNX keeps no such guard, and onnxruntime
+    failed on larger images): the refusal (tested with the tool below) names 96, which gives a file for any size."""
     torch.manual_seed(0)
     model = MsViT(ONE_CHUNK, img_size=64, num_classes=5).eval()
-    with pytest.raises(ValueError, match=r"Traced at 64x64.* at most 80x4096 .* export at 96x96 or larger"):
-        export_onnx(model, tmp_path / "m.onnx", 64, 64)
-    assert not (tmp_path / "m.onnx").exists()
     export_onnx(model, tmp_path / "m.onnx", 96, 96)
     for height, width in ((32, 32), (80, 96), (128, 160)):  # one chunk per side, then two, then more
         images = torch.randn(1, 3, height, width)
@@ -367,7 +366,7 @@ def test_export_onnx_tool_writes_only_a_file_that_passes_its_check(tmp_path, mon
 
     assert "total stride 16 and at least 32" in failure(TINY, 16)
     error = failure(ONE_CHUNK, 64)
-    assert "Traced at 64x64" in error and "export at 96x96" in error
+    assert re.search(r"Traced at 64x64.* at most 80x4096 .* export at 96x96 or larger", error), error
     # Without that refusal, onnxruntime fails at the check's second size.
     monkeypatch.setattr(vil.export, "_check_any_size", lambda *args: None)
     assert "onnxruntime cannot run the exported file at 80x96" in failure(ONE_CHUNK, 64)
