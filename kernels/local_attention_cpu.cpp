@@ -1079,7 +1079,8 @@ struct RoundedSoftmax {
 template <typename S>
 void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse, const Finish<float>& finish,
                       float* grad_sum, const RoundedSoftmax<S>& rounded) {
-  softmax_backward(n, ld, scores, grad_scores, lse, nullptr, finish, grad_sum);
+  const float* from_rows = nullptr;  // typed, so that every overload of the float rows can take it
+  softmax_backward(n, ld, scores, grad_scores, lse, from_rows, finish, grad_sum);
   round_rows(rounded.ds_rows, grad_scores, n, ld, rounded.lp);
   round_row_pairs(rounded.ds_row_pairs, grad_scores, n, ld, rounded.ldb);
   round_row_pairs(rounded.p_row_pairs, scores, n, ld, rounded.ldb);
