@@ -231,7 +231,8 @@ def test_a_padding_backbone_exports_and_compiles_for_sizes_that_are_not_multiple
     pytest.importorskip("onnxruntime")
     import onnxruntime
 
-    arch = "l1,h2,d32,n1,s1,g1,p4,f2,a0_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g1,p2,f2,a0"
+    # One local stage among full-attention ones: the padding is the patch embeddings', and the export is twice as fast.
+    arch = "l1,h2,d32,n1,s0,g0,p4,a1_l2,h2,d32,n1,s1,g1,p2,f2,a1_l3,h2,d32,n1,s0,g0,p2,a1"
     torch.manual_seed(0)
     backbone = ViLBackbone(arch, img_size=32, out_indices=(0, 1, 2)).eval()
 
@@ -246,7 +247,7 @@ def test_a_padding_backbone_exports_and_compiles_for_sizes_that_are_not_multiple
     height, width = torch.export.Dim("height", min=32, max=256), torch.export.Dim("width", min=32, max=256)
     with torch.no_grad():
         program = torch.onnx.export(
-            Maps(), (torch.randn(1, 3, 32, 32),), dynamo=True, dynamic_shapes=({2: height, 3: width},)
+            Maps().eval(), (torch.randn(1, 3, 32, 32),), dynamo=True, dynamic_shapes=({2: height, 3: width},)
         )
     program.save(str(tmp_path / "backbone.onnx"))
     session = onnxruntime.InferenceSession(str(tmp_path / "backbone.onnx"), providers=["CPUExecutionProvider"])

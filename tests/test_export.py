@@ -9,12 +9,12 @@ import torch
 from test_checkpoint import original_release_checkpoint
 from tool_runner import ROOT, load_tool, run_tool
 
-import vil.export
 import vil.models.attention
 from vil.checkpoint import save_checkpoint
 from vil.config import load_cfg
 from vil.detection import ViLBackbone, build_fpn_backbone, export_state
 from vil.export import export_onnx, export_program, onnx_outputs
+from vil.model_config import build_model
 from vil.models import PRESETS, MsViT, arch_string, parse_arch
 
 export_backbone = load_tool("export_backbone")
@@ -278,37 +278,45 @@ def test_export_onnx_checks_the_output_before_exporting(tmp_path, monkeypatch):
 
 
 def test_sw_exact_minus_one_exports_at_one_image_size(tmp_path):
-    """Windows that wrap around the map (SW_EXACT -1, which differ from zero-padded ones at this size) export at a
-    fixed size: the file takes only that size, any batch, and computes the PyTorch model's logits."""
-    torch.manual_seed(0)
-    model = MsViT(TINY, img_size=32, num_classes=5, sw_exact=-1).eval()
-    padded = MsViT(TINY, img_size=32, num_classes=5, sw_exact=0).eval()
-    padded.load_state_dict(model.state_dict())
+    """Windows that wrap around the map (SW_EXACT -1, which differ from zero-padded ones at this size) export with
+    ``--static``: the file takes only that size, any batch (the tool's second check runs another), and computes the
+    PyTorch model's logits."""
+    overrides = ["MODEL.VIT.MSVIT.ARCH", TINY, "INPUT.IMAGE_SIZE", "32", "MODEL.VIT.MSVIT.SW_EXACT", "-1"]
+
+    def model(*more):
+        torch.manual_seed(0)
+        return build_model(load_cfg("vil_digits", overrides + list(more))).eval()
+
+    wrapping, padded, unfold = (
+        model(),
+        model("MODEL.VIT.MSVIT.SW_EXACT", "0"),
+        model("MODEL.VIT.MSVIT.ATTN_TYPE", "unfold"),
+    )
     images = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
-        want = model(images)
+        want = wrapping(images)
         assert (want - padded(images)).abs().max() > 1e-5
-    export_onnx(model, tmp_path / "m.onnx", 32, 32, dynamic_size=False)
+    save_checkpoint(tmp_path / "ckpt.pth", wrapping, config=load_cfg("vil_digits", overrides).dump(), epoch=3)
+    status, printed, error = run_tool(
+        "export_onnx",
+        "--config-file",
+        "vil_digits",
+        "--output",
+        tmp_path / "m.onnx",
+        "--static",
+        *overrides,
+        "MODEL.MODEL_PATH",
+        tmp_path / "ckpt.pth",
+    )
+    assert status == 0, error
+    assert printed.count("32x32: largest difference from PyTorch") == 2
     shape = onnxruntime.InferenceSession(str(tmp_path / "m.onnx")).get_inputs()[0].shape
     assert shape[1:] == [3, 32, 32] and not isinstance(shape[0], int)
     torch.testing.assert_close(onnx_outputs(tmp_path / "m.onnx", images), want, atol=1e-6, rtol=0)
     # The trace left no fake tensors in the op layer's window tables for that size: the unfold backends, whose
     # computation the file records, still compute the model eagerly.
-    unfold = MsViT(TINY, img_size=32, num_classes=5, sw_exact=-1, attn_backend="unfold").eval()
-    unfold.load_state_dict(model.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(unfold(images), want)
-
-
-def test_export_onnx_tool_static(tmp_path):
-    """``--static``: a SW_EXACT -1 model exports, and the second check runs at the same size with another batch."""
-    overrides = ["MODEL.VIT.MSVIT.ARCH", TINY, "INPUT.IMAGE_SIZE", "32", "MODEL.VIT.MSVIT.SW_EXACT", "-1"]
-    status, printed, error = run_tool(
-        "export_onnx", "--config-file", "vil_digits", "--output", tmp_path / "m.onnx", "--static", *overrides
-    )
-    assert status == 0, error
-    assert printed.count("32x32: largest difference from PyTorch") == 2
-    assert onnxruntime.InferenceSession(str(tmp_path / "m.onnx")).get_inputs()[0].shape[2:] == [32, 32]
 
 
 def test_an_exported_program_takes_sizes_on_both_sides_of_the_written_out_scores_limit(monkeypatch):
@@ -331,8 +339,9 @@ def test_an_export_below_twice_the_stride_is_refused():
         export_program(model, stride, 2 * stride)
 
 
-# A chunked local stage 3 (stride 16, chunks of 5): at 64x64 its 4x4 map is one chunk per side, from 96 two.
-ONE_CHUNK = "l1,h1,d16,p4,f3,s1,g1,a1_l2,h1,d16,f3,s0,g1,a1_l3,h1,d16,s1,g0,f5,a1"
+# A chunked local stage 3 (stride 16, chunks of 5): at 64x64 its 4x4 map is one chunk per side, from 96 two. (Full
+# attention before it: the export takes half the time.)
+ONE_CHUNK = "l1,h1,d16,p4,s0,g0,a1_l2,h1,d16,s0,g0,a1_l3,h1,d16,s1,g0,f5,a1"
 
 
 def test_the_trace_size_a_refusal_names_gives_a_file_for_any_size(tmp_path):
@@ -367,6 +376,19 @@ def test_export_onnx_tool_writes_only_a_file_that_passes_its_check(tmp_path, mon
     assert "total stride 16 and at least 32" in failure(TINY, 16)
     error = failure(ONE_CHUNK, 64)
     assert re.search(r"Traced at 64x64.* at most 80x4096 .* export at 96x96 or larger", error), error
-    # Without that refusal, onnxruntime fails at the check's second size.
-    monkeypatch.setattr(vil.export, "_check_any_size", lambda *args: None)
-    assert "onnxruntime cannot run the exported file at 80x96" in failure(ONE_CHUNK, 64)
+    monkeypatch.setattr(export_onnx_tool, "onnx_model", lambda *args, **kwargs: _file_of_one_input_shape())
+    assert "onnxruntime cannot run the exported file at 32x32 (" in failure(TINY, 32)
+
+
+def _file_of_one_input_shape():
+    """The bytes of an ONNX file that takes only 1 x 3 x 8 x 8 images (onnxruntime refuses others)."""
+    from onnx import TensorProto, helper
+
+    shape = [1, 3, 8, 8]
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["images"], ["logits"])],
+        "one_shape",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, shape)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()

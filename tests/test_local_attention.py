@@ -1,7 +1,11 @@
 """local_attention_2d: the reference against hand-computed windows, every backend against the reference."""
 
 import itertools
+import os
+import platform
 import re
+import subprocess
+import sysconfig
 
 import pytest
 import torch
@@ -484,6 +488,32 @@ def test_fused_cpu_builds_one_name_per_instruction_set(monkeypatch, bf16):
     with_bf16 = [name for name, flags, _ in builds if "-mavx512bf16" in flags]
     assert with_bf16 == (["vil_local_attention_cpu_x86_64_v4_bf16"] if bf16 else [])
     assert builds[0][0] == ("vil_local_attention_cpu_x86_64_v4_bf16" if bf16 else "vil_local_attention_cpu_x86_64_v4")
+
+
+# The instruction sets the kernel source has paths for (its #if branches), as the compiler flags that select them:
+# AVX-512 with AVX512-BF16, AVX-512 alone, and neither (AVX2 and other CPUs).
+KERNEL_PATHS = {"AVX512-BF16": ["-march=x86-64-v4", "-mavx512bf16"], "AVX-512": ["-march=x86-64-v4"], "neither": []}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the kernel's instruction-set paths are x86-64's")
+def test_fused_cpu_source_compiles_for_the_instruction_sets_this_cpu_lacks():
+    # The other tests run the path of this CPU's build only; the compiler checks the others' (a path that did not
+    # compile left every CPU without AVX-512 with no fused_cpu).
+    from torch.utils import cpp_extension
+
+    own = fused_cpu._builds(fused_cpu.COMPILER_FLAGS)[0][1]
+    own_path = "AVX512-BF16" if "-mavx512bf16" in own else "AVX-512" if "-march=x86-64-v4" in own else "neither"
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    common = [os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++20", *fused_cpu.COMPILER_FLAGS]
+    common += ["-DTORCH_API_INCLUDE_EXTENSION_H", *(f"-isystem{path}" for path in includes)]
+    compilers = {  # both at once, one per core
+        path: subprocess.Popen([*common, *flags, str(fused_cpu.kernel_source())], stderr=subprocess.PIPE, text=True)
+        for path, flags in KERNEL_PATHS.items()
+        if path != own_path
+    }
+    for path, compiler in compilers.items():
+        errors = compiler.communicate(timeout=600)[1]
+        assert compiler.returncode == 0, f"{path}: {errors[:3000]}"
 
 
 def fused_cpu_arguments_2d():

@@ -43,6 +43,8 @@ from ..neighborhood import Neighborhood2d
 _log = logging.getLogger(__name__)
 # The x86-64 level the loops are compiled for, by the capability torch detects on this CPU.
 _X86_LEVELS = {"AVX2": "x86-64-v3", "AVX512": "x86-64-v4"}
+# The compiler flags of every build, to which _builds adds the instruction set; the last two let the loops vectorise.
+COMPILER_FLAGS = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
 PRODUCTS_VARIABLE = "VIL_FUSED_CPU_PRODUCTS"
 PRODUCTS = ("auto", "half", "float32")
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -61,8 +63,7 @@ def _build():
     """Builds the C++ kernels (or loads torch's cached build) once per process. Returns their ``torch.ops``
     namespace, or the sentence that says why they cannot be built: a failed build is not tried again."""
     try:
-        import vil_kernels
-
+        source = kernel_source()
         cpp_logger = logging.getLogger("torch.utils.cpp_extension")
         level = cpp_logger.level
         cpp_logger.setLevel(logging.ERROR)  # its import warns about CUDA_HOME, which a CPU build does not use
@@ -73,9 +74,7 @@ def _build():
     except ImportError as error:
         return _build_failure(error)
 
-    source = Path(vil_kernels.__file__).with_name("local_attention_cpu.cpp")
-    flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]  # the last two let the loops vectorise
-    builds = _builds(flags)
+    builds = _builds(COMPILER_FLAGS)
     _log.info("fused_cpu: loading the C++ kernel (compiled on first use, then cached by torch).")
     for (name, build_flags, target), following in zip(builds, builds[1:] + [None]):
         try:
@@ -92,6 +91,13 @@ def _build():
             if following is not None:
                 _log.warning("fused_cpu: the build for %s failed; building for %s instead.", target, following[2])
     return _build_failure(failure)
+
+
+def kernel_source():
+    """The path of the C++ kernels' source (``kernels/local_attention_cpu.cpp``)."""
+    import vil_kernels
+
+    return Path(vil_kernels.__file__).with_name("local_attention_cpu.cpp")
 
 
 def _builds(flags):
