@@ -5,6 +5,9 @@ are compiled for it (``TRITON_INTERPRET=1`` forces the interpreter there too).
 set where CUDA is, because Inductor's own Triton kernels (compiled FlexAttention) would then run interpreted on
 the GPU's tensors too. The interpreter also checks every 32-bit integer operation for overflow, which makes it
 several times slower; the test problems are far too small to overflow, so that check is switched off.
+
+With pytest-xdist's workers (``-n 2``, the README's command) each worker takes its share of the cores: a worker's
+torch threads on every core would wait for each other's.
 """
 
 import dataclasses
@@ -14,6 +17,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 try:
     import triton.language as tl
