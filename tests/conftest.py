@@ -6,8 +6,8 @@ set where CUDA is, because Inductor's own Triton kernels (compiled FlexAttention
 the GPU's tensors too. The interpreter also checks every 32-bit integer operation for overflow, which makes it
 several times slower; the test problems are far too small to overflow, so that check is switched off.
 
-With pytest-xdist's workers (``-n 2``, the README's command) each worker takes its share of the cores: a worker's
-torch threads on every core would wait for each other's.
+With pytest-xdist's workers (``-n 2``, the README's command) each worker, and each process its tests start, takes
+its share of the cores: a worker's torch threads on every core would wait for each other's.
 """
 
 import dataclasses
@@ -19,7 +19,9 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)  # the processes a test starts too: the same sums, to the bit
+    torch.set_num_threads(_threads)
 
 try:
     import triton.language as tl
