@@ -16,7 +16,7 @@ from tool_runner import run_tool
 from torch.profiler import profile
 
 from vil.config import load_cfg
-from vil.cpu import cpu_flags
+from vil.cpu import cpu_flags, cpu_multiplies_natively
 from vil.ops import local_attention_1d, local_attention_2d
 from vil.ops.backends import fused_cpu
 from vil.training import setup
@@ -392,5 +392,9 @@ def test_precision_benchmark_prints_both_tables(tmp_path):
     products = {tuple(row[:2]) for row in rows if len(row) == 5}  # bfloat16 with half and float32 products
     expected = {(f"| {problem}", mode) for problem in ("2D 6x6", "1D 40 tokens") for mode in ("inference", "training")}
     assert products == (expected if fused_cpu.half_products(torch.bfloat16) else set())
+    # The share of the matrix product's rate: a percentage, except for bfloat16 where this CPU lacks its instructions.
+    native = cpu_multiplies_natively(torch.bfloat16)
+    assert all(row[8].endswith("% |") for row in rows if len(row) == 9 and (row[1] == "float32" or native))
+    assert all(row[8] == "- |" for row in rows if len(row) == 9 and row[1] == "bfloat16" and not native)
     assert "half-precision matrix flags" in out.splitlines()[0]
     assert (tmp_path / "precision.md").read_text().strip() in out

@@ -15,7 +15,8 @@ The problems, each in inference (no gradients) and training (forward + backward)
 The tensors are in the dtype of the row (the bias table stays float32, as a parameter does under autocast).
 Contenders alternate in one process (``--rounds`` rounds, the median of each). GFLOP/s: the local op's products as
 torch's FLOP counter counts them (``vil.profiling.flop_counter``) over its time, next to the same run's
-``--matmul``-sided square matrix product in the same dtype. Where the CPU multiplies bfloat16 natively, a third table
+``--matmul``-sided square matrix product in the same dtype ("-" for bfloat16 on a CPU without bfloat16 matrix
+instructions, where torch's product is plain loops). Where the CPU multiplies bfloat16 natively, a third table
 times the bfloat16 rows again with the fused kernels' float32 products (``VIL_FUSED_CPU_PRODUCTS=float32``): what
 its half-precision products gain.
 """
@@ -30,7 +31,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from vil.cpu import cpu_description
+from vil.cpu import cpu_description, cpu_multiplies_natively
 from vil.files import atomic_write
 from vil.ops import default_backend, local_attention_1d, local_attention_2d
 from vil.ops.backends.fused_cpu import PRODUCTS_VARIABLE, half_products
@@ -199,9 +200,15 @@ def table(results, matmul, matmul_side):
         rate = flops / local / 1e9
         lines.append(
             f"| {problem} | {dtype} | {mode} | {local * 1e3:.1f} | {sdpa * 1e3:.1f} | {sdpa / local:.2f}x "
-            f"| {rate:.1f} | {matmul[dtype]:.1f} | {rate / matmul[dtype]:.0%} |"
+            f"| {rate:.1f} | {matmul[dtype]:.1f} | {of_matmul(rate, matmul[dtype], DTYPES[dtype])} |"
         )
     return "\n".join(lines)
+
+
+def of_matmul(rate, matmul_rate, dtype):
+    """The local op's rate as a share of the matrix product's; "-" for a half-precision dtype that this CPU has no
+    matrix instructions for, whose matrix product is plain loops and no roofline."""
+    return f"{rate / matmul_rate:.0%}" if dtype == torch.float32 or cpu_multiplies_natively(dtype) else "-"
 
 
 def dtype_ratios(results):
