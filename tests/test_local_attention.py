@@ -490,30 +490,32 @@ def test_fused_cpu_builds_one_name_per_instruction_set(monkeypatch, bf16):
     assert builds[0][0] == ("vil_local_attention_cpu_x86_64_v4_bf16" if bf16 else "vil_local_attention_cpu_x86_64_v4")
 
 
-# The instruction sets the kernel source has paths for (its #if branches), as the compiler flags that select them:
-# AVX-512 with AVX512-BF16, AVX-512 alone, and neither (AVX2 and other CPUs).
-KERNEL_PATHS = {"AVX512-BF16": ["-march=x86-64-v4", "-mavx512bf16"], "AVX-512": ["-march=x86-64-v4"], "neither": []}
-
-
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the kernel's instruction-set paths are x86-64's")
-def test_fused_cpu_source_compiles_for_the_instruction_sets_this_cpu_lacks():
-    # The other tests run the path of this CPU's build only; the compiler checks the others' (a path that did not
-    # compile left every CPU without AVX-512 with no fused_cpu).
+def test_fused_cpu_source_compiles_for_the_instruction_sets_this_cpu_lacks(monkeypatch):
+    # The other tests run the path of this CPU's build only; the compiler checks the builds other x86-64 CPUs make
+    # (AVX-512 with and without AVX512-BF16, AVX2), whose #if branches differ: a branch that did not compile left
+    # every CPU without AVX-512 with no fused_cpu.
     from torch.utils import cpp_extension
 
-    own = fused_cpu._builds(fused_cpu.COMPILER_FLAGS)[0][1]
-    own_path = "AVX512-BF16" if "-mavx512bf16" in own else "AVX-512" if "-march=x86-64-v4" in own else "neither"
+    def first_build(capability, bf16):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+            patch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+            return fused_cpu._builds(fused_cpu.COMPILER_FLAGS)[0]
+
+    own_name = fused_cpu._builds(fused_cpu.COMPILER_FLAGS)[0][0]
+    builds = [first_build(*cpu) for cpu in (("AVX512", True), ("AVX512", False), ("AVX2", False))]
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    common = [os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++20", *fused_cpu.COMPILER_FLAGS]
-    common += ["-DTORCH_API_INCLUDE_EXTENSION_H", *(f"-isystem{path}" for path in includes)]
-    compilers = {  # both at once, one per core
-        path: subprocess.Popen([*common, *flags, str(fused_cpu.kernel_source())], stderr=subprocess.PIPE, text=True)
-        for path, flags in KERNEL_PATHS.items()
-        if path != own_path
+    common = [os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++20", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    common += [f"-isystem{path}" for path in includes]
+    compilers = {  # at once, one per core
+        target: subprocess.Popen([*common, *flags, str(fused_cpu.kernel_source())], stderr=subprocess.PIPE, text=True)
+        for name, flags, target in builds
+        if name != own_name
     }
-    for path, compiler in compilers.items():
+    for target, compiler in compilers.items():
         errors = compiler.communicate(timeout=600)[1]
-        assert compiler.returncode == 0, f"{path}: {errors[:3000]}"
+        assert compiler.returncode == 0, f"{target}: {errors[:3000]}"
 
 
 def fused_cpu_arguments_2d():
