@@ -400,8 +400,13 @@ BACKWARD_ARGS = ("do", *FORWARD_ARGS, "o", "lse")
         ("backward", "lse", lambda lse: lse[:, :, :-1], r"lse as a contiguous .* \(1, 2, 30\), got shape \(1, 2, 29\)"),
         ("forward", "q", lambda q: q.double(), r"float32, float16 or bfloat16 q, k and v, got q of torch.float64"),
         ("forward", "gk", lambda gk: None, r"global keys and values together"),
-        ("forward", "rel_bias", lambda rb: rb.double(), r"rel_bias of .*bfloat16 on q's device cpu, got torch.float64"),
-        ("backward", "v", lambda v: v.bfloat16(), r"v of q's dtype and device .* got torch.bfloat16 on cpu"),
+        (
+            "forward",
+            "rel_bias",
+            lambda rb: rb.double(),
+            r"rel_bias of .*bfloat16 on q's device {device}, got torch.float64",
+        ),
+        ("backward", "v", lambda v: v.bfloat16(), r"v of q's dtype and device .* got torch.bfloat16 on {device}"),
     ],
 )
 def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(launcher, name, change, message):
@@ -417,6 +422,8 @@ def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(lau
     tensors["do"] = torch.ones_like(tensors["o"])
     tensors[name] = change(tensors[name])
     args = FORWARD_ARGS if launcher == "forward" else BACKWARD_ARGS
+    # "{device}" in a message stands for the device as the launchers name it: "cpu", "cuda:0".
+    message = message.replace("{device}", rf"{DEVICE.type}(:\d+)?")
     with pytest.raises(ValueError, match=f"^The triton kernels take {message}"):
         getattr(kernels, launcher)(*(tensors[n] for n in args), geo, 0.25)
 

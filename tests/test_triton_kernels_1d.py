@@ -288,7 +288,12 @@ BACKWARD_ARGS = ("do", "q", "k", "v", "gk", "gv", "rel_bias", "global_bias", "ma
         ("forward", "dilations", lambda dilations: (1,), r"one positive int dilation per head \(2\), got \(1,\)"),
         ("forward", "dilations", lambda dilations: (0, 1), r"one positive int dilation per head \(2\), got \(0, 1\)"),
         ("forward", "mask", lambda mask: mask.long(), r"a bool key_padding_mask of shape \(1, 9\) .* got torch.int64"),
-        ("forward", "k", lambda k: k.half(), r"k of q's dtype and device \(torch.float32 on cpu\), got torch.float16"),
+        (
+            "forward",
+            "k",
+            lambda k: k.half(),
+            r"k of q's dtype and device \(torch.float32 on {device}\), got torch.float16 on {device}",
+        ),
         ("forward", "gv", lambda gv: None, r"global keys and values together"),
         ("backward", "o", with_stride_2, r"o of shape \(1, 2, 9, 16\) with unit stride .* strides \(576, 288, 32, 2\)"),
         (
@@ -297,7 +302,7 @@ BACKWARD_ARGS = ("do", "q", "k", "v", "gk", "gv", "rel_bias", "global_bias", "ma
             lambda lse: lse.transpose(1, 2),
             r"lse as a contiguous .* \(1, 2, 9\), got shape \(1, 9, 2\)",
         ),
-        ("backward", "lse", lambda lse: lse.half(), r"lse of torch.float32 on q's device cpu, got torch.float16"),
+        ("backward", "lse", lambda lse: lse.half(), r"lse of torch.float32 on q's device {device}, got torch.float16"),
     ],
 )
 def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(launcher, name, change, message):
@@ -310,5 +315,7 @@ def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(lau
     tensors["do"] = torch.ones_like(tensors["o"])
     tensors[name] = change(tensors[name])
     args = FORWARD_ARGS if launcher == "forward" else BACKWARD_ARGS
+    # "{device}" in a message stands for the device as the launchers name it: "cpu", "cuda:0".
+    message = message.replace("{device}", rf"{DEVICE.type}(:\d+)?")
     with pytest.raises(ValueError, match=f"^The triton kernels take {message}"):
         getattr(kernels, launcher)(*(tensors[n] for n in args), 2, False, 0.25)
