@@ -398,3 +398,21 @@ def test_precision_benchmark_prints_both_tables(tmp_path):
     assert all(row[8] == "- |" for row in rows if len(row) == 9 and row[1] == "bfloat16" and not native)
     assert "half-precision matrix flags" in out.splitlines()[0]
     assert (tmp_path / "precision.md").read_text().strip() in out
+
+
+@pytest.mark.parametrize(
+    "flags, granted, says", [("avx512_bf16", True, None), ("amx_bf16", True, "yes"), ("amx_bf16", False, "no")]
+)
+def test_the_cpu_description_says_whether_the_os_grants_amx_where_the_cpu_lists_it(monkeypatch, flags, granted, says):
+    # A CPU that lists AMX but whose OS withholds the tiles multiplies bfloat16 at AVX512-BF16's rate: the line
+    # written beside a timing has to tell the two apart.
+    from vil import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: set(flags.split()))
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: granted)
+    description = cpu.cpu_description()
+    assert f"half-precision matrix flags: {flags}" in description
+    if says is None:
+        assert "AMX tiles" not in description
+    else:
+        assert description.endswith(f"AMX tiles granted by the OS: {says}")

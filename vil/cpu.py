@@ -20,7 +20,14 @@ def cpu_description() -> str:
     """The CPU's model name, cores, torch's threads and its half-precision matrix flags, to write beside a timing."""
     model = _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
     flags = " ".join(flag for flag in HALF_PRECISION_FLAGS if flag in cpu_flags()) or "none"
-    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, half-precision matrix flags: {flags}"
+    description = (
+        f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, half-precision matrix flags: {flags}"
+    )
+    if "amx" in flags:
+        # A CPU can list AMX while the OS does not let processes use its tiles (a kernel without AMX support, a
+        # hypervisor): oneDNN then multiplies on AVX512-BF16, at a fraction of AMX's rate.
+        description += f", AMX tiles granted by the OS: {'yes' if torch.cpu._init_amx() else 'no'}"
+    return description
 
 
 def cpu_multiplies_natively(dtype: torch.dtype) -> bool:
