@@ -261,6 +261,7 @@ def test_a_corrupt_last_checkpoint_falls_back_to_the_newest_readable_epoch_check
     (out / "checkpoint_epoch3.pth").unlink()  # as if the run had stopped after epoch 2
     (out / "checkpoint_last.pth").write_bytes((out / "checkpoint_last.pth").read_bytes()[:1000])  # torn
     (out / ".tmp-abc123").write_bytes(b"half a checkpoint")  # left by an interrupted write
+    kept = {name: (out / name).read_bytes() for name in ("checkpoint_epoch2.pth", "model_best.pth")}
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "3"))
     text = (out / "log.txt").read_text()
     assert re.search(
@@ -270,6 +271,11 @@ def test_a_corrupt_last_checkpoint_falls_back_to_the_newest_readable_epoch_check
     )
     assert "Removed 1 temporary files that interrupted writes left in" in text and not (out / ".tmp-abc123").exists()
     assert_same_weights(final_weights(straight), final_weights(out))
+    # The checkpoint resumed from is not replaced by copies of the torn one (model_best.pth: where epoch 3 did not
+    # improve on it).
+    assert (out / "checkpoint_epoch2.pth").read_bytes() == kept["checkpoint_epoch2.pth"]
+    best = torch.load(out / "model_best.pth", weights_only=True)
+    assert best["epoch"] == 3 or (out / "model_best.pth").read_bytes() == kept["model_best.pth"]
 
 
 # 5. Changed config, foreign checkpoints.

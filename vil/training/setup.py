@@ -28,6 +28,7 @@ from ..optim import build_optimizer, build_scheduler, model_ema
 from ..runtime import Runtime, seed_everything
 from ..shards import ShardDataset
 from ..training_state import (
+    LAST,
     Snapshot,
     check_fresh_folder,
     check_resumable,
@@ -163,7 +164,9 @@ class Run:
         self.epoch, self.batch_in_epoch, self.step = kept.epoch, kept.batch_in_epoch, kept.step
         self.best, self.lr_drop, self.kept = kept.best, kept.lr_drop, kept
         self.scheduler.step_update(self.step)
-        if self.runtime.is_main and kept.epoch and not kept.batch_in_epoch:  # an epoch's end: its copies again
+        # At an epoch's end, its copies again (the run may have stopped before making them), which are copies of
+        # checkpoint_last.pth: not where the resume fell back to an epoch checkpoint because that one is unreadable.
+        if self.runtime.is_main and kept.epoch and not kept.batch_in_epoch and os.path.basename(path) == LAST:
             copy_epoch_checkpoints(self.cfg, kept.epoch, kept.improved)
 
     def close(self):
