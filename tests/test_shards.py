@@ -78,6 +78,11 @@ def test_an_epoch_is_whole_steps_and_each_sample_augmented_by_its_own_seed(shard
     assert sorted(draws(0, 0, 2)) == sorted(whole)  # workers: the same draws for each sample
     other_epoch, other_seed = ({(t, w): d for t, w, d in draws(*run, 0)} for run in ((0, 1), (1, 0)))
     assert all(other_epoch[t, w] != d and other_seed[t, w] != d for t, w, d in whole)
+    # Nor do the batches draw from it: a mid-epoch checkpoint's saved state is the one a resumed run goes on with.
+    before = torch.get_rng_state()
+    draws(0, 0, 0, skip=2)
+    draws(0, 0, 2)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_every_epoch_takes_the_steps_of_the_fewest_full_batches_and_the_schedule_counts_them(tmp_path):

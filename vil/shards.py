@@ -23,6 +23,7 @@ import zlib
 from functools import partial
 from itertools import islice
 
+import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -110,6 +111,9 @@ class ShardDataset:
             num_workers=workers,
             collate_fn=collate_fn,
             drop_last=epoch is not None,
+            # its own generator: starting its iteration then draws no number from the global random state, which a
+            # mid-epoch checkpoint saved before the epoch's loader is made again on resuming
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def steps_per_epoch(self, epochs, world, batch, workers, accum=1):
