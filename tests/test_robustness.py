@@ -512,6 +512,14 @@ def test_resume_check_follows_schedule_changes_and_names_other_changes(caplog):
         match=r"DATALOADER.BSZ 128 \(now 64\), SEED 3 \(now 4\)",
     ):
         check_resumable(checkpoint, "last.pth", load_cfg(overrides=["SEED", "4", "DATALOADER.BSZ", "64"]))
+    # The loading workers: followed with image folders; with shards they decide an epoch's batches.
+    check_resumable(
+        checkpoint, "last.pth", load_cfg(overrides=["OPTIM.LR", "0.1", "SEED", "3", "DATALOADER.WORKERS", "2"])
+    )
+    checkpoint["config"] = load_cfg(overrides=["SEED", "3", "DATA.FORMAT", "shards"]).dump()
+    shards_with_2_workers = load_cfg(overrides=["SEED", "3", "DATA.FORMAT", "shards", "DATALOADER.WORKERS", "2"])
+    with pytest.raises(ValueError, match=r"DATALOADER.WORKERS 0 \(now 2\) \(with DATA.FORMAT shards.*workers"):
+        check_resumable(checkpoint, "last.pth", shards_with_2_workers)
     checkpoint["config"] = "OPTIM: [1, 2]"
     with pytest.raises(ValueError, match=r"last.pth.*OPTIM is \[1, 2\].*section"):
         check_resumable(checkpoint, "last.pth", saved)

@@ -325,6 +325,22 @@ def test_torchrun_two_processes_on_shards_each_read_their_own(tmp_path):
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3
 
 
+def test_torchrun_two_processes_end_the_epoch_together_where_a_damaged_shard_runs_one_short(tmp_path):
+    """As above, with the first shard cut within its first sample: the process that reads it has 3 readable
+    images and the cut shard's one unreadable sample, 2 batches where the plan has 3. Both processes end the
+    epoch after 2 steps, said once, instead of the other waiting in its third step for ever."""
+    folder = make_folder(tmp_path / "folder", per_class=6, corrupt=False)
+    assert run_tool("make_shards", folder, tmp_path / "shards", "--per-shard", "3")[0] == 0
+    first = tmp_path / "shards" / "train" / "shard-000000.tar"
+    first.write_bytes(first.read_bytes()[:600])  # the first member's header and a little of its data
+    out = tmp_path / "ddp"
+    torchrun_two_processes(tmp_path / "shards", out, "DATA.FORMAT", "shards")
+    text = (out / "log.txt").read_text()
+    assert "Epoch 1 ends 1 of its batches early: 1 of 2 process(es) ran out of samples" in text
+    assert "All 2 processes hold identical weights." in text
+    assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 2
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -192,11 +192,14 @@ def check_resumable(checkpoint, path, cfg):
     saved = _flat(config_from_text(checkpoint["config"], f"the config stored in {path}"))
     now = _flat(cfg)
     changed = [key for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
-    refused = [key for key in changed if not _followed(key)]
+    # Shards: each loading worker batches shards of its own, so the workers decide an epoch's batches and steps.
+    workers_decide = now.get("DATA.FORMAT") == "shards" and "DATALOADER.WORKERS" in changed
+    refused = [key for key in changed if not _followed(key) or (workers_decide and key == "DATALOADER.WORKERS")]
     if refused:
         differences = ", ".join(f"{key} {saved.get(key)!r} (now {now.get(key)!r})" for key in refused)
+        why = " (with DATA.FORMAT shards the loading workers decide an epoch's batches)" if workers_decide else ""
         raise ValueError(
-            f"{path} was trained with {differences}; "
+            f"{path} was trained with {differences}{why}; "
             "set those values again to resume, or choose another OUTPUT_DIR for a new run."
         )
     if changed:

@@ -10,7 +10,7 @@ Everything a run needs to continue is in ``checkpoint_last.pth``; running the sa
 it, and never again from ``MODEL.MODEL_PATH``. The sample order of an epoch depends only on ``SEED`` and the
 epoch, and each sample's augmentation only on ``SEED``, the epoch and the sample (:mod:`vil.seeding`), so a
 resumed run repeats bit for bit what an uninterrupted one would have done, from a mid-epoch checkpoint too and
-with any number of data-loading workers.
+with any number of data-loading workers (with shards, the number it started with).
 A loss or gradient that is not finite stops the run before the optimizer step and before any checkpoint of
 that state.
 """

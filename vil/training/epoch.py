@@ -128,9 +128,10 @@ def training_batches(run, epoch):
     accum = cfg.OPTIM.ACCUM_STEPS
     if isinstance(run.train_set, ShardDataset):
         stop = run.steps_per_epoch * accum
-        return run.train_set.training_batches(
+        batches = run.train_set.training_batches(
             epoch, runtime.rank, runtime.world, run.batch, cfg.DATALOADER.WORKERS, collate, run.batch_in_epoch, stop
         )
+        return batches_of_every_process(batches, runtime, stop - run.batch_in_epoch, epoch)
     if run.train_loader is None:
         workers = cfg.DATALOADER.WORKERS
         run.train_loader = DataLoader(
@@ -147,6 +148,27 @@ def training_batches(run, epoch):
         )
     run.train_loader.sampler.set_epoch(epoch, run.batch_in_epoch * run.batch)
     return run.train_loader
+
+
+def batches_of_every_process(batches, runtime, planned, epoch):
+    """``batches`` (``planned`` of them), for as long as every process has one. A damaged shard loses the samples
+    after the damage, so its process can run out of batches before the plan: the others would then wait in their
+    next step's collectives for ever. Before each batch the processes count those that have one; where one has
+    none, every process ends the epoch there, said once."""
+    batches = iter(batches)
+    for taken in range(planned):
+        batch = next(batches, None)
+        have = int(batch is not None)
+        if runtime.world > 1:
+            (have,) = runtime.sum(have)
+        if have < runtime.world:
+            log.warning(
+                f"Epoch {epoch + 1} ends {planned - taken} of its batches early: "
+                f"{runtime.world - int(have)} of {runtime.world} process(es) ran out of samples (a damaged shard "
+                "loses the samples after the damage; the warnings above name it)."
+            )
+            return
+        yield batch
 
 
 def steps_per_epoch(train_set, cfg, runtime, batch):
