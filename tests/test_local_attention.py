@@ -199,6 +199,24 @@ def test_backend_matches_reference(backend, exact, mode):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", [b for b in available_backends(2) if b not in ("triton", "flex")])
+def test_a_training_call_after_an_inference_mode_call_of_the_same_size_matches_reference(backend):
+    """A validation loop under torch.inference_mode() at the training's map size builds the window tables first,
+    and the backends keep them: the training call after it saves them for its backward (inference tensors could
+    not be). The map size is this test's own, so that no other test built its tables before."""
+    inputs = make_inputs(11, 6, 2, 1, rel=True, glob_bias=True)
+    with torch.inference_mode():
+        run_without_grad = local_attention_2d(
+            *(inputs[n].detach() for n in ("q", "k", "v")), 2, rel_bias=inputs["rel_bias"].detach(), backend=backend
+        )
+    assert run_without_grad.is_inference()
+    out, grads = run(backend, inputs, 2, 0, 0)
+    expected, expected_grads = run("reference", inputs, 2, 0, 0)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_cpu_follows_biases_changed_in_place_between_calls(dtype):
     # The kernel keeps the bias tables of its recent calls, found again by the biases' values: biases changed in

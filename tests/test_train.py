@@ -282,8 +282,7 @@ def torchrun_two_processes(data, out, *overrides):
             "torch.distributed.run",
             "--nproc_per_node",
             "2",
-            "--master_port",
-            "29531",
+            "--standalone",  # a free port: tests in other workers run at the same time
             str(ROOT / "tools" / "train.py"),
             "--config-file",
             str(ROOT / "configs" / "vil_tiny.yaml"),

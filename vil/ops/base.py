@@ -89,13 +89,30 @@ class Extras:
         )
 
 
+def built_outside_inference_mode(build: Callable) -> Callable:
+    """``build`` run outside ``torch.inference_mode()``: tables built inside it would be inference tensors, and a
+    cache would hand them to later calls that train, whose backward cannot save them. (Not while a compiler traces:
+    dynamo cannot read the mode.)"""
+
+    @wraps(build)
+    def tables(*args):
+        if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+            return build(*args)
+        with torch.inference_mode(False):
+            return build(*args)
+
+    return tables
+
+
 def kept_tables(maxsize: int) -> Callable:
     """``functools.lru_cache(maxsize)`` for functions that build index and mask tables from numbers, except that
     tables built while an export traces the op layer's standard operators (as fake tensors) are not kept: a later
-    call with real tensors would get them. Under torch.compile the builder is traced as it is."""
+    call with real tensors would get them, and tables are built outside inference mode
+    (:func:`built_outside_inference_mode`). Under torch.compile the builder is traced as it is."""
 
     def wrap(build: Callable) -> Callable:
         kept, lock = OrderedDict(), threading.Lock()
+        build_outside = built_outside_inference_mode(build)
 
         @wraps(build)
         def tables(*args):
@@ -105,7 +122,7 @@ def kept_tables(maxsize: int) -> Callable:
                 if args in kept:
                     kept.move_to_end(args)
                     return kept[args]
-            result = build(*args)
+            result = build_outside(*args)
             if not any(is_fake(t) for t in _tensors_in(result)):
                 with lock:
                     kept[args] = result

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..base import Backend, compute_dtype
+from ..base import Backend, built_outside_inference_mode, compute_dtype
 from ..geometry import unfolded_window_tables
 from .band_blocks import safe_max
 
@@ -25,6 +25,7 @@ _BLOCK_BYTES = 2**20
 
 
 @lru_cache(maxsize=16)
+@built_outside_inference_mode
 def _geometry(rows, cols, window, exact, mode, device):
     """The band geometry and window tables of one map size and window, built once."""
     return _Geometry(rows, cols, window, exact, mode, device)

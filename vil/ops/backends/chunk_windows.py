@@ -14,6 +14,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..base import built_outside_inference_mode
+
 
 def to_chunks(x, plan, extra_column=None):
     """(B, H, X, Y, D) -> (B, C, H, S, D) in the plan's chunk order, zero-padded at the bottom and right.
@@ -48,6 +50,7 @@ def _window_index(group, shape, batches, chunks):
 
 
 @lru_cache(maxsize=256)
+@built_outside_inference_mode
 def _cached_window_index(group, B, C, H, batches, chunks):
     slots = group.slots[slice(*chunks)]
     batch = torch.arange(B, device=slots.device)[slice(*batches)]
@@ -71,6 +74,7 @@ def scatter_windows_(grad_x, grad, group, batches=slice(None), chunks=slice(None
 
 
 @lru_cache(maxsize=64)
+@built_outside_inference_mode
 def _window_mask(group, dtype):
     return torch.zeros(group.allowed.shape, dtype=dtype, device=group.allowed.device).masked_fill_(
         ~group.allowed, float("-inf")

@@ -13,11 +13,12 @@ from functools import lru_cache
 
 import torch
 
-from ..base import Backend, tracing
+from ..base import Backend, built_outside_inference_mode, tracing
 from ..geometry import pair_in_band, pair_in_window_2d
 
 
 @lru_cache(maxsize=32)  # one per map size, window and mode (random-shift training draws 8 modes)
+@built_outside_inference_mode
 def _block_mask(rows, cols, hood, num_global, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -94,6 +95,7 @@ BAND_BLOCK = 128  # queries and keys per block of the 1D block mask (FlexAttenti
 
 
 @lru_cache(maxsize=32)
+@built_outside_inference_mode
 def _band_blocks(length, num_global, reach, causal, device):
     """The key blocks each block of queries needs, as FlexAttention's ``(kv_num_blocks, kv_indices)`` of one batch
     entry and head: the global keys' blocks, then those of the band (keys within ``reach`` of a query of the block,
@@ -112,6 +114,7 @@ def _band_blocks(length, num_global, reach, causal, device):
 
 
 @lru_cache(maxsize=32)
+@built_outside_inference_mode
 def _dilations(dilations, device):
     return torch.tensor(dilations, device=device)
 

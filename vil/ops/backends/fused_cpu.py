@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from ...cpu import cpu_multiplies_natively
-from ..base import LOG2E, Backend, Extras, FusedPasses, compute_dtype
+from ..base import LOG2E, Backend, Extras, FusedPasses, built_outside_inference_mode, compute_dtype
 from ..geometry import neighbour_table
 from ..neighborhood import Neighborhood2d
 
@@ -169,6 +169,7 @@ def check_fused_cpu():
 
 
 @lru_cache(maxsize=64)
+@built_outside_inference_mode
 def _slot_table(rows, cols, window, exact, mode):
     """(C, n, 3) int64: for each chunk (row-major) and neighbour slot, the chunk read (-1: none) and the slot's
     chunk offset (a, b)."""

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from ..base import Backend, FusedPasses
+from ..base import Backend, FusedPasses, built_outside_inference_mode
 from ..geometry import neighbour_table
 
 
@@ -30,6 +30,7 @@ def _kernels(dims=2):
 
 
 @lru_cache(maxsize=64)
+@built_outside_inference_mode
 def kernel_geometry(rows, cols, window, exact, mode, dilation, device):
     """The kernels' :class:`Geometry` of one map size and neighbourhood. With SW_EXACT 1 the chunks are the
     kernels' tile side (their 3x3 neighbours hold every exact window of radius ``window``), otherwise ViL's
