@@ -520,6 +520,13 @@ def test_resume_check_follows_schedule_changes_and_names_other_changes(caplog):
     shards_with_2_workers = load_cfg(overrides=["SEED", "3", "DATA.FORMAT", "shards", "DATALOADER.WORKERS", "2"])
     with pytest.raises(ValueError, match=r"DATALOADER.WORKERS 0 \(now 2\) \(with DATA.FORMAT shards.*workers"):
         check_resumable(checkpoint, "last.pth", shards_with_2_workers)
+    # Mid-epoch, each process goes on with its share of the epoch's samples: their number cannot change.
+    checkpoint.update(config=saved.dump(), rng=[0, 0], epoch=4, batch_in_epoch=3)
+    with pytest.raises(ValueError, match=r"middle of epoch 5 by 2 process\(es\).* 1 process\(es\).*with 2"):
+        check_resumable(checkpoint, "last.pth", saved, world=1)
+    check_resumable(checkpoint, "last.pth", saved, world=2)
+    checkpoint["batch_in_epoch"] = 0
+    check_resumable(checkpoint, "last.pth", saved, world=1)
     checkpoint["config"] = "OPTIM: [1, 2]"
     with pytest.raises(ValueError, match=r"last.pth.*OPTIM is \[1, 2\].*section"):
         check_resumable(checkpoint, "last.pth", saved)

@@ -180,14 +180,22 @@ def read_resume_point(out):
     )
 
 
-def check_resumable(checkpoint, path, cfg):
-    """Refuse, in one sentence, a checkpoint that is not this project's training checkpoint or was trained with
-    another value of a key outside :data:`FOLLOWED_ON_RESUME`; log the followed keys that changed."""
+def check_resumable(checkpoint, path, cfg, world=1):
+    """Refuse, in one sentence, a checkpoint that is not this project's training checkpoint, was trained with
+    another value of a key outside :data:`FOLLOWED_ON_RESUME`, or was written in the middle of an epoch by another
+    number of processes than ``world``; log the followed keys that changed."""
     missing = [key for key in _REQUIRED if key not in checkpoint]
     if missing:
         raise ValueError(
             f"{path} is not a training checkpoint of this project (it has no {', '.join(missing)}); "
             "move it out of OUTPUT_DIR to start afresh, or choose another OUTPUT_DIR."
+        )
+    writers = len(checkpoint["rng"]) if checkpoint["batch_in_epoch"] else world  # one random state a process
+    if writers != world:
+        raise ValueError(
+            f"{path} was written in the middle of epoch {checkpoint['epoch'] + 1} by {writers} process(es), whose "
+            f"share of the epoch's samples {world} process(es) cannot go on with; resume with {writers} (from the "
+            "epoch's end on, any number can go on)."
         )
     saved = _flat(config_from_text(checkpoint["config"], f"the config stored in {path}"))
     now = _flat(cfg)

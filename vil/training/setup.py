@@ -197,7 +197,7 @@ def set_up(cfg):
             )
         resume_point = read_resume_point(out)
         if resume_point:
-            check_resumable(resume_point[1], resume_point[0], cfg)
+            check_resumable(resume_point[1], resume_point[0], cfg, runtime.world)
         else:
             check_fresh_folder(out)
         if runtime.is_main:
