@@ -51,8 +51,10 @@ class SlidingWindowSelfAttention:
 
         Where the global projections are plain ``nn.Linear`` modules without hooks, the global keys and values are
         never formed for every token: their weights fold into the global queries' products. Any other module
-        there (a low-rank adapter, a quantized linear layer, one with forward hooks) is called on every token, as
-        transformers calls ``key_global`` and ``value_global``, and said once: slower, the same result."""
+        there (a low-rank adapter, a quantized linear layer, one with forward hooks) is called on every token of
+        the batch, once per call, with ``(B, L, dim)`` inputs, and said once: slower, the same result. (transformers
+        calls them only where a batch has global tokens, with sequence-first inputs, and ``query_global`` only on
+        the global tokens: hooks that count calls or read shapes see that difference.)"""
         B, L, dim = x.shape
         q, k, v = (self._heads(proj(x)) for proj in (self.query, self.key, self.value))
         tensors = [x, q, k, v, padding, is_global]
