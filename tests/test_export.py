@@ -189,6 +189,12 @@ def test_bad_export_requests(tmp_path, capsys):
         exit_info.value
     )
     assert not (tmp_path / "out.pth").exists()
+    written = (tmp_path / "orig.pth").read_bytes()
+    (tmp_path / "link.pth").symlink_to(tmp_path / "orig.pth")
+    with pytest.raises(SystemExit) as exit_info:  # the output is the input: it would be lost
+        export_backbone.main([str(tmp_path / "orig.pth"), str(tmp_path / "link.pth"), "--format", "mmdet"])
+    assert f"{tmp_path / 'link.pth'} is the file it is made from, {tmp_path / 'orig.pth'}" in str(exit_info.value)
+    assert (tmp_path / "orig.pth").read_bytes() == written
     with pytest.raises(ValueError, match=r"'onnx'.*torchvision, detectron2, mmdet"):
         export_state({}, "onnx", PRESETS["vil_tiny"], (224, 224))
 
@@ -275,6 +281,14 @@ def test_export_onnx_checks_the_output_before_exporting(tmp_path, monkeypatch):
         export_onnx_tool.main(["--config-file", "vil_digits", "--output", str(output)])
     assert str(exit_info.value).startswith("error: ") and f"{output} cannot be written" in str(exit_info.value)
     assert "not a folder" in str(exit_info.value)
+    checkpoint = tmp_path / "weights.pth"
+    checkpoint.write_bytes(b"the user's weights")
+    with pytest.raises(SystemExit) as exit_info:  # the checkpoint the export reads: it would be lost
+        export_onnx_tool.main(
+            ["--config-file", "vil_digits", "--output", str(checkpoint), "MODEL.MODEL_PATH", str(checkpoint)]
+        )
+    assert f"{checkpoint} is the file it is made from" in str(exit_info.value)
+    assert checkpoint.read_bytes() == b"the user's weights"
 
 
 def test_sw_exact_minus_one_exports_at_one_image_size(tmp_path):
@@ -337,6 +351,25 @@ def test_an_export_below_twice_the_stride_is_refused():
     stride = model.total_stride
     with pytest.raises(ValueError, match=f"multiple of the model's total stride {stride} and at least {2 * stride}"):
         export_program(model, stride, 2 * stride)
+
+
+def test_a_padding_detection_backbone_exports_for_sizes_that_are_not_multiples_of_its_stride():
+    """Its patch embeddings pad each image to a multiple of their patch size: the program takes any size from twice
+    the stride, the padding computed from the size (declared as multiples of the stride, it had dropped out of the
+    graph, and other sizes failed inside the program)."""
+    torch.manual_seed(0)
+    backbone = ViLBackbone(TINY, img_size=64).eval()
+    program = export_program(backbone, 64, 64)
+    for size in ((70, 70), (50, 33), (97, 131)):
+        images = torch.randn(1, 3, *size)
+        with torch.no_grad():
+            want = backbone(images)
+            got = program.module()(images)
+        assert [tuple(got[name].shape[2:]) for name in want] == [tuple(m.shape[2:]) for m in want.values()]
+        for name in want:
+            torch.testing.assert_close(got[name], want[name])
+    with pytest.raises(ValueError, match=r"at least 32 on each side, got 30x64"):
+        export_program(backbone, 30, 64)
 
 
 # A chunked local stage 3 (stride 16, chunks of 5): at 64x64 its 4x4 map is one chunk per side, from 96 two. (Full

@@ -124,7 +124,7 @@ def source_state(checkpoint, path, source):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        check_writable_file(args.output)
+        check_writable_file(args.output, source=args.input)
         checkpoint = read_checkpoint(args.input)
         source = source_model(args, checkpoint)
         state, specs, new_size = classification_backbone_state(

@@ -74,13 +74,13 @@ def main(argv=None):
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args(argv)
     try:
-        check_writable_file(args.output)
         cfg = load_cfg(args.config_file, args.opts)
+        check_writable_file(args.output, source=cfg.MODEL.MODEL_PATH)
         model = build_model(cfg).eval()
         if cfg.MODEL.MODEL_PATH:
             load_weights(model, cfg)
         stride, size = model.total_stride, cfg.INPUT.IMAGE_SIZE
-        if not args.static:
+        if not args.static and not model.fixed_input_size:  # a linformer model takes its one size only
             size -= size % stride
         onnx_file = onnx_model(model, size, size, dynamic_size=not args.static)
         check(onnx_file, args.output, model, cfg, size, one_size=model.fixed_input_size or args.static)

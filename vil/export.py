@@ -10,15 +10,22 @@ import torch
 
 from .files import atomic_write
 from .models.attention import LongformerAttention
-from .ops.base import recording_for_onnx
+from .ops.base import exporting_to_onnx, recording_for_onnx
 
 LARGEST_SIDE = 4096  # the largest image side the exports declare
 
 
+def _size_step(model):
+    """The image sides an export takes are the multiples of this: the model's total stride, or 1 for a model whose
+    patch embeddings pad images to a multiple of their patch size (``dynamic_img_pad``), except in an ONNX export,
+    where local attention's decomposition would need torch to prove guards it cannot for any size."""
+    return 1 if getattr(model, "dynamic_img_pad", False) and not exporting_to_onnx() else model.total_stride
+
+
 def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
     """An input of ``batch x C x height x width`` and the dynamic shapes of any batch and any height and width
-    that are multiples of the model's total stride from twice the stride (of any batch only, for a model of fixed
-    input size or without ``dynamic_size``)."""
+    from twice the model's total stride that are multiples of :func:`_size_step` (of any batch only, for a model of
+    fixed input size or without ``dynamic_size``)."""
     example = torch.randn(batch, model.in_chans, height, width)
     any_batch = {0: torch.export.Dim("batch", min=1, max=1024)}
     if model.fixed_input_size and (height, width) != tuple(model.img_size):
@@ -28,18 +35,17 @@ def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
         )
     if model.fixed_input_size or not dynamic_size:
         return example, (any_batch,)
-    stride = model.total_stride
-    if height % stride or width % stride or min(height, width) < 2 * stride:
+    stride, step = model.total_stride, _size_step(model)
+    if height % step or width % step or min(height, width) < 2 * stride:
+        multiple = f"a multiple of the model's total stride {stride} and " if step > 1 else ""
         raise ValueError(
-            f"Export at an image size that is a multiple of the model's total stride {stride} and at least "
-            f"{2 * stride} on each side, got {height}x{width}."
+            f"Export at an image size that is {multiple}at least {2 * stride} on each side, got {height}x{width}."
         )
     # At least two positions per side of the last map: torch specialises a size of 1 (broadcasting).
-    rows, cols = (
-        torch.export.Dim("rows", min=2, max=LARGEST_SIDE // stride),
-        torch.export.Dim("cols", min=2, max=LARGEST_SIDE // stride),
-    )
-    return example, ({**any_batch, 2: stride * rows, 3: stride * cols},)
+    rows, cols = (torch.export.Dim(name, min=2 * stride // step, max=LARGEST_SIDE // step) for name in ("rows", "cols"))
+    if step == 1:
+        return example, ({**any_batch, 2: rows, 3: cols},)
+    return example, ({**any_batch, 2: step * rows, 3: step * cols},)
 
 
 def _two_chunks_size(model):
@@ -64,16 +70,16 @@ def _check_any_size(model, program, height, width):
     shape = next(node for node in program.graph.nodes if node.name == name).meta["val"].shape
     largest, declared = [], []
     for side in shape[2:]:
-        expr = side.node.expr  # stride * rows
+        expr = side.node.expr  # step * rows
         (root,) = expr.free_symbols
         largest.append(int(expr.subs(root, program.range_constraints[root].upper)))
-        declared.append(int(expr.subs(root, LARGEST_SIDE // model.total_stride)))
+        declared.append(int(expr.subs(root, LARGEST_SIDE // _size_step(model))))
     if largest != declared:
         # The first size torch did not narrow away, and the size at which no chunked stage has one chunk.
         wanted = max(_two_chunks_size(model), *(a + model.total_stride for a, b in zip(largest, declared) if a < b))
         raise ValueError(
             f"Traced at {height}x{width}, where a chunked local stage has one chunk per side, the program takes images "
-            f"of at most {largest[0]}x{largest[1]} only, not every multiple of {model.total_stride} up to "
+            f"of at most {largest[0]}x{largest[1]} only, not every {_sides_taken(model)} up to "
             f"{declared[0]}x{declared[1]}; export at {max(height, wanted)}x{max(width, wanted)} or larger (every "
             f"chunked local stage then has at least two chunks per side) for a program that takes any size."
         )
@@ -90,18 +96,24 @@ def _traced(model, height, width, dynamic_size=True):
     return example, program
 
 
+def _sides_taken(model):
+    step = _size_step(model)
+    return "size" if step == 1 else f"multiple of {step}"
+
+
 def export_program(model, height, width):
     """``torch.export`` of ``model`` in evaluation mode, traced at ``height x width``, for any batch and any
-    height and width that are multiples of the model's total stride from twice the stride (a trace size at which
-    torch would narrow that is refused: :func:`_check_any_size`)."""
+    height and width from twice the model's total stride that are multiples of it, or of any size for a model that
+    pads its input (``dynamic_img_pad``); a trace size at which torch would narrow that is refused
+    (:func:`_check_any_size`)."""
     return _traced(model, height, width)[1]
 
 
 def onnx_model(model, height, width, dynamic_size=True) -> bytes:
-    """``model`` as the bytes of an ONNX file that takes any batch and any image size that is a multiple of the
-    total stride from twice the stride, or without ``dynamic_size`` only ``height x width`` images (what a model
-    whose attention needs one map size, SW_EXACT -1, exports at). A trace size at which torch would narrow the sizes
-    the file takes is refused (:func:`_check_any_size`)."""
+    """``model`` as the bytes of an ONNX file that takes any batch and any height and width from twice the total
+    stride that are multiples of it (a padding model's too), or without ``dynamic_size`` only ``height x width``
+    images (what a model whose attention needs one map size, SW_EXACT -1, exports at). A trace size at which torch
+    would narrow the sizes the file takes is refused (:func:`_check_any_size`)."""
     try:
         import onnx  # noqa: F401  (torch.onnx's exporter needs onnx and onnxscript)
         import onnxscript  # noqa: F401

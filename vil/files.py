@@ -67,9 +67,12 @@ def check_writable_folder(path, what="OUTPUT_DIR"):
         raise OutputError(f"{what} {path} cannot be written ({why}); choose a folder you can write to.")
 
 
-def check_writable_file(path, what="The output"):
+def check_writable_file(path, what="The output", source=None):
     """Make sure ``path`` can be written (its folder is writable, and it is not a folder) before the work that
-    produces it starts."""
+    produces it starts, and that it is not ``source``, the file the work reads (by another name or a link too),
+    which writing it would lose."""
+    if source and os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
+        raise OutputError(f"{what} {path} is the file it is made from, {source}; choose another path for it.")
     why = "it is a folder" if os.path.isdir(path) else _unwritable(os.path.dirname(os.path.abspath(path)))
     if why:
         raise OutputError(f"{what} {path} cannot be written ({why}); choose a path you can write to.")
