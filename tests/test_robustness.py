@@ -375,6 +375,16 @@ def test_files_written_atomically_get_the_mode_a_plain_write_gives(tmp_path, uma
     assert (tmp_path / "f").stat().st_mode & 0o777 == mode
 
 
+def test_a_file_written_again_keeps_its_mode_and_a_link_keeps_pointing_at_it(tmp_path):
+    private = tmp_path / "private.pth"
+    private.write_bytes(b"old")
+    private.chmod(0o600)
+    (tmp_path / "link.pth").symlink_to(private)
+    atomic_write(str(tmp_path / "link.pth"), lambda f: f.write(b"new"))
+    assert (tmp_path / "link.pth").is_symlink() and private.read_bytes() == b"new"
+    assert private.stat().st_mode & 0o777 == 0o600
+
+
 def test_a_lock_refuses_a_second_holder_in_the_same_process_until_released(tmp_path):
     first = FolderLock(str(tmp_path))
     with pytest.raises(OutputError, match=rf"in use by another run \(process {os.getpid()} on "):

@@ -13,6 +13,7 @@ Every failure here is an :class:`OutputError`: one sentence naming the path, wha
 import errno
 import os
 import socket
+import stat
 import tempfile
 
 import filelock
@@ -32,8 +33,10 @@ def _reason(error):
 
 def atomic_write(path, write):
     """Write a file through ``write(binary_file)`` into a temporary file beside ``path``, then rename it over
-    ``path``."""
-    directory = os.path.dirname(os.path.abspath(path))
+    ``path``. As a plain write would: where ``path`` is a link, the file it points to is written; an existing
+    file keeps its mode; a new one gets the mode the umask gives."""
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
     try:
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMPORARY_PREFIX)
@@ -41,15 +44,13 @@ def atomic_write(path, write):
         raise OutputError(
             f"Cannot write {path}: {_reason(e)} in {directory}; choose a folder you can write to."
         ) from None
-    umask = os.umask(0)
-    os.umask(umask)
     try:
-        os.chmod(tmp, 0o666 & ~umask)  # the mode open() would give; mkstemp makes files private to the owner
+        os.chmod(tmp, _plain_write_mode(target))  # mkstemp makes files private to the owner
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -58,6 +59,16 @@ def atomic_write(path, write):
             advice = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check the folder"
             raise OutputError(f"Writing {path} failed ({_reason(e)}); {kept}: {advice} and run again.") from None
         raise
+
+
+def _plain_write_mode(path):
+    """The mode ``open(path, "w")`` leaves ``path`` with: an existing file's own, else what the umask gives."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def check_writable_folder(path, what="OUTPUT_DIR"):
