@@ -99,6 +99,12 @@ def test_missing_and_unreadable_checkpoints(tmp_path):
     (tmp_path / "junk.pth").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="is not a readable PyTorch checkpoint"):
         load_checkpoint(model(0), tmp_path / "junk.pth")
+    torch.save({"net": model(0).state_dict()}, tmp_path / "cut.pth")
+    (tmp_path / "cut.pth").write_bytes((tmp_path / "cut.pth").read_bytes()[:1000])  # a copy cut short
+    with pytest.raises(ValueError) as refusal:
+        load_checkpoint(model(0), tmp_path / "cut.pth")
+    # One sentence: the reader's first, without its advice about its own internals.
+    assert re.fullmatch(r"\S+cut\.pth is not a readable PyTorch checkpoint of tensors \([^.]*\)\.", str(refusal.value))
     torch.save({"net": {"a": 1}}, tmp_path / "odd.pth")
     with pytest.raises(ValueError, match="has no model state dict"):
         load_checkpoint(model(0), tmp_path / "odd.pth")

@@ -80,7 +80,8 @@ def _load_failure(error):
     (which runs whatever code the file holds): the weights unpickler's own reason where it gives one."""
     text = str(error)
     if not text.startswith("Weights only load failed"):
-        detail = next(iter(text.splitlines()), "")
+        # Its first sentence: torch's zip reader goes on with advice about its own internals.
+        detail = next(iter(text.splitlines()), "").split(". ")[0].rstrip(".")
         return f"{type(error).__name__}{': ' + detail if detail else ''}"
     marker = "WeightsUnpickler error:"
     after = text.split(marker, 1)[1] if marker in text else text.split("\n\n", 1)[-1]
