@@ -120,7 +120,9 @@ def _gmacs(model, size):
 
 def model_card(card: dict) -> str:
     """The folder's README.md: Hub metadata, then what the model is and how to use it."""
-    top1 = "not recorded" if card["top1"] is None else f"{card['top1']:.2f}% (the run's best)"
+    # The run evaluates its model weights for its best top-1; the EMA weights' own is only logged.
+    whose = ", its model weights', not these EMA weights'" if card["weights"] == "EMA" else ""
+    top1 = "not recorded" if card["top1"] is None else f"{card['top1']:.2f}% (the run's best{whose})"
     return f"""---
 tags:
 - image-classification
