@@ -230,6 +230,29 @@ def test_checkpoint_of_another_architecture(tmp_path):
 ARCH_8 = "l1,h1,d16,n1,s1,g1,p4,f8,a1_l2,h2,d32,n1,s1,g1,p2,f8,a1_l3,h2,d32,n1,s0,g1,p2,f2,a1"
 
 
+def test_a_checkpoint_trained_with_other_model_options_is_refused_unless_built_with_them(tmp_path):
+    """Options no tensor's shape shows (LN_EPS, AVG_POOL, ...) compute otherwise with the same weights: the config a
+    training checkpoint stores names them, as evaluation refuses it (loaded without a word, ViL-Tiny's logits
+    differed from the trained ones by up to 0.16)."""
+    from vil.config import load_cfg
+    from vil.model_config import build_model
+
+    cfg = load_cfg(overrides=["MODEL.VIT.MSVIT.ARCH", ARCH_8, "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "1000"])
+    cfg.merge_from_list(["MODEL.VIT.MSVIT.LN_EPS", "0.5", "MODEL.VIT.AVG_POOL", "True"])
+    trained = build_model(cfg).eval()
+    torch.save({"net": trained.state_dict(), "config": cfg.dump()}, tmp_path / "run.pth")
+    overlay = dict(file=str(tmp_path / "run.pth"))
+    built = dict(arch=ARCH_8, img_size=32, pretrained=True, pretrained_cfg_overlay=overlay)
+    with pytest.raises(
+        ValueError, match=r"run\.pth was trained with ln_eps=0\.5 .*, not 1e-06, avg_pool=True .*not False"
+    ):
+        timm.create_model("vil_arch", **built)
+    loaded = timm.create_model("vil_arch", ln_eps=0.5, avg_pool=True, **built).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(images), trained(images))
+
+
 @pytest.mark.parametrize(
     "trained,built,option",
     [

@@ -25,8 +25,13 @@ from .checkpoint import load_model_state, model_state, read_checkpoint
 from .config import config_from_text, config_value
 from .model_config import model_kwargs
 from .models import PRESETS, MsViT, arch_string, parse_arch, stage_map_sizes
-from .models.convert import backbone_specs, convert_classification_state, infer_image_size, resize_tables
-from .weights import MODEL_DEFINING_KEYS
+from .models.convert import (
+    MODEL_DEFINING_KEYS,
+    backbone_specs,
+    convert_classification_state,
+    infer_image_size,
+    resize_tables,
+)
 
 # Export format -> (the key holding the state dict, the prefix of the backbone's keys in a whole detector).
 EXPORT_FORMATS: dict[str, tuple[str, str]] = {
@@ -295,7 +300,7 @@ def check_options(
     trained: Mapping[str, Any], asked: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint"
 ) -> None:
     """Refuse, in one sentence naming them, the :data:`BACKBONE_OPTIONS` in ``asked`` that compute otherwise than
-    the ``trained`` ones (compared as :data:`~vil.weights.MODEL_DEFINING_KEYS` compares them)."""
+    the ``trained`` ones (compared as :data:`~vil.models.convert.MODEL_DEFINING_KEYS` compares them)."""
     differ = [
         f"{name} {trained[name]!r} ({BACKBONE_OPTIONS[name]}), not {asked[name]!r}"
         for name in BACKBONE_OPTIONS

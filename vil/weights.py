@@ -9,25 +9,10 @@ import os
 
 from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint
 from .config import config_from_text, config_value
-from .models import parse_arch, pretrained_checkpoint
-from .models.convert import fit_to_model
+from .models import pretrained_checkpoint
+from .models.convert import MODEL_DEFINING_KEYS, fit_to_model
 
 log = logging.getLogger("vil")
-
-# The config keys that change what the same weights compute (no tensor's shape shows them), each with the form in
-# which two values compute the same: architecture strings as parsed, MODE as the mode evaluation uses. Image size,
-# class count, dropout and the attention implementation (ATTN_TYPE's backends) may differ.
-MODEL_DEFINING_KEYS = {
-    "MODEL.VIT.MSVIT.ARCH": parse_arch,
-    "MODEL.VIT.MSVIT.SW_EXACT": int,
-    "MODEL.VIT.MSVIT.MODE": lambda mode: min(mode, 0),
-    "MODEL.VIT.MSVIT.ONLY_GLOBAL": bool,
-    "MODEL.VIT.MSVIT.SHARE_W": bool,
-    "MODEL.VIT.MSVIT.LN_EPS": float,
-    "MODEL.VIT.NORM_EMBED": bool,
-    "MODEL.VIT.AVG_POOL": bool,
-    "MODEL.VIT.DYNAMIC_IMG_PAD": bool,
-}
 
 
 def resolve_model_path(cfg):

@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from ..checkpoint import check_fits, check_shared, model_state
+from ..config import config_from_text, config_value
 from .arch import parse_arch, stage_map_sizes
 from .tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
 
@@ -156,6 +157,22 @@ def set_num_global(state, specs, num_global, init="copy"):
     return converted, backbone_specs(specs, num_global=num_global)
 
 
+# The config keys that change what the same weights compute (no tensor's shape shows them), each with the form in
+# which two values compute the same: architecture strings as parsed, MODE as the mode evaluation uses. Image size,
+# class count, dropout and the attention implementation (ATTN_TYPE's backends) may differ.
+MODEL_DEFINING_KEYS = {
+    "MODEL.VIT.MSVIT.ARCH": parse_arch,
+    "MODEL.VIT.MSVIT.SW_EXACT": int,
+    "MODEL.VIT.MSVIT.MODE": lambda mode: min(mode, 0),
+    "MODEL.VIT.MSVIT.ONLY_GLOBAL": bool,
+    "MODEL.VIT.MSVIT.SHARE_W": bool,
+    "MODEL.VIT.MSVIT.LN_EPS": float,
+    "MODEL.VIT.NORM_EMBED": bool,
+    "MODEL.VIT.AVG_POOL": bool,
+    "MODEL.VIT.DYNAMIC_IMG_PAD": bool,
+}
+
+
 def fit_to_model(state, model, path, adapted=()):
     """A model state dict for ``model`` (an :class:`~vil.models.MsViT`): position tables resized when the model
     was built for another image size than the state's (taken as square, as both releases train). A state of
@@ -172,11 +189,33 @@ def fit_to_model(state, model, path, adapted=()):
     return state
 
 
-def checkpoint_filter_fn(state_dict, model, source="the pretrained checkpoint"):
+def check_trained_options(checkpoint, options, source):
+    """Refuse, in one sentence naming them, a checkpoint of this project whose stored config has other values of
+    :data:`MODEL_DEFINING_KEYS` than the model's arguments ``options`` (by MsViT argument name: each key's last
+    part in lower case). The original release's checkpoints and bare state dicts store no config."""
+    text = checkpoint.get("config") if isinstance(checkpoint, dict) else None
+    if not isinstance(text, str):
+        return
+    saved = config_from_text(text, f"the config stored in {source}")
+    differ = []
+    for key, same_form in MODEL_DEFINING_KEYS.items():
+        name, trained = key.rsplit(".", 1)[1].lower(), config_value(saved, key)
+        if name in options and same_form(trained) != same_form(options[name]):
+            differ.append(f"{name}={trained!r} ({key}), not {options[name]!r}")
+    if differ:
+        raise ValueError(
+            f"{source} was trained with {', '.join(differ)}; give those arguments to build the model it holds."
+        )
+
+
+def checkpoint_filter_fn(state_dict, model, source="the pretrained checkpoint", options=None):
     """timm's checkpoint filter: the original release's checkpoints and this project's (the ``"net"`` entry,
     wrapper prefixes and derived buffers removed), fitted to the model by :func:`fit_to_model` (timm replaces
     a classifier of another class count, and adapts the first convolution to ``in_chans`` other than 3 after
-    this filter); ``source`` names the checkpoint in a refusal."""
+    this filter); ``source`` names the checkpoint in a refusal. With the model's arguments ``options``, a checkpoint
+    trained with other model options is refused (:func:`check_trained_options`)."""
+    if options is not None:
+        check_trained_options(state_dict, options, source)
     state = model_state(state_dict)
     first = model.pretrained_cfg["first_conv"] + ".weight"
     adapted = (first,) if first in state and state[first].shape[1] != model.in_chans else ()

@@ -5,6 +5,7 @@ Module and parameter names follow the original release (``layer1.0.proj.weight``
 (index 0) followed by, per transformer layer, an attention block and an MLP block.
 """
 
+import inspect
 import math
 import os
 from collections import deque
@@ -738,12 +739,14 @@ def _create_vil(variant, pretrained=False, **kwargs):
     if pretrained and cfg.url and not (cfg.file or cfg.state_dict):
         kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, file=_downloaded(cfg))
     source = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") or cfg.file or cfg.hf_hub_id or variant
+    defaults = {name: p.default for name, p in inspect.signature(MsViT).parameters.items()}
+    options = {**defaults, **attention, **kwargs, "arch": arch}  # what the model is built with
     model = build_model_with_cfg(
         MsViT,
         variant,
         pretrained,
         arch=arch,
-        pretrained_filter_fn=partial(checkpoint_filter_fn, source=source),
+        pretrained_filter_fn=partial(checkpoint_filter_fn, source=source, options=options),
         feature_cfg=_feature_cfg(kwargs, len(parse_arch(arch))),
         **{**attention, **kwargs},
     )
