@@ -118,8 +118,12 @@ def test_features_only(name):
     ]
     for got, want in zip(maps, expected):
         torch.testing.assert_close(got, want)
-    # The pruned model keeps only what the features need.
-    assert not hasattr(timm.create_model(name, features_only=True, out_indices=(0, 1)).model, "layer3")
+    # The pruned model keeps only what the features need, and takes the images its stages take: from its last
+    # stage's stride (8), not the whole model's (32).
+    pruned = timm.create_model(name, features_only=True, out_indices=(0, 1)).eval()
+    assert not hasattr(pruned.model, "layer3") and pruned.model.total_stride == 8
+    with torch.no_grad():
+        assert [m.shape[2:] for m in pruned(torch.randn(1, 3, 16, 24))] == [(4, 6), (2, 3)]
 
 
 def test_original_release_checkpoint_through_pretrained_cfg_overlay(tmp_path):

@@ -488,6 +488,7 @@ class MsViT(nn.Module):
         if prune_norm or keep < len(self.stage_specs):
             self.norm = nn.Identity()
         self.stage_specs, self.feature_info = self.stage_specs[:keep], self.feature_info[:keep]
+        self.total_stride = self.feature_info[-1]["reduction"]  # the stages left: the smallest image they take
         if prune_head:
             self.global_pool = ""
             self.reset_classifier(0)
