@@ -291,6 +291,23 @@ def test_export_onnx_checks_the_output_before_exporting(tmp_path, monkeypatch):
     assert checkpoint.read_bytes() == b"the user's weights"
 
 
+def test_export_onnx_exports_a_linformer_model_at_its_one_image_size(tmp_path, monkeypatch):
+    """A linformer model takes only INPUT.IMAGE_SIZE: the tool exports at that size, not at a multiple of the
+    stride it would round to (72 to 64, which the export then refused)."""
+    asked = []
+
+    def onnx_model(model, height, width, dynamic_size=True):
+        asked.append((height, width, model.fixed_input_size))
+        raise ValueError("stopped before the export")
+
+    monkeypatch.setattr(export_onnx_tool, "onnx_model", onnx_model)
+    arch = "l1,h1,d16,p4,f2_l2,h1,d32,f2_l3,h2,d32,s0"
+    overrides = ["MODEL.VIT.MSVIT.ARCH", arch, "MODEL.VIT.MSVIT.ATTN_TYPE", "linformer", "INPUT.IMAGE_SIZE", "72"]
+    with pytest.raises(SystemExit, match="stopped before the export"):
+        export_onnx_tool.main(["--config-file", "vil_digits", "--output", str(tmp_path / "m.onnx"), *overrides])
+    assert asked == [(72, 72, True)]
+
+
 def test_sw_exact_minus_one_exports_at_one_image_size(tmp_path):
     """Windows that wrap around the map (SW_EXACT -1, which differ from zero-padded ones at this size) export with
     ``--static``: the file takes only that size, any batch (the tool's second check runs another), and computes the
