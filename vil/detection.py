@@ -30,6 +30,7 @@ from .models.convert import (
     backbone_specs,
     convert_classification_state,
     infer_image_size,
+    option_name,
     resize_tables,
 )
 
@@ -44,7 +45,7 @@ GLOBAL_TOKENS: tuple[str, ...] = ("drop", "average")
 # sets (the key's last part in lower case). Not the arch (converted, and checked by the weights' shapes), the
 # classifier's pooling, nor the patch embeddings' padding (the backbone's own choice; its tables are converted).
 BACKBONE_OPTIONS: dict[str, str] = {
-    key.rsplit(".", 1)[1].lower(): key
+    option_name(key): key
     for key in MODEL_DEFINING_KEYS
     if key not in ("MODEL.VIT.MSVIT.ARCH", "MODEL.VIT.AVG_POOL", "MODEL.VIT.DYNAMIC_IMG_PAD")
 }

@@ -8,9 +8,9 @@ import logging
 import os
 
 from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint
-from .config import config_from_text, config_value
+from .config import config_value
 from .models import pretrained_checkpoint
-from .models.convert import MODEL_DEFINING_KEYS, fit_to_model
+from .models.convert import MODEL_DEFINING_KEYS, fit_to_model, trained_with
 
 log = logging.getLogger("vil")
 
@@ -36,21 +36,6 @@ def fitted_state(checkpoint, path, model, ema=False):
     """The model weights of the checkpoint dict read from ``path`` (its EMA weights with ``ema``), position tables
     resized to ``model``'s image size."""
     return fit_to_model((ema_state if ema else model_state)(checkpoint, path), model, path)
-
-
-def trained_with(checkpoint, path, cfg):
-    """``{key: (the checkpoint's value, cfg's)}`` for each of :data:`MODEL_DEFINING_KEYS` that differs, where the
-    checkpoint holds this project's config (the original release's and bare state dicts hold none)."""
-    text = checkpoint.get("config") if isinstance(checkpoint, dict) else None
-    if text is None:
-        return {}
-    saved = config_from_text(text, f"the config stored in {path}")
-    differences = {}
-    for key, same_form in MODEL_DEFINING_KEYS.items():
-        then, now = config_value(saved, key), config_value(cfg, key)
-        if same_form(then) != same_form(now):
-            differences[key] = (then, now)
-    return differences
 
 
 def load_weights(model, cfg, new_classifier=False):
@@ -81,7 +66,7 @@ def _check_classifier_parts(head, path):
 
 def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
     """:func:`load_weights` of the checkpoint dict already read from ``path`` (its EMA weights with ``ema``)."""
-    differences = trained_with(checkpoint, path, cfg)
+    differences = trained_with(checkpoint, path, {key: config_value(cfg, key) for key in MODEL_DEFINING_KEYS})
     listed = ", ".join(f"{key} {saved!r} (now {now!r})" for key, (saved, now) in differences.items())
     if differences and not new_classifier:
         raise ValueError(f"Checkpoint {path} was trained with {listed}; set those values to use it as it was trained.")

@@ -189,19 +189,35 @@ def fit_to_model(state, model, path, adapted=()):
     return state
 
 
-def check_trained_options(checkpoint, options, source):
-    """Refuse, in one sentence naming them, a checkpoint of this project whose stored config has other values of
-    :data:`MODEL_DEFINING_KEYS` than the model's arguments ``options`` (by MsViT argument name: each key's last
-    part in lower case). The original release's checkpoints and bare state dicts store no config."""
+def option_name(key):
+    """The MsViT argument a :data:`MODEL_DEFINING_KEYS` key sets: its last part in lower case."""
+    return key.rsplit(".", 1)[1].lower()
+
+
+def trained_with(checkpoint, path, values):
+    """``{key: (the checkpoint's value, the one in values)}`` for each of :data:`MODEL_DEFINING_KEYS` in ``values``
+    (key: value) that computes otherwise than the value of the config the checkpoint holds (this project's; the
+    original release's and bare state dicts hold none)."""
     text = checkpoint.get("config") if isinstance(checkpoint, dict) else None
-    if not isinstance(text, str):
-        return
-    saved = config_from_text(text, f"the config stored in {source}")
-    differ = []
-    for key, same_form in MODEL_DEFINING_KEYS.items():
-        name, trained = key.rsplit(".", 1)[1].lower(), config_value(saved, key)
-        if name in options and same_form(trained) != same_form(options[name]):
-            differ.append(f"{name}={trained!r} ({key}), not {options[name]!r}")
+    if text is None:
+        return {}
+    saved = config_from_text(text, f"the config stored in {path}")
+    differences = {}
+    for key, value in values.items():
+        then = config_value(saved, key)
+        if MODEL_DEFINING_KEYS[key](then) != MODEL_DEFINING_KEYS[key](value):
+            differences[key] = (then, value)
+    return differences
+
+
+def check_trained_options(checkpoint, options, source):
+    """Refuse, in one sentence naming them, a checkpoint of this project trained with other
+    :data:`MODEL_DEFINING_KEYS` values than the model's arguments ``options`` (by MsViT argument name)."""
+    values = {key: options[option_name(key)] for key in MODEL_DEFINING_KEYS if option_name(key) in options}
+    differ = [
+        f"{option_name(key)}={then!r} ({key}), not {now!r}"
+        for key, (then, now) in trained_with(checkpoint, source, values).items()
+    ]
     if differ:
         raise ValueError(
             f"{source} was trained with {', '.join(differ)}; give those arguments to build the model it holds."
