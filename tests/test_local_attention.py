@@ -43,6 +43,17 @@ def test_reference_window_zero_padding():
     assert visible(5, 5, 2, 0, 0, (4, 4)) == box(2, 5, 2, 5)
 
 
+def test_the_reference_scales_before_its_half_precision_products():
+    # Products of about 1e5, over float16's 65504, scaled by 1e-3 into scores of about 100: finite, as in float64.
+    gen = torch.Generator().manual_seed(0)
+    q, k = (40 + torch.randn(1, 1, 4, 5, 64, generator=gen) for _ in range(2))
+    v = torch.randn(1, 1, 4, 5, 64, generator=gen)
+    for attention, to_input in ((local_attention_2d, lambda t: t), (local_attention_1d, lambda t: t.flatten(2, 3))):
+        want = attention(*(to_input(t).double() for t in (q, k, v)), 2, scale=1e-3, backend="reference")
+        got = attention(*(to_input(t).half() for t in (q, k, v)), 2, scale=1e-3, backend="reference")
+        torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=0)
+
+
 def test_reference_window_cyclic():
     # 6x6 map, w=2, cyclic: query (0, 0) in chunk (0, 0) sees chunk rows/cols {2, 0, 1}: everything.
     assert visible(6, 6, 2, -1, 0, (0, 0)) == box(0, 6, 0, 6)
@@ -614,6 +625,50 @@ def test_fused_cpu_kernels_refuse_other_shapes_in_one_sentence(name, value, mess
     names = (FUSED_CPU_BACKWARD_2D if backward else FUSED_CPU_FORWARD_2D).split()
     with pytest.raises(RuntimeError, match=f"^local_attention_cpu: {message}"):
         (ops.backward if backward else ops.forward)(*(arguments[n] for n in names))
+
+
+def _attend(backend, dims):
+    """A function of q alone (k, v fixed, float64) through ``backend``, 2D or 1D."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (1, 2, 5, 6, 4) if dims == 2 else (1, 2, 9, 4)
+    k, v = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(2))
+    attention = local_attention_2d if dims == 2 else local_attention_1d
+    return torch.randn(shape, generator=gen, dtype=torch.float64), lambda q: attention(q, k, v, 2, backend=backend)
+
+
+@pytest.mark.parametrize("backend,dims", [("fused_cpu", 2), ("sliding_chunk", 2), ("chunk_rows", 2), ("chunks", 1)])
+def test_function_transforms_are_refused_by_backends_they_cannot_see_through(backend, dims):
+    # Their passes or autograd functions would give forward-mode AD no tangent (a zero or missing derivative), and
+    # torch.func.grad failed inside torch; torch.func.vmap alone maps the fused passes as it should.
+    q, attend = _attend(backend, dims)
+    transforms = {
+        "torch.func.grad": lambda: torch.func.grad(lambda x: attend(x).sum())(q),
+        r"forward-mode AD \(torch.func.jvp\)": lambda: torch.func.jvp(attend, (q,), (torch.ones_like(q),)),
+    }
+    for name, transform in transforms.items():
+        with pytest.raises(RuntimeError, match=f"^{name} cannot differentiate the {backend} backend") as err:
+            transform()
+        assert str(err.value).endswith(" or reference.")
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(RuntimeError, match=r"^forward-mode AD \(torch.autograd.forward_ad\) cannot differentiate"):
+            attend(dual)
+    if backend in ("fused_cpu", "sliding_chunk"):  # the others' autograd functions predate torch.func
+        batched = torch.func.vmap(attend)(q.unsqueeze(1))  # over a batch axis of its own
+        torch.testing.assert_close(batched.squeeze(1), attend(q))
+
+
+@pytest.mark.parametrize("backend,dims", [("unfold", 2), ("sliding_chunk_autograd", 2), ("reference", 1)])
+def test_forward_mode_ad_through_backends_of_standard_operators(backend, dims):
+    q, attend = _attend(backend, dims)
+    tangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    _, got = torch.func.jvp(attend, (q,), (tangent,))
+    eps = 1e-6  # central difference in float64
+    torch.testing.assert_close(got, (attend(q + eps * tangent) - attend(q - eps * tangent)) / (2 * eps))
+    grad = torch.func.grad(lambda x: attend(x).square().sum())(q)
+    leaf = q.clone().requires_grad_()
+    attend(leaf).square().sum().backward()
+    torch.testing.assert_close(grad, leaf.grad)
 
 
 @pytest.mark.parametrize("backend", ["sliding_chunk", "fused_cpu"])

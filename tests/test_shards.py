@@ -129,6 +129,36 @@ def test_training_on_shards_skips_and_counts_a_damaged_sample(shards, tmp_path):
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3  # 12 images, 4 a batch
 
 
+def test_an_epoch_that_ends_inside_an_optimizer_step_drops_its_gradients(shards, tmp_path, monkeypatch):
+    """A damaged shard can end an epoch between the batches of one OPTIM.ACCUM_STEPS step: their gradients are
+    dropped (said once), not added into the next epoch's first step."""
+    import itertools
+
+    import vil.training.loop
+
+    real_batches, real_epoch = ShardDataset.training_batches, vil.training.loop.train_one_epoch
+    monkeypatch.setattr(  # 3 batches of the 6 planned, as if the process's shards ended there
+        ShardDataset, "training_batches", lambda *args, **kwargs: itertools.islice(real_batches(*args, **kwargs), 3)
+    )
+    held = []  # whether any parameter holds a gradient when an epoch starts and when it ends
+
+    def recorded(run, epoch):
+        held.append(any(p.grad is not None for p in run.model.parameters()))
+        result = real_epoch(run, epoch)
+        held.append(any(p.grad is not None for p in run.model.parameters()))
+        return result
+
+    monkeypatch.setattr(vil.training.loop, "train_one_epoch", recorded)
+    out = tmp_path / "run"
+    cfg = tiny_cfg(shards, out, "DATA.FORMAT", "shards", "OPTIM.EPOCHS", "2", "DATALOADER.BSZ", "2")
+    cfg.merge_from_list(["OPTIM.ACCUM_STEPS", "2"])
+    train(cfg)
+    assert held == [False, False, False, False]
+    log = (out / "log.txt").read_text()
+    assert log.count("ends 3 of its batches early") == 2 and "last 1 batch(es) of epoch 2 make no step" in log
+    assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 2  # one step of 2 batches an epoch
+
+
 def png_bytes(colour=(10, 20, 30)):
     buffer = io.BytesIO()
     Image.new("RGB", (40, 40), colour).save(buffer, format="PNG")

@@ -553,6 +553,27 @@ def test_repeated_augmentation_order_follows_the_seed():
     assert all(both.count(i) in (0, 3) for i in range(12)) and len(set(both)) == 4
 
 
+def test_the_copies_of_repeated_augmentation_are_augmented_apart():
+    """Each sample's three copies (two on one process here) have keys of their own and so draw different random
+    numbers: they were the same images. A resumed epoch gives the rest of the same keys."""
+    from types import SimpleNamespace
+
+    from vil.training.epoch import EpochSampler, SeededSamples
+
+    def keys(rank, skip=0):
+        sampler = EpochSampler(range(12), 0, SimpleNamespace(world=2, rank=rank), True, 1)
+        sampler.set_epoch(1, skip)
+        return list(sampler)
+
+    both = keys(0) + keys(1)
+    for index in {key[1] for key in both}:
+        copies = [key for key in both if key[1] == index]
+        assert sorted(key[2] for key in copies) == [0, 1, 2]
+        draws = SeededSamples(RandomDraws(), 0)
+        assert len({draws[key] for key in copies}) == 3
+    assert keys(1, skip=2) == keys(1)[2:]
+
+
 def test_the_schedule_counts_the_steps_every_process_samples_in_an_epoch():
     """10 images over 3 processes: torch's DistributedSampler gives each 4 (it repeats 2 to fill the last round),
     so with batches of 1 an epoch is 4 steps, with ACCUM_STEPS 3 one step; EpochSampler gives as many."""

@@ -381,6 +381,31 @@ def test_global_projections_that_are_not_plain_linear_layers_are_called_as_they_
             assert_same(got_grads[name], grad), name
 
 
+def test_backward_hooks_and_forwards_set_on_global_projections_are_kept():
+    """A backward hook that scales a gradient, and a forward set on the instance (as accelerate's hooks wrap one),
+    change what plain nn.Linear global projections compute: the accelerated model calls them as transformers does
+    (its gradients were 2x transformers' with the hook ignored)."""
+    torch.manual_seed(0)
+    reference = transformers.LongformerModel(longformer_config()).double()
+    attention = reference.encoder.layer[0].attention.self
+    attention.key_global.register_full_backward_pre_hook(lambda module, grad_out: (0.5 * grad_out[0],))
+    accelerated = vil.accelerate_longformer(copy.deepcopy(reference))
+    ids, mask, global_mask = batch(one_global_each=True)
+    want, _, want_grads = training_results(reference, ids, mask, global_mask)
+    got, _, got_grads = training_results(accelerated, ids, mask, global_mask)
+    assert_same(got, want, mask)
+    for name, grad in want_grads.items():
+        if grad is not None:
+            assert_same(got_grads[name], grad), name
+    for model in (reference, accelerated):
+        value_global = model.encoder.layer[1].attention.self.value_global
+        value_global.forward = lambda x, linear=value_global: 0.5 * torch.nn.functional.linear(x, linear.weight)
+    with torch.no_grad():
+        want = reference.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0]
+        got = accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0]
+    assert_same(got, want, mask)
+
+
 def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_once(caplog):
     reference, accelerated = pair(transformers.LongformerModel, longformer_config(attention_probs_dropout_prob=0.3))
     ids, mask, global_mask = batch(seed=6)
@@ -391,7 +416,7 @@ def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_o
             torch.manual_seed(7)
             outputs.append(model.train()(ids, attention_mask=mask, global_attention_mask=global_mask)[0])
     assert_same(outputs[1], outputs[0], mask)  # the same dropout draws: transformers' own attention
-    assert caplog.text.count("attention_probs_dropout_prob is 0.3") == 1
+    assert caplog.text.count("The attention dropout is 0.3") == 1 and "layer.dropout = 0.0" in caplog.text
     with torch.no_grad():  # in evaluation dropout is off: the op
         assert_same(
             accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0],
@@ -420,6 +445,7 @@ def test_what_is_refused():
         )
     with pytest.raises(ValueError, match="OwnAttention subclasses transformers' LongformerSelfAttention"):
         vil.accelerate_longformer(subclassed)
+    assert subclassed.config._attn_implementation == "eager"  # a refused call leaves the model as it was
     assert vil.accelerate_longformer(accelerated) is accelerated  # a second call changes nothing
     for name in ("nonsense", "unfold"):  # unfold computes 2D windows only
         with pytest.raises(ValueError, match=rf"backend '{name}' computes no .* one of sliding_chunk, .*reference"):

@@ -58,8 +58,10 @@ class _Accelerated(SlidingWindowSelfAttention):
             if not _Accelerated._said_dropout:
                 _Accelerated._said_dropout = True
                 _log.warning(
-                    "attention_probs_dropout_prob is %s: in training the accelerated layers run transformers' own "
-                    "attention, which applies that dropout (set it to 0 to train on the op).",
+                    "The attention dropout is %s: in training the accelerated layers run transformers' own "
+                    "attention, which applies it. To train on the op, set each layer's dropout to 0 "
+                    "(layer.dropout = 0.0 on the self-attention modules: the config's attention_probs_dropout_prob, "
+                    "attention_dropout for LED, is read only when the model is built).",
                     self.dropout,
                 )
             return super().forward(
@@ -140,17 +142,8 @@ def accelerate_longformer(model, backend=None):
             f"vil.accelerate_longformer takes a transformers model instance (e.g. "
             f"LongformerModel.from_pretrained(path)), got {kind}."
         )
-    converted = 0
-    for module in model.modules():
-        accelerated = CONVERSIONS.get(type(module))
-        if accelerated is not None:
-            module.__class__ = accelerated
-            converted += 1
-        if isinstance(module, _Accelerated):
-            module.backend = backend
-        if isinstance(module, LongformerModel):
-            module.config._attn_implementation = MASK_IMPLEMENTATION
-    if not converted and not any(isinstance(m, _Accelerated) for m in model.modules()):
+    layers = [m for m in model.modules() if type(m) in CONVERSIONS or isinstance(m, _Accelerated)]
+    if not layers:
         for module in model.modules():
             base = next((c for c in CONVERSIONS if isinstance(module, c)), None)
             if base is not None:
@@ -162,4 +155,11 @@ def accelerate_longformer(model, backend=None):
             f"{type(model).__name__} has no Longformer self-attention layer to accelerate; "
             "vil.accelerate_longformer takes transformers' Longformer and LED models."
         )
+    # Only after the refusals: a refused call leaves the model as it was.
+    for module in layers:
+        module.__class__ = CONVERSIONS.get(type(module), type(module))
+        module.backend = backend
+    for module in model.modules():
+        if isinstance(module, LongformerModel):
+            module.config._attn_implementation = MASK_IMPLEMENTATION
     return model

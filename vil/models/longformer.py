@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+from torch.nn.modules import module as nn_module
 
 from ..ops import Neighborhood1d, local_attention_1d
 from ..ops.base import exporting_to_onnx, tracing
@@ -51,7 +51,7 @@ class SlidingWindowSelfAttention:
 
         Where the global projections are plain ``nn.Linear`` modules without hooks, the global keys and values are
         never formed for every token: their weights fold into the global queries' products. Any other module
-        there (a low-rank adapter, a quantized linear layer, one with forward hooks) is called on every token of
+        there (a low-rank adapter, a quantized linear layer, one with hooks) is called on every token of
         the batch, once per call, with ``(B, L, dim)`` inputs, and said once: slower, the same result. (transformers
         calls them only where a batch has global tokens, with sequence-first inputs, and ``query_global`` only on
         the global tokens: hooks that count calls or read shapes see that difference.)"""
@@ -83,9 +83,21 @@ class SlidingWindowSelfAttention:
 
 
 def _plain_linear(module) -> bool:
-    """Whether ``module`` computes exactly ``F.linear(x, module.weight, module.bias)``."""
-    hooks = (module._forward_hooks, module._forward_pre_hooks, _global_forward_hooks, _global_forward_pre_hooks)
-    return type(module) is nn.Linear and module.bias is not None and not any(hooks)
+    """Whether ``module`` computes exactly ``F.linear(x, module.weight, module.bias)``, forward and backward: no hook
+    of its own or of every module, forward or backward, and no ``forward`` set on the instance (as wrappers such as
+    accelerate's hooks do)."""
+    hooks = (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+        nn_module._global_forward_hooks,
+        nn_module._global_forward_pre_hooks,
+        nn_module._global_backward_hooks,
+        nn_module._global_backward_pre_hooks,
+    )
+    plain = type(module) is nn.Linear and module.bias is not None and "forward" not in vars(module)
+    return plain and not any(hooks)
 
 
 _said_projected = set()

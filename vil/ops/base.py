@@ -213,8 +213,12 @@ class Backend:
     as one generic operator whose backward recomputes its forward. ``twice_differentiable``: the backward of its
     functions is autograd's (gradients of gradients, ``create_graph=True``); False where a backward is hand-written
     (passes, or a function's own autograd.Function), so that a second backward is refused in one sentence.
-    ``extras_in_float32``: it takes the global keys and values and bias tables in float32 beside half-precision q
-    (its passes compute them in float32), so that pieces of a split request can share float32 copies.
+    ``function_transforms``: forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp``) and
+    ``torch.func.grad`` differentiate its functions (standard operators all through); False where passes, kernels or
+    an autograd.Function of its own compute (they would see no tangent), so that such a call is refused in one
+    sentence. ``extras_in_float32``: it takes the global keys and values and bias tables in float32 beside
+    half-precision q (its passes compute them in float32), so that pieces of a split request can share float32
+    copies.
     """
 
     name: str
@@ -233,6 +237,7 @@ class Backend:
     check: Optional[Callable] = None
     traceable: bool = False
     twice_differentiable: bool = True
+    function_transforms: bool = True
     extras_in_float32: bool = False
 
     def function(self, dims: int) -> Optional[Callable]:

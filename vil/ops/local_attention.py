@@ -172,6 +172,8 @@ def _run(b, q, k, v, hood, extras, drawn_mode=None):
                 "export the model in evaluation mode (model.eval())."
             )
         return operators.decomposed_attention(q, k, v, hood, extras)
+    if not tracing(q):
+        operators.refuse_function_transforms(b, hood.dims, (q, k, v, *extras.differentiable))
     if drawn_mode is not None or (
         tracing(q) and ((b.passes(hood.dims) is None and not b.traceable) or split.splits_by_size(b, hood, q))
     ):

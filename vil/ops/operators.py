@@ -50,17 +50,52 @@ def run_eagerly(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extra
     return out
 
 
+def _autograd_backends(dims, device_type, declared):
+    """The names of the backends whose functions autograd differentiates on ``device_type`` and that declare
+    ``declared`` (a :class:`~vil.ops.base.Backend` field)."""
+    return listed(
+        name
+        for name, b in BACKENDS.items()
+        if b.function(dims) and getattr(b, declared) and b.trains_on_device(device_type)
+    )
+
+
 def refuse_second_order(backend, dims, device_type):
     """Raise, in one sentence naming those that can, for gradients of the gradients of ``backend``'s output."""
     if torch.is_grad_enabled():  # in a backward: create_graph=True
-        able = (
-            name
-            for name, b in BACKENDS.items()
-            if b.function(dims) and b.twice_differentiable and b.trains_on_device(device_type)
-        )
+        able = _autograd_backends(dims, device_type, "twice_differentiable")
         raise RuntimeError(
             f"The {backend} backend's backward is not differentiable, so gradients of its gradients "
-            f"(create_graph=True) cannot be taken; use a backend whose backward is autograd's: {listed(able)}."
+            f"(create_graph=True) cannot be taken; use a backend whose backward is autograd's: {able}."
+        )
+
+
+def refuse_function_transforms(b: Backend, dims: int, tensors) -> None:
+    """Raise, in one sentence naming those that can, where forward-mode AD (``torch.autograd.forward_ad``,
+    ``torch.func.jvp``) or ``torch.func.grad`` would differentiate a call of ``b`` that it cannot see through
+    (:attr:`~vil.ops.base.Backend.function_transforms`): its output would carry no tangent, a missing or zero
+    derivative, or torch would fail inside it. ``torch.func.vmap`` alone is fine."""
+    if b.function_transforms:
+        return
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    kinds = {interpreter.key() for interpreter in stack}
+    TransformType = torch._C._functorch.TransformType
+    transform = (
+        "torch.func.grad"
+        if TransformType.Grad in kinds
+        else "forward-mode AD (torch.func.jvp)"
+        if TransformType.Jvp in kinds
+        else None
+    )
+    if transform is None and torch.autograd.forward_ad._current_level >= 0:
+        present = [t for t in tensors if t is not None]
+        if any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in present):
+            transform = "forward-mode AD (torch.autograd.forward_ad)"
+    if transform is not None:
+        able = _autograd_backends(dims, tensors[0].device.type, "function_transforms")
+        raise RuntimeError(
+            f"{transform} cannot differentiate the {b.name} backend, which computes outside autograd; "
+            f"use a backend built from standard operators: {able}."
         )
 
 
@@ -148,7 +183,7 @@ def _backward(backend, q, k, v, hood, extras, out, lse, grad_out):
 
 
 def _fused_operator(name, q, k, v, extras, hood):
-    tensors = (q, k, v, *extras.differentiable)
+    tensors = _dense_where_symbolic(q, k, v, *extras.differentiable)
     if hood.dims == 2:
         return _attention_2d(name, *tensors, *_numbers_2d(hood), extras.scale)[0]
     return _attention_1d(name, *tensors, extras.key_padding_mask, *_numbers_1d(hood, q), extras.scale)[0]
@@ -158,12 +193,22 @@ def recomputed_attention(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extr
     """``b``'s output through the generic operator, which runs ``b`` with the real tensors and recomputes its forward
     with autograd for the backward. ``drawn_mode``: a 0-dim tensor holding the 2D neighbour mode, drawn in the
     graph; the operator reads it when it runs."""
-    tensors = (q, k, v, *extras.differentiable)
+    tensors = _dense_where_symbolic(q, k, v, *extras.differentiable)
     if hood.dims == 1:
         return _recomputed_1d(b.name, *tensors, extras.key_padding_mask, *_numbers_1d(hood, q), extras.scale)
     window, exact, mode, dilation = _numbers_2d(hood)
     mode = torch.as_tensor(mode) if drawn_mode is None else drawn_mode
     return _recomputed_2d(b.name, *tensors, window, exact, mode, dilation, extras.scale)
+
+
+def _dense_where_symbolic(*tensors):
+    """The operators' tensors, contiguous where their sizes are symbolic (torch.export, ``dynamic=True``): the layout
+    of the outputs and gradients the fake implementations promise (``torch.empty_like``) follows how the strides of
+    a strided view compare, which torch decides with guards on the sizes, so that a program of a model whose q, k, v
+    are views of a padded map would take only some sizes."""
+    return tuple(
+        t.contiguous() if t is not None and not all(isinstance(n, int) for n in t.shape) else t for t in tensors
+    )
 
 
 def decomposed_attention(q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> Tensor:

@@ -77,6 +77,7 @@ def train_one_epoch(run, epoch):
     window = _new_window(time.perf_counter())  # since the last LOG_FREQ line
     bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}", disable=not runtime.is_main, leave=False)
     step_end = time.perf_counter()
+    last_micro = True
     for i, (images, targets, unreadable) in enumerate(bar, start=run.batch_in_epoch):
         fetched = time.perf_counter()
         window["data_s"] += fetched - step_end
@@ -116,6 +117,11 @@ def train_one_epoch(run, epoch):
             window = _log_steps(run, window, step_end)
         if last_micro and cfg.CHECKPOINT.EVERY_STEPS and run.step % cfg.CHECKPOINT.EVERY_STEPS == 0:
             run.pending = run.snapshot(epoch, i + 1)
+    if not last_micro:  # an epoch ended early (batches_of_every_process) inside an optimizer step
+        run.optimizer.zero_grad(set_to_none=True)
+        log.warning(
+            f"The gradients of the last {(i + 1) % accum} batch(es) of epoch {epoch + 1} make no step: dropped."
+        )
     run.batch_in_epoch = 0
     seen, skipped = runtime.sum(seen, skipped)
     return seen, skipped, loss_sum / max(seen / runtime.world, 1)
@@ -180,6 +186,9 @@ def steps_per_epoch(train_set, cfg, runtime, batch):
     return len(epoch_order(train_set, 0, cfg.SEED, runtime, cfg.AUG.REPEATED_AUG)) // (batch * accum)
 
 
+REPEATS = 3  # the copies of each sample with AUG.REPEATED_AUG, as in the original release
+
+
 class EpochSampler(Sampler):
     """The samples this process trains on in the epoch set by :meth:`set_epoch`, from sample ``skip`` on, as
     ``(epoch, index)`` pairs: :class:`SeededSamples` seeds each sample's augmentation by them. An epoch is whole
@@ -199,16 +208,23 @@ class EpochSampler(Sampler):
         return order[self.skip : len(order) - len(order) % self.step_samples]
 
     def __iter__(self):
-        return iter([(self.epoch, index) for index in self._order()])
+        order = self._order()
+        if not (self.repeated_aug and self.runtime.world > 1):
+            return iter([(self.epoch, index) for index in order])
+        # Repeated augmentation lists each index REPEATS times in a row and deals the list out to the processes in
+        # turn: which copy a sample is joins its key, so that the copies get different augmentations.
+        rank, world = self.runtime.rank, self.runtime.world
+        return iter([(self.epoch, index, (rank + (self.skip + j) * world) % REPEATS) for j, index in enumerate(order)])
 
     def __len__(self):
         return len(self._order())
 
 
 class SeededSamples(Dataset):
-    """Sample ``(epoch, index)`` of ``dataset``, loaded and augmented with random states seeded by ``(seed, epoch,
-    index)`` (:func:`~vil.seeding.seeded_call`): each sample gets the same augmentation whichever process or worker
-    loads it, so a run resumed anywhere, with any number of workers, sees the same images."""
+    """Sample ``(epoch, index)`` of ``dataset`` (or ``(epoch, index, copy)``, one of repeated augmentation's copies),
+    loaded and augmented with random states seeded by ``(seed, epoch, index[, copy])``
+    (:func:`~vil.seeding.seeded_call`): each sample gets the same augmentation whichever process or worker loads it,
+    so a run resumed anywhere, with any number of workers, sees the same images."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed = dataset, seed
@@ -217,8 +233,8 @@ class SeededSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key):
-        epoch, index = key
-        return seeded_call(sample_seed(self.seed, epoch, index), self.dataset.__getitem__, index)
+        epoch, index, *copy = key
+        return seeded_call(sample_seed(self.seed, epoch, index, *copy), self.dataset.__getitem__, index)
 
 
 def epoch_order(dataset, epoch, seed, runtime, repeated_aug=False):
@@ -229,7 +245,12 @@ def epoch_order(dataset, epoch, seed, runtime, repeated_aug=False):
             # selected_round 0: every process takes len / world samples, as DistributedSampler (timm's default
             # rounds down to multiples of 256, which the epoch's step count would not match).
             sampler = RepeatAugSampler(
-                dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, selected_round=0
+                dataset,
+                num_replicas=runtime.world,
+                rank=runtime.rank,
+                shuffle=True,
+                num_repeats=REPEATS,
+                selected_round=0,
             )
             sampler.set_epoch(sample_seed(seed, epoch))  # its order is seeded by the epoch alone
         else:

@@ -238,4 +238,6 @@ def attention_2d(q, k, v, hood, extras):
     return _ChunkRows.apply(geo, extras.scale, q, k, v, *extras.differentiable)
 
 
-BACKEND = Backend("chunk_rows", attention_2d=attention_2d, dilation_2d="split", twice_differentiable=False)
+BACKEND = Backend(
+    "chunk_rows", attention_2d=attention_2d, dilation_2d="split", twice_differentiable=False, function_transforms=False
+)

@@ -193,4 +193,6 @@ def attention_1d(q, k, v, hood, extras):
     return ChunksAttention1d.apply(hood, extras.scale, *tensors).to(q.dtype)
 
 
-BACKEND = Backend("chunks", attention_1d=attention_1d, dilation_1d=None, twice_differentiable=False)
+BACKEND = Backend(
+    "chunks", attention_1d=attention_1d, dilation_1d=None, twice_differentiable=False, function_transforms=False
+)

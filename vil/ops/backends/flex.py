@@ -168,4 +168,5 @@ BACKEND = Backend(
     devices=("cpu", "cuda"),
     trains_on=("cuda",),
     traceable=True,
+    function_transforms=False,
 )

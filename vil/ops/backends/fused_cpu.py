@@ -448,6 +448,7 @@ BACKEND = Backend(
     prepare=_as_the_kernels_read,
     extras_in_float32=True,
     twice_differentiable=False,
+    function_transforms=False,
     dilation_2d="split",
     per_head_dilation=True,
     devices=("cpu",),

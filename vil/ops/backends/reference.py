@@ -67,14 +67,16 @@ def band_pairs(length, window, dilations, causal, device):
 
 def _attend(q, k, v, allowed, bias, extras):
     """Softmax attention of q ``(B, H, N, D)`` over the keys ``allowed`` ``(.., N, N)`` with ``bias`` added, and
-    over the global keys; a query that sees no key outputs zeros (and gets zero gradients)."""
-    global_k, global_v, global_bias, scale = extras.global_k, extras.global_v, extras.global_bias, extras.scale
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    over the global keys; a query that sees no key outputs zeros (and gets zero gradients). q is scaled before the
+    products, which in half precision could overflow where the scaled scores do not."""
+    global_k, global_v, global_bias = extras.global_k, extras.global_v, extras.global_bias
+    q = q * extras.scale
+    scores = torch.matmul(q, k.transpose(-1, -2))
     if bias is not None:
         scores = scores + bias
     scores = scores.masked_fill(~allowed, float("-inf"))
     if global_k is not None:
-        global_scores = torch.matmul(q, global_k.transpose(-1, -2)) * scale
+        global_scores = torch.matmul(q, global_k.transpose(-1, -2))
         if global_bias is not None:
             global_scores = global_scores + global_bias[:, None, :]
         scores = torch.cat([global_scores, scores], dim=-1)

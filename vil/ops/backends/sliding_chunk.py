@@ -303,6 +303,7 @@ BACKEND = Backend(
     prepare=in_float32_or_wider,
     extras_in_float32=True,
     twice_differentiable=False,
+    function_transforms=False,
     dilation_2d="split",
     dilation_1d="split",
 )

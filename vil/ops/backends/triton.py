@@ -127,6 +127,7 @@ BACKEND = Backend(
     passes_1d=FusedPasses(_forward_1d, _backward_1d, _scored_pairs_1d),
     prepare=_rows_of_unit_stride,
     twice_differentiable=False,
+    function_transforms=False,
     per_head_dilation=True,
     devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
