@@ -1,5 +1,6 @@
 """Data: ImageNet-style folders with unreadable files, the digits split, transforms, Mixup and the loss."""
 
+import logging
 import os
 import random
 import re
@@ -144,6 +145,16 @@ def test_mixup_and_loss_follow_the_config(tmp_path):
     plain = cfg_for(tmp_path, "LOSS.LABEL_SMOOTHING", "0.1")
     assert build_mixup(plain) is None and isinstance(build_loss(plain, None), LabelSmoothingCrossEntropy)
     assert isinstance(build_loss(cfg_for(tmp_path), None), torch.nn.CrossEntropyLoss)
+
+
+def test_mixing_alphas_without_a_probability_say_that_nothing_is_mixed(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        assert build_mixup(cfg_for(tmp_path, "AUG.MIXUP", "0.8")) is None  # AUG.MIXUP_PROB stays 0
+    assert "AUG.MIXUP_PROB is 0" in caplog.text and "1.0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        assert build_mixup(cfg_for(tmp_path)) is None
+    assert "AUG.MIXUP_PROB" not in caplog.text
 
 
 def test_a_subset_of_classes_is_labelled_in_the_order_given(tmp_path):

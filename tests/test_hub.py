@@ -3,6 +3,7 @@ project load, torch.hub's entry points, and tools/predict.py."""
 
 import csv
 import importlib.util
+import itertools
 import json
 import logging
 import re
@@ -81,7 +82,7 @@ def test_a_hub_folder_rebuilds_the_ema_weights_through_timm(exported):
     assert cfg.INPUT.IMAGE_SIZE == 32
 
 
-def test_every_checkpoint_reader_takes_the_folder_and_the_safetensors_file(exported):
+def test_every_checkpoint_reader_takes_the_folder_and_the_safetensors_file(exported, tmp_path):
     out, ema = exported["out"], exported["ema"]
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -91,15 +92,25 @@ def test_every_checkpoint_reader_takes_the_folder_and_the_safetensors_file(expor
             model = build_model(cfg).eval()
             load_weights(model, cfg)
             assert torch.equal(model(images), want)
-        overlay = timm.create_model(
-            "vil_arch",
-            arch=TINY_ARCH,
-            img_size=32,
-            num_classes=2,
-            pretrained=True,
-            pretrained_cfg_overlay=dict(file=str(out), num_classes=2),  # timm keeps a classifier of its count
-        ).eval()
-        assert torch.equal(overlay(images), want)
+        # The file's classifier (2 classes) is kept, for a model of its class count given or not; another count
+        # gets a new classifier (the features stay the file's).
+        torch.save({"net": ema.state_dict()}, tmp_path / "ema.pth")
+        for file, classes in itertools.product(
+            (out, tmp_path / "ema.pth"), ({}, dict(num_classes=2), dict(num_classes=3))
+        ):
+            overlay = timm.create_model(
+                "vil_arch",
+                arch=TINY_ARCH,
+                img_size=32,
+                pretrained=True,
+                pretrained_cfg_overlay=dict(file=str(file)),
+                **classes,
+            ).eval()
+            if classes.get("num_classes", 2) == 2:
+                assert torch.equal(overlay(images), want)
+            else:
+                assert overlay.head.out_features == 3
+                assert torch.equal(overlay.forward_features(images), ema.forward_features(images))
     evaluation = ["DATA.PATH", exported["data"], "OUTPUT_DIR", out.parent / "eval", "DATALOADER.WORKERS", "0"]
     evaluation += ["MODEL.MODEL_PATH", out]
     status, stdout, err = run_tool("eval", "--config-file", "vil_tiny", *TINY, *evaluation)
@@ -232,6 +243,28 @@ def test_predict_labels_files_folders_and_globs_and_skips_unreadable_images(expo
     records = json.loads((tmp_path / "labels.json").read_text())
     assert [r["path"] for r in records] == [r["path"] for r in rows[:4]]
     assert [r["classes"][0] for r in records] == [r["class_1"] for r in rows[:4]]
+
+
+def test_predict_reads_images_as_a_viewer_shows_them(tmp_path):
+    """16-bit grey levels scaled to 8 bits (a plain conversion made 99% of a photo's pixels white), the EXIF
+    orientation applied (phone photos were classified on their side), floating-point pixels refused."""
+    import numpy as np
+    from PIL import Image
+
+    from vil.predict import photo
+
+    levels = np.arange(0, 65536, 257, dtype=np.uint16).reshape(16, 16)  # 8-bit level k is 16-bit level 257 k
+    Image.fromarray(levels).save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode.startswith("I")
+    grey = np.asarray(photo(tmp_path / "deep.png"))
+    assert grey.shape == (16, 16, 3) and np.array_equal(grey[..., 0], np.arange(256).reshape(16, 16))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: turn 90 degrees clockwise to view
+    Image.new("RGB", (80, 40), (200, 10, 10)).save(tmp_path / "phone.jpg", exif=exif)
+    assert photo(tmp_path / "phone.jpg").size == (40, 80)
+    Image.fromarray(np.ones((4, 4), dtype=np.float32)).save(tmp_path / "float.tif")
+    with pytest.raises(ValueError, match="floating-point pixels"):
+        photo(tmp_path / "float.tif")
 
 
 def test_predict_writes_as_many_csv_columns_as_the_model_has_classes_below_top_k(exported, tmp_path):

@@ -318,6 +318,9 @@ def test_no_weight_decay_names():
         ("l1,h1,d5_l2_l3", r"d5.*even"),
         ("l1,h3,h3_l2_l3", r"'h'.*twice"),
         ("vil_small", r"'vil_small' is the name of a preset.*PRESETS\['vil_small'\].*build_fpn_backbone"),
+        ("l1,h3,d\u00b2_l2_l3", r"'d\u00b2'.*non-negative integer"),  # a digit to str.isdigit, not to int()
+        (None, r"is a str .*got NoneType None"),
+        (5, r"is a str .*got int 5"),
     ],
 )
 def test_bad_arch_strings(arch, facts):

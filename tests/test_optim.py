@@ -1,5 +1,6 @@
 """Optimizer groups and the per-step learning-rate schedule, against hand-computed values."""
 
+import logging
 import math
 
 import pytest
@@ -150,6 +151,18 @@ def test_layer_decay_gives_each_block_its_rate():
     assert seen == len(names)
     with pytest.raises(ValueError, match=r"OPTIM.LAYER_DECAY 1.5.*\(0, 1\]"):
         build_optimizer(cfg_with("OPTIM.LAYER_DECAY", "1.5"), model)
+
+
+def test_a_warmup_as_long_as_the_run_is_said(caplog):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        build_scheduler(cfg_with("OPTIM.EPOCHS", "2", "SOLVER.WARMUP_EPOCHS", "5.0"), optimizer, 4)
+    factor = load_cfg().SOLVER.WARMUP_FACTOR  # the warmup's start, as a fraction of OPTIM.LR
+    assert f"ends at about {factor + (1 - factor) * 2 / 5:.0%} of OPTIM.LR" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        build_scheduler(cfg_with("SOLVER.WARMUP_EPOCHS", "5.0"), optimizer, 4)  # 10 epochs
+    assert "WARMUP_EPOCHS" not in caplog.text
 
 
 def lrs(cfg, steps_per_epoch):

@@ -159,6 +159,13 @@ def test_an_epoch_that_ends_inside_an_optimizer_step_drops_its_gradients(shards,
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 2  # one step of 2 batches an epoch
 
 
+def test_a_run_on_shards_names_its_classes_as_the_folders_did(shards, tmp_path):
+    from vil.hub import class_names
+
+    folders = sorted(p.name for p in (tmp_path / "folder" / "train").iterdir())  # the split tools/make_shards.py read
+    assert class_names(tiny_cfg(shards, tmp_path / "o", "DATA.FORMAT", "shards")) == folders != ["0", "1"]
+
+
 def png_bytes(colour=(10, 20, 30)):
     buffer = io.BytesIO()
     Image.new("RGB", (40, 40), colour).save(buffer, format="PNG")

@@ -75,6 +75,29 @@ def read_checkpoint(path):
     return checkpoint
 
 
+def classifier_classes(path):
+    """The class count of the classifier (``head.weight``) that the checkpoint, ``.safetensors`` file or Hub folder
+    at ``path`` holds, or None where it holds none; without reading its other tensors (a ``.safetensors`` header,
+    a memory-mapped ``.pth``) where the file allows."""
+    if os.path.isdir(path):
+        path = os.path.join(path, SAFETENSORS_NAME)
+    if str(path).endswith(".safetensors"):
+        try:
+            with safetensors.safe_open(path, framework="pt") as f:
+                return f.get_slice("head.weight").get_shape()[0] if "head.weight" in f.keys() else None
+        except Exception:
+            return None  # the load that follows says what is wrong with the file
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        checkpoint = read_checkpoint(path)  # not memory-mappable (an older format), or its error sentence
+    try:
+        head = model_state(checkpoint, path).get("head.weight")
+    except (ValueError, AttributeError):
+        return None
+    return None if head is None else head.shape[0]
+
+
 def _load_failure(error):
     """What ``torch.load`` with ``weights_only=True`` failed on, without its advice to load with ``weights_only=False``
     (which runs whatever code the file holds): the weights unpickler's own reason where it gives one."""

@@ -5,6 +5,7 @@ folders under ``DATA.PATH``; ``('digits',)`` is the 1,797 handwritten digits tha
 ``DATA.CLASSES`` keeps a subset of the classes, labelled in the order it lists them.
 """
 
+import logging
 import os
 
 import numpy as np
@@ -22,6 +23,8 @@ from .unreadable import Unreadable, skipped
 EXPECTED_LAYOUT = "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<image>"
 # INPUT.INTERPOLATION holds PIL's codes, as in the original release.
 INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # INPUT.INTERPOLATION (PIL codes) -> timm's names
+
+log = logging.getLogger("vil")
 
 
 class SkippingImageFolder(ImageFolder):
@@ -259,7 +262,13 @@ def check_same_classes(train_set, test_set):
 def build_mixup(cfg):
     """timm's Mixup/CutMix (with label smoothing in its soft targets) from ``AUG.*``, or None when off."""
     aug = cfg.AUG
-    if aug.MIXUP_PROB <= 0 or (aug.MIXUP <= 0 and aug.MIXCUT <= 0 and not aug.MIXCUT_MINMAX):
+    asked = aug.MIXUP > 0 or aug.MIXCUT > 0 or bool(aug.MIXCUT_MINMAX)
+    if aug.MIXUP_PROB <= 0 and asked:
+        log.warning(
+            "AUG.MIXUP, AUG.MIXCUT or AUG.MIXCUT_MINMAX is set, but AUG.MIXUP_PROB is 0 (the original release's "
+            "default), so no batch is mixed; set AUG.MIXUP_PROB (timm's default is 1.0) to mix them."
+        )
+    if aug.MIXUP_PROB <= 0 or not asked:
         return None
     return Mixup(
         mixup_alpha=aug.MIXUP,

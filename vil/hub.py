@@ -21,6 +21,7 @@ from .data import INTERPOLATIONS
 from .files import atomic_write, check_writable_folder
 from .model_config import model_kwargs
 from .profiling import flop_counter
+from .shards import INDEX, ShardDataset
 from .weights import load_read_weights, resolve_model_path
 
 # What a model is built from, as config.json records it (the rest of model_kwargs is training's: dropout rates,
@@ -45,17 +46,23 @@ def hub_model_args(cfg) -> dict:
 
 def class_names(cfg) -> list:
     """The names of the classes of ``cfg``'s training data, by class index: ``DATA.CLASSES`` when set, the digits,
-    the class folders of ``DATA.PATH/train`` when they are there, ImageNet's (timm's) for 1000 classes; else the
-    indices as text."""
+    the class folders of ``DATA.PATH/train`` when they are there (the classes its ``index.json`` lists, for shards),
+    ImageNet's (timm's) for 1000 classes; else the indices as text."""
     if cfg.DATA.CLASSES:
         return list(cfg.DATA.CLASSES)
     if cfg.DATA.TRAIN[0] == "digits":
         return [str(d) for d in range(10)]
     folder = os.path.join(cfg.DATA.PATH, "train")
+    names = None
     if cfg.DATA.FORMAT == "folder" and os.path.isdir(folder):
         names = find_classes(folder)[0]
-        if len(names) == cfg.DATA.NUM_CLASSES:
-            return names
+    elif cfg.DATA.FORMAT == "shards" and os.path.isfile(os.path.join(folder, INDEX)):
+        try:
+            names = ShardDataset(folder).classes
+        except ValueError:  # a split that cannot be read names no classes
+            names = None
+    if names is not None and len(names) == cfg.DATA.NUM_CLASSES:
+        return names
     return default_class_names(cfg.DATA.NUM_CLASSES)
 
 

@@ -98,6 +98,13 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
     solver = cfg.SOLVER
     if solver.WARMUP_METHOD != "linear":
         raise ValueError(f"SOLVER.WARMUP_METHOD {solver.WARMUP_METHOD!r} is not supported; use 'linear'.")
+    if 0 < cfg.OPTIM.EPOCHS <= solver.WARMUP_EPOCHS:
+        reached = solver.WARMUP_FACTOR + (1 - solver.WARMUP_FACTOR) * cfg.OPTIM.EPOCHS / solver.WARMUP_EPOCHS
+        log.warning(
+            f"SOLVER.WARMUP_EPOCHS {solver.WARMUP_EPOCHS:g} is not shorter than OPTIM.EPOCHS {cfg.OPTIM.EPOCHS}: the "
+            f"learning rate rises for the whole run and ends at about {reached:.0%} of OPTIM.LR, without decaying; "
+            "give SOLVER.WARMUP_EPOCHS below OPTIM.EPOCHS."
+        )
     per_epoch = 1 if solver.EPOCH_BASED_SCHEDULE else steps_per_epoch
     warmup = solver.WARMUP_EPOCHS if solver.EPOCH_BASED_SCHEDULE else int(round(solver.WARMUP_EPOCHS * steps_per_epoch))
     total = cfg.OPTIM.EPOCHS * per_epoch

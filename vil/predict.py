@@ -5,7 +5,9 @@ folders and globs, in batches with a progress bar. An image that cannot be read 
 import glob
 import os
 
+import numpy as np
 import torch
+from PIL import Image, ImageOps
 from timm.data import ImageNetInfo
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -43,8 +45,24 @@ def readable_names(names: list) -> list:
     return imagenet.label_descriptions() if list(names) == list(imagenet.label_names()) else list(names)
 
 
+def photo(path) -> Image.Image:
+    """The image at ``path`` in RGB as a viewer shows it: turned as its EXIF orientation says (a phone's photos), and
+    16-bit grey levels scaled to 8 bits (a plain conversion clips every level above 255 to white). Floating-point
+    images, whose range nothing states, are refused in one sentence."""
+    with Image.open(path) as image:
+        image = ImageOps.exif_transpose(image)
+        if image.mode == "F":
+            raise ValueError(
+                "it holds floating-point pixels (mode F), whose range is not known; save it as 8- or 16-bit"
+            )
+        if image.mode.startswith("I"):  # I;16, I;16B, I: 16-bit grey levels
+            levels = np.asarray(image, dtype=np.float64) * (255 / 65535)
+            image = Image.fromarray(np.clip(np.rint(levels), 0, 255).astype(np.uint8))
+        return image.convert("RGB")
+
+
 class ImageFiles(Dataset):
-    """The images at ``paths``, transformed; the target of each is its index in ``paths``."""
+    """The images at ``paths`` (:func:`photo`), transformed; the target of each is its index in ``paths``."""
 
     def __init__(self, paths, transform):
         self.paths, self.transform = paths, transform
@@ -53,7 +71,7 @@ class ImageFiles(Dataset):
         return len(self.paths)
 
     def __getitem__(self, index):
-        return loaded_or_skipped(self.paths[index], index, self.transform)
+        return loaded_or_skipped(self.paths[index], index, self.transform, photo)
 
 
 @torch.no_grad()

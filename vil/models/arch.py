@@ -41,6 +41,8 @@ class StageSpec:
 
 def parse_arch(arch: str) -> list[StageSpec]:
     """``"l1,h3,d96,..._l2,..."`` -> a list of 3 or 4 :class:`StageSpec`; malformed strings raise ``ValueError``."""
+    if not isinstance(arch, str):
+        raise ValueError(f"An arch string is a str ({GRAMMAR}), got {type(arch).__name__} {arch!r}.")
     if arch in PRESETS:
         raise ValueError(
             f"{arch!r} is the name of a preset, not an arch string; give its arch string, vil.models.PRESETS[{arch!r}]"
@@ -60,7 +62,7 @@ def parse_arch(arch: str) -> list[StageSpec]:
                 raise ValueError(f"{where}: unknown letter {letter!r}; {GRAMMAR}.")
             if letter in seen:
                 raise ValueError(f"{where}: {letter!r} is given twice; {GRAMMAR}.")
-            if not number.isdigit():
+            if not (number.isascii() and number.isdigit()):  # str.isdigit takes superscripts, which int() refuses
                 raise ValueError(f"{where}: {letter!r} must be followed by a non-negative integer; {GRAMMAR}.")
             value = int(number)
             low, high = _MINIMUM[letter], _MAXIMUM.get(letter)

@@ -28,7 +28,7 @@ from timm.models import (
 from torch.fx._symbolic_trace import is_fx_tracing
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpoint import SAFETENSORS_NAME, download_checkpoint
+from ..checkpoint import SAFETENSORS_NAME, classifier_classes, download_checkpoint
 from ..ops import check_window_options
 from .arch import COMPARISONS, PRESETS, parse_arch, stage_map_sizes
 from .attention import FullAttention, LongformerAttention, LongformerOptions
@@ -715,7 +715,8 @@ def _create_vil(variant, pretrained=False, **kwargs):
     """The preset ``variant`` at its pretrained tag's image size; with ``pretrained``, a published checkpoint is
     downloaded into torch hub's cache under its tag's name (the original release names every file
     model_best.pth, which the cache, keyed by file name, would mix up) and converted on load. A
-    ``pretrained_cfg_overlay`` file may be a Hub folder (tools/export_hub.py): its weights are loaded."""
+    ``pretrained_cfg_overlay`` file may be a Hub folder (tools/export_hub.py): its weights are loaded. The file's
+    classifier sets the overlay's ``num_classes``, so that a model of that many classes (the default) keeps it."""
     overlay = kwargs.get("pretrained_cfg_overlay") or {}
     if pretrained and overlay.get("file") and not os.path.exists(overlay["file"]):
         raise FileNotFoundError(
@@ -723,7 +724,12 @@ def _create_vil(variant, pretrained=False, **kwargs):
             ".safetensors file, or a Hub folder (tools/export_hub.py)."
         )
     if os.path.isdir(overlay.get("file") or ""):
-        kwargs["pretrained_cfg_overlay"] = dict(overlay, file=os.path.join(overlay["file"], SAFETENSORS_NAME))
+        overlay = kwargs["pretrained_cfg_overlay"] = dict(overlay, file=os.path.join(overlay["file"], SAFETENSORS_NAME))
+    if pretrained and overlay.get("file") and "num_classes" not in overlay:
+        # timm keeps a checkpoint's classifier only where the model has the pretrained config's class count
+        classes = classifier_classes(overlay["file"])
+        if classes is not None:
+            kwargs["pretrained_cfg_overlay"] = dict(overlay, num_classes=classes)
     cfg = resolve_pretrained_cfg(
         variant,
         pretrained_cfg=kwargs.get("pretrained_cfg"),
