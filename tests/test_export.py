@@ -390,6 +390,28 @@ def test_a_padding_detection_backbone_exports_for_sizes_that_are_not_multiples_o
         export_program(backbone, 30, 64)
 
 
+def test_features_only_models_and_backbones_export_with_their_maps_named():
+    """timm's features_only wrapper exports like the model it holds (it had no sizes of its own to read), and an
+    ONNX file of maps names them map0, map1, ... (they were named logits and the graph's node names)."""
+    import timm
+    from onnx import load_from_string
+
+    from vil.export import onnx_model
+
+    torch.manual_seed(0)
+    features = timm.create_model("vil_arch", arch=TINY, features_only=True, img_size=64).eval()
+    program = export_program(features, 64, 64)
+    images = torch.randn(1, 3, 96, 64)
+    with torch.no_grad():
+        for got, want in zip(program.module()(images), features(images), strict=True):
+            torch.testing.assert_close(got, want)
+    full_attention = "l1,h1,d16,p4,s0_l2,h1,d16,s0_l3,h1,d16,s0"  # a quicker export: no local attention to record
+    graph = load_from_string(onnx_model(ViLBackbone(full_attention, img_size=64).eval(), 64, 64)).graph
+    assert [output.name for output in graph.output] == ["map0", "map1", "map2"]
+    with pytest.raises(ValueError, match=r"takes a ViL model .*got Linear"):
+        export_program(torch.nn.Linear(2, 2), 64, 64)
+
+
 # A chunked local stage 3 (stride 16, chunks of 5): at 64x64 its 4x4 map is one chunk per side, from 96 two. (Full
 # attention before it: the export takes half the time.)
 ONE_CHUNK = "l1,h1,d16,p4,s0,g0,a1_l2,h1,d16,s0,g0,a1_l3,h1,d16,s1,g0,f5,a1"

@@ -124,17 +124,20 @@ def test_the_optimizer_says_once_where_torch_has_no_fused_kernels(caplog):
     ]
 
 
-def test_layer_decay_gives_each_block_its_rate():
-    model = MsViT(PRESETS["vil_tiny"], img_size=64, num_classes=5)
+def test_layer_decay_gives_each_transformer_layer_its_rate():
+    model = MsViT(PRESETS["vil_tiny"], img_size=64, num_classes=5)  # depths 1, 1, 9, 1
     cfg = cfg_with("OPTIM.LAYER_DECAY", "0.5", "OPTIM.WD0", "0.002")
     optimizer = build_optimizer(cfg, model)
-    # The model's blocks in order: the first patch embedding, then every block of every stage (patch
-    # embeddings of later stages included; the final norm goes with the last block), then the classifier.
-    order = [f"layer{s}.{b}." for s, depth in ((1, 1), (2, 1), (3, 9), (4, 1)) for b in range(2 * depth + 1)] + [
-        "head."
+    # The layers in order, as timm's BEiT and Swin count them: the first patch embedding, then each transformer layer
+    # (a stage's modules: its patch embedding, then each layer's attention and MLP halves, indices 2j-1 and 2j),
+    # a later stage's patch embedding with its first layer, the final norm with the last; then the classifier.
+    order = [("layer1.0.",), ("layer1.1.", "layer1.2."), ("layer2.0.", "layer2.1.", "layer2.2.")]
+    order += [("layer3.0.", "layer3.1.", "layer3.2.")] + [
+        (f"layer3.{2 * j - 1}.", f"layer3.{2 * j}.") for j in range(2, 10)
     ]
+    order += [("layer4.0.", "layer4.1.", "layer4.2.", "norm."), ("head.",)]
     last = len(order) - 1
-    order[-2:-1] = [("layer4.2.", "norm.")]  # one entry: the last block and the final norm
+    assert last == 1 + 1 + 1 + 9 + 1  # the stem, 12 layers, the classifier at LR
     names = {id(p): n for n, p in model.named_parameters()}
     scheduler = build_scheduler(cfg_with("SOLVER.WARMUP_EPOCHS", "0.0"), optimizer, 2)
     scheduler.step_update(0)
@@ -142,7 +145,7 @@ def test_layer_decay_gives_each_block_its_rate():
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = names[id(p)]
-            position = next(i for i, prefix in enumerate(order) if name.startswith(prefix))
+            position = next(i for i, prefixes in enumerate(order) if name.startswith(prefixes))
             assert group["lr_scale"] == pytest.approx(0.5 ** (last - position)), name
             assert group["lr"] == pytest.approx(1e-3 * 0.5 ** (last - position)), name
             undecayed = any(k in name for k in ("pos_embed", "cls_token", "norm", "head.bias", "relative_position"))

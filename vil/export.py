@@ -88,12 +88,25 @@ def _check_any_size(model, program, height, width):
 def _traced(model, height, width, dynamic_size=True):
     """The example input and the ``torch.export`` program of ``model`` in evaluation mode traced at ``height x
     width`` (not strict: what the model refuses is raised as it is), for the sizes of :func:`_example_and_dims`."""
-    example, dims = _example_and_dims(model, height, width, dynamic_size=dynamic_size)
+    described = _vil_of(model)
+    example, dims = _example_and_dims(described, height, width, dynamic_size=dynamic_size)
     with torch.no_grad():
         program = torch.export.export(model.eval(), (example,), dynamic_shapes=dims, strict=False)
     if 2 in dims[0]:
-        _check_any_size(model, program, height, width)
+        _check_any_size(described, program, height, width)
     return example, program
+
+
+def _vil_of(model):
+    """The ViL model whose sizes ``model`` takes: itself (a classification model, a detection backbone), or the one
+    that timm's ``features_only`` wrapper holds; anything else is refused in one sentence."""
+    for candidate in (model, getattr(model, "model", None)):
+        if all(hasattr(candidate, name) for name in ("total_stride", "fixed_input_size", "img_size", "in_chans")):
+            return candidate
+    raise ValueError(
+        f"vil.export takes a ViL model (MsViT, a vil.detection backbone, or timm's features_only model of one), "
+        f"got {type(model).__name__}."
+    )
 
 
 def _sides_taken(model):
@@ -124,8 +137,21 @@ def onnx_model(model, height, width, dynamic_size=True) -> bytes:
     # Traced by torch.export with the op layer recording standard operators, then translated.
     with recording_for_onnx():
         example, program = _traced(model, height, width, dynamic_size)
-    onnx_program = torch.onnx.export(program, (example,), dynamo=True, input_names=["images"], output_names=["logits"])
+    onnx_program = torch.onnx.export(
+        program, (example,), dynamo=True, input_names=["images"], output_names=_output_names(program)
+    )
     return onnx_program.model_proto.SerializeToString()
+
+
+def _output_names(program):
+    """The names of the file's outputs: ``logits`` for a classifier's one tensor, a backbone's map names (its
+    dict's keys, prefixed ``map``), ``map0``, ``map1``, ... for a list of maps (timm's ``features_only``)."""
+    spec = program.call_spec.out_spec
+    if spec.num_children == 0:  # the one tensor itself
+        return ["logits"]
+    if isinstance(spec.context, list) and all(isinstance(key, str) for key in spec.context):
+        return [f"map{key}" for key in spec.context]
+    return [f"map{i}" for i in range(spec.num_leaves)]
 
 
 def export_onnx(model, path, height, width, dynamic_size=True):

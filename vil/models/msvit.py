@@ -36,6 +36,8 @@ from .convert import checkpoint_filter_fn
 from .efficient_attention import LinformerAttention, PerformerAttention, SpatialReductionAttention
 from .tables import resize_position_embedding
 
+PREVIOUS_GROUP = (99999,)  # timm group_matcher suffix (its MATCH_PREV_GROUP): in the group of the one before
+
 
 @register_notrace_module  # a leaf for torch.fx: the map size it returns is data
 class PatchEmbed(nn.Module):
@@ -353,9 +355,19 @@ class MsViT(nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameter groups for layer-wise learning-rate decay: the first patch embedding, then each stage
-        (``coarse``) or each of its blocks, then the final norm."""
-        blocks = [(r"^layer(\d+)\.", None)] if coarse else [(r"^layer(\d+)\.(\d+)\.", None)]
-        return dict(stem=r"^layer1\.0\.", blocks=blocks + [(r"^norm\.", (99999,))])
+        (``coarse``) or each transformer layer, then the final norm (with the last). A stage's modules are its patch
+        embedding, then each layer's attention (odd index) and MLP (even index) halves: the two halves are one
+        layer, and a later stage's patch embedding goes with its first layer, as timm groups Swin's downsampling."""
+        if coarse:
+            blocks = [(r"^layer(\d+)\.", None)]
+        else:
+            blocks = [
+                (r"^layer([2-4])\.(0)\.", None),  # a later stage's patch embedding
+                (r"^layer([2-4])\.(1)\.", PREVIOUS_GROUP),  # its first attention half
+                (r"^layer(\d+)\.(\d*[02468])\.", PREVIOUS_GROUP),  # an MLP half, with its attention half
+                (r"^layer(\d+)\.(\d+)\.", None),  # an attention half: a new layer
+            ]
+        return dict(stem=r"^layer1\.0\.", blocks=blocks + [(r"^norm\.", PREVIOUS_GROUP)])
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
