@@ -263,6 +263,10 @@ def test_an_arch_other_than_the_stored_one_is_refused(tmp_path):
     # The stored arch, given again (written without the fields it leaves at their defaults), is accepted.
     export_backbone.main([*map(str, common), "--arch", "l1,h1,d16,p4,f2_l2,h1,d32,f2_l3,h2,d32,s0"])
     assert torch.load(tmp_path / "out.pth", weights_only=True)["meta"]["vil"] == {"arch": TINY, "image_size": [32, 32]}
+    # A backbone built with another arch than the export's is refused naming the stored one (its keys listed before).
+    with pytest.raises(ValueError, match=rf"holds a backbone of arch '{TINY}' .*not this model's '{OTHER}'"):
+        build_fpn_backbone(OTHER, checkpoint=tmp_path / "out.pth", img_size=32)
+    build_fpn_backbone(TINY, checkpoint=tmp_path / "out.pth", img_size=32)
 
 
 # --- tools/export_onnx.py ---
