@@ -103,6 +103,8 @@ def test_unknown_keys_name_the_key(tmp_path):
         ("AUG:\n  MIXCUT_MINMAX: [0.8, 0.2]\n", r"AUG.MIXCUT_MINMAX is \[0.8, 0.2\].*low <= high"),
         ("AUG:\n  TIMM_AUG:\n    RE_MODE: bogus\n", r"AUG.TIMM_AUG.RE_MODE is 'bogus'.*'const', 'rand' or 'pixel'"),
         ("AUG:\n  TIMM_AUG:\n    AUTO_AUGMENT: rand-x9\n", r"AUTO_AUGMENT is 'rand-x9'.*rand-m9-mstd0.5-inc1"),
+        ("OPTIM:\n  LR: 0.1\nDATA:\n  PATH: x\nOPTIM:\n  EPOCHS: 3\n", r"line 5 \(key 'OPTIM' is given twice"),
+        ("OPTIM:\n  LR: 0.1\n  LR: 0.2\n", r"line 3 \(key 'LR' is given twice"),
     ],
 )
 def test_malformed_config_files_are_one_sentence(tmp_path, text, message):
@@ -170,3 +172,20 @@ def test_every_config_key_is_read_or_declared_for_compatibility():
     read_anyway = [k for k in COMPATIBILITY_KEYS if is_read(k)]
     assert read_anyway == [], f"keys declared compatibility-only that the code reads: {read_anyway}"
     assert set(COMPATIBILITY_KEYS) <= set(keys)
+
+
+def test_config_files_are_found_by_what_they_are(tmp_path, monkeypatch):
+    (tmp_path / "latin.yaml").write_bytes(b"OPTIM:\n  LR: 0.1\n# caf\xe9\n")
+    with pytest.raises(ValueError, match=r"latin.yaml is not UTF-8 text \(byte 22\)"):
+        load_cfg(tmp_path / "latin.yaml")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vil_digits").mkdir()  # an OUTPUT_DIR named as the preset: the preset is meant
+    assert load_cfg("vil_digits").OPTIM.EPOCHS == 60
+
+
+def test_an_empty_config_file_argument_is_refused(capsys):
+    from vil.config import config_from_command_line
+
+    with pytest.raises(SystemExit) as exit_info:  # as from an unset $CFG: not the defaults
+        config_from_command_line("a tool", ["--config-file", ""])
+    assert exit_info.value.code == 2 and "--config-file is empty" in capsys.readouterr().err

@@ -293,6 +293,18 @@ def test_export_onnx_checks_the_output_before_exporting(tmp_path, monkeypatch):
         )
     assert f"{checkpoint} is the file it is made from" in str(exit_info.value)
     assert checkpoint.read_bytes() == b"the user's weights"
+    # The same file named otherwise: a Hub folder's weights, and a path found under DATA.DATA_DIR.
+    (tmp_path / "hub").mkdir()
+    weights = tmp_path / "hub" / "model.safetensors"
+    weights.write_bytes(b"the user's weights")
+    for output, model_path in ((weights, tmp_path / "hub"), (checkpoint, "weights.pth")):
+        with pytest.raises(SystemExit) as exit_info:
+            export_onnx_tool.main(
+                ["--config-file", "vil_digits", "--output", str(output), "MODEL.MODEL_PATH", str(model_path)]
+                + ["DATA.DATA_DIR", str(tmp_path)]
+            )
+        assert f"{output} is the file it is made from" in str(exit_info.value)
+        assert output.read_bytes() == b"the user's weights"
 
 
 def test_export_onnx_exports_a_linformer_model_at_its_one_image_size(tmp_path, monkeypatch):

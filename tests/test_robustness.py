@@ -312,6 +312,23 @@ def test_a_foreign_last_checkpoint_is_refused(data, tmp_path):
     assert not (out / "config.yaml").exists()
 
 
+def test_a_config_file_in_the_output_dir_is_not_replaced(data, tmp_path):
+    """OUTPUT_DIR/config.yaml that no run wrote (here the very file the run reads) is refused, not overwritten with
+    the resolved config; a run's own is replaced by the next run's."""
+    from vil.config import load_cfg
+
+    out = tmp_path / "myexp"
+    out.mkdir()
+    mine = "# my experiment\nOPTIM:\n  EPOCHS: 1\n"
+    (out / "config.yaml").write_text(mine)
+    with pytest.raises(ValueError, match=r"config.yaml is not a config this project's training wrote"):
+        train(tiny_cfg(data, out))
+    assert (out / "config.yaml").read_text() == mine
+    (out / "config.yaml").unlink()
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
+    assert load_cfg(out / "config.yaml").OPTIM.EPOCHS == 1
+
+
 # 6. Two runs, one folder.
 
 

@@ -44,11 +44,14 @@ def main():
     )
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args()
-    cfg = load_cfg(args.config_file, args.opts)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda was asked for, but torch sees no CUDA device here.")
-    model = build_model(cfg).to(device)
+    try:
+        cfg = load_cfg(args.config_file, args.opts)
+        model = build_model(cfg).to(device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     size = cfg.INPUT.IMAGE_SIZE
     params = sum(p.numel() for p in model.parameters())
 

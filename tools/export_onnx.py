@@ -24,7 +24,7 @@ from vil.export import onnx_model, onnx_outputs
 from vil.files import atomic_write, check_writable_file
 from vil.model_config import build_model, model_kwargs
 from vil.models import MsViT
-from vil.weights import load_weights
+from vil.weights import load_weights, resolve_model_path
 
 TOLERANCE = 1e-4
 
@@ -75,7 +75,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         cfg = load_cfg(args.config_file, args.opts)
-        check_writable_file(args.output, source=cfg.MODEL.MODEL_PATH)
+        check_writable_file(args.output, source=resolve_model_path(cfg) if cfg.MODEL.MODEL_PATH else None)
         model = build_model(cfg).eval()
         if cfg.MODEL.MODEL_PATH:
             load_weights(model, cfg)

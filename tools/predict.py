@@ -26,7 +26,7 @@ from timm.models import parse_model_name
 
 from vil.config import get_cfg, load_cfg
 from vil.data import build_transform
-from vil.files import atomic_write
+from vil.files import atomic_write, check_writable_file
 from vil.hub import class_names, default_class_names
 from vil.model_config import build_model
 from vil.predict import image_paths, predict, readable_names
@@ -116,6 +116,8 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         paths = image_paths(args.images)
+        if args.output:  # before the work: a path that cannot be written is refused now
+            check_writable_file(args.output, "--output")
         model, transform, names = model_and_preprocessing(args)
         records = predict(model, transform, paths, names, args.top_k, args.batch_size, args.workers)
     except (ValueError, OSError, RuntimeError) as e:
@@ -126,7 +128,10 @@ def main(argv=None):
     if args.output:
         top_k = min(args.top_k, len(names))  # as many as the records have
         text = table(records, top_k) if args.output.endswith(".csv") else json.dumps(records, indent=2) + "\n"
-        atomic_write(args.output, lambda f: f.write(text.encode()))
+        try:
+            atomic_write(args.output, lambda f: f.write(text.encode()))
+        except OSError as e:
+            sys.exit(f"error: {e}")
     print(f"{len(records)} of {len(paths)} images labelled.", file=sys.stderr)
 
 

@@ -12,7 +12,7 @@ import os
 import safetensors.torch
 import torch
 
-from .files import atomic_write
+from .files import SAFETENSORS_NAME, atomic_write
 
 # A buffer the original release saved beside each relative position bias table (the table's name in the same module),
 # which this project derives from the shapes instead.
@@ -40,9 +40,6 @@ def download_checkpoint(url, file_name):
                 f"Cannot download {url} ({getattr(e, 'reason', e)}); download it by hand and give its path instead."
             ) from None
     return path
-
-
-SAFETENSORS_NAME = "model.safetensors"  # the weights of a Hub folder
 
 
 def read_checkpoint(path):

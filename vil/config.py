@@ -245,10 +245,14 @@ def load_cfg(config_file=None, overrides=()):
     if config_file:
         config_file = _config_path(config_file)
         try:
-            with open(config_file) as f:
+            with open(config_file, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
             raise ValueError(f"Cannot read the config file {config_file} ({e.strerror or type(e).__name__}).") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"The config file {config_file} is not UTF-8 text (byte {e.start}); save it as UTF-8 YAML."
+            ) from None
         merge_yaml(cfg, text, str(config_file))
     if overrides:
         if len(overrides) % 2:
@@ -275,7 +279,8 @@ def preset_config_files():
 def _config_path(config_file):
     """A YAML file's path as given, or the preset file a bare name (no folder, no suffix) names."""
     name = str(config_file)
-    if os.path.exists(name) or os.sep in name or name.endswith((".yaml", ".yml")):
+    # A folder named like a preset (an OUTPUT_DIR, say) is not a config file: the preset is meant.
+    if os.path.isfile(name) or os.sep in name or name.endswith((".yaml", ".yml")):
         return config_file
     presets = preset_config_files()
     if name not in presets:
@@ -297,10 +302,26 @@ def config_from_text(text, source):
     return cfg
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: the plain loader keeps the
+    last and drops the first without a word (a whole section, where a section name is repeated)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def merge_yaml(cfg, text, source):
     """Merge the YAML ``text`` (from ``source``) into ``cfg``, key by key."""
     try:
-        tree = yaml.safe_load(text)
+        tree = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
@@ -499,4 +520,6 @@ def config_from_command_line(description, argv=None):
     )
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args(argv)
+    if not args.config_file:
+        parser.error("--config-file is empty; give a YAML file or a preset's name (vil_tiny, vil_small, ...)")
     return load_cfg(args.config_file, args.opts)

@@ -21,6 +21,8 @@ import filelock
 TEMPORARY_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
 
+SAFETENSORS_NAME = "model.safetensors"  # the weights of a Hub folder
+
 
 class OutputError(OSError):
     """An output that cannot be written; ``str()`` is one sentence."""
@@ -80,8 +82,10 @@ def check_writable_folder(path, what="OUTPUT_DIR"):
 
 def check_writable_file(path, what="The output", source=None):
     """Make sure ``path`` can be written (its folder is writable, and it is not a folder) before the work that
-    produces it starts, and that it is not ``source``, the file the work reads (by another name or a link too),
-    which writing it would lose."""
+    produces it starts, and that it is not ``source``, the file the work reads (by another name or a link too; a Hub
+    folder's weights file), which writing it would lose."""
+    if source and os.path.isdir(source):  # a Hub folder: the work reads its weights file
+        source = os.path.join(source, SAFETENSORS_NAME)
     if source and os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
         raise OutputError(f"{what} {path} is the file it is made from, {source}; choose another path for it.")
     why = "it is a folder" if os.path.isdir(path) else _unwritable(os.path.dirname(os.path.abspath(path)))

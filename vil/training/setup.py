@@ -201,7 +201,7 @@ def set_up(cfg):
         else:
             check_fresh_folder(out)
         if runtime.is_main:
-            atomic_write(os.path.join(out, "config.yaml"), lambda f: f.write(cfg.dump().encode()))
+            write_run_config(cfg, out, fresh=resume_point is None)
         warn_compatibility_keys(cfg, log)
         _log_resolved_arch(cfg)
         if runtime.world > 1 and runtime.backend != cfg.DISTRIBUTED_BACKEND:
@@ -214,6 +214,26 @@ def set_up(cfg):
         if lock:
             lock.release()
         raise
+
+
+RUN_CONFIG_HEADER = (
+    "# The resolved config of the training run in this folder (written by it; it loads as a config file).\n"
+)
+
+
+def write_run_config(cfg, out, fresh):
+    """``out/config.yaml``: the run's resolved config, first of all. Where a ``fresh`` run (not a resumed one) finds
+    a ``config.yaml`` there that no run wrote (a config file of the user's, perhaps the one this run reads), it is
+    refused in one sentence rather than replaced."""
+    path = os.path.join(out, "config.yaml")
+    if fresh and os.path.isfile(path):
+        with open(path, "rb") as f:
+            if f.readline().decode(errors="replace") != RUN_CONFIG_HEADER:
+                raise ValueError(
+                    f"{path} is not a config this project's training wrote (a config file of yours?), and the run "
+                    "would write its resolved config over it; choose another OUTPUT_DIR or move the file away."
+                )
+    atomic_write(path, lambda f: f.write((RUN_CONFIG_HEADER + cfg.dump()).encode()))
 
 
 def _log_resolved_arch(cfg):
