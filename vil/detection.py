@@ -366,13 +366,13 @@ def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
     specs = body.stage_specs
     state = backbone_state(checkpoint)
     if state is not None:  # exports hold tables for the maps of patch embeddings that pad
-        stored_arch, built_arch = export_info(checkpoint).get("arch"), arch_string([*specs, *body.pruned_specs])
-        if isinstance(stored_arch, str) and arch_string(parse_arch(stored_arch)) != built_arch:
+        info, built_arch = export_info(checkpoint), arch_string([*specs, *body.pruned_specs])
+        if isinstance(info.get("arch"), str) and arch_string(parse_arch(info["arch"])) != built_arch:
             raise ValueError(
-                f"{path} holds a backbone of arch {stored_arch!r} (as tools/export_backbone.py wrote it), not this "
+                f"{path} holds a backbone of arch {info['arch']!r} (as tools/export_backbone.py wrote it), not this "
                 f"model's {built_arch!r}; build the backbone with that arch string."
             )
-        stored = export_info(checkpoint).get("image_size")
+        stored = info.get("image_size")
         size = tuple(stored) if stored else infer_image_size(state, specs)
         if size:
             new_maps = stage_map_sizes(specs, body.img_size, body.dynamic_img_pad)

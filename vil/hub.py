@@ -60,7 +60,7 @@ def class_names(cfg) -> list:
         try:
             names = ShardDataset(folder).classes
         except ValueError:  # a split that cannot be read names no classes
-            names = None
+            pass
     if names is not None and len(names) == cfg.DATA.NUM_CLASSES:
         return names
     return default_class_names(cfg.DATA.NUM_CLASSES)
