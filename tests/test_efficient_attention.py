@@ -427,6 +427,29 @@ def test_digits_demo_trains_with_one_override(attn_type, tmp_path):
     assert len(losses) >= 3 and losses[-1] < losses[0]
 
 
+def test_performer_exported_in_training_mode_redraws_as_eager_does():
+    """torch.export keeps the redraw (a buffer mutation) in the program: from the same random state the exported
+    module draws the same features at the same forwards as the eager model."""
+    torch.manual_seed(11)
+    model = build_model(tiny_cfg("performer", "MODEL.VIT.DROP_PATH", "0.0")).train()
+    model.set_feature_redraw_interval(2)
+    x = torch.randn(1, 3, 32, 32)
+    key = "layer2.1.attn.fast_attention.projection_matrix"
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    exported = torch.export.export(model, (x,)).module()
+    exported.load_state_dict(state)
+    random_state = torch.get_rng_state()
+    with torch.no_grad():
+        got = [(exported(x), exported.state_dict()[key].clone()) for _ in range(4)]
+        model.load_state_dict(state)
+        torch.set_rng_state(random_state)
+        want = [(model(x), model.state_dict()[key].clone()) for _ in range(4)]
+    for (out, features), (want_out, want_features) in zip(got, want):
+        torch.testing.assert_close(out, want_out)
+        assert torch.equal(features, want_features)
+    assert not torch.equal(want[-1][1], state[key])  # the features were redrawn
+
+
 def test_performer_training_resumes_with_the_same_redraws(data, tmp_path):
     """Two epochs straight against one, then a resume: the same weights and the same random features. Three steps an
     epoch: the interval is 1 in epoch 1 (redraws at its steps 2 and 3) and 6 in epoch 2 (no redraw)."""

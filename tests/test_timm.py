@@ -5,6 +5,7 @@ import timm
 import torch
 from test_checkpoint import original_release_checkpoint
 from timm.models import group_parameters
+from timm.models._manipulate import reinit_non_persistent_buffers
 
 import vil  # noqa: F401  (registers the presets)
 from vil.models import COMPARISONS, PRESETS, MsViT
@@ -95,6 +96,26 @@ def test_every_parameter_trains_and_grad_checkpointing_gives_the_same_gradients(
     model(x).square().sum().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, plain[n], msg=n)
+
+
+@pytest.mark.parametrize("name", ["vil_tiny_rpb", "vil_small_performer_partial"])
+def test_device_and_dtype_as_timm_takes_them(name):
+    """device="meta" builds without memory; the model then takes real weights and gives the outputs of one built
+    on the CPU, timm's buffer hook restoring what no state dict holds."""
+    torch.manual_seed(0)
+    cpu = timm.create_model(name, img_size=64, num_classes=5).eval()
+    meta = timm.create_model(name, img_size=64, num_classes=5, device="meta")
+    assert {t.device.type for t in [*meta.parameters(), *meta.buffers()]} == {"meta"}
+    meta.to_empty(device="cpu").load_state_dict(cpu.state_dict())
+    assert reinit_non_persistent_buffers(meta) == ["(root)"]
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(meta.eval()(x), cpu(x), rtol=0, atol=0)
+    assert {p.dtype for p in timm.create_model(name, img_size=64, dtype=torch.bfloat16).parameters()} == {
+        torch.bfloat16
+    }
+    with pytest.raises(ValueError, match=r"meta device.*assign=True"):
+        timm.create_model(name, pretrained=True, device="meta")
 
 
 @pytest.mark.parametrize("name", ["vil_tiny", "vil_small_rpb"])

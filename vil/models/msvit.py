@@ -5,6 +5,7 @@ Module and parameter names follow the original release (``layer1.0.proj.weight``
 (index 0) followed by, per transformer layer, an attention block and an MLP block.
 """
 
+import contextlib
 import inspect
 import math
 import os
@@ -25,7 +26,7 @@ from timm.models import (
     register_model,
     resolve_pretrained_cfg,
 )
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import SAFETENSORS_NAME, classifier_classes, download_checkpoint
@@ -253,7 +254,7 @@ class MsViT(nn.Module):
                 )
         norm_layer = partial(nn.LayerNorm, eps=ln_eps)
         longformer = LongformerOptions(sw_exact, mode, share_w, only_global, attn_backend)
-        rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs)).tolist()
+        rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs), device="cpu").tolist()
 
         in_dim, layer = in_chans, 0
         for spec, (nx, ny) in zip(self.stage_specs, stage_map_sizes(self.stage_specs, self.img_size, dynamic_img_pad)):
@@ -307,6 +308,12 @@ class MsViT(nn.Module):
         if interval < 1:
             raise ValueError(f"The feature redraw interval must be at least 1 forward, got {interval}.")
         self.feature_redraw_interval.fill_(interval)
+
+    def init_non_persistent_buffers(self) -> None:
+        """What no state dict holds, as built (timm's ``reinit_non_persistent_buffers`` calls it, e.g. after a model
+        built on the meta device gets real memory): a performer model's redraw interval."""
+        if hasattr(self, "feature_redraw_interval"):
+            self.feature_redraw_interval.fill_(1)
 
     def _count_training_forward(self):
         """Every training forward of a performer model counts; one that finds ``feature_redraw_interval`` of them
@@ -408,8 +415,8 @@ class MsViT(nn.Module):
         """Yields every stage's tokens (B, G + nx*ny, C) and map size (nx, ny). Between stages the global tokens
         are dropped and the local ones, as an image, are the next stage's input."""
         check_images(x, self.in_chans, self.total_stride)
-        if self.training and hasattr(self, "calls_since_last_redraw") and not is_fx_tracing():
-            self._count_training_forward()  # not while torch.fx traces: that would redraw the model's features
+        if self.training and hasattr(self, "calls_since_last_redraw") and not is_fx_symbolic_tracing():
+            self._count_training_forward()  # not while torch.fx traces symbolically; torch.export keeps the redraw
         for spec, to_map in zip(self.stage_specs, self.stage_maps):
             tokens, (nx, ny) = getattr(self, f"layer{spec.index}")(x)
             yield tokens, (nx, ny)
@@ -728,7 +735,16 @@ def _create_vil(variant, pretrained=False, **kwargs):
     downloaded into torch hub's cache under its tag's name (the original release names every file
     model_best.pth, which the cache, keyed by file name, would mix up) and converted on load. A
     ``pretrained_cfg_overlay`` file may be a Hub folder (tools/export_hub.py): its weights are loaded. The file's
-    classifier sets the overlay's ``num_classes``, so that a model of that many classes (the default) keeps it."""
+    classifier sets the overlay's ``num_classes``, so that a model of that many classes (the default) keeps it.
+    ``device`` and ``dtype`` are timm's: on the meta device the model is built without memory (weights come later,
+    e.g. ``load_state_dict(..., assign=True)``); on any other it is built and loaded on the CPU, then moved."""
+    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    on_meta = device is not None and torch.device(device).type == "meta"
+    if pretrained and on_meta:
+        raise ValueError(
+            "pretrained weights cannot be loaded into a model on the meta device; build it with pretrained=False "
+            "and load the weights with load_state_dict(..., assign=True), or build it on a real device."
+        )
     overlay = kwargs.get("pretrained_cfg_overlay") or {}
     if pretrained and overlay.get("file") and not os.path.exists(overlay["file"]):
         raise FileNotFoundError(
@@ -760,15 +776,18 @@ def _create_vil(variant, pretrained=False, **kwargs):
     source = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") or cfg.file or cfg.hf_hub_id or variant
     defaults = {name: p.default for name, p in inspect.signature(MsViT).parameters.items()}
     options = {**defaults, **attention, **kwargs, "arch": arch}  # what the model is built with
-    model = build_model_with_cfg(
-        MsViT,
-        variant,
-        pretrained,
-        arch=arch,
-        pretrained_filter_fn=partial(checkpoint_filter_fn, source=source, options=options),
-        feature_cfg=_feature_cfg(kwargs, len(parse_arch(arch))),
-        **{**attention, **kwargs},
-    )
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = build_model_with_cfg(
+            MsViT,
+            variant,
+            pretrained,
+            arch=arch,
+            pretrained_filter_fn=partial(checkpoint_filter_fn, source=source, options=options),
+            feature_cfg=_feature_cfg(kwargs, len(parse_arch(arch))),
+            **{**attention, **kwargs},
+        )
+    if (device is not None and not on_meta) or dtype is not None:
+        model.to(device=None if on_meta else device, dtype=dtype)
     if arch != VARIANTS[variant][0] or "attention" in kwargs:  # vil_arch's own arch, or another attention
         built = {k: v for k, v in {**attention, **kwargs}.items() if k == "attention"}
         fields = _input_fields(arch, built, model.pretrained_cfg["input_size"][-1])
