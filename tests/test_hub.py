@@ -298,6 +298,12 @@ def test_predict_refuses_inputs_that_name_nothing(exported, tmp_path):
     assert status == 1 and "nothing*.png" in err
     status, _, err = run_tool("predict", "--model", "vil_tiny", "--output", tmp_path / "x.txt", tmp_path)
     assert status == 2 and "x.txt" in err
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "a.png").write_bytes(b"not an image")
+    status, _, err = run_tool(
+        "predict", "--model", f"local-dir:{exported['out']}", tmp_path / "broken", "--output", tmp_path / "x.json"
+    )
+    assert status == 1 and "none of the 1 images" in err and not (tmp_path / "x.json").exists()
     (tmp_path / "labels.json").mkdir()  # refused before any image is labelled, in one sentence
     status, _, err = run_tool("predict", "--model", "vil_tiny", "--output", tmp_path / "labels.json", tmp_path)
     assert status == 1 and err.startswith("error: --output") and "(it is a folder)" in err and "Traceback" not in err

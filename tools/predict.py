@@ -122,6 +122,8 @@ def main(argv=None):
         records = predict(model, transform, paths, names, args.top_k, args.batch_size, args.workers)
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"error: {e}")
+    if not records:
+        sys.exit(f"error: none of the {len(paths)} images could be read (the warnings above say why); nothing written.")
     for record in records:
         shown = ", ".join(f"{n} ({p:.3f})" for n, p in zip(record["classes"], record["probabilities"]))
         print(f"{record['path']}\t{shown}")
