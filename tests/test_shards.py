@@ -202,6 +202,39 @@ def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_itself(sha
     assert re.search(r"shard-000000\.tar:after \S+ \(the shard cannot be read past this point, .*make_shards", name)
 
 
+def test_a_shard_ending_cleanly_before_its_index_count_names_itself_and_evaluation_counts_what_is_lost(tmp_path):
+    """Cut at a member's boundary, a tar reads as a clean end: the index's count tells the samples are lost, and
+    evaluation counts every image of the set as scored or skipped."""
+    import contextlib
+
+    import torch
+    import webdataset
+
+    from vil.runtime import Runtime
+    from vil.training.evaluation import evaluate
+
+    write_index(tmp_path, ["cat", "dog"], {"shard-000000.tar": 4})
+    with webdataset.TarWriter(str(tmp_path / "shard-000000.tar")) as tar:
+        for key in "ab":
+            tar.write({"__key__": key, "png": png_bytes(), "cls": b"1"})
+    targets, unreadable = evaluated(tmp_path)
+    assert targets == [1, 1]
+    (name,) = unreadable
+    assert re.search(r"shard-000000\.tar:after b \(.*ends after 2 of the 4 samples its index\.json lists", name)
+    dataset = ShardDataset(tmp_path, Compose([Resize((8, 8)), ToTensor()]))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 2))
+    loader = dataset.evaluation_batches(0, 1, 2, 0, collate_skipping)
+    result = evaluate(model, loader, Runtime(), contextlib.nullcontext, 2, expected=len(dataset))
+    assert (result["images"], result["skipped"]) == (2, 2)  # the marker, and the one lost sample it stood beside
+
+
+def test_a_process_without_an_evaluation_shard_evaluates_nothing(shards):
+    val_set = ShardDataset(shards / "val")
+    assert list(val_set.evaluation_batches(5, 8, 2, 0, list)) == []  # 4 shards for 8 processes
+    seen = [identity(s) for rank in range(8) for b in val_set.evaluation_batches(rank, 8, 2, 0, list) for s in b]
+    assert len(seen) == len(set(seen)) == 12
+
+
 def test_fewer_shards_than_processes_is_one_sentence(shards, tmp_path, monkeypatch):
     """Each process reads shards of its own: a process left with none would end training with advice (a smaller
     batch) that cannot help. (Only a barrier runs before the check: the other processes need not exist.)"""

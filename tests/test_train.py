@@ -441,6 +441,21 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
     assert status == 1 and re.search(
         r"error: Checkpoint \S*nan\.pth holds values that are not finite .* 1 tensors, e.g. head\.bias", stderr
     )
+    # The checkpoint records the training data's classes; the same ones in another order are refused.
+    best = read_checkpoint(str(out / "model_best.pth"))
+    assert best["classes"] == ["cat", "dog"]
+    for classes, name in ((["dog", "cat"], "swapped"), (["0", "1"], "renamed")):
+        torch.save({**best, "classes": classes}, tmp_path / f"{name}.pth")
+        status, _, stderr = run_tool(
+            "eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common, "MODEL.MODEL_PATH",
+            tmp_path / f"{name}.pth",
+        )  # fmt: skip
+        if name == "swapped":
+            assert status == 1 and re.search(
+                r"error: .*swapped\.pth.*label 0 is 'dog', the data's 'cat'.*CLASSES", stderr
+            )
+        else:  # another naming of two labels: scored label by label, said once
+            assert status == 0 and re.search(r"label 0 is '0', the data's 'cat'", stderr), stderr[-2000:]
 
 
 @pytest.mark.parametrize("big,accum,epochs", [(4, 2, 1), (8, 4, 2)])

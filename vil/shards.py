@@ -97,11 +97,8 @@ class ShardDataset:
         """The batches of ``shards``; in training (an ``epoch``) full batches only, the samples through a shuffle
         buffer seeded by ``shuffle_seed``, each augmented with random states of its own."""
         wds = require_webdataset()
-        stages = [
-            wds.SimpleShardList([os.path.join(self.root, name) for name in shards]),
-            wds.split_by_worker,
-            samples_of_shards,
-        ]
+        counts = {os.path.join(self.root, name): self.counts[name] for name in shards}
+        stages = [wds.SimpleShardList(list(counts)), wds.split_by_worker, partial(samples_of_shards, counts=counts)]
         if shuffle_seed is not None:
             stages.append(wds.shuffle(1000, initial=100, rng=random.Random(shuffle_seed)))
         stages.append(wds.map(self._decoded if epoch is None else partial(self._seeded, epoch)))
@@ -137,8 +134,10 @@ class ShardDataset:
         return islice(loader, skip, stop)
 
     def evaluation_batches(self, rank, world, batch, workers, collate_fn):
-        """Every sample of this process's shards once, in batches."""
-        return self._loader(self._shards_of(rank, world, None), batch, workers, collate_fn)
+        """Every sample of this process's shards once, in batches (none where there are fewer shards than
+        processes and this one has no shard)."""
+        shards = self._shards_of(rank, world, None)
+        return self._loader(shards, batch, workers, collate_fn) if shards else []
 
     def _seeded(self, epoch, sample):
         """:meth:`_decoded` with random states seeded by the run's seed, the epoch, the shard and the sample's key:
@@ -179,18 +178,23 @@ def image_member(sample):
     return found[0]
 
 
-def samples_of_shards(shards):
-    """webdataset's samples of each shard in turn. A shard that cannot be read to its end (cut short, damaged)
-    gives, after the samples before the damage, one sample holding the reason under ``DAMAGED``, which decoding
-    skips and counts as an unreadable sample naming the shard; the next shard is read as usual."""
+def samples_of_shards(shards, counts):
+    """webdataset's samples of each shard in turn. A shard that cannot be read to its end (damaged), or ends before
+    the samples ``counts`` (``{path: samples}``, its index.json's) lists for it (cut at a member's boundary, which
+    reads as a clean end), gives, after the samples before the damage, one sample holding the reason under
+    ``DAMAGED``, which decoding skips and counts as an unreadable sample naming the shard; the next shard is read as
+    usual."""
     wds = require_webdataset()
     for shard in shards:
-        key = "start"
+        key, read, reason = "start", 0, None
         try:
             for sample in wds.tarfile_samples([shard]):
-                key = sample["__key__"]
+                key, read = sample["__key__"], read + 1
                 yield sample
         except (tarfile.TarError, OSError) as error:
             # webdataset appends the stream and the URL to the exception's arguments and " @ <stream>" to the first
             reason = str(error.args[0]).split(" @ ")[0] if error.args else type(error).__name__
+        if reason is None and read < counts[shard["url"]]:
+            reason = f"it ends after {read} of the {counts[shard['url']]} samples its {INDEX} lists"
+        if reason is not None:
             yield {"__key__": f"after {key}", "__url__": shard["url"], DAMAGED: reason}

@@ -98,9 +98,9 @@ def gather_rng_states(runtime):
     return states
 
 
-def write_snapshot(cfg, snapshot, model, optimizer, scaler, ema):
+def write_snapshot(cfg, snapshot, model, optimizer, scaler, ema, classes):
     """Write ``checkpoint_last.pth`` from ``snapshot`` and the run's weights, optimizer, gradient scaler and EMA as
-    they are now; the main process writes it."""
+    they are now, with the training data's ``classes`` (names in label order); the main process writes it."""
     save_checkpoint(
         os.path.join(cfg.OUTPUT_DIR, LAST),
         model,
@@ -117,6 +117,7 @@ def write_snapshot(cfg, snapshot, model, optimizer, scaler, ema):
         ema=ema.module.state_dict() if ema else None,
         rng=snapshot.rng,
         config=cfg.dump(),
+        classes=list(classes),
     )
 
 

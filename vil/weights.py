@@ -38,16 +38,40 @@ def fitted_state(checkpoint, path, model, ema=False):
     return fit_to_model((ema_state if ema else model_state)(checkpoint, path), model, path)
 
 
-def load_weights(model, cfg, new_classifier=False):
+def load_weights(model, cfg, new_classifier=False, classes=None):
     """Load the weights of ``MODEL.MODEL_PATH`` (this project's checkpoint, the original release's, a bare state
     dict; its EMA weights with ``MODEL.LOAD_EMA``) into ``model``, position tables resized to the model's image
     size. ``new_classifier``: a run starts from these weights (fine-tuning); a classifier of another class count
     stays the model's fresh one, and a checkpoint trained with other :data:`MODEL_DEFINING_KEYS` values is used
     with the config's, both said in the log. Otherwise (evaluating, predicting, exporting) both are refused in one
-    sentence, with the rest of a checkpoint that does not fit."""
+    sentence, with the rest of a checkpoint that does not fit. ``classes``: the names of the data's classes in label
+    order, checked against the training data's that the checkpoint records (:func:`check_trained_classes`)."""
     path = resolve_model_path(cfg)
-    load_read_weights(model, cfg, path, read_checkpoint(path), cfg.MODEL.LOAD_EMA, new_classifier)
+    checkpoint = read_checkpoint(path)
+    if classes is not None:
+        check_trained_classes(checkpoint, path, classes)
+    load_read_weights(model, cfg, path, checkpoint, cfg.MODEL.LOAD_EMA, new_classifier)
     return path
+
+
+def check_trained_classes(checkpoint, path, classes):
+    """Refuse data whose classes (names in label order) are the checkpoint's training classes in another order: its
+    labels would be scored against the wrong outputs. Classes named otherwise (another naming of the same labels,
+    say) are scored label by label, said once in the log; a checkpoint that records no classes is not checked."""
+    trained = checkpoint.get("classes") if isinstance(checkpoint, dict) else None
+    if not isinstance(trained, list) or trained == list(classes):
+        return
+    first = next((i for i, (a, b) in enumerate(zip(trained, classes)) if a != b), min(len(trained), len(classes)))
+    theirs, ours = (names[first] if first < len(names) else None for names in (trained, classes))
+    if sorted(trained) == sorted(classes):
+        raise ValueError(
+            f"Checkpoint {path} was trained with the same classes in another order: its label {first} is {theirs!r}, "
+            f"the data's {ours!r}; set DATA.CLASSES to the checkpoint's order (its 'classes' entry)."
+        )
+    log.warning(
+        f"Checkpoint {path} was trained on classes named otherwise than the data's (its label {first} is {theirs!r}, "
+        f"the data's {ours!r}); the data's labels are scored as the checkpoint's labels of the same number."
+    )
 
 
 def _check_classifier_parts(head, path):

@@ -29,11 +29,12 @@ log = logging.getLogger("vil")
 
 
 @torch.no_grad()
-def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.contiguous_format):
+def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.contiguous_format, expected=None):
     """Top-1 and top-5 accuracy (percent) over the whole evaluation set, all processes together, and per class:
     ``{"top1", "top5", "per_class": (classes, 3) tensor of images, top-1 hits, top-5 hits, "images": images
     scored, "skipped": unreadable images, "nonfinite": images whose outputs are not all finite}``. Unreadable images
-    are skipped, each named in a warning."""
+    are skipped, each named in a warning. ``expected``: the evaluation set's size; images of it that no process read
+    (lost with the rest of a damaged shard) count as skipped too."""
     model.eval()
     counts = torch.zeros(num_classes, 3, dtype=torch.float64, device=runtime.device)
     skipped, nonfinite = 0, torch.zeros((), dtype=torch.long, device=runtime.device)
@@ -51,9 +52,13 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
     if runtime.world > 1:
         dist.all_reduce(counts)
     skipped, nonfinite = runtime.sum(skipped, nonfinite.item())
+    images, top1, top5 = counts.sum(dim=0).tolist()
+    lost = expected - images - skipped if expected is not None else 0
+    if lost > 0:
+        log.warning(f"{int(lost)} of the {expected} evaluation images were never read (lost with damaged shards).")
+        skipped += lost
     if skipped:
         log.warning(f"Evaluation skipped {int(skipped)} unreadable images.")
-    images, top1, top5 = counts.sum(dim=0).tolist()
     return {
         "top1": 100 * top1 / max(images, 1),
         "top5": 100 * top5 / max(images, 1),
@@ -85,9 +90,8 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
     cfg, runtime, model = run.cfg, run.runtime, run.model
     if runtime.world > 1:
         _share_rank0_buffers(run)
-    result = evaluate(
-        model, eval_loader(run.test_set, cfg, runtime), runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format
-    )
+    loader, expected = eval_loader(run.test_set, cfg, runtime), len(run.test_set)
+    result = evaluate(model, loader, runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format, expected)
     if result["nonfinite"]:
         stop_diverged(
             run,
@@ -106,7 +110,7 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
     }
     if run.ema is not None:
         ema_loader = eval_loader(run.test_set, cfg, runtime)
-        ema = evaluate(run.ema.module, ema_loader, runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format)
+        ema = evaluate(run.ema.module, ema_loader, runtime, run.amp, cfg.DATA.NUM_CLASSES, run.memory_format, expected)
         if ema["nonfinite"]:
             log.warning(
                 f"The EMA weights' outputs of {ema['nonfinite']} evaluation images were not finite; top1_ema "
@@ -155,14 +159,13 @@ def evaluate_checkpoint(cfg):
     setup_logging(cfg.OUTPUT_DIR, False)
     warn_compatibility_keys(cfg, log)
     model = build_model(cfg)
-    path = load_weights(model, cfg)
+    dataset = build_dataset(cfg, train=False)
+    path = load_weights(model, cfg, classes=dataset.classes)
     amp, _ = amp_context(cfg, runtime.device)
     layout = memory_format(cfg)
-    dataset = build_dataset(cfg, train=False)
     loader = eval_loader(dataset, cfg, runtime)
-    result = evaluate(
-        model.to(runtime.device, memory_format=layout), loader, runtime, amp, cfg.DATA.NUM_CLASSES, layout
-    )
+    model = model.to(runtime.device, memory_format=layout)
+    result = evaluate(model, loader, runtime, amp, cfg.DATA.NUM_CLASSES, layout, len(dataset))
     if result["nonfinite"]:
         raise ValueError(
             f"The outputs of {result['nonfinite']} of the {result['images']} evaluation images are not finite with the "

@@ -155,7 +155,9 @@ class Run:
     def write_checkpoint(self, snapshot):
         """Write ``checkpoint_last.pth`` from ``snapshot`` (main process); it becomes the one kept."""
         if self.runtime.is_main:
-            write_snapshot(self.cfg, snapshot, self.model, self.optimizer, self.scaler, self.ema)
+            write_snapshot(
+                self.cfg, snapshot, self.model, self.optimizer, self.scaler, self.ema, self.train_set.classes
+            )
         self.kept = snapshot
 
     def resume(self, checkpoint, path):
