@@ -105,6 +105,12 @@ def test_unknown_keys_name_the_key(tmp_path):
         ("AUG:\n  TIMM_AUG:\n    AUTO_AUGMENT: rand-x9\n", r"AUTO_AUGMENT is 'rand-x9'.*rand-m9-mstd0.5-inc1"),
         ("OPTIM:\n  LR: 0.1\nDATA:\n  PATH: x\nOPTIM:\n  EPOCHS: 3\n", r"line 5 \(key 'OPTIM' is given twice"),
         ("OPTIM:\n  LR: 0.1\n  LR: 0.2\n", r"line 3 \(key 'LR' is given twice"),
+        ("INPUT:\n  MEAN: [123.675, 116.28, 103.53]\n", r"INPUT.MEAN is \[123.675.*\[0, 1\].*not 0-255"),
+        ("INPUT:\n  STD: [58.395, 57.12, 57.375]\n", r"INPUT.STD is \[58.395.*\(0, 1\].*not 0-255"),
+        ("AUG:\n  COLOR_JITTER: [0.4, 0.4, 0.4, 0.9, 0.8]\n", r"AUG.COLOR_JITTER is .*hue strength in \[0, 0.5\]"),
+        ("AUG:\n  COLOR_JITTER: [0.4, 0.4, 0.4, 0.1, 1.5]\n", r"AUG.COLOR_JITTER is .*probability in \[0, 1\]"),
+        ("AUG:\n  TIMM_AUG:\n    COLOR_JITTER: -0.4\n", r"AUG.TIMM_AUG.COLOR_JITTER is -0.4.*>= 0"),
+        ("DATA:\n  CLASSES: [3, 5]\n", r"DATA.CLASSES is \[3, 5\].*quoted strings"),
     ],
 )
 def test_malformed_config_files_are_one_sentence(tmp_path, text, message):

@@ -200,6 +200,26 @@ def test_training_transforms_follow_the_original_choices(tmp_path):
     assert "ColorJitter" not in repr(build_transform(cfg_for(root), train=True))  # the default probability is 0
 
 
+def test_augmentation_keys_the_chosen_transform_does_not_read_are_named_once(caplog):
+    def warnings(*overrides):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vil"):
+            build_transform(load_cfg(None, ["INPUT.IMAGE_SIZE", "32", *overrides]), train=True)
+        return [r.getMessage() for r in caplog.records]
+
+    (line,) = warnings("AUG.TIMM_AUG.AUTO_AUGMENT", "rand-m9-mstd0.5", "AUG.TIMM_AUG.RE_PROB", "0.25")
+    assert re.search(r"AUG.TIMM_AUG.AUTO_AUGMENT, AUG.TIMM_AUG.RE_PROB are set.*USE_TRANSFORM True", line)
+    (line,) = warnings("AUG.TIMM_AUG.USE_TRANSFORM", "True", "AUG.GRAY_SCALE", "0.2")
+    assert "AUG.GRAY_SCALE is set" in line and "USE_TRANSFORM True) does not read it" in line
+    (line,) = warnings("FINETUNE.FINETUNE", "True", "AUG.SCALE", "[0.5, 1.0]", "AUG.TIMM_AUG.HFLIP", "0.0")
+    assert "AUG.SCALE is set" in line and "FINETUNE.USE_TRAIN_AUG True" in line and "HFLIP" not in line
+    for name in ("vil_small", "vil_digits", "vil_digits_finetune"):  # the presets set only what they use
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vil"):
+            build_transform(load_cfg(name), train=True)
+        assert not caplog.records, name
+
+
 def test_posterize_to_zero_bits_gives_a_black_image_and_keeps_timms_other_levels():
     from PIL import ImageOps
 

@@ -262,6 +262,10 @@ def test_bad_shard_requests_are_one_sentence(shards, tmp_path):
         train(tiny_cfg(shards, tmp_path / "o", "DATA.FORMAT", "shards", "DATA.CLASSES", "['cat', 'dog']"))
     with pytest.raises(ValueError, match=r"AUG.REPEATED_AUG.*image folders.*False"):
         train(tiny_cfg(shards, tmp_path / "o2", "DATA.FORMAT", "shards", "AUG.REPEATED_AUG", "True"))
+    index = (shards / "val" / "index.json").read_text()
+    (shards / "val" / "index.json").write_text(index.replace(": 3", ': "3"', 1))  # a count as text
+    with pytest.raises(ValueError, match=r"not a folder of shards.*sample counts are not all whole numbers"):
+        ShardDataset(shards / "val")
     (shards / "train" / "shard-000003.tar").unlink()
     with pytest.raises(ValueError, match=r"lists 1 shards.*shard-000003\.tar"):
         ShardDataset(shards / "train")

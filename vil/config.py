@@ -2,7 +2,8 @@
 overrides work unchanged), with the defaults of the original release, plus a few keys of our own.
 
 Every key is read by the code, except those in :data:`COMPATIBILITY_KEYS`, which exist only so that the
-original's YAML files load; setting one of those to another value than its default logs one warning line.
+original's YAML files load; setting one of those to another value than its default logs one warning line. (The
+augmentation keys are read by one of the training transforms each: one set for another logs a warning too.)
 """
 
 import logging
@@ -406,13 +407,14 @@ _PROBABILITY = (lambda v: 0 <= v <= 1, "a probability in [0, 1]")
 _RULES = {
     "INPUT.IMAGE_SIZE": (lambda v: v >= 1, "a positive number of pixels"),
     "INPUT.CROP_PCT": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+    # ToTensor's pixels are in [0, 1]: a mean of 123.675 (of 0-255 pixels) would put every image near -2
     "INPUT.MEAN": (
-        lambda v: len(v) == 3 and all(isinstance(x, (int, float)) for x in v),
-        "three numbers, one per channel",
+        lambda v: len(v) == 3 and all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in v),
+        "three numbers in [0, 1], one per channel (of pixels in [0, 1], not 0-255)",
     ),
     "INPUT.STD": (
-        lambda v: len(v) == 3 and all(isinstance(x, (int, float)) and x > 0 for x in v),
-        "three positive numbers, one per channel",
+        lambda v: len(v) == 3 and all(isinstance(x, (int, float)) and 0 < x <= 1 for x in v),
+        "three numbers in (0, 1], one per channel (of pixels in [0, 1], not 0-255)",
     ),
     "AMP.DTYPE": (lambda v: v in ("bfloat16", "float16"), "'bfloat16' or 'float16'"),
     "AMP.MEMORY_FORMAT": (lambda v: v in ("nchw", "nhwc"), "'nchw' or 'nhwc'"),
@@ -448,6 +450,16 @@ _RULES = {
     "CHECKPOINT.KEEP": (lambda v: v >= 1, "a positive number of epoch checkpoints"),
     "AUG.MIXUP_PROB": _PROBABILITY,
     "AUG.MIXUP_SWITCH_PROB": _PROBABILITY,
+    "AUG.COLOR_JITTER": (
+        lambda v: len(v) == 5 and all(math.isfinite(x) and x >= 0 for x in v) and v[3] <= 0.5 and v[4] <= 1,
+        "five numbers: brightness, contrast and saturation strengths >= 0, a hue strength in [0, 0.5] and a "
+        "probability in [0, 1]",
+    ),
+    "AUG.TIMM_AUG.COLOR_JITTER": (lambda v: math.isfinite(v) and v >= 0, "a finite strength >= 0 (0: no jitter)"),
+    "DATA.CLASSES": (
+        lambda v: all(isinstance(x, str) for x in v),
+        "folder names as quoted strings, like ['0', '1'] (a YAML number loses leading zeros)",
+    ),
     "AUG.GRAY_SCALE": _PROBABILITY,
     "AUG.GAUSSIAN_BLUR": _PROBABILITY,
     "AUG.TIMM_AUG.HFLIP": _PROBABILITY,

@@ -17,10 +17,17 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
+from .config import config_value, get_cfg
 from .shards import ShardDataset
 from .unreadable import Unreadable, skipped
 
 EXPECTED_LAYOUT = "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<image>"
+# The training transforms' own keys: each branch of build_transform leaves the others' unread.
+_TIMM_KEYS = tuple(
+    f"AUG.TIMM_AUG.{k}" for k in ("VFLIP", "COLOR_JITTER", "AUTO_AUGMENT", "RE_PROB", "RE_MODE", "RE_COUNT")
+)
+_PLAIN_KEYS = ("AUG.COLOR_JITTER", "AUG.GRAY_SCALE", "AUG.GAUSSIAN_BLUR")
+_CROP_KEYS = ("AUG.SCALE", "AUG.RATIO")
 # INPUT.INTERPOLATION holds PIL's codes, as in the original release.
 INTERPOLATIONS = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # INPUT.INTERPOLATION (PIL codes) -> timm's names
 
@@ -148,6 +155,7 @@ def build_transform(cfg, train):
     hflip = timm_aug.HFLIP
     if not train:
         return create_transform(is_training=False, crop_pct=cfg.INPUT.CROP_PCT, **common)
+    _warn_unread_keys(cfg)
     if timm_aug.USE_TRANSFORM:
         return _posterize_any_bits(
             create_transform(
@@ -194,6 +202,24 @@ def build_transform(cfg, train):
         gaussian_blur_prob=aug.GAUSSIAN_BLUR,
         **common,
     )
+
+
+def _warn_unread_keys(cfg):
+    """Say once which augmentation keys, set to other values than their defaults, the chosen training transform
+    does not read, and what would make it read them (the original release ignored them without a word)."""
+    if cfg.AUG.TIMM_AUG.USE_TRANSFORM:
+        unread, why = _PLAIN_KEYS, "timm's transform (AUG.TIMM_AUG.USE_TRANSFORM True) does not read {}"
+    elif cfg.FINETUNE.FINETUNE and not cfg.FINETUNE.USE_TRAIN_AUG:
+        unread = _TIMM_KEYS + _PLAIN_KEYS + _CROP_KEYS
+        why = "fine-tuning's transform (a resize, a random crop, the flip) does not read {}; set FINETUNE.USE_TRAIN_AUG"
+        why += " True for the training transform"
+    else:
+        unread, why = _TIMM_KEYS, "only timm's transform reads {}; set AUG.TIMM_AUG.USE_TRANSFORM True"
+    defaults = get_cfg()
+    changed = [key for key in unread if config_value(cfg, key) != config_value(defaults, key)]
+    if changed:
+        one = len(changed) == 1
+        log.warning(f"{', '.join(changed)} {'is' if one else 'are'} set, but {why.format('it' if one else 'them')}.")
 
 
 def posterize(img, bits_to_keep, **kwargs):

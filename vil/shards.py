@@ -63,6 +63,10 @@ class ShardDataset:
             with open(os.path.join(root, INDEX)) as f:
                 index = json.load(f)
             self.classes, counts = list(index["classes"]), dict(index["shards"])
+            if not all(isinstance(name, str) for name in self.classes):
+                raise ValueError("its classes are not all names")
+            if not all(type(n) is int and n >= 0 for n in counts.values()):  # bool is no count
+                raise ValueError("its shards' sample counts are not all whole numbers >= 0")
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ValueError(
                 f"{root} is not a folder of shards with its {INDEX} ({error}); write one with "
