@@ -305,7 +305,7 @@ void exponentiate_row(float* row, int n, const Finish<float>& finish, Out* out, 
       s = finish_lanes(s, factor, finish.offset(j).table, lanes);
       _mm512_mask_storeu_ps(row + j, lanes, s);
     }
-    m = _mm512_max_ps(s, m);
+    m = _mm512_mask_max_ps(m, lanes, s, m);  // not the tail's lanes: -inf times a negative scale is +inf
   }
   float row_max = _mm512_reduce_max_ps(m);
   if (row_max == -std::numeric_limits<float>::infinity()) row_max = 0;
@@ -482,8 +482,10 @@ struct Geometry {
   int64_t B, H, X, Y, D, G;
   int w, exact, chunk_cols, num_slots;
   int64_t chunks() const { return ((X + w - 1) / w) * chunk_cols; }
-  int64_t max_queries() const { return static_cast<int64_t>(w) * w; }
-  int64_t max_keys() const { return kMaxSlots * max_queries() + G; }
+  // A chunk, and each key block it reads, is a w x w tile clipped to the map: a window wider than a thin map
+  // needs no w x w buffers.
+  int64_t max_queries() const { return std::min<int64_t>(w, X) * std::min<int64_t>(w, Y); }
+  int64_t max_keys() const { return num_slots * max_queries() + G; }
   int64_t bias_rows() const { return static_cast<int64_t>(4 * w - 1) * (4 * w - 1); }  // offsets -(2w-1)..2w-1
 };
 
@@ -711,8 +713,11 @@ ChunkBiases<T> chunk_biases(const Geometry& g, const int64_t* slot_table, const 
 }
 
 // The tables of recent calls, by everything they are made of, compared bit for bit: the map's geometry, the slot
-// table and the bias values. Inference calls the kernel with the same biases batch after batch, and a backward with
-// those of its forward. Kept: the most recent call's, and older ones up to kTableBudget values in all.
+// table and the bias values. Inference calls the kernel with the same biases batch after batch (each layer its
+// own), and a backward with those of its forward. Kept: the most recent call's, and older ones up to kRecentCalls
+// calls and kTableBudget values in all, keys included (training changes the biases at every step: the calls
+// without tables must not pile up).
+constexpr int64_t kRecentCalls = 64;
 template <typename T>
 std::shared_ptr<const ChunkBiases<T>> recent_chunk_biases(const Geometry& g, const int64_t* slot_table,
                                                          const at::Tensor& rel_bias, const at::Tensor& global_bias) {
@@ -740,10 +745,11 @@ std::shared_ptr<const ChunkBiases<T>> recent_chunk_biases(const Geometry& g, con
   auto built = std::make_shared<const ChunkBiases<T>>(chunk_biases<T>(g, slot_table, rel_bias, global_bias));
   const std::lock_guard<std::mutex> lock(mutex);
   recent.emplace_front(std::move(key), built);
-  int64_t kept = 0;
+  int64_t kept = 0, calls = 0;
   for (auto it = recent.begin(); it != recent.end();) {
-    kept += static_cast<int64_t>(it->second->tables.size());
-    it = it != recent.begin() && kept > kTableBudget ? recent.erase(it) : std::next(it);
+    kept += static_cast<int64_t>(it->second->tables.size() + it->first.size() / sizeof(T));
+    const bool over = kept > kTableBudget || ++calls > kRecentCalls;
+    it = it != recent.begin() && over ? recent.erase(it) : std::next(it);
   }
   return built;
 }
@@ -802,7 +808,7 @@ void finish_scores(const Geometry1d& g, const Block& blk, T* scores, int ld, T f
 #pragma omp simd
       for (int j = band.lo; j < band.hi; ++j) row[j] += bias[j];
     }
-    if (key_padding != nullptr) {  // chosen, not added: a padded key's score may be NaN (padding of any value)
+    if (key_padding != nullptr) {  // chosen, not added: a padded key's score may be NaN (keys of any value)
 #pragma omp simd
       for (int j = band.lo; j < band.hi; ++j) row[j] = key_mask[j] == masked ? masked : row[j];
     }

@@ -222,7 +222,8 @@ def test_kernels_refuse_other_shapes_in_one_sentence(name, value, message):
 
 
 def test_padded_keys_of_any_value_stay_hidden():
-    """Padding holds anything, NaN too: a padded key's score is masked, not summed with the mask."""
+    """A padded key's score is masked, not summed with the mask: padded keys of any value, NaN too, leave the outputs
+    as finite keys do. (Padded values, and the gradients, take finite padding, as the reference's products do.)"""
     q, k, v = (torch.randn(2, 2, 40, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     mask = torch.zeros(2, 40, dtype=torch.bool)
     mask[:, 30:] = True

@@ -228,6 +228,18 @@ def test_a_training_call_after_an_inference_mode_call_of_the_same_size_matches_r
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("exact,mode", [(1, 0), (0, 0), (-1, 0), (0, 3)])
+def test_fused_cpu_windows_wider_than_a_thin_map(exact, mode):
+    """Its buffers hold a chunk as the map clips it (a w x w tile would be 9 w^2 keys per query row and thread)."""
+    for X, Y, w in ((2, 13, 12), (3, 5, 8), (14, 2, 6)):
+        inputs = make_inputs(X, Y, w, 1, rel=True, glob_bias=True, B=1)
+        expected, expected_grads = run("reference", inputs, w, exact, mode)
+        out, grads = run("fused_cpu", inputs, w, exact, mode)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_cpu_follows_biases_changed_in_place_between_calls(dtype):
     # The kernel keeps the bias tables of its recent calls, found again by the biases' values: biases changed in
@@ -273,7 +285,8 @@ def test_gradcheck(backend, exact, mode):
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
-def test_float32_and_explicit_scale(backend):
+@pytest.mark.parametrize("scale", [0.3, -0.3])  # negative: the softmax's row maximum, lanes past a row's end left out
+def test_float32_and_explicit_scale(backend, scale):
     inputs = make_inputs(14, 14, 7, 1, rel=True, glob_bias=True, dtype=torch.float32, D=8)
     expected = local_attention_2d(
         inputs["q"],
@@ -282,7 +295,7 @@ def test_float32_and_explicit_scale(backend):
         7,
         global_k=inputs["global_k"],
         global_v=inputs["global_v"],
-        scale=0.3,
+        scale=scale,
         backend="reference",
     )
     out = local_attention_2d(
@@ -292,13 +305,13 @@ def test_float32_and_explicit_scale(backend):
         7,
         global_k=inputs["global_k"],
         global_v=inputs["global_v"],
-        scale=0.3,
+        scale=scale,
         backend=backend,
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     # A scale s is the default 1/sqrt(D) applied to queries multiplied by s * sqrt(D).
     rescaled = local_attention_2d(
-        inputs["q"] * (0.3 * 8**0.5),
+        inputs["q"] * (scale * 8**0.5),
         inputs["k"],
         inputs["v"],
         7,
