@@ -138,6 +138,23 @@ def test_only_global_attends_to_the_global_tokens_only():
     torch.testing.assert_close(out[:, 1:], attn.proj(value).expand(1, 16, 8))
 
 
+def test_only_global_local_queries_take_no_relative_bias_as_in_the_original():
+    """The original's only_glo branch adds no bias to the local queries' scores: its g2l[1] is in the state dict,
+    unused. Local outputs: softmax(q k_g^T / sqrt(d)) v_g by hand, whatever g2l[1] holds."""
+    torch.manual_seed(0)
+    attn = LongformerAttention(8, 2, 3, 2, rpe=True, options=LongformerOptions(only_global=True)).eval()
+    with torch.no_grad():
+        attn.g2l_relative_position_bias.normal_(0, 2.0)
+        x = torch.randn(2, 3 + 12, 8, dtype=torch.float64)
+        attn.double()
+        out = attn(x, 3, 4)[:, 3:]
+        q = attn.query(x[:, 3:]).reshape(2, 12, 2, 4).transpose(1, 2)
+        k, v = attn.kv(x[:, :3]).reshape(2, 3, 2, 2, 4).permute(2, 0, 3, 1, 4)
+        weights = torch.softmax(q @ k.transpose(-2, -1) / 2.0, dim=-1)
+        expected = attn.proj((weights @ v).transpose(1, 2).reshape(2, 12, 8))
+    torch.testing.assert_close(out, expected)
+
+
 def test_full_attention_relative_bias_by_hand():
     torch.manual_seed(0)
     nx, ny, heads, G = 3, 4, 2, 1

@@ -178,9 +178,8 @@ class LongformerAttention(_Attention):
         q = split_heads(self.query(x[:, G:]), H)
 
         local_bias_g = self.g2l_relative_position_bias[1] if self.rpe and G else None
-        if self.only_global:
-            mask = None if local_bias_g is None else local_bias_g[None, :, None, :].to(q.dtype)
-            local_out = softmax_attention(q, k[:, :, :G], v[:, :, :G], mask)
+        if self.only_global:  # no bias: the original release's only_glo branch adds none (its g2l[1] stays unused)
+            local_out = softmax_attention(q, k[:, :, :G], v[:, :, :G], None)
         else:
             grid = (B, H, nx, ny, C // H)
             local_out = local_attention_2d(
