@@ -382,6 +382,33 @@ def test_wrong_images_at_forward():
         model(torch.randn(1, 3, 31, 96))
 
 
+@pytest.mark.parametrize(
+    "arguments, facts",
+    [
+        (dict(num_classes=-1), r"num_classes.*got -1"),
+        (dict(num_classes=2.5), r"num_classes.*got 2.5"),
+        (dict(drop_path_rate=1.5), r"drop_path_rate.*\[0, 1\).*1.5"),
+        (dict(drop_path_rate=-0.5), r"drop_path_rate.*-0.5"),
+        (dict(ln_eps=-1.0), r"ln_eps.*positive.*-1.0"),
+        (dict(img_size=(64,)), r"img_size.*\(H, W\).*\(64,\)"),
+        (dict(img_size=64.0), r"img_size.*64.0"),
+        (dict(attention="full", attn_backend="flex"), r"attn_backend 'flex'.*not 'full'.*None"),
+    ],
+)
+def test_bad_model_arguments(arguments, facts):
+    arch = "l1,h2,d16,n1,s1,g1,p4,f3,a0_l2,h2,d16,n1,s1,g1,p2,f3,a0_l3,h2,d32,n1,s0,g1,p2,f3,a0"
+    with pytest.raises(ValueError, match=facts):
+        MsViT(arch, **{"img_size": 64, **arguments})
+
+
+def test_an_empty_batch_gives_empty_logits():
+    arch = "l1,h2,d16,n1,s1,g1,p4,f3,a0_l2,h2,d16,n1,s1,g1,p2,f3,a0_l3,h2,d32,n1,s0,g1,p2,f3,a0"
+    model = MsViT(arch, img_size=32, num_classes=3)
+    out = model(torch.randn(0, 3, 32, 32))
+    assert out.shape == (0, 3)
+    out.sum().backward()
+
+
 def test_reset_vil_mode_rejects_bad_modes():
     model = build_model(tiny_cfg("MODEL.VIT.MSVIT.SW_EXACT", "1"))
     with pytest.raises(ValueError, match="takes mode 0 only"):

@@ -317,6 +317,28 @@ def test_pretrained_weights_for_other_input_channels_adapt_the_first_convolution
     assert four.layer1[0].proj.weight.shape[1] == 4
 
 
+def test_safetensors_save_model_files_keep_one_name_of_a_shared_tensor_and_load(tmp_path):
+    """safetensors' save_model drops the names of SHARE_W's shared projections but one; loading fills them in."""
+    import safetensors.torch
+
+    arch = "l1,h2,d16,n1,s1,g1,p4,f3,a0_l2,h2,d16,n1,s1,g1,p2,f3,a0_l3,h2,d32,n1,s0,g1,p2,f3,a0"
+    torch.manual_seed(0)
+    model = timm.create_model("vil_arch", arch=arch, img_size=32, num_classes=3).eval()
+    safetensors.torch.save_model(model, str(tmp_path / "m.safetensors"))
+    saved = safetensors.torch.load_file(str(tmp_path / "m.safetensors"))
+    assert len(saved) < len(model.state_dict())  # one name of each shared tensor
+    loaded = timm.create_model(
+        "vil_arch",
+        arch=arch,
+        img_size=32,
+        pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(tmp_path / "m.safetensors")),
+    ).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
 def test_a_missing_checkpoint_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nothing\.pth does not exist.*\.safetensors.*Hub folder"):
         timm.create_model("vil_tiny", pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "nothing.pth")))

@@ -202,14 +202,31 @@ def check_fits(state, model, path, may_miss=()):
         raise ValueError(f"Checkpoint {path} does not fit this model's architecture: " + "; ".join(problems) + ".")
 
 
-def check_shared(state, model, path):
-    """Names that are one tensor in the model (``query`` and ``query_global`` with SHARE_W True, linformer's
-    ``proj_k`` and ``proj_v`` with SHARE_KV True) must hold equal tensors in the checkpoint: otherwise one would
-    silently overwrite the other."""
+def _shared_names(model):
+    """The groups of state-dict names that are one tensor in ``model`` (``query`` and ``query_global`` with SHARE_W
+    True, linformer's ``proj_k`` and ``proj_v`` with SHARE_KV True)."""
     names_by_tensor = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         names_by_tensor.setdefault(tensor, []).append(name)
-    for names in names_by_tensor.values():
+    return [names for names in names_by_tensor.values() if len(names) > 1]
+
+
+def with_shared_names(state, model):
+    """``state`` with the names it lacks of a tensor that ``model`` holds under several, taken from a name it has:
+    safetensors' ``save_model`` (and ``save_file`` after it) keeps one name of each such tensor."""
+    filled = dict(state)
+    for names in _shared_names(_unwrap(model)):
+        present = [n for n in names if n in state]
+        for name in names:
+            if present and name not in state:
+                filled[name] = state[present[0]]
+    return filled
+
+
+def check_shared(state, model, path):
+    """Names that are one tensor in the model (see :func:`_shared_names`) must hold equal tensors in the
+    checkpoint: otherwise one would silently overwrite the other."""
+    for names in _shared_names(model):
         present = [n for n in names if n in state]
         for other in present[1:]:
             if state[other].shape == state[present[0]].shape and not torch.equal(state[other], state[present[0]]):

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from ..checkpoint import check_fits, check_shared, model_state
+from ..checkpoint import check_fits, check_shared, model_state, with_shared_names
 from ..config import config_from_text, config_value
 from .arch import parse_arch, stage_map_sizes
 from .tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
@@ -178,7 +178,7 @@ def fit_to_model(state, model, path, adapted=()):
     was built for another image size than the state's (taken as square, as both releases train). A state of
     another architecture, or with different tensors under names that are one tensor in the model, is refused in
     one sentence naming the keys; the classifier, and the keys in ``adapted``, may differ."""
-    expected = model.state_dict()
+    state, expected = with_shared_names(state, model), model.state_dict()
     if any(k in expected and expected[k].shape != v.shape for k, v in state.items()):
         source = infer_image_size(state, model.stage_specs)
         if source:

@@ -8,6 +8,7 @@ Module and parameter names follow the original release (``layer1.0.proj.weight``
 import contextlib
 import inspect
 import math
+import numbers
 import os
 from collections import deque
 from collections.abc import Sequence
@@ -151,7 +152,12 @@ class StageMap(nn.Module):
 
     def forward(self, tokens, nx, ny):
         local = tokens[:, self.num_global :]
-        return local.transpose(1, 2).reshape(local.shape[0], -1, nx, ny)
+        return local.transpose(1, 2).reshape(local.shape[0], local.shape[-1], nx, ny)  # also for a batch of 0
+
+
+def _check_num_classes(num_classes):
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+        raise ValueError(f"num_classes must be 0 (no classifier) or a positive number of classes, got {num_classes!r}.")
 
 
 @register_notrace_function  # a leaf for torch.fx: it checks sizes
@@ -216,6 +222,16 @@ class MsViT(nn.Module):
         self.dynamic_img_pad = dynamic_img_pad
         self.stage_specs = parse_arch(arch)
         self.img_size, self.in_chans, self.num_classes = to_2tuple(img_size), in_chans, num_classes
+        if len(self.img_size) != 2 or not all(
+            isinstance(side, numbers.Integral) and not isinstance(side, bool) and side > 0 for side in self.img_size
+        ):
+            raise ValueError(f"img_size must be a positive int or an (H, W) pair of them, got {img_size!r}.")
+        self.img_size = tuple(int(side) for side in self.img_size)
+        _check_num_classes(num_classes)
+        if not 0 <= drop_path_rate < 1:
+            raise ValueError(f"drop_path_rate must be a probability in [0, 1), got {drop_path_rate!r}.")
+        if not (math.isfinite(ln_eps) and ln_eps > 0):
+            raise ValueError(f"ln_eps must be a positive number, got {ln_eps!r}.")
         self.feature_info, stride = [], 1
         for spec in self.stage_specs:
             stride *= spec.patch
@@ -252,6 +268,11 @@ class MsViT(nn.Module):
                     f"{name.upper()} ({name}) {value!r} is an option of {owner} attention, not of {attention!r}: it "
                     f"would change nothing; leave it at {default!r}."
                 )
+        if attn_backend is not None and attention != "longformer":
+            raise ValueError(
+                f"attn_backend {attn_backend!r} computes longformer attention, not {attention!r}: it would change "
+                "nothing; leave it None."
+            )
         norm_layer = partial(nn.LayerNorm, eps=ln_eps)
         longformer = LongformerOptions(sw_exact, mode, share_w, only_global, attn_backend)
         rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs), device="cpu").tolist()
@@ -388,10 +409,7 @@ class MsViT(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A new, freshly initialised classifier for ``num_classes`` (0: none); optionally another pooling."""
-        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
-            raise ValueError(
-                f"num_classes must be 0 (no classifier) or a positive number of classes, got {num_classes!r}."
-            )
+        _check_num_classes(num_classes)
         if global_pool is not None:
             self.global_pool = self._checked_pool(global_pool)
         self.num_classes = num_classes
