@@ -40,12 +40,15 @@ def write_split(folder, output, per_shard, shuffle_seed=None):
     counts = {}
     for start in range(0, len(samples), per_shard):
         name = f"shard-{start // per_shard:06d}.tar"
-        with wds.TarWriter(os.path.join(partial, name)) as tar:
-            for number, (path, target) in enumerate(samples[start : start + per_shard], start):
-                with open(path, "rb") as f:
-                    image = f.read()
-                suffix = os.path.splitext(path)[1].lstrip(".").lower() or "jpg"
-                tar.write({"__key__": f"{number:09d}", suffix: image, "cls": str(target).encode()})
+        with open(os.path.join(partial, name), "wb") as stream:
+            with wds.TarWriter(stream) as tar:
+                for number, (path, target) in enumerate(samples[start : start + per_shard], start):
+                    with open(path, "rb") as f:
+                        image = f.read()
+                    suffix = os.path.splitext(path)[1].lstrip(".").lower() or "jpg"
+                    tar.write({"__key__": f"{number:09d}", suffix: image, "cls": str(target).encode()})
+            stream.flush()
+            os.fsync(stream.fileno())  # on disk before index.json (written with fsync) lists it
         counts[name] = len(samples[start : start + per_shard])
     write_index(partial, folder.classes, counts)
     os.rename(partial, output)
