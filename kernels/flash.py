@@ -6,7 +6,6 @@ Scores are in base 2 throughout (``qk_scale = scale * log2(e)``; bias tables are
 they are added), so the softmax uses ``exp2`` and the saved log-sum-exp is in base 2.
 """
 
-import os
 from functools import cache, partial, wraps
 
 import torch
@@ -14,16 +13,13 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from . import interpreting
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOG2E = 1.4426950408889634
 DELTA_BLOCK_N = 64  # queries per program of the delta pass
 # Programs a backward pass with partial sums aims for: enough to fill a GPU, few enough that the sums stay small.
 TARGET_PROGRAMS = 2048
-
-
-def interpreting():
-    """Whether Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # Allocator of every buffer a kernel writes; tests replace it with one that fills buffers with NaN.
@@ -233,6 +229,7 @@ def delta_kernel(
     b_idx, h = bh // H, bh % H
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = n < N
+    n = n.to(tl.int64)  # n times a row stride can pass 2^31 (rows of a wide projection, strided)
     o = load_rows(Out + b_idx * s_ob + h * s_oh, n * s_on, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
     do = load_rows(DO + b_idx * s_db + h * s_dh, n * s_dn, valid, HEAD_DIM, BLOCK_D).to(tl.float32)
     tl.store(DELTA + bh * N + n, tl.sum(o * do, 1), mask=valid)
@@ -319,11 +316,11 @@ def _beyond_the_gpu(name, candidates, error):
     if len(candidates) == 1:
         return RuntimeError(
             f"The triton backend's {name} kernel with tiles {candidates[0]} needs {error.required} bytes of "
-            f"{error.name}, more than this GPU's {error.limit}."
+            f"{error.name}, more than this GPU's {error.limit}; choose another backend for this layer."
         )
     return RuntimeError(
         f"The triton backend's {name} kernel needs more {error.name} than this GPU's {error.limit} bytes with each "
-        f"of its tile shapes {', '.join(map(str, candidates))}."
+        f"of its tile shapes {', '.join(map(str, candidates))}; choose another backend for this layer."
     )
 
 

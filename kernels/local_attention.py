@@ -90,12 +90,13 @@ def _tile(
 
 @triton.jit
 def _load_tile(base, stride_x, stride_y, x, y, valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    return load_rows(base, x * stride_x + y * stride_y, valid, HEAD_DIM, BLOCK_D)
+    # 64-bit offsets: a position times a stride of a strided view (channels last, fused projections) can pass 2^31
+    return load_rows(base, x.to(tl.int64) * stride_x + y.to(tl.int64) * stride_y, valid, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def _store_tile(base, stride_x, stride_y, x, y, valid, value, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    store_rows(base, x * stride_x + y * stride_y, valid, value, HEAD_DIM, BLOCK_D)
+    store_rows(base, x.to(tl.int64) * stride_x + y.to(tl.int64) * stride_y, valid, value, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -562,7 +563,7 @@ def _bwd_dq_kernel(
                 DQ + bh * X * Y * HEAD_DIM, Y * HEAD_DIM, HEAD_DIM, qx, qy, q_valid, dq * scale, HEAD_DIM, BLOCK_D
             )
 
-    slot = (group * H + h) * n_tiles + tile
+    slot = (group.to(tl.int64) * H + h) * n_tiles + tile  # times BT^2 it can pass 2^31
     if HAS_GLOBAL_BIAS:
         tl.store(DGB_PART + slot * BLOCK_G + g, dgb)
     if HAS_REL_BIAS:
@@ -635,9 +636,21 @@ def num_warps(query_rows, chunk_pad):
     return 4 if query_rows * chunk_pad <= 64 else 8
 
 
+# Stages of the software pipelining of the tiles' loads: Triton's default on NVIDIA GPUs, and none, the last resort
+# of wide heads in 16 x 16 chunks, whose pipelined buffers pass the GPU's shared memory with every tile shape
+# (bfloat16, head_dim 128, (4, 4) tiles, sm_90: 282-428 KiB pipelined, 48-80 KiB not; float32 448-514 and 128-192).
+PIPELINED = 3
+UNPIPELINED = 1
+
+
 @cache
 def _candidates(chunk_pad):
-    return tuple((bq, bk, num_warps(bq, chunk_pad)) for bq, bk in _tile_shapes(chunk_pad))
+    """(query rows, key rows, warps, pipelining stages) per program: each tile shape pipelined, then the smallest
+    without pipelining."""
+    shapes = _tile_shapes(chunk_pad)
+    pipelined = tuple((bq, bk, num_warps(bq, chunk_pad), PIPELINED) for bq, bk in shapes)
+    bq, bk = shapes[-1]
+    return (*pipelined, (bq, bk, num_warps(bq, chunk_pad), UNPIPELINED))
 
 
 def _strides4(t):
@@ -666,7 +679,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
     dummy = q.new_empty(0)
     key = (q.device, geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
 
-    def launch(bq, bk, warps):
+    def launch(bq, bk, warps, stages):
         _fwd_kernel[(geo.tiles(bq), B * H)](
             q,
             k,
@@ -707,6 +720,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
             BKI=bk,
             DOT_PRECISION=flash.dot_precision(q.dtype),
             num_warps=warps,
+            num_stages=stages,
         )
 
     flash.tuned_launch("forward", key, _candidates(geo.chunk_pad), launch)
@@ -745,7 +759,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
     dk = flash.new_output(k.shape, dtype=k.dtype, device=k.device)
     dv = flash.new_output(v.shape, dtype=v.dtype, device=v.device)
 
-    def launch_dkdv(bq, bk, warps):
+    def launch_dkdv(bq, bk, warps, stages):
         _bwd_dkdv_kernel[(geo.tiles(bk), B * H)](
             q,
             k,
@@ -772,6 +786,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
             BQI=bq,
             BKI=bk,
             num_warps=warps,
+            num_stages=stages,
             **common,
         )
 
@@ -780,7 +795,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
     dq = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     result = {}
 
-    def launch_dq(bq, bk, warps):
+    def launch_dq(bq, bk, warps, stages):
         tiles = geo.tiles(bq)
         per_program, groups = flash.program_split(B, tiles * H)  # each program adds up its batch entries
         dgk = flash.new_output((B, H, tiles, G, D), dtype=torch.float32, device=q.device) if G else dummy
@@ -835,6 +850,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
             BQI=bq,
             BKI=bk,
             num_warps=warps,
+            num_stages=stages,
             **common,
         )
         result.update(dgk=dgk, dgv=dgv, dgb=dgb, drb=drb)

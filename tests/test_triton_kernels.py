@@ -117,12 +117,19 @@ def test_head_dims(D):
     assert_matches_reference(make_inputs(6, 5, 2, 1, True, True, H=1, D=D), 2, 0, 0)
 
 
-@pytest.mark.parametrize("w,shape", [(5, (8, 4)), (6, (4, 8)), (7, (4, 4)), (9, (8, 8)), (10, (4, 4))])
-def test_every_tile_shape(monkeypatch, w, shape):
-    # The interpreter runs the first candidate tile shape; tuning on a GPU may pick any other. Chunks of 5..8
-    # tokens are 8 x 8 tiles, of 9..16 tokens 16 x 16, split into (query rows, key rows) per program.
-    assert shape in kernels._tile_shapes(max(4, 1 << (w - 1).bit_length()))
-    monkeypatch.setattr(kernels, "_tile_shapes", lambda chunk_pad: [shape])
+@pytest.mark.parametrize(
+    "w,shape,stages",
+    [(5, (8, 4), 3), (6, (4, 8), 3), (7, (4, 4), 3), (9, (8, 8), 3), (10, (4, 4), 3), (12, (4, 4), 1)],
+)
+def test_every_tile_shape(monkeypatch, w, shape, stages):
+    # The interpreter runs the first candidate; tuning on a GPU may pick any other. Chunks of 5..8 tokens are 8 x 8
+    # tiles, of 9..16 tokens 16 x 16, split into (query rows, key rows) per program; the last candidate is the
+    # smallest shape without pipelining.
+    pad = max(4, 1 << (w - 1).bit_length())
+    candidate = (*shape, kernels.num_warps(shape[0], pad), stages)
+    assert candidate in kernels._candidates(pad)
+    monkeypatch.setattr(kernels, "_candidates", lambda chunk_pad: (candidate,))
+    monkeypatch.setattr(flash, "_TUNED", {})  # no shape chosen before for this problem
     X, Y = (12, 11) if w < 9 else (11, 13)
     with skipped_beyond_the_gpu(shape):  # float32 with a bias table: (8, 8) tiles of 16 x 16 chunks need 272 KiB
         assert_matches_reference(make_inputs(X, Y, w, 1, True, True, H=1), w, 0 if w != 9 else 1, 0)
@@ -164,11 +171,13 @@ def test_tile_shapes_beyond_the_gpu_are_passed_over_or_refused_in_one_sentence(m
     # Untimed (as in the tests), the first shape that fits runs.
     flash.tuned_launch("forward", ("key",), [(64, 64, 4), (32, 32, 4), (16, 16, 4)], launch)
     assert launched == [(32, 32, 4)] and flash._TUNED["forward", ("key",)] == (32, 32, 4)  # launched once
-    with pytest.raises(RuntimeError, match=r"backward_dq kernel with tiles \(64, 8, 8\) needs 278528 .* 232448\.$"):
+    with pytest.raises(
+        RuntimeError, match=r"backward_dq kernel with tiles \(64, 8, 8\) needs 278528 .* 232448; choose another backend"
+    ):
         flash.tuned_launch("backward_dq", ("key",), [(64, 8, 8)], launch)
     monkeypatch.setattr(flash, "TUNE_TILES", True)
     monkeypatch.setattr(flash.triton.testing, "do_bench", lambda run: run() or 1.0)
-    every_shape = r"backward_dq kernel needs .* 232448 bytes .* \(64, 8, 8\), \(128, 8, 8\)\.$"
+    every_shape = r"backward_dq kernel needs .* 232448 bytes .* \(64, 8, 8\), \(128, 8, 8\); choose another backend"
     with pytest.raises(RuntimeError, match=every_shape):
         flash.tuned_launch("backward_dq", ("other key",), [(64, 8, 8), (128, 8, 8)], launch)
 
@@ -452,18 +461,30 @@ def test_model_with_an_unsupported_head_dim_is_refused_at_build():
         build_model(cfg)
 
 
+@pytest.mark.parametrize("value", ["1", "true", "On", "yes", "y", "0", "false", "off", "", "2"])
+def test_the_interpreter_is_read_from_the_environment_as_triton_reads_it(monkeypatch, value):
+    import triton
+
+    from vil_kernels import interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreting() == triton.knobs.runtime.interpret
+
+
 def test_kernels_compile_for_a_gpu():
     # The interpreter does not compile; this does, for sm_90: every candidate tile shape of ViL-Small's 2D variant,
     # and the 1D kernels of Longformer's settings (the first tile shape: each 1D shape takes seconds to compile).
     import os
     import subprocess
 
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env = {**os.environ, "TRITON_INTERPRET": "true"}  # the tool compiles whatever value asks for the interpreter
     root = os.path.dirname(os.path.dirname(__file__))
     tool = [sys.executable, "tools/compile_kernels.py", "--arch", "90"]
     done = subprocess.run(tool + ["--variant", "bfloat16,32,7,0"], capture_output=True, text=True, env=env, cwd=root)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("| sm_90 | 2D |") == 1 + 3 * len(kernels._tile_shapes(8))
+    # the delta pass, and the three kernels with and without globals and bias tables for each candidate
+    assert done.stdout.count("| sm_90 | 2D |") == 1 + 3 * 2 * len(kernels._candidates(8))
+    assert "unpipelined" in done.stdout and "no globals or bias tables" in done.stdout
     done = subprocess.run(
         tool + ["--variant-1d", "bfloat16,64,256,0", "--first-tile"], capture_output=True, text=True, env=env, cwd=root
     )

@@ -15,8 +15,7 @@ import itertools
 import os
 import sys
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's kernels cannot be compiled
-    del os.environ["TRITON_INTERPRET"]
+os.environ.pop("TRITON_INTERPRET", None)  # whatever its value: the interpreter's kernels cannot be compiled
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -94,7 +93,9 @@ def variants(args):
 
 
 def _jobs_2d(head_dim, window, exact, first_tile):
-    """(kernel, tile shape or None, warps, constants) of the 2D kernels, every candidate tile shape."""
+    """(kernel, tile shape or None, warps, pipelining stages or None: Triton's default, constants) of the 2D kernels:
+    every candidate tile shape and pipelining, with and without the global keys and both bias tables (without, the
+    compiler pipelines otherwise, and a kernel may need more shared memory)."""
     geo = kernel_geometry(14, 14, window, exact, 0, 1, "cpu")
     base = dict(
         W=window,
@@ -107,13 +108,12 @@ def _jobs_2d(head_dim, window, exact, first_tile):
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_G=16,
         BT=max(16, triton.next_power_of_2(4 * window - 1)),
-        HAS_GLOBAL=True,
-        HAS_REL_BIAS=True,
-        HAS_GLOBAL_BIAS=True,
     )
-    for shape in kernels._tile_shapes(geo.chunk_pad)[: 1 if first_tile else None]:
-        for kernel in (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel):
-            yield kernel, shape, kernels.num_warps(shape[0], geo.chunk_pad), dict(base, BQI=shape[0], BKI=shape[1])
+    for bq, bk, warps, stages in kernels._candidates(geo.chunk_pad)[: 1 if first_tile else None]:
+        for extras in (True, False):
+            tables = dict(HAS_GLOBAL=extras, HAS_REL_BIAS=extras, HAS_GLOBAL_BIAS=extras)
+            for kernel in (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel):
+                yield kernel, (bq, bk), warps, stages, dict(base, BQI=bq, BKI=bk, **tables)
 
 
 def _jobs_1d(head_dim, window, causal, first_tile):
@@ -130,25 +130,25 @@ def _jobs_1d(head_dim, window, causal, first_tile):
         HAS_GLOBAL_BIAS=True,
         HAS_MASK=True,
     )
-    yield kernels_1d._bwd_global_kernel, None, 4, base
+    yield kernels_1d._bwd_global_kernel, None, 4, None, base
     for bm, bn, warps in kernels_1d.TILE_SHAPES[: 1 if first_tile else None]:
         kb, before, bt_rows, bt_cols = kernels_1d.bias_bins(bm, bn, window)
         constants = dict(base, BM=bm, BN=bn, KB=kb, BEFORE=before, BT_ROWS=bt_rows, BT_COLS=bt_cols)
         for kernel in (kernels_1d._fwd_kernel, kernels_1d._bwd_dkdv_kernel, kernels_1d._bwd_dq_kernel):
-            yield kernel, (bm, bn), warps, constants
+            yield kernel, (bm, bn), warps, None, constants
 
 
 def compile_variant(arch, dims, dtype, head_dim, window, option, first_tile=False):
-    """Compile the kernels of one variant for every candidate tile shape (or the first); yields (kernel, shape,
-    shared bytes)."""
+    """Compile the kernels of one variant for every candidate tile shape (or the first); yields (kernel and what it
+    leaves out, shape and pipelining, shared bytes)."""
     precision = "tf32x3" if dtype == "float32" else "tf32"
     target = GPUTarget("cuda", arch, 32)
     delta = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=flash.DELTA_BLOCK_N)
     jobs = itertools.chain(
-        [(flash.delta_kernel, None, 4, delta)],
+        [(flash.delta_kernel, None, 4, None, delta)],
         (_jobs_1d if dims == 1 else _jobs_2d)(head_dim, window, option, first_tile),
     )
-    for kernel, shape, warps, constants in jobs:
+    for kernel, shape, warps, stages, constants in jobs:
         constants = dict(constants, DOT_PRECISION=precision)
         constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
         source = triton.compiler.ASTSource(
@@ -157,8 +157,13 @@ def compile_variant(arch, dims, dtype, head_dim, window, option, first_tile=Fals
             constexprs=constants,
             attrs=alignment_hints(kernel, constants, head_dim),
         )
-        compiled = triton.compile(source, target=target, options={"num_warps": warps})
-        yield kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, shape, compiled.metadata.shared
+        options = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
+        compiled = triton.compile(source, target=target, options=options)
+        name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+        if constants.get("HAS_GLOBAL") is False:
+            name += ", no globals or bias tables"
+        tile = f"{shape}, unpipelined" if stages == kernels.UNPIPELINED else shape
+        yield name, tile, compiled.metadata.shared
 
 
 def main(argv=None):

@@ -8,11 +8,12 @@ imported: the backend's devices are fixed from it then (CUDA, and the CPU only u
 reads it again when it defines the kernels, on first use.
 """
 
-import os
 from dataclasses import replace
 from functools import lru_cache
 
 import torch
+
+from vil_kernels import interpreting
 
 from ..base import Backend, FusedPasses, built_outside_inference_mode
 from ..geometry import neighbour_table
@@ -129,7 +130,7 @@ BACKEND = Backend(
     twice_differentiable=False,
     function_transforms=False,
     per_head_dilation=True,
-    devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else ("cuda",),
+    devices=("cuda", "cpu") if interpreting() else ("cuda",),
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     available=_kernels,
     check=_check,
