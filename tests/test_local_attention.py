@@ -228,6 +228,20 @@ def test_a_training_call_after_an_inference_mode_call_of_the_same_size_matches_r
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("rel", [False, True])
+def test_a_nan_key_reaches_only_the_queries_that_see_it(backend, rel):
+    """The window's mask is set, not added: NaN + (-inf) would be NaN."""
+    inputs = make_inputs(8, 8, 2, 0, rel=rel, glob_bias=False, B=1, H=1)
+    k = inputs["k"].detach().clone()
+    k[0, 0, 3, 3] = float("nan")
+    rel_bias = inputs["rel_bias"] if rel else None
+    want = local_attention_2d(inputs["q"], k, inputs["v"], 2, exact=1, rel_bias=rel_bias, backend="reference")
+    got = local_attention_2d(inputs["q"], k, inputs["v"], 2, exact=1, rel_bias=rel_bias, backend=backend)
+    assert int(want.isnan().any(-1).sum()) == 25  # the 5 x 5 queries around (3, 3)
+    assert torch.equal(got.isnan(), want.isnan())
+
+
 @pytest.mark.parametrize("exact,mode", [(1, 0), (0, 0), (-1, 0), (0, 3)])
 def test_fused_cpu_windows_wider_than_a_thin_map(exact, mode):
     """Its buffers hold a chunk as the map clips it (a w x w tile would be 9 w^2 keys per query row and thread)."""
@@ -666,9 +680,12 @@ def test_function_transforms_are_refused_by_backends_they_cannot_see_through(bac
         dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
         with pytest.raises(RuntimeError, match=r"^forward-mode AD \(torch.autograd.forward_ad\) cannot differentiate"):
             attend(dual)
-    if backend in ("fused_cpu", "sliding_chunk"):  # the others' autograd functions predate torch.func
+    if backend in ("fused_cpu", "sliding_chunk"):
         batched = torch.func.vmap(attend)(q.unsqueeze(1))  # over a batch axis of its own
         torch.testing.assert_close(batched.squeeze(1), attend(q))
+    else:  # their autograd functions loop over the batch
+        with pytest.raises(RuntimeError, match=f"^torch.func.vmap cannot map the {backend} backend.*reference"):
+            torch.func.vmap(attend)(q.unsqueeze(1))
 
 
 @pytest.mark.parametrize("backend,dims", [("unfold", 2), ("sliding_chunk_autograd", 2), ("reference", 1)])

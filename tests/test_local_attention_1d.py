@@ -133,8 +133,6 @@ def run(backend, inputs, padding, w, dilation=1, causal=False, grads=True, upstr
 @pytest.mark.parametrize("backend", TRAINING)
 @pytest.mark.parametrize("L,w,dilation,causal,G,rel,glob,mask", CASES)
 def test_backend_matches_reference(backend, L, w, dilation, causal, G, rel, glob, mask):
-    if backend == "chunks" and dilation != 1:
-        dilation = 1  # chunks computes undilated bands only (its refusal: test_bad_arguments_are_one_sentence)
     inputs, padding = make_inputs(L, w, G, rel, glob, mask)
     expected, expected_grads = run("reference", inputs, padding, w, dilation, causal)
     out, grads = run(backend, inputs, padding, w, dilation, causal)
@@ -190,7 +188,7 @@ def test_flex_gradients_match_reference_on_cuda(L, w, dilation, causal, G, rel, 
 @pytest.mark.parametrize("backend", [b for b in TRAINING if b != "fused_cpu"])  # fused_cpu: test_fused_cpu_1d.py
 def test_gradcheck(backend):
     inputs, padding = make_inputs(9, 2, 1, True, True, "random", B=1, H=2, D=3)
-    dilation = 1 if backend == "chunks" else (1, 2)
+    dilation = (1, 2)
     names = [n for n, t in inputs.items() if t is not None]
 
     def fn(*tensors):
@@ -214,7 +212,7 @@ def test_blocked_backends_in_groups_of_one_block(monkeypatch, backend, L, w, dil
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("backend,dilation", [("sliding_chunk", 2), ("loop", 2), ("chunks", 1)])
+@pytest.mark.parametrize("backend,dilation", [("sliding_chunk", 2), ("loop", 2), ("chunks", 2)])
 def test_half_precision_inputs(backend, dilation):
     inputs, padding = make_inputs(40, 5, 1, True, True, "random", D=16, dtype=torch.float32)
     low = {n: None if t is None else t.detach().bfloat16().requires_grad_() for n, t in inputs.items()}
@@ -249,7 +247,18 @@ def test_default_backend():
 
 
 def _qkv(shape=(2, 2, 10, 4)):
-    return [torch.randn(*shape) for _ in range(3)]
+    return [torch.randn(shape) for _ in range(3)]
+
+
+@pytest.mark.parametrize("backend", TRAINING)
+def test_a_nan_key_reaches_only_the_queries_that_see_it(backend):
+    """Causal windows of 2: a NaN at key 7 reaches queries 7, 8, 9 and no earlier one (masks are set, not added)."""
+    q = torch.randn(2, 1, 12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    k, v = q.clone(), torch.randn_like(q)
+    k[0, 0, 7] = float("nan")
+    out = local_attention_1d(q, k, v, 2, causal=True, backend=backend)
+    assert out[0, 0].isnan().any(-1).nonzero().flatten().tolist() == [7, 8, 9]
+    assert not out[1].isnan().any()
 
 
 @pytest.mark.parametrize(
@@ -258,11 +267,9 @@ def _qkv(shape=(2, 2, 10, 4)):
         (dict(window=0), r"window must be a positive integer.*got 0"),
         (dict(shape=(2, 10, 4)), r"q must have shape.*\(2, 10, 4\)"),
         (dict(shape=(2, 2, 0, 4)), r"q has length 0"),
+        (dict(shape=()), r"q must have shape \(B, heads, L, head_dim\), got \(\)"),
+        (dict(backend=["loop"]), r"backend must be a backend's name or None, got a list"),
         (dict(k_shape=(2, 2, 9, 4)), r"k must have the shape of q.*\(2, 2, 9, 4\)"),
-        (
-            dict(dilation=2, backend="chunks"),
-            r"chunks .*undilated.*dilation: sliding_chunk",
-        ),
         (dict(dilation=0), r"dilation must be a positive integer.*got 0"),
         (dict(dilation=[1, 2, 3]), r"one int per head \(2\), got 3 values"),
         (

@@ -203,7 +203,7 @@ class Backend:
 
     ``dilation_2d``, ``dilation_1d``: ``"native"`` (dilated windows in the backend), ``"split"`` (the op runs the
     backend once per sub-lattice of positions with equal residues modulo the dilation, where the window is the
-    undilated one), or None (refused). ``per_head_dilation``: 1D, different dilations per head in one call
+    undilated one). ``per_head_dilation``: 1D, different dilations per head in one call
     (otherwise the op runs the heads of each dilation together). ``devices``: device types it runs on (None: any);
     ``trains_on``: device types where it has a backward (None: wherever it runs). ``available()``: raises
     ``ValueError`` with one sentence where the backend cannot run on this machine (a build, an import).
@@ -216,9 +216,10 @@ class Backend:
     ``function_transforms``: forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp``) and
     ``torch.func.grad`` differentiate its functions (standard operators all through); False where passes, kernels or
     an autograd.Function of its own compute (they would see no tangent), so that such a call is refused in one
-    sentence. ``extras_in_float32``: it takes the global keys and values and bias tables in float32 beside
-    half-precision q (its passes compute them in float32), so that pieces of a split request can share float32
-    copies.
+    sentence. ``vmap``: ``torch.func.vmap`` maps its calls (False where an autograd.Function of its own loops over
+    the batch, which vmap cannot batch: refused in one sentence). ``extras_in_float32``: it takes the global keys and
+    values and bias tables in float32 beside half-precision q (its passes compute them in float32), so that pieces
+    of a split request can share float32 copies.
     """
 
     name: str
@@ -227,8 +228,8 @@ class Backend:
     passes_2d: Optional[FusedPasses] = None
     passes_1d: Optional[FusedPasses] = None
     prepare: Optional[Callable] = None
-    dilation_2d: Optional[str] = "native"
-    dilation_1d: Optional[str] = "native"
+    dilation_2d: str = "native"
+    dilation_1d: str = "native"
     per_head_dilation: bool = False
     devices: Optional[tuple] = None
     trains_on: Optional[tuple] = None
@@ -238,6 +239,7 @@ class Backend:
     traceable: bool = False
     twice_differentiable: bool = True
     function_transforms: bool = True
+    vmap: bool = True
     extras_in_float32: bool = False
 
     def function(self, dims: int) -> Optional[Callable]:
@@ -249,7 +251,7 @@ class Backend:
     def computes(self, dims: int) -> bool:
         return self.function(dims) is not None or self.passes(dims) is not None
 
-    def dilation(self, dims: int) -> Optional[str]:
+    def dilation(self, dims: int) -> str:
         return self.dilation_1d if dims == 1 else self.dilation_2d
 
     def runs_on(self, device_type: str) -> bool:

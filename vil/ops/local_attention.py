@@ -209,11 +209,6 @@ def _choose(backend, hood, q, trains):
                 "local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type
             )
     b = _declaration(backend, dims)
-    if hood.dilated and b.dilation(dims) is None:
-        others = [n for n in available_backends(dims) if BACKENDS[n].dilation(dims) is not None]
-        raise ValueError(
-            f"The {backend} backend computes undilated windows only; backends with dilation: {', '.join(others)}."
-        )
     device = q.device.type
     if not b.runs_on(device):
         others = [n for n in available_backends(dims) if BACKENDS[n].runs_on(device)]
@@ -246,6 +241,8 @@ def _choose(backend, hood, q, trains):
 def _declaration(backend, dims):
     """The declaration of the backend named ``backend``; one sentence if there is none or it does not compute
     ``dims``-D windows."""
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be a backend's name or None, got a {type(backend).__name__}: {backend!r}.")
     if backend not in BACKENDS:
         able = ", ".join(available_backends(dims))
         raise ValueError(f"Unknown local attention backend {backend!r}; available: {able}.")
@@ -287,7 +284,7 @@ def _check_types(q, tensors, scale):
         raise ValueError(f"scale must be a number (or None for head_dim ** -0.5), got {scale!r}.")
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}.")
-    if q.shape[-1] == 0:
+    if q.dim() and q.shape[-1] == 0:  # a 0-dim q is refused by the shape checks after this
         raise ValueError(f"q has head_dim 0 (shape {tuple(q.shape)}); attention needs at least one feature per head.")
 
 

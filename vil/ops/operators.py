@@ -74,12 +74,21 @@ def refuse_function_transforms(b: Backend, dims: int, tensors) -> None:
     """Raise, in one sentence naming those that can, where forward-mode AD (``torch.autograd.forward_ad``,
     ``torch.func.jvp``) or ``torch.func.grad`` would differentiate a call of ``b`` that it cannot see through
     (:attr:`~vil.ops.base.Backend.function_transforms`): its output would carry no tangent, a missing or zero
-    derivative, or torch would fail inside it. ``torch.func.vmap`` alone is fine."""
-    if b.function_transforms:
+    derivative, or torch would fail inside it; and ``torch.func.vmap`` of a backend that declares it cannot be mapped
+    (:attr:`~vil.ops.base.Backend.vmap`)."""
+    if b.function_transforms and b.vmap:
         return
     stack = torch._C._functorch.get_interpreter_stack() or ()
     kinds = {interpreter.key() for interpreter in stack}
     TransformType = torch._C._functorch.TransformType
+    if not b.vmap and TransformType.Vmap in kinds:
+        able = listed(name for name, other in BACKENDS.items() if other.computes(dims) and other.vmap)
+        raise RuntimeError(
+            f"torch.func.vmap cannot map the {b.name} backend, whose own autograd.Function loops over the batch; "
+            f"use another backend: {able}."
+        )
+    if b.function_transforms:
+        return
     transform = (
         "torch.func.grad"
         if TransformType.Grad in kinds

@@ -42,30 +42,30 @@ def band_key_hidden(key_padding_mask, B, L, window, blocks, span, device):
 
 def band_masks(allowed, bias_row, rel_bias, key_padding_mask, B, L, window, blocks):
     """What :func:`band_scores` adds and masks, for windows of ``span`` padded blocks whose band is ``allowed
-    (rows, span * w)`` with bias rows ``bias_row``: ``table (H or 1, rows, span * w)``, ``rel_bias`` (base 2, or
-    None) and -inf outside the band, the same in every window; ``key_hidden (B or 1, 1, n, 1, span * w)``; and
-    ``masked``, per window, whether it may have hidden keys: every window with a key padding mask, otherwise those
-    that reach past either end of the sequence."""
+    (rows, span * w)`` with bias rows ``bias_row``: ``table (H, rows, span * w)``, ``rel_bias`` (base 2) in the band,
+    the same in every window (None without ``rel_bias``); ``outside``, ``~allowed``; ``key_hidden (B or 1, 1, n, 1,
+    span * w)``; and ``masked``, per window, whether it may have hidden keys: every window with a key padding mask,
+    otherwise those that reach past either end of the sequence."""
     span = allowed.shape[-1] // window
-    dtype = torch.get_default_dtype() if rel_bias is None else rel_bias.dtype
-    table = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))[None]
-    if rel_bias is not None:
-        table = table + rel_bias[:, bias_row]
+    table = None if rel_bias is None else rel_bias[:, bias_row]
     key_hidden = band_key_hidden(key_padding_mask, B, L, window, blocks, span, allowed.device)
     # Window j holds padded positions jw .. (j + span)w - 1, the sequence is w .. w + L - 1.
     masked = [
         key_padding_mask is not None or j == 0 or (j + span) * window > window + L for j in range(key_hidden.shape[1])
     ]
-    return table, key_hidden[:, None, :, None, :], masked
+    return table, ~allowed, key_hidden[:, None, :, None, :], masked
 
 
 def band_scores(queries, keys, masks, start, stop, rows=slice(None)):
     """Scores of windows start..stop-1, ``(B, H, n, rows, span * w)``, from queries (the window's query ``rows``)
-    and keys of the windows and :func:`band_masks`: -inf outside the band and for hidden keys. Adding the band's
-    table is one pass over the scores; the keys are masked only in the windows that have hidden keys."""
-    table, key_hidden, masked = masks
+    and keys of the windows and :func:`band_masks`: the band's bias added, then -inf outside the band and for hidden
+    keys, set rather than added, so that a NaN or infinite key stays hidden from the queries that do not see it.
+    The keys are masked only in the windows that have hidden keys."""
+    table, outside, key_hidden, masked = masks
     scores = torch.matmul(queries, keys.transpose(-1, -2))
-    scores += table[:, None, rows].to(scores.dtype)
+    if table is not None:
+        scores += table[:, None, rows].to(scores.dtype)
+    scores.masked_fill_(outside[rows], float("-inf"))
     if any(masked[start:stop]):
         scores.masked_fill_(key_hidden[:, :, start:stop], float("-inf"))
     return scores

@@ -239,5 +239,10 @@ def attention_2d(q, k, v, hood, extras):
 
 
 BACKEND = Backend(
-    "chunk_rows", attention_2d=attention_2d, dilation_2d="split", twice_differentiable=False, function_transforms=False
+    "chunk_rows",
+    attention_2d=attention_2d,
+    dilation_2d="split",
+    twice_differentiable=False,
+    function_transforms=False,
+    vmap=False,
 )

@@ -73,20 +73,12 @@ def scatter_windows_(grad_x, grad, group, batches=slice(None), chunks=slice(None
     grad_x.view(-1, S * D).index_add_(0, index, grad.reshape(-1, S * D))
 
 
-@lru_cache(maxsize=64)
-@built_outside_inference_mode
-def _window_mask(group, dtype):
-    return torch.zeros(group.allowed.shape, dtype=dtype, device=group.allowed.device).masked_fill_(
-        ~group.allowed, float("-inf")
-    )
-
-
 def window_bias(group, rel_bias, dtype):
-    """``(c, H, L, S)``, added to the local scores of a group: the relative position bias, and -inf where a
-    query does not see a key; None without ``rel_bias`` (:func:`window_scores` then adds the mask alone)."""
+    """``(c, H, L, S)``, added to the local scores of a group: the relative position bias; None without
+    ``rel_bias``. (:func:`window_scores` hides the pairs outside the window.)"""
     if rel_bias is None:
         return None
-    return _window_mask(group, dtype)[:, None] + rel_bias[:, group.bias_index].transpose(0, 1).to(dtype)
+    return rel_bias[:, group.bias_index].transpose(0, 1).to(dtype)
 
 
 def add_rel_bias_grad_(grad_rel_bias, grad_scores, group, chunks):
@@ -107,17 +99,16 @@ def global_scores(queries, global_k, global_bias):
 
 def window_scores(queries, keys, group, bias, chunks=slice(None)):
     """Local scores ``(b, c, H, L, S)`` of the ``chunks`` of a group, from scaled ``queries (b, c, H, S, D)``,
-    gathered ``keys (b, c, H, L, D)`` and ``bias`` from :func:`window_bias`. Without a bias only the chunks
-    that have masked pairs are touched: in the interior of the map there are none, and a full pass over
-    the scores costs about a third of the product that makes them."""
+    gathered ``keys (b, c, H, L, D)`` and ``bias`` from :func:`window_bias` (or None). The pairs outside the
+    window are set to -inf, not added -inf, so that a NaN or infinite key stays hidden from the queries that do not
+    see it; only the chunks that have such pairs are touched: in the interior of the map there are none, and a full
+    pass over the scores costs about a third of the product that makes them."""
     scores = torch.matmul(keys, queries.transpose(-1, -2))
     if bias is not None:
         scores += bias[chunks]
-        return scores
-    mask = _window_mask(group, scores.dtype)
     first, last, _ = chunks.indices(group.num_chunks)
     for start, stop in group.masked_runs:
         lo, hi = max(start, first), min(stop, last)
         if lo < hi:
-            scores[:, lo - first : hi - first] += mask[lo:hi, None]
+            scores[:, lo - first : hi - first].masked_fill_(~group.allowed[lo:hi, None], float("-inf"))
     return scores

@@ -194,5 +194,10 @@ def attention_1d(q, k, v, hood, extras):
 
 
 BACKEND = Backend(
-    "chunks", attention_1d=attention_1d, dilation_1d=None, twice_differentiable=False, function_transforms=False
+    "chunks",
+    attention_1d=attention_1d,
+    dilation_1d="split",
+    twice_differentiable=False,
+    function_transforms=False,
+    vmap=False,
 )
