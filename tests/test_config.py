@@ -126,6 +126,14 @@ def test_integers_are_accepted_for_float_keys_and_lists_for_tuples():
     assert cfg.OPTIM.LR == 1.0 and isinstance(cfg.OPTIM.LR, float) and cfg.AUG.SCALE == (0.5, 1.0)
 
 
+def test_a_leading_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.yaml").write_text("OUTPUT_DIR: ~/runs/a\nDATA:\n  PATH: ~/imagenet\n")
+    cfg = load_cfg(tmp_path / "c.yaml", ["MODEL.MODEL_PATH", "~/best.pth"])
+    assert cfg.OUTPUT_DIR == str(tmp_path / "runs" / "a") and cfg.DATA.PATH == str(tmp_path / "imagenet")
+    assert cfg.MODEL.MODEL_PATH == str(tmp_path / "best.pth") and cfg.DATA.DATA_DIR == "./data"
+
+
 def test_a_value_of_the_wrong_type_names_the_value_the_key_had():
     # under a preset, the preset's value, not vil/config.py's default (1.0)
     with pytest.raises(ValueError, match=r"OPTIM.LR is 'abc', but it must be a number \(until then it was 0.003\)"):

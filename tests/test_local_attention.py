@@ -242,6 +242,17 @@ def test_a_nan_key_reaches_only_the_queries_that_see_it(backend, rel):
     assert torch.equal(got.isnan(), want.isnan())
 
 
+def test_integers_of_numpy_are_taken_as_ints():
+    import numpy as np
+
+    q = torch.randn(1, 1, 6, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    got = local_attention_2d(q, q, q, np.int64(2), exact=np.int32(0), mode=np.int64(3))
+    assert torch.equal(got, local_attention_2d(q, q, q, 2, exact=0, mode=3))
+    q1 = q.flatten(2, 3)[:, :, :, :2].expand(1, 2, 36, 2)
+    got = local_attention_1d(q1, q1, q1, np.int64(2), dilation=(np.int64(1), 2))
+    assert torch.equal(got, local_attention_1d(q1, q1, q1, 2, dilation=(1, 2)))
+
+
 @pytest.mark.parametrize("exact,mode", [(1, 0), (0, 0), (-1, 0), (0, 3)])
 def test_fused_cpu_windows_wider_than_a_thin_map(exact, mode):
     """Its buffers hold a chunk as the map clips it (a w x w tile would be 9 w^2 keys per query row and thread)."""

@@ -231,6 +231,10 @@ def config_value(cfg, key):
     return cfg
 
 
+# The keys that hold paths.
+PATH_KEYS = ("DATA.PATH", "DATA.DATA_DIR", "MODEL.MODEL_PATH", "OUTPUT_DIR")
+
+
 def get_cfg():
     """A fresh copy of all defaults."""
     return _C.clone()
@@ -262,6 +266,8 @@ def load_cfg(config_file=None, overrides=()):
             )
         for key, value in zip(overrides[0::2], overrides[1::2]):
             _set(cfg, str(key), CN._decode_cfg_value(value), "the overrides")
+    for key in PATH_KEYS:  # a leading ~ is the home folder, as a shell expands it on a command line
+        _set(cfg, key, os.path.expanduser(config_value(cfg, key)), "the paths")
     check_values(cfg)
     cfg.freeze()
     return cfg

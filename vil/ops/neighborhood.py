@@ -5,13 +5,27 @@ A 2D neighbourhood is ViL's window on a map (:class:`Neighborhood2d`); a 1D neig
 over a sequence (:class:`Neighborhood1d`). Both say nothing about how a backend computes them.
 """
 
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields
 from typing import ClassVar, Union
 
 
 def _is_int(value) -> bool:
     """An int, and not a bool (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plain_ints(hood) -> None:
+    """Integers of other types (numpy's, say) in ``hood``'s fields, and in a tuple of dilations, made Python ints:
+    the same values, so that they are taken, compared and hashed as ints are."""
+
+    def plain(value):
+        integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return int(value) if integral else value
+
+    for field in fields(hood):
+        value = getattr(hood, field.name)
+        object.__setattr__(hood, field.name, tuple(map(plain, value)) if isinstance(value, tuple) else plain(value))
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,7 @@ class Neighborhood2d:
     dims: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
+        _plain_ints(self)
         if not _is_int(self.window) or self.window < 1:
             raise ValueError(f"window must be a positive integer, got {self.window!r}.")
         if not _is_int(self.exact) or self.exact not in (1, 0, -1):
@@ -94,6 +109,7 @@ class Neighborhood1d:
     dims: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
+        _plain_ints(self)
         if not _is_int(self.window) or self.window < 1:
             raise ValueError(
                 f"window must be a positive integer (keys on each side of the query), got {self.window!r}."
