@@ -189,11 +189,11 @@ def test_warmup_then_cosine_per_step():
         "SOLVER.MIN_LR",
         "1e-5",
     )
-    values = lrs(cfg, steps_per_epoch=5)  # 10 warmup steps, then 40 cosine steps
+    values = lrs(cfg, steps_per_epoch=5)  # 10 warmup steps; the cosine of all 50 steps, as the original's
     assert values[0] == pytest.approx(1e-4)
     assert values[5] == pytest.approx(1e-4 + 5 * (1e-3 - 1e-4) / 10)
-    assert values[10] == pytest.approx(1e-3)
-    assert values[30] == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * 20 / 40)))
+    for step in (10, 30):
+        assert values[step] == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * step / 50)))
     assert values[50] == pytest.approx(1e-5)
 
 
@@ -224,9 +224,7 @@ def test_linear_policy_and_epoch_based_schedule():
         for step in range(5):  # step_update does nothing: the rate holds for the whole epoch
             scheduler.step_update(epoch * 5 + step)
             rates.add(optimizer.param_groups[0]["lr"])
-        expected = (
-            1e-4 + epoch * (1e-3 - 1e-4) / 2 if epoch < 2 else 0.5 * 1e-3 * (1 + math.cos(math.pi * (epoch - 2) / 8))
-        )
+        expected = 1e-4 + epoch * (1e-3 - 1e-4) / 2 if epoch < 2 else 0.5 * 1e-3 * (1 + math.cos(math.pi * epoch / 10))
         assert len(rates) == 1 and rates.pop() == pytest.approx(expected), epoch
 
 
@@ -261,8 +259,17 @@ def test_step_and_constant_policies():
     )
     assert step[0] == pytest.approx(1e-3) and step[7] == pytest.approx(1e-3)
     assert step[8] == pytest.approx(1e-4) and step[16] == pytest.approx(1e-5)
-    constant = lrs(cfg_with("SOLVER.WARMUP_EPOCHS", "1.0", "SOLVER.WARMUP_FACTOR", "0.5"), 4)
+    warmup = ("SOLVER.WARMUP_EPOCHS", "1.0", "SOLVER.WARMUP_FACTOR", "0.5")
+    constant = lrs(cfg_with("SOLVER.LR_POLICY", "constant", *warmup), 4)
     assert constant[0] == pytest.approx(5e-4) and all(v == pytest.approx(1e-3) for v in constant[4:])
+    unscheduled = lrs(cfg_with("SOLVER.LR_POLICY", "", *warmup), 4)  # the original's "": no schedule, no warmup
+    assert all(v == pytest.approx(1e-3) for v in unscheduled)
+    # Drops from the first step, the warmup's included (the original's milestones): epochs 4 and 8 of 10.
+    stepped = lrs(
+        cfg_with("SOLVER.LR_POLICY", "multistep", "OPTIM.DROP_FREQ", "4", "OPTIM.DROP_FACTOR", "10.0", *warmup), 2
+    )
+    assert stepped[0] == pytest.approx(5e-4) and stepped[2] == pytest.approx(1e-3) and stepped[7] == pytest.approx(1e-3)
+    assert stepped[8] == pytest.approx(1e-4) and stepped[16] == pytest.approx(1e-5)
 
 
 def test_unknown_optimizer_and_policy_are_one_sentence():

@@ -88,10 +88,12 @@ def _fused_kernels_apply(model):
 
 
 def build_scheduler(cfg, optimizer, steps_per_epoch):
-    """The schedule: linear warmup over ``SOLVER.WARMUP_EPOCHS`` from ``OPTIM.LR * SOLVER.WARMUP_FACTOR`` to
-    ``OPTIM.LR``, then, by ``SOLVER.LR_POLICY``: ``cosine`` down to ``SOLVER.MIN_LR`` at the end; ``linear``
-    down to ``SOLVER.MIN_LR``; ``multistep`` (or ``step``), divided by ``OPTIM.DROP_FACTOR`` every
-    ``OPTIM.DROP_FREQ`` epochs; ``""`` or ``constant``, constant.
+    """The schedule, as the original release's: linear warmup over ``SOLVER.WARMUP_EPOCHS`` from ``OPTIM.LR *
+    SOLVER.WARMUP_FACTOR`` to ``OPTIM.LR``, then, by ``SOLVER.LR_POLICY``: ``cosine``, the cosine of the whole run
+    (counted from its first step, the warmup's included) down to ``SOLVER.MIN_LR`` at the end; ``linear`` down to
+    ``SOLVER.MIN_LR``; ``multistep`` (or ``step``), divided by ``OPTIM.DROP_FACTOR`` every ``OPTIM.DROP_FREQ`` epochs
+    from the first; ``constant``, constant. ``""`` (the original's default) is no schedule: ``OPTIM.LR`` throughout,
+    without warmup.
 
     Stepped once per optimizer step (``scheduler.step_update(step)``), or, with
     ``SOLVER.EPOCH_BASED_SCHEDULE``, once per epoch (``scheduler.step(epoch)``): the other call does nothing."""
@@ -112,19 +114,21 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
         warmup_t=warmup, warmup_lr_init=cfg.OPTIM.LR * solver.WARMUP_FACTOR, t_in_epochs=solver.EPOCH_BASED_SCHEDULE
     )
     policy = solver.LR_POLICY
-    decay_steps = max(1, total - warmup)
-    if policy == "cosine":
-        return CosineLRScheduler(optimizer, t_initial=decay_steps, lr_min=solver.MIN_LR, warmup_prefix=True, **common)
-    if policy == "linear":
+    if policy == "cosine":  # timm's t_initial and warmup_prefix as its train.py sets them: the original's curve
+        return CosineLRScheduler(
+            optimizer, t_initial=max(1, total), lr_min=solver.MIN_LR, warmup_prefix=False, **common
+        )
+    if policy == "linear":  # (T - t) / (T - warmup) after the warmup, as the original's
         return PolyLRScheduler(
-            optimizer, t_initial=decay_steps, power=1.0, lr_min=solver.MIN_LR, warmup_prefix=True, **common
+            optimizer, t_initial=max(1, total - warmup), power=1.0, lr_min=solver.MIN_LR, warmup_prefix=True, **common
         )
-    if policy in ("multistep", "step"):
-        return StepLRScheduler(
-            optimizer, decay_t=cfg.OPTIM.DROP_FREQ * per_epoch, decay_rate=1.0 / cfg.OPTIM.DROP_FACTOR, **common
-        )
-    if policy in ("", "constant"):
+    if policy in ("multistep", "step"):  # drops at multiples of DROP_FREQ epochs from the first step
+        decay = dict(decay_t=cfg.OPTIM.DROP_FREQ * per_epoch, decay_rate=1.0 / cfg.OPTIM.DROP_FACTOR)
+        return StepLRScheduler(optimizer, **decay, warmup_prefix=False, **common)
+    if policy == "constant":
         return StepLRScheduler(optimizer, decay_t=total + 1, decay_rate=1.0, **common)
+    if policy == "":
+        return StepLRScheduler(optimizer, decay_t=total + 1, decay_rate=1.0, **dict(common, warmup_t=0))
     raise ValueError(
         f"SOLVER.LR_POLICY {policy!r} is not supported; use 'cosine', 'linear', 'multistep' or 'constant'."
     )
