@@ -216,10 +216,10 @@ def with_shared_names(state, model):
     safetensors' ``save_model`` (and ``save_file`` after it) keeps one name of each such tensor."""
     filled = dict(state)
     for names in _shared_names(_unwrap(model)):
-        present = [n for n in names if n in state]
-        for name in names:
-            if present and name not in state:
-                filled[name] = state[present[0]]
+        present = next((n for n in names if n in state), None)
+        if present is not None:
+            for name in names:
+                filled.setdefault(name, state[present])
     return filled
 
 

@@ -46,9 +46,9 @@ class ChunkGroup:
     start: int
     stop: int
     slots: torch.Tensor  # (c, n) long: the chunk (in plan order) each slot reads
-    allowed: torch.Tensor  # (c, L, S) bool: may this query (column) see this key (row)
+    hidden: torch.Tensor  # (c, L, S) bool: this query (column) does not see this key (row)
     bias_index: torch.Tensor  # (c, L, S) long: row of the (4w-1)^2 relative bias table
-    masked_runs: tuple  # (start, stop) within the group of the runs of chunks where ``allowed`` is not all True
+    masked_runs: tuple  # (start, stop) within the group of the runs of chunks where ``hidden`` is somewhere True
 
     @property
     def num_chunks(self):
@@ -147,7 +147,8 @@ def chunk_plan(rows, cols, window, exact, mode, device):
         dj = (rj[None, None, None, :] - rj[None, None, :, None] - g_off[:, :, 1, None, None] * w).reshape(c, m * S, S)
         if exact == 1:
             allowed = allowed & ((di.abs() <= w) & (dj.abs() <= w))
-        masked = (~allowed).flatten(1).any(1).tolist()
+        hidden = ~allowed
+        masked = hidden.flatten(1).any(1).tolist()
         runs = tuple(
             (i, j + 1)
             for i, j in zip(
@@ -161,7 +162,7 @@ def chunk_plan(rows, cols, window, exact, mode, device):
                 start=start,
                 stop=start + c,
                 slots=position[neighbour[chunks].gather(1, used)].to(device),
-                allowed=allowed.contiguous().to(device),
+                hidden=hidden.contiguous().to(device),
                 bias_index=rel_bias_row(di, dj, w).to(device),
                 masked_runs=runs,
             )

@@ -82,7 +82,10 @@ def refuse_function_transforms(b: Backend, dims: int, tensors) -> None:
     kinds = {interpreter.key() for interpreter in stack}
     TransformType = torch._C._functorch.TransformType
     if not b.vmap and TransformType.Vmap in kinds:
-        able = listed(name for name, other in BACKENDS.items() if other.computes(dims) and other.vmap)
+        device = tensors[0].device.type
+        able = listed(
+            n for n, other in BACKENDS.items() if other.computes(dims) and other.vmap and other.runs_on(device)
+        )
         raise RuntimeError(
             f"torch.func.vmap cannot map the {b.name} backend, whose own autograd.Function loops over the batch; "
             f"use another backend: {able}."

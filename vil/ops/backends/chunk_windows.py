@@ -110,5 +110,5 @@ def window_scores(queries, keys, group, bias, chunks=slice(None)):
     for start, stop in group.masked_runs:
         lo, hi = max(start, first), min(stop, last)
         if lo < hi:
-            scores[:, lo - first : hi - first].masked_fill_(~group.allowed[lo:hi, None], float("-inf"))
+            scores[:, lo - first : hi - first].masked_fill_(group.hidden[lo:hi, None], float("-inf"))
     return scores
