@@ -11,6 +11,7 @@ from vil.config import load_cfg
 from vil.model_config import ATTN_TYPE_ALIASES, build_model
 from vil.models import PRESETS, MsViT, parse_arch
 from vil.models.attention import FullAttention, LongformerAttention, LongformerOptions
+from vil.models.msvit import MECHANISMS
 from vil.ops import available_backends
 from vil.ops.backends.reference import window_pairs
 
@@ -401,9 +402,10 @@ def test_bad_model_arguments(arguments, facts):
         MsViT(arch, **{"img_size": 64, **arguments})
 
 
-def test_an_empty_batch_gives_empty_logits():
-    arch = "l1,h2,d16,n1,s1,g1,p4,f3,a0_l2,h2,d16,n1,s1,g1,p2,f3,a0_l3,h2,d32,n1,s0,g1,p2,f3,a0"
-    model = MsViT(arch, img_size=32, num_classes=3)
+@pytest.mark.parametrize("attention", MECHANISMS)
+def test_an_empty_batch_gives_empty_logits(attention):
+    arch = "l1,h2,d16,n1,s1,g1,p4,f2,a0_l2,h2,d16,n1,s1,g1,p2,f2,a0_l3,h2,d32,n1,s0,g1,p2,f2,a0"
+    model = MsViT(arch, img_size=32, num_classes=3, attention=attention)
     out = model(torch.randn(0, 3, 32, 32))
     assert out.shape == (0, 3)
     out.sum().backward()

@@ -133,8 +133,12 @@ class FavorFeatures(nn.Module):
         c = self.head_dim**-0.25
         projected = c * x @ self.projection_matrix.to(x.dtype).t()
         squared = (c * c / 2) * x.pow(2).sum(dim=-1, keepdim=True)
-        # For keys, the dimensions are named: ONNX's translation of amax needs them.
-        peak = projected.amax(dim=-1, keepdim=True) if is_query else projected.amax(dim=tuple(range(projected.dim())))
+        if is_query:
+            peak = projected.amax(dim=-1, keepdim=True)
+        elif projected.numel() == 0:  # an empty batch: no key, no maximum (amax refuses empty tensors)
+            peak = projected.new_zeros(())
+        else:  # the dimensions are named: ONNX's translation of amax needs them
+            peak = projected.amax(dim=tuple(range(projected.dim())))
         return self.num_features**-0.5 * (torch.exp(projected - squared - peak) + 1e-4)
 
     def forward(self, q, k, v):
