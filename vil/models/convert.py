@@ -239,25 +239,15 @@ def checkpoint_filter_fn(state_dict, model, source="the pretrained checkpoint", 
 
 
 def convert_classification_state(
-    state,
-    arch,
-    image_size,
-    *,
-    full_attention_to_local=False,
-    num_global=None,
-    global_init="copy",
-    new_image_size=None,
-    pad=True,
+    state, arch, image_size, *, full_attention_to_local=False, num_global=None, global_init="copy", pad=True
 ):
-    """A classification model's state (arch string ``arch``, built for ``image_size``) as a backbone's: no
-    classifier or final norm; optionally full-attention stages as longformer ones, another number of global
-    tokens, position tables for ``new_image_size`` (the maps of patch embeddings that ``pad``, as the
-    detection backbone's do by default). Returns ``(state, arch specs, image size)``."""
+    """A classification model's state (arch string ``arch``, its position tables made for ``image_size``) as a
+    backbone's: no classifier or final norm; optionally full-attention stages as longformer ones (on the maps of
+    patch embeddings that ``pad``, as the detection backbone's do by default) and another number of global tokens.
+    Tables for another image size are remade first (:func:`vil.detection.classification_backbone_state`). Returns
+    ``(state, arch specs, image size)``."""
     specs = parse_arch(arch)
     state = drop_classifier(model_state(state))
-    if new_image_size is not None:  # tables of the size they already have are returned as they are
-        state = resize_tables(state, specs, image_size, new_image_size, pad)
-        image_size = tuple(new_image_size)
     if full_attention_to_local:
         state, specs = full_to_local(state, specs, image_size, pad)
     if num_global is not None:
