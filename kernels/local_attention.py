@@ -660,11 +660,14 @@ def _strides4(t):
 def _check_inputs(tensors, window):
     """One sentence (``ValueError``) unless ``tensors`` (by name: q, k, v, gk, gv, the bias tables, and in the
     backward do, o and lse; None: absent) have the shapes the kernels take, given q's, and the dtypes, laid out as
-    they read them (:func:`flash.check_inputs`)."""
-    B, H, X, Y, D = tensors["q"].shape
+    they read them (:func:`flash.check_inputs`), and the head_dim, window, GPU and batch x heads are ones they take
+    (:func:`check_supported`)."""
+    q = tensors["q"]
+    B, H, X, Y, D = q.shape
     G = 0 if tensors["gk"] is None else tensors["gk"].shape[2]
     rows = dict.fromkeys(("q", "k", "v", "do", "o"), (B, H, X, Y, D)) | dict(gk=(B, H, G, D), gv=(B, H, G, D))
     flash.check_inputs(tensors, rows, dict(rel_bias=(H, (4 * window - 1) ** 2), global_bias=(H, G), lse=(B, H, X * Y)))
+    check_supported(D, window, q.dtype, q.device, B * H)
 
 
 @flash.on_the_inputs_device

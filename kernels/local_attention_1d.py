@@ -693,8 +693,10 @@ def _check_inputs(tensors, dilations, window):
     """One sentence (``ValueError``) unless ``tensors`` (by name: q, k, v, gk, gv, the bias tables, the key padding
     mask, and in the backward do, o and lse; None: absent) have the shapes the kernels take, given q's, and the
     dtypes, laid out as they read them (:func:`flash.check_inputs`; the mask bool, in any layout: the launchers copy
-    it), and ``dilations`` has one positive int per head."""
-    B, H, L, D = tensors["q"].shape
+    it), ``dilations`` has one positive int per head, and the head_dim, window, GPU and batch x heads are ones they
+    take (:func:`check_supported`)."""
+    q = tensors["q"]
+    B, H, L, D = q.shape
     G = 0 if tensors["gk"] is None else tensors["gk"].shape[2]
     if len(dilations) != H or not all(isinstance(d, int) and d >= 1 for d in dilations):
         raise ValueError(f"The triton kernels take one positive int dilation per head ({H}), got {tuple(dilations)}.")
@@ -706,6 +708,7 @@ def _check_inputs(tensors, dilations, window):
             f"The triton kernels take a bool key_padding_mask of shape {(B, L)} on q's device, "
             f"got {mask.dtype} of shape {tuple(mask.shape)} on {mask.device}."
         )
+    check_supported(D, window, q.dtype, q.device, B * H)
 
 
 def _mask(key_padding_mask, q):

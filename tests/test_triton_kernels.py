@@ -437,6 +437,19 @@ def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(lau
         getattr(kernels, launcher)(*(tensors[n] for n in args), geo, 0.25)
 
 
+@pytest.mark.parametrize(
+    "head_dim,window,message", [(20, 2, r"head_dim 16, 32, .*, 128, got 20"), (16, 17, "1..16, got 17")]
+)
+def test_launchers_refuse_head_dims_and_windows_the_kernels_do_not_take(head_dim, window, message):
+    # Called directly, not through the op layer's backend check: the launchers check what the kernels take.
+    from vil.ops.backends.triton import kernel_geometry
+
+    inputs = make_inputs(5, 6, window, 0, False, False, D=head_dim)
+    geo = kernel_geometry(5, 6, window, 0, 0, 1, DEVICE)
+    with pytest.raises(ValueError, match=message):
+        kernels.forward(*(inputs[n].detach() for n in ("q", "k", "v")), None, None, None, None, geo, 0.25)
+
+
 # CPU tensors without the interpreter: refused by the kernels' check where the backend was loaded for the interpreter
 # (the tests then switch it off), by the dispatcher on a GPU machine, where the backend runs on CUDA only.
 CPU_REFUSED = (

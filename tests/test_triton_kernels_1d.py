@@ -278,6 +278,17 @@ BACKWARD_ARGS = ("do", "q", "k", "v", "gk", "gv", "rel_bias", "global_bias", "ma
 
 
 @pytest.mark.parametrize(
+    "head_dim,window,message", [(8, 2, "head_dim 16..128 .*, got 8"), (16, 513, "1..512, got 513")]
+)
+def test_launchers_refuse_head_dims_and_windows_the_kernels_do_not_take(head_dim, window, message):
+    # Called directly, not through the op layer's backend check: the launchers check what the kernels take.
+    inputs, _ = make_inputs(9, 2, 0, False, False, None, B=1, D=head_dim)
+    q, k, v = (inputs[n].detach() for n in ("q", "k", "v"))
+    with pytest.raises(ValueError, match=message):
+        kernels.forward(q, k, v, None, None, None, None, None, (1, 1), window, False, 0.25)
+
+
+@pytest.mark.parametrize(
     "launcher,name,change,message",
     [
         ("forward", "q", with_stride_2, r"q of shape \(1, 2, 9, 16\) with unit stride .* strides \(576, 288, 32, 2\)"),
