@@ -19,6 +19,7 @@ import vil.training.setup as training_setup
 import vil.training_state as training_state
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
+from vil.runtime import get_rng_state
 from vil.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,6 +127,14 @@ def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_pa
     )
     state = read_checkpoint(str(out / "checkpoint_last.pth"))
     assert state["epoch"] == 2 and {"optimizer", "lr_drop", "rng", "step", "config"} <= state.keys()
+    assert load_cfg(out / "config.yaml").OPTIM.EPOCHS == 2
+    # Run again: nothing is left to train, and it says so; fewer epochs than trained are refused, config untouched.
+    written = (out / "checkpoint_last.pth").read_bytes()
+    assert train(tiny_cfg(data, out, "LOG_FREQ", "2")) == state["best_acc"]
+    assert "has trained all 2 epochs" in (out / "log.txt").read_text()
+    assert (out / "checkpoint_last.pth").read_bytes() == written
+    with pytest.raises(ValueError, match=r"trained 2 epochs, more than OPTIM.EPOCHS 1; set OPTIM.EPOCHS to 3"):
+        train(tiny_cfg(data, out, "LOG_FREQ", "2", "OPTIM.EPOCHS", "1"))
     assert load_cfg(out / "config.yaml").OPTIM.EPOCHS == 2
 
 
@@ -617,3 +626,16 @@ def test_training_and_evaluation_data_must_name_the_same_classes(tmp_path):
         ValueError, match=r"only the training data has \['dog'\]; only the evaluation data has \['fox'\]"
     ):
         train(tiny_cfg(data, tmp_path / "out"))
+
+
+def test_processes_added_on_resume_keep_random_states_of_their_own():
+    """Resumed at an epoch's end with two processes, from one: process 0 takes the saved state, process 1 keeps its
+    own seed (SEED + rank) rather than a copy of process 0's, which would draw the same masks and augmentation."""
+    torch.manual_seed(5)
+    saved = [get_rng_state()]
+    torch.manual_seed(5 + 1)
+    own = torch.get_rng_state()
+    training_state.restore_rng_state(saved, 1)
+    assert torch.equal(torch.get_rng_state(), own)
+    training_state.restore_rng_state(saved, 0)
+    assert torch.equal(torch.get_rng_state(), saved[0]["torch"])

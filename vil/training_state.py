@@ -182,9 +182,10 @@ def read_resume_point(out):
 
 
 def check_resumable(checkpoint, path, cfg, world=1):
-    """Refuse, in one sentence, a checkpoint that is not this project's training checkpoint, was trained with
-    another value of a key outside :data:`FOLLOWED_ON_RESUME`, or was written in the middle of an epoch by another
-    number of processes than ``world``; log the followed keys that changed."""
+    """Refuse, in one sentence, a checkpoint that is not this project's training checkpoint, has trained more epochs
+    than ``OPTIM.EPOCHS``, was trained with another value of a key outside :data:`FOLLOWED_ON_RESUME`, or was
+    written in the middle of an epoch by another number of processes than ``world``; log the followed keys that
+    changed."""
     missing = [key for key in _REQUIRED if key not in checkpoint]
     if missing:
         raise ValueError(
@@ -197,6 +198,13 @@ def check_resumable(checkpoint, path, cfg, world=1):
             f"{path} was written in the middle of epoch {checkpoint['epoch'] + 1} by {writers} process(es), whose "
             f"share of the epoch's samples {world} process(es) cannot go on with; resume with {writers} (from the "
             "epoch's end on, any number can go on)."
+        )
+    done, epochs = checkpoint["epoch"], cfg.OPTIM.EPOCHS
+    if done > epochs or (done == epochs and checkpoint["batch_in_epoch"]):
+        raise ValueError(
+            f"{path} has trained {done} epochs{' and part of the next' if checkpoint['batch_in_epoch'] else ''}, "
+            f"more than OPTIM.EPOCHS {epochs}; set OPTIM.EPOCHS to {done + 1} or more to train on, or choose another "
+            "OUTPUT_DIR for a new run."
         )
     saved = _flat(config_from_text(checkpoint["config"], f"the config stored in {path}"))
     now = _flat(cfg)
@@ -245,10 +253,18 @@ def restore(checkpoint, path, model, optimizer, scaler, ema, rank):
     if ema is not None and checkpoint.get("ema"):
         ema.module.load_state_dict(checkpoint["ema"])
     epoch, batch_in_epoch, step, best = (checkpoint[k] for k in ("epoch", "batch_in_epoch", "step", "best_acc"))
-    set_rng_state(checkpoint["rng"][min(rank, len(checkpoint["rng"]) - 1)])
+    restore_rng_state(checkpoint["rng"], rank)
     log.info(f"Resumed from {path}: epoch {epoch + 1}, optimizer step {step}.")
     improved = bool(checkpoint.get("improved", False))
     return Snapshot(epoch, batch_in_epoch, step, best, lr_drop, checkpoint["rng"], improved=improved)
+
+
+def restore_rng_state(states, rank):
+    """Process ``rank``'s saved random state. A run resumed (at an epoch's end) with more processes than wrote
+    ``states`` has none for the new ranks: they keep the state they were seeded with, ``SEED + rank``, so that no
+    two processes draw the same dropout and augmentation."""
+    if rank < len(states):
+        set_rng_state(states[rank])
 
 
 def _followed(key):

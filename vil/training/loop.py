@@ -19,11 +19,18 @@ log = logging.getLogger("vil")
 
 
 def train(cfg):
-    """Train (or resume training) as ``cfg`` says; returns the final top-1 on the evaluation data."""
+    """Train (or resume training) as ``cfg`` says; returns the final top-1 on the evaluation data (a run that has
+    trained all its epochs already: its best)."""
     run, resume_point = set_up(cfg)
     try:
         if resume_point:
             run.resume(resume_point[1], resume_point[0])
+            if run.epoch >= cfg.OPTIM.EPOCHS:
+                log.info(
+                    f"{resume_point[0]} has trained all {cfg.OPTIM.EPOCHS} epochs (OPTIM.EPOCHS), best top-1 "
+                    f"{run.best:.2f}: nothing is left to train; raise OPTIM.EPOCHS to train on."
+                )
+                return run.best
         return _train_epochs(run)
     finally:
         run.close()
