@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from vil.ops import available_backends, check_backend, default_backend, local_attention_1d, local_attention_2d
-from vil.ops.backends import fused_cpu
+from vil.ops.backends import fused_cpu, reference
 from vil.ops.backends.reference import window_pairs
+from vil.ops.base import Extras
+from vil.ops.neighborhood import Neighborhood2d
 
 # The Triton kernels have their own tests (tests/test_triton_kernels.py: interpreter, smaller problems), and
 # so has FlexAttention (no backward on the CPU).
@@ -208,6 +210,32 @@ def test_backend_matches_reference(backend, exact, mode):
         torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
         for got, want in zip(grads, expected_grads):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", [b for b in available_backends(2) if b not in ("triton", "flex")])
+@pytest.mark.parametrize("exact,mode,dilation", [(1, 0, 1), (1, 0, 2), (0, 0, 1), (-1, 0, 1), (0, 3, 1), (-1, 5, 1)])
+def test_a_window_wider_than_the_map_with_a_bias_table_is_the_window_asked_for(backend, exact, mode, dilation):
+    """The op computes a window wider than the map as the widest the map can use, its bias table cut to that window's
+    offsets: against the reference's own function, called with the window and table asked for."""
+    for X, Y, w in ((5, 4, 7), (2, 9, 12), (3, 3, 2)):
+        inputs = make_inputs(X, Y, w, 1, rel=True, glob_bias=True, B=1)
+        out, grads = run(backend, inputs, w, exact, mode) if dilation == 1 else run_dilated(backend, inputs, w)
+        extras = Extras(4**-0.5, inputs["global_k"], inputs["global_v"], inputs["rel_bias"], inputs["global_bias"])
+        hood = Neighborhood2d(w, exact, mode, dilation)
+        expected = reference.attention_2d(inputs["q"], inputs["k"], inputs["v"], hood, extras)
+        leaves = [t for t in inputs.values() if t is not None]
+        expected_grads = torch.autograd.grad(expected, leaves, upstream_gradient(expected, 1))
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def run_dilated(backend, inputs, w):
+    """``run`` with the exact window dilated by 2."""
+    kw = {name: t for name, t in inputs.items() if name not in ("q", "k", "v")}
+    out = local_attention_2d(inputs["q"], inputs["k"], inputs["v"], w, exact=1, dilation=2, backend=backend, **kw)
+    leaves = [t for t in inputs.values() if t is not None]
+    return out, torch.autograd.grad(out, leaves, upstream_gradient(out, 1))
 
 
 @pytest.mark.parametrize("backend", [b for b in available_backends(2) if b not in ("triton", "flex")])
@@ -409,7 +437,6 @@ def test_the_pairwise_window_is_the_reference_window(exact, mode):
     # (geometry.pair_in_window_2d): the same pairs and bias rows as the oracle's mask, with 1, 2, 3 and more chunks
     # along an axis, after two global keys.
     from vil.ops.geometry import pair_in_window_2d
-    from vil.ops.neighborhood import Neighborhood2d
 
     for rows, cols, w, dilation in ((7, 9, 2, 1), (5, 4, 7, 1), (4, 6, 2, 1), (6, 3, 3, 1), (9, 9, 3, 1), (9, 8, 2, 2)):
         if dilation > 1 and exact != 1:

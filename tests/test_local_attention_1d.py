@@ -5,8 +5,10 @@ import torch
 from test_local_attention import upstream_gradient
 
 from vil.ops import available_backends, default_backend, local_attention_1d
-from vil.ops.backends import sliding_chunk
+from vil.ops.backends import reference, sliding_chunk
 from vil.ops.backends.reference import band_pairs
+from vil.ops.base import Extras
+from vil.ops.neighborhood import Neighborhood1d
 
 CPU = torch.device("cpu")
 # Backends with a backward on the CPU; flex runs forward only there (its own test below); triton takes float32 and
@@ -128,6 +130,24 @@ def run(backend, inputs, padding, w, dilation=1, causal=False, grads=True, upstr
         return out, ()
     leaves = [t for t in inputs.values() if t is not None]
     return out, torch.autograd.grad(out, leaves, upstream_gradient(out, 1) if upstream is None else upstream)
+
+
+@pytest.mark.parametrize("backend", TRAINING)
+@pytest.mark.parametrize("dilation,causal", [(1, False), (1, True), (2, False), ((1, 3), True)])
+def test_a_window_longer_than_the_sequence_with_a_bias_table_is_the_window_asked_for(backend, dilation, causal):
+    """The op computes a window longer than the sequence as the longest it can use, its bias table cut to that
+    window's offsets: against the reference's own function, called with the window and table asked for."""
+    for L, w in ((5, 9), (7, 4), (1, 2)):
+        inputs, padding = make_inputs(L, w, 1, True, True, "random", B=2)
+        out, grads = run(backend, inputs, padding, w, dilation, causal)
+        extras = Extras(4**-0.5, *(inputs[n] for n in ("global_k", "global_v", "rel_bias", "global_bias")), padding)
+        hood = Neighborhood1d(w, dilation, causal)
+        expected = reference.attention_1d(inputs["q"], inputs["k"], inputs["v"], hood, extras)
+        leaves = [t for t in inputs.values() if t is not None]
+        expected_grads = torch.autograd.grad(expected, leaves, upstream_gradient(expected, 1))
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("backend", TRAINING)

@@ -85,7 +85,7 @@ def local_attention_2d(
         raise ValueError(f"q must have shape (B, heads, X, Y, head_dim), got {tuple(q.shape)}.")
     _check_tensors(q, k, v, optional, hood)
     extras = _extras(q, optional, scale)
-    hood = split.fitted(hood, q, extras)
+    hood, extras = split.fitted(hood, q, extras)
     b = _choose(backend, hood, q, needs_grad(q, k, v, *optional.values())) if not exporting_to_onnx() else None
     return _run(b, q, k, v, hood, extras, drawn_mode)
 
@@ -145,7 +145,7 @@ def local_attention_1d(
         raise ValueError("q has length 0; local_attention_1d needs a sequence of at least one position.")
     _check_tensors(q, k, v, optional, hood)
     extras = _extras(q, optional, scale, key_padding_mask)
-    hood = split.fitted(hood, q, extras)
+    hood, extras = split.fitted(hood, q, extras)
     if key_padding_mask is not None:
         if tuple(key_padding_mask.shape) != (B, L) or key_padding_mask.dtype != torch.bool:
             raise ValueError(

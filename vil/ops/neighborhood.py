@@ -9,6 +9,8 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import ClassVar, Union
 
+import torch
+
 
 def _is_int(value) -> bool:
     """An int, and not a bool (which Python counts as one)."""
@@ -84,8 +86,9 @@ class Neighborhood2d:
     def fitted(self, rows: int, cols: int) -> "Neighborhood2d":
         """The same neighbourhood on a ``rows x cols`` map with no larger window or dilation than the map can
         use: every query keeps exactly its keys, since a chunk as large as the map holds all of it and a larger
-        radius or dilation only reaches outside the map. (The window sets the size of a relative position bias
-        table, so it is fitted only for calls without one.)"""
+        radius or dilation only reaches outside the map. Each (query, key) pair also keeps its relative position
+        (in one chunk, under wrap-around too, the offset is the positions' own), so a bias table follows by
+        :meth:`bias_of_window`."""
         reach = max(rows, cols, 1)
         if self.chunked:
             return Neighborhood2d(min(self.window, reach), self.exact, self.mode)
@@ -96,6 +99,13 @@ class Neighborhood2d:
     def bias_rows(self) -> int:
         """Rows of the relative position bias table: ``(4w-1)^2``."""
         return (4 * self.window - 1) ** 2
+
+    def bias_of_window(self, table: torch.Tensor, window: int) -> torch.Tensor:
+        """This window's ``(heads, (4w-1)^2)`` table cut to a smaller ``window``'s: the rows of its offsets, each
+        axis's ``-(2window-1)..2window-1`` of ``-(2w-1)..2w-1``."""
+        side, first = 4 * window - 1, 2 * (self.window - window)
+        grid = table.unflatten(1, (4 * self.window - 1, 4 * self.window - 1))
+        return grid[:, first : first + side, first : first + side].flatten(1)
 
 
 @dataclass(frozen=True)
@@ -157,3 +167,8 @@ class Neighborhood1d:
     def bias_rows(self) -> int:
         """Rows of the relative position bias table: ``2w + 1``, row ``a + w`` for offset ``a``."""
         return 2 * self.window + 1
+
+    def bias_of_window(self, table: torch.Tensor, window: int) -> torch.Tensor:
+        """This window's ``(heads, 2w+1)`` table cut to a smaller ``window``'s: the rows of offsets
+        ``-window..window``."""
+        return table[:, self.window - window : self.window + window + 1]

@@ -481,14 +481,14 @@ def _request_2d(backend, tensors, window, exact, mode, dilation, scale):
     differentiable extras), with the real tensors."""
     q, k, v, *rest = tensors
     extras = Extras(scale, *rest)
-    hood = split.fitted(_hood_2d(window, exact, mode, dilation), q, extras)
+    hood, extras = split.fitted(_hood_2d(window, exact, mode, dilation), q, extras)
     return run_eagerly(BACKENDS[backend], q, k, v, hood, extras)
 
 
 def _request_1d(backend, tensors, key_padding_mask, window, dilations, causal, scale):
     q, k, v, *rest = tensors
     extras = Extras(scale, *rest, key_padding_mask)
-    hood = split.fitted(_hood_1d(window, dilations, causal), q, extras)
+    hood, extras = split.fitted(_hood_1d(window, dilations, causal), q, extras)
     return run_eagerly(BACKENDS[backend], q, k, v, hood, extras)
 
 

@@ -21,12 +21,16 @@ def _sizes(hood, q):
 
 
 def fitted(hood, q, extras: Extras):
-    """The neighbourhood fitted to q's map or sequence (``Neighborhood2d.fitted``, ``Neighborhood1d.fitted``) where
-    nothing depends on its window: no relative position bias table, and sizes that are numbers (not symbolic)."""
+    """``(hood, extras)`` fitted to q's map or sequence where its sizes are numbers (not symbolic):
+    ``Neighborhood2d.fitted``, ``Neighborhood1d.fitted``, and a relative position bias table cut to the fitted
+    window's (:meth:`Neighborhood2d.bias_of_window`), whose rows are the same offsets'."""
     sizes = _sizes(hood, q)
-    if extras.rel_bias is not None or sizes is None:
-        return hood
-    return hood.fitted(*sizes)
+    if sizes is None:
+        return hood, extras
+    small = hood.fitted(*sizes)
+    if extras.rel_bias is None or small.window == hood.window:
+        return small, extras
+    return small, replace(extras, rel_bias=hood.bias_of_window(extras.rel_bias, small.window))
 
 
 def splits_by_size(b: Backend, hood, q) -> bool:
