@@ -59,6 +59,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from vil.cli import check_outputs, non_negative_int, positive_int
 from vil.cpu import cpu_description
 from vil.files import atomic_write
 from vil.ops import available_backends, default_backend, local_attention_1d, local_attention_2d
@@ -98,21 +99,21 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument(
         "--sizes",
-        type=int,
+        type=positive_int,
         nargs="+",
         help="feature-map sides (default 28 56 84) or, with --dim 1, sequence lengths (default 1024 to 32768)",
     )
     p.add_argument("--backends", nargs="+", help="local attention backends (default: those for the device)")
-    p.add_argument("--batch", type=int, help="default 4; 1 with --dim 1")
-    p.add_argument("--heads", type=int, help="default 3; 12 with --dim 1")
-    p.add_argument("--head-dim", type=int, help="default 32; 64 with --dim 1")
-    p.add_argument("--window", type=int, help="default 7; with --dim 1 keys on each side, default 256")
-    p.add_argument("--num-global", type=int, help="global keys: default 1; 0 with --dim 1")
+    p.add_argument("--batch", type=positive_int, help="default 4; 1 with --dim 1")
+    p.add_argument("--heads", type=positive_int, help="default 3; 12 with --dim 1")
+    p.add_argument("--head-dim", type=positive_int, help="default 32; 64 with --dim 1")
+    p.add_argument("--window", type=positive_int, help="default 7; with --dim 1 keys on each side, default 256")
+    p.add_argument("--num-global", type=non_negative_int, help="global keys: default 1; 0 with --dim 1")
     p.add_argument("--exact", type=int, choices=[1, 0, -1], help="SW_EXACT (default 0); --dim 2 only")
-    p.add_argument("--dilation", type=int, help="window dilation (default 1); --dim 1 only")
+    p.add_argument("--dilation", type=positive_int, help="window dilation (default 1); --dim 1 only")
     p.add_argument("--causal", action="store_true", help="keys at or before the query only; --dim 1 only")
     p.add_argument("--rel-bias", action="store_true", help="add a relative position bias table")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument(
         "--steady-malloc",
         action="store_true",
@@ -138,6 +139,7 @@ def parse_args(argv=None):
         p.error("--dilation and --causal are options of the 1D study (--dim 1)")
     if args.dim == 1 and args.exact is not None:
         p.error("--exact is an option of the 2D study (--dim 2)")
+    check_outputs(p, [args.markdown], args.plot, ("time", "memory"))
     for name, value in DEFAULTS[args.dim].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -300,14 +302,15 @@ def run_size(args, backends, size):
     env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
     with tempfile.TemporaryFile("w+") as stdout:  # stdout: --profile's tables, then the answer
         worker = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
-        last = "failed"
+        last = ""
         for line in worker.stderr:  # the progress lines pass through as they come; the last other line is the error
             if line.startswith(PROGRESS):
                 print(line.rstrip(), file=sys.stderr, flush=True)
             elif line.strip():
                 last = line.strip()
-        if worker.wait():
-            return dict(results, **{name: f"failed: {last[:80]}" for name in measured})
+        if code := worker.wait():
+            why = last or (f"killed by signal {-code}" if code < 0 else f"exit status {code}")
+            return dict(results, **{name: f"failed: {why[:80]}" for name in measured})
         stdout.seek(0)
         *printed, answer = stdout.read().strip().splitlines()
     if printed:
@@ -382,7 +385,7 @@ def main(argv=None):
             print(row, flush=True)
         if best_local and not isinstance(sdpa, str):
             summary.append(
-                f"{point}: fastest local backend {best_local[0]} is {sdpa[0] / best_local[1][0]:.2f}x faster than SDPA"
+                f"{point}: fastest local backend {best_local[0]} runs at {sdpa[0] / best_local[1][0]:.2f}x SDPA's speed"
             )
         chunked = results.get("sliding_chunk")
         for name in ("fused_cpu", "chunk_rows"):  # the two that save no scores for the backward

@@ -19,6 +19,7 @@ import types
 import numpy as np
 from PIL import Image
 
+from vil.cli import non_negative_int, positive_int
 from vil.config import load_cfg
 from vil.data import build_dataset
 from vil.runtime import Runtime
@@ -39,7 +40,9 @@ def write_images(root, count, seed=0):
 
 def epochs_per_second(args, root, workers):
     """Images/s of each epoch with ``workers`` loading workers."""
-    overrides = ["DATA.PATH", root, "DATA.NUM_CLASSES", "2", "DATALOADER.WORKERS", str(workers)]
+    # The written JPEGs as image folders, whatever data the config names: only its transform is taken.
+    overrides = ["DATA.PATH", root, "DATA.TRAIN", "('imagenet',)", "DATA.FORMAT", "folder", "DATA.CLASSES", "[]"]
+    overrides += ["DATA.NUM_CLASSES", "2", "DATALOADER.WORKERS", str(workers)]
     cfg = load_cfg(args.config_file, overrides + ["DATALOADER.BSZ", str(args.batch)])
     train_set = build_dataset(cfg, train=True)
     run = types.SimpleNamespace(
@@ -59,13 +62,18 @@ def main(argv=None):
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config-file", default="vil_small", help="whose training transform (a YAML file or preset)")
-    p.add_argument("--images", type=int, default=512)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--images", type=positive_int, default=512)
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--workers", type=non_negative_int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--epochs", type=positive_int, default=3)
     args = p.parse_args(argv)
     if args.epochs < 2:
         p.error("--epochs must be at least 2: the first epoch also starts the workers.")
+    if args.images < max(2, args.batch):
+        p.error(
+            f"--images must be at least 2 (two classes) and at least --batch {args.batch} (a whole batch), "
+            f"got {args.images}."
+        )
     with tempfile.TemporaryDirectory() as root:
         write_images(root, args.images)
         print(f"{args.images} JPEGs of 500x375, batch {args.batch}, the training transform of {args.config_file}")

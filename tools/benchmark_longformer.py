@@ -27,6 +27,7 @@ import transformers
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
 import vil
+from vil.cli import check_outputs, positive_int
 from vil.cpu import cpu_description
 from vil.files import atomic_write
 from vil.plots import agg_pyplot
@@ -48,25 +49,35 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--what", nargs="+", default=["layer", "model"], choices=["layer", "model", "autocast"])
-    p.add_argument("--layers", type=int, default=2, help="layers of the whole model (longformer-base: 12)")
-    p.add_argument("--hidden", type=int, default=768, help="hidden size (12 heads of hidden / 12)")
-    p.add_argument("--window", type=int, default=512, help="attention_window (keys on both sides together)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=positive_int, default=2, help="layers of the whole model (longformer-base: 12)")
+    p.add_argument("--hidden", type=positive_int, default=768, help="hidden size (12 heads of hidden / 12)")
+    p.add_argument("--window", type=positive_int, default=512, help="attention_window (keys on both sides together)")
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png and PREFIX_memory.png")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.window % 2:
+        p.error(f"--window must be even (transformers splits it into two sides), got {args.window}.")
+    if args.hidden % 12:
+        p.error(f"--hidden must be a multiple of the 12 heads, got {args.hidden}.")
+    if args.plot and args.what == ["autocast"]:
+        p.error("--plot draws the timed studies (--what layer, model); --what autocast alone has none.")
+    check_outputs(p, [args.markdown], args.plot, ("time", "memory"))
+    return args
 
 
-def config(args):
+def config(args, length):
+    """The sizes asked for, with position embeddings for ``length`` tokens (not more: their gradient counts in the
+    training peak)."""
     return transformers.LongformerConfig(
         hidden_size=args.hidden,
         num_attention_heads=12,
         intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers,
         attention_window=[args.window] * args.layers,
-        max_position_embeddings=max(args.lengths) + 2,
+        max_position_embeddings=length + 2,
         attention_probs_dropout_prob=0.0,
         hidden_dropout_prob=0.0,
     )
@@ -75,7 +86,7 @@ def config(args):
 def layer_calls(args, length):
     """{contender: a function that runs the layer on one sequence}, both with the same weights and input."""
     torch.manual_seed(0)
-    layer = LongformerSelfAttention(config(args), layer_id=0)
+    layer = LongformerSelfAttention(config(args, length), layer_id=0)
     x = torch.randn(1, length, args.hidden, requires_grad=True)
     mask = torch.zeros(1, length)
     mask[0, 0] = 10000.0  # the encoder's encoding: < 0 padding, 0 local, > 0 global
@@ -91,7 +102,7 @@ def layer_steps(args, length):
 
 def model_steps(args, length):
     torch.manual_seed(0)
-    model = transformers.LongformerModel(config(args), add_pooling_layer=False)
+    model = transformers.LongformerModel(config(args, length), add_pooling_layer=False)
     ids = torch.randint(5, model.config.vocab_size, (1, length))
     global_mask = torch.zeros_like(ids)
     global_mask[0, 0] = 1
@@ -218,7 +229,7 @@ def main(argv=None):
     print(text)
     if args.markdown:
         atomic_write(args.markdown, lambda f: f.write((text + "\n").encode()))
-    if args.plot and timed:
+    if args.plot:
         plot(results, args.plot)
 
 

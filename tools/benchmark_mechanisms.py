@@ -53,6 +53,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from vil.cli import check_outputs, positive_int
 from vil.files import atomic_write
 from vil.models import COMPARISONS, PRESETS, MsViT, parse_arch, small_arch, stage_map_sizes
 from vil.models.msvit import PRETRAINED
@@ -110,7 +111,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
-        "--sizes", type=int, nargs="+", default=[224, 448, 672, 896], help="image sides (default 224 448 672 896)"
+        "--sizes",
+        type=positive_int,
+        nargs="+",
+        default=[224, 448, 672, 896],
+        help="image sides (default 224 448 672 896)",
     )
     p.add_argument(
         "--mechanisms",
@@ -127,8 +132,10 @@ def parse_args(argv=None):
         choices=PLACEMENTS,
         help="all: the mechanism in all four stages; partial: in stages 1-2, full attention after",
     )
-    p.add_argument("--batch", type=int, default=1, help="images a step (default 1; GMACs are for one image)")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3); each time is the best round")
+    p.add_argument("--batch", type=positive_int, default=1, help="images a step (default 1; GMACs are for one image)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed rounds (default 3); each time is the best round"
+    )
     p.add_argument(
         "--max-step-seconds",
         type=float,
@@ -139,8 +146,9 @@ def parse_args(argv=None):
     p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png, PREFIX_memory.png and PREFIX_flops.png")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure some models at one size, print JSON
     args = p.parse_args(argv)
-    if min(args.sizes) < 1 or args.batch < 1 or args.repeats < 1:
-        p.error("--sizes, --batch and --repeats must be positive")
+    if args.max_step_seconds < 0:
+        p.error(f"--max-step-seconds must be 0 (no limit) or more, got {args.max_step_seconds:g}.")
+    check_outputs(p, [args.markdown], args.plot, [name for name, _, _ in PLOTS])
     args.sizes = sorted(set(args.sizes))
     return args
 
@@ -241,16 +249,18 @@ def estimated_step(history, name, size):
     measured = [(s, r[name][TRAIN]) for s, r in sorted(history.items()) if s < size and isinstance(r.get(name), tuple)]
     if not measured:
         return None
-    exponent = 2.0
-    if len(measured) > 1:
-        exponent = min(2.0, max(1.0, growth(name, measured[-2], measured[-1])))
+    exponent = growth(name, *measured[-2:]) if len(measured) > 1 else math.nan
+    exponent = 2.0 if math.isnan(exponent) else min(2.0, max(1.0, exponent))
     last, seconds = measured[-1]
     return seconds * (stage1_tokens(name, size) / stage1_tokens(name, last)) ** exponent
 
 
 def growth(name, smaller, larger):
-    """The exponent of a cost's growth with the token count from ``smaller`` to ``larger``, each (size, cost)."""
+    """The exponent of a cost's growth with the token count from ``smaller`` to ``larger``, each (size, cost); nan
+    where a cost is not positive or the two sizes give the same token count."""
     ratio = stage1_tokens(name, larger[0]) / stage1_tokens(name, smaller[0])
+    if ratio == 1 or smaller[1] <= 0 or larger[1] <= 0:
+        return math.nan
     return math.log(larger[1] / smaller[1]) / math.log(ratio)
 
 
@@ -335,10 +345,8 @@ def tables(study, names):
         cells = ["", "", "", "", ""]
         if len(points) > 1:
             (small, a), (large, b) = points[-2:]
-            cells = [f"{small} and {large}"] + [
-                f"{growth(name, (small, a[i]), (large, b[i])):.2f}" if a[i] > 0 and b[i] > 0 else ""
-                for i in (TRAIN, FORWARD, MEMORY, GMACS)
-            ]
+            exponents = [growth(name, (small, a[i]), (large, b[i])) for i in (TRAIN, FORWARD, MEMORY, GMACS)]
+            cells = [f"{small} and {large}"] + ["" if math.isnan(e) else f"{e:.2f}" for e in exponents]
         growth_rows.append(f"| {' | '.join(name.split('/'))} | {top1(name)} | {' | '.join(cells)} |")
     return rows, growth_rows
 

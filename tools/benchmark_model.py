@@ -6,9 +6,10 @@
 
 FLOPs are counted by ``vil.profiling.flop_counter`` (torch's counter, CPU SDPA included) for one 224x224
 (``INPUT.IMAGE_SIZE``) image, forward, as multiply-adds (the convention of the paper's 1.43G / 5.12G). Peak
-memory: ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the rise of the resident set during the first
-training step. A training step is the model's forward and backward and a step of the optimizer ``tools/train.py``
-builds from the config (``OPTIM``; torch's fused AdamW for the presets). Every step of every contender runs under the
+memory: how far what torch's allocator holds for tensors rises during the first training step
+(``vil.profiling.PeakMemory``; on the CPU counted from the allocations the profiler records, not the resident
+set). A training step is the model's forward and backward and a step of the optimizer ``tools/train.py`` builds
+from the config (``OPTIM``; torch's fused AdamW for the presets). Every step of every contender runs under the
 autocast training uses (``AMP.ENABLED``, and on the CPU ``AMP.ON_CPU``; ``AMP.DTYPE`` bfloat16 by default).
 
 ``--compile`` and ``--timm NAME`` add a second table: training and inference images/s of the model, of the model
@@ -23,6 +24,7 @@ import time
 
 import torch
 
+from vil.cli import positive_int
 from vil.config import load_cfg
 from vil.model_config import build_model
 from vil.optim import build_optimizer
@@ -33,12 +35,14 @@ from vil.training.setup import amp_context, amp_enabled
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-file", required=True)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=positive_int, default=8)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps after one warm-up step")
     parser.add_argument("--compile", action="store_true", help="also time the model under torch.compile")
     parser.add_argument("--timm", default=None, help="also time this timm model (e.g. swin_tiny_patch4_window7_224)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the side-by-side comparison")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=3, help="alternating rounds of the side-by-side comparison"
+    )
     parser.add_argument(
         "--profile", action="store_true", help="with --compile or --timm: profile two training steps of each"
     )
@@ -150,7 +154,7 @@ def compare(args, model, steps, timed, device):
     if args.profile:
         for name, (train_step, _) in contenders.items():
             print(f"\n{name}, two training steps:")
-            print(time_table(train_step, "cpu", calls=2))
+            print(time_table(train_step, device, calls=2))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from vil.cli import check_outputs, positive_int
 from vil.cpu import cpu_description, cpu_multiplies_natively
 from vil.files import atomic_write
 from vil.ops import default_backend, local_attention_1d, local_attention_2d
@@ -46,13 +47,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--sizes", type=int, nargs="+", default=[56, 84], help="2D map sides")
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096], help="1D sequence lengths")
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=[56, 84], help="2D map sides")
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[4096], help="1D sequence lengths")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--matmul", type=int, default=2048, help="side of the square matrix product (default 2048)")
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--matmul", type=positive_int, default=2048, help="side of the square matrix product (default 2048)")
     p.add_argument("--markdown", help="also write the table to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_outputs(p, [args.markdown])
+    return args
 
 
 def layer_2d(side, dtype):

@@ -33,41 +33,25 @@ STEPS = {
 def run_step(config, out, overrides):
     """Train, then evaluate the last checkpoint; returns (seconds, top-1, top-5, held-out images)."""
     start = time.perf_counter()
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "tools", "train.py"),
-            "--config-file",
-            config,
-            "OUTPUT_DIR",
-            out,
-            *overrides,
-        ],
-        check=True,
-        cwd=ROOT,
-        stderr=subprocess.DEVNULL,
-    )
+    run_tool("train.py", "--config-file", config, "OUTPUT_DIR", out, *overrides)
     seconds = time.perf_counter() - start
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "tools", "eval.py"),
-            "--config-file",
-            config,
-            "MODEL.MODEL_PATH",
-            os.path.join(out, "checkpoint_last.pth"),
-            "OUTPUT_DIR",
-            out,
-        ],
-        check=True,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    checkpoint = os.path.join(out, "checkpoint_last.pth")
+    done = run_tool("eval.py", "--config-file", config, "MODEL.MODEL_PATH", checkpoint, "OUTPUT_DIR", out)
     _, top1, _, top5 = done.stdout.strip().splitlines()[-1].split()
     with open(os.path.join(out, "eval.json")) as f:
         images = json.load(f)["images"]
     return seconds, float(top1), float(top5), images
+
+
+def run_tool(name, *args):
+    """``tools/NAME args``, its output captured; a failure ends the check with the tool's last line of errors."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", name), *args], cwd=ROOT, capture_output=True, text=True
+    )
+    if done.returncode:
+        lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()]
+        raise SystemExit(f"tools/{name} failed (exit status {done.returncode}): {lines[-1] if lines else 'no message'}")
+    return done
 
 
 def passes_with_margin(top1, images, bar):

@@ -1,0 +1,60 @@
+"""The measuring tools refuse bad arguments in one sentence before measuring anything, and a failed step of the
+digits check says why."""
+
+import math
+import re
+
+import pytest
+from tool_runner import ROOT, load_tool, run_tool
+
+
+@pytest.fixture
+def not_a_folder(tmp_path):
+    """A path whose folder is a file: nothing can be written there."""
+    (tmp_path / "file").write_text("")
+    return tmp_path / "file" / "out"
+
+
+@pytest.mark.parametrize(
+    "tool,args,facts",
+    [
+        ("benchmark_attention", ["--sizes", "-4"], r"--sizes: must be a positive integer, got -4"),
+        ("benchmark_attention", ["--sizes", "8", "--repeats", "0"], r"--repeats: must be a positive integer, got 0"),
+        ("benchmark_attention", ["--sizes", "8", "--batch", "x"], r"--batch: must be a positive integer, got 'x'"),
+        ("benchmark_attention", ["--num-global", "-1"], r"--num-global: must be an integer of at least 0, got -1"),
+        ("benchmark_attention", ["--markdown", "{bad}.md"], r"{bad}.md cannot be written \(it is a file"),
+        ("benchmark_attention", ["--plot", "{bad}"], r"{bad}_time.png cannot be written"),
+        ("benchmark_precision", ["--rounds", "0"], r"--rounds: must be a positive integer, got 0"),
+        ("benchmark_precision", ["--matmul", "0"], r"--matmul: must be a positive integer, got 0"),
+        ("benchmark_precision", ["--markdown", "{bad}.md"], r"{bad}.md cannot be written"),
+        ("benchmark_model", ["--config-file", "vil_tiny", "--rounds", "0"], r"--rounds: .* got 0"),
+        ("benchmark_model", ["--config-file", "vil_tiny", "--steps", "0"], r"--steps: .* got 0"),
+        ("benchmark_longformer", ["--window", "7"], r"--window must be even .* got 7"),
+        ("benchmark_longformer", ["--hidden", "50"], r"--hidden must be a multiple of the 12 heads, got 50"),
+        ("benchmark_longformer", ["--lengths", "0"], r"--lengths: must be a positive integer, got 0"),
+        ("benchmark_longformer", ["--what", "autocast", "--plot", "x"], r"--what autocast alone"),
+        ("benchmark_mechanisms", ["--max-step-seconds", "-1"], r"--max-step-seconds must be 0 .* got -1"),
+        ("benchmark_mechanisms", ["--plot", "{bad}"], r"{bad}_time.png cannot be written"),
+        ("benchmark_loader", ["--images", "4", "--batch", "8"], r"--images must be at least 2 .* --batch 8 .* got 4"),
+        ("benchmark_loader", ["--workers", "-1"], r"--workers: must be an integer of at least 0, got -1"),
+    ],
+)
+def test_bad_arguments_are_one_sentence(tool, args, facts, not_a_folder):
+    status, out, err = run_tool(tool, *(a.replace("{bad}", str(not_a_folder)) for a in args))
+    assert status == 2 and not out
+    assert re.search(facts.replace("{bad}", re.escape(str(not_a_folder))), err.strip().splitlines()[-1]), err
+
+
+def test_growth_between_sizes_of_one_token_count_is_left_blank():
+    tool = load_tool("benchmark_mechanisms")
+    name = next(iter(tool.MODELS))
+    assert tool.stage1_tokens(name, 32) == tool.stage1_tokens(name, 33)
+    assert math.isnan(tool.growth(name, (32, 1.0), (33, 2.0)))
+    assert tool.growth(name, (32, 1.0), (64, 4.0)) == pytest.approx(1.0)  # 4x the tokens, 4x the cost
+    assert tool.estimated_step({32: {name: (0.5,) * 8}, 33: {name: (0.7,) * 8}}, name, 64) > 0
+
+
+def test_a_failed_step_of_the_digits_check_says_why():
+    tool = load_tool("check_digits_demo")
+    with pytest.raises(SystemExit, match=r"tools/train.py failed \(exit status \d\): .*SEED is 'x'.*integer"):
+        tool.run_step(str(ROOT / "configs" / "vil_digits.yaml"), "/nonexistent/out", ["SEED", "x"])
