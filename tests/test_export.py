@@ -379,6 +379,20 @@ def test_an_exported_program_takes_sizes_on_both_sides_of_the_written_out_scores
             torch.testing.assert_close(program.module()(images), model(images))
 
 
+def test_exporting_leaves_the_model_in_the_mode_it_was_in():
+    """A model exported in the middle of training trains on afterwards (dropout, drop-path, MODE > 0 draws), and
+    one refused by the export keeps its mode too."""
+    model = MsViT(TINY, img_size=64, num_classes=5).train()
+    export_program(model, 64, 64)
+    assert model.training
+    with pytest.raises(ValueError):
+        export_program(model, model.total_stride, 64)
+    assert model.training
+    model.eval()
+    export_program(model, 64, 64)
+    assert not model.training
+
+
 def test_an_export_below_twice_the_stride_is_refused():
     model = MsViT(TINY, img_size=64, num_classes=5).eval()
     stride = model.total_stride

@@ -9,6 +9,7 @@ import logging
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,19 @@ def test_export_refuses_a_checkpoint_trained_with_other_model_options(exported, 
     assert not (tmp_path / "hub_sw").exists()
 
 
+def test_the_folder_names_the_classes_the_checkpoint_records(exported, tmp_path):
+    """Exported where the training data is not (DATA.PATH elsewhere): the class names are the checkpoint's own, in
+    label order, not the indices as text."""
+    cfg = exported["cfg"]
+    checkpoint = tmp_path / "named.pth"
+    save_checkpoint(checkpoint, random_model(cfg, 2), classes=["eel", "fox"], config=cfg.dump())
+    out = tmp_path / "named"
+    overrides = [*TINY, "DATA.PATH", tmp_path / "elsewhere", "MODEL.MODEL_PATH", checkpoint]
+    status, _, err = run_tool("export_hub", "--config-file", "vil_tiny", "--out", out, *overrides)
+    assert status == 0, err
+    assert json.loads((out / "config.json").read_text())["label_names"] == ["eel", "fox"]
+
+
 def test_export_refuses_an_unwritable_out_in_one_sentence(exported, tmp_path):
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "hub"
@@ -208,6 +222,19 @@ def test_torch_hub_has_an_entry_per_registered_model():
     assert sorted(entries) == sorted(timm.list_models("vil_*"))  # what torch.hub.list lists for a repository
     model = torch.hub.load(str(ROOT), "vil_arch", source="local", arch=TINY_ARCH, img_size=32, num_classes=3)
     assert isinstance(model, MsViT) and model.num_classes == 3
+
+
+def test_torch_hub_loads_a_checkout_that_pip_has_not_installed():
+    """torch.hub runs a downloaded checkout as it is: its kernels/ folder is not yet the vil_kernels that vil imports.
+    Here the interpreter starts without site's .pth files (-S), so this project's install is not seen."""
+    code = (
+        f"import sys; sys.path.append({sysconfig.get_paths()['purelib']!r}); import torch; "
+        f"model = torch.hub.load({str(ROOT)!r}, 'vil_arch', source='local', arch={TINY_ARCH!r}, img_size=32); "
+        "import vil_kernels; print(type(model).__name__, vil_kernels.__file__)"
+    )
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["MsViT", str(ROOT / "kernels" / "__init__.py")]
 
 
 def test_predict_labels_files_folders_and_globs_and_skips_unreadable_images(exported, tmp_path, caplog):

@@ -87,11 +87,16 @@ def _check_any_size(model, program, height, width):
 
 def _traced(model, height, width, dynamic_size=True):
     """The example input and the ``torch.export`` program of ``model`` in evaluation mode traced at ``height x
-    width`` (not strict: what the model refuses is raised as it is), for the sizes of :func:`_example_and_dims`."""
+    width`` (not strict: what the model refuses is raised as it is), for the sizes of :func:`_example_and_dims`.
+    The model is left in the mode it was in."""
     described = _vil_of(model)
     example, dims = _example_and_dims(described, height, width, dynamic_size=dynamic_size)
-    with torch.no_grad():
-        program = torch.export.export(model.eval(), (example,), dynamic_shapes=dims, strict=False)
+    training = model.training
+    try:
+        with torch.no_grad():
+            program = torch.export.export(model.eval(), (example,), dynamic_shapes=dims, strict=False)
+    finally:
+        model.train(training)
     if 2 in dims[0]:
         _check_any_size(described, program, height, width)
     return example, program

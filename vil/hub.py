@@ -72,8 +72,8 @@ def default_class_names(num_classes: int) -> list:
 
 
 def export_hub_folder(cfg, out: str) -> dict:
-    """Write the Hub folder of ``MODEL.MODEL_PATH`` (its EMA weights when it has them) under ``cfg`` to ``out``;
-    returns what the model card states. A checkpoint that does not fit ``cfg``'s model, or was trained with other
+    """Write the Hub folder of ``MODEL.MODEL_PATH`` (its EMA weights when it has them) under ``cfg`` to ``out``, its
+    class names those the checkpoint records (else :func:`class_names`); returns what the model card states. A checkpoint that does not fit ``cfg``'s model, or was trained with other
     model options, is refused as evaluation refuses it (:func:`~vil.weights.load_weights`)."""
     path = resolve_model_path(cfg)
     checkpoint = read_checkpoint(path)
@@ -90,7 +90,7 @@ def export_hub_folder(cfg, out: str) -> dict:
         mean=tuple(cfg.INPUT.MEAN),
         std=tuple(cfg.INPUT.STD),
     )
-    names = class_names(cfg)
+    names = checkpoint.get("classes") if _names_classes(checkpoint.get("classes"), cfg) else class_names(cfg)
     card = dict(
         arch=args["arch"],
         weights="EMA" if ema else "model",
@@ -112,6 +112,15 @@ def export_hub_folder(cfg, out: str) -> dict:
     atomic_write(os.path.join(out, "config.json"), lambda f: f.write(config))
     atomic_write(os.path.join(out, "README.md"), lambda f: f.write(model_card(card).encode()))
     return card
+
+
+def _names_classes(recorded, cfg):
+    """Whether ``recorded`` (what a checkpoint stores as ``classes``) names ``cfg``'s classes, one string each."""
+    return (
+        isinstance(recorded, list)
+        and len(recorded) == cfg.DATA.NUM_CLASSES
+        and all(isinstance(name, str) for name in recorded)
+    )
 
 
 def _recorded(best):
