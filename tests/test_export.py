@@ -307,6 +307,17 @@ def test_export_onnx_checks_the_output_before_exporting(tmp_path, monkeypatch):
         assert output.read_bytes() == b"the user's weights"
 
 
+def test_export_onnx_names_the_image_size_given_when_its_multiple_of_the_stride_is_too_small(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        export_onnx_tool.main(
+            ["--config-file", "vil_digits", "--output", str(tmp_path / "m.onnx"), "INPUT.IMAGE_SIZE", "12"]
+        )
+    assert re.search(
+        r"INPUT.IMAGE_SIZE 12 .* stride 8 .* at least 16; set INPUT.IMAGE_SIZE to 16", str(exit_info.value)
+    )
+    assert not (tmp_path / "m.onnx").exists()
+
+
 def test_export_onnx_exports_a_linformer_model_at_its_one_image_size(tmp_path, monkeypatch):
     """A linformer model takes only INPUT.IMAGE_SIZE: the tool exports at that size, not at a multiple of the
     stride it would round to (72 to 64, which the export then refused)."""

@@ -174,6 +174,40 @@ def test_export_takes_out_after_the_overrides(exported, tmp_path):
         assert (out / name).read_bytes() == (exported["out"] / name).read_bytes()
 
 
+def test_a_folder_keeps_the_model_options_and_classes_it_records(exported, tmp_path):
+    """A folder exported from a model of LN_EPS 0.1 is refused for a model of the default eps, as the checkpoint it
+    came from is; a detection backbone built from it takes its options; tools/export_backbone.py reads its arch."""
+    from vil.checkpoint import read_checkpoint
+    from vil.detection import build_fpn_backbone
+
+    overrides = [*exported["overrides"], "MODEL.VIT.MSVIT.LN_EPS", "0.1"]
+    cfg = load_cfg("vil_tiny", overrides)
+    checkpoint = tmp_path / "eps.pth"
+    save_checkpoint(checkpoint, random_model(cfg, 3), config=cfg.dump(), classes=["cat", "dog"])
+    out = tmp_path / "eps"
+    status, _, err = run_tool(
+        "export_hub", "--config-file", "vil_tiny", "--out", out, *overrides, "MODEL.MODEL_PATH", checkpoint
+    )
+    assert status == 0, err
+    assert read_checkpoint(out)["classes"] == ["cat", "dog"]
+    plain = load_cfg("vil_tiny", [*TINY, "MODEL.MODEL_PATH", str(out)])
+    with pytest.raises(ValueError, match=r"LN_EPS 0.1 \(now 1e-06\)"):
+        load_weights(build_model(plain), plain)
+    body = build_fpn_backbone(TINY_ARCH, checkpoint=str(out), img_size=32).body
+    assert body.model_options["ln_eps"] == 0.1
+    status, stdout, err = run_tool("export_backbone", out, tmp_path / "body.pth", "--format", "torchvision")
+    assert status == 0, err
+    assert "ln_eps 0.1" in stdout
+    # A record that is not JSON, or arguments of the wrong type, are one sentence.
+    record = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(record, model_args=dict(record["model_args"], sw_exact="one"))))
+    with pytest.raises(ValueError, match=r"model_args of .*config.json, MODEL.VIT.MSVIT.SW_EXACT is 'one'"):
+        read_checkpoint(out)
+    (out / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"config.json is not readable JSON"):
+        read_checkpoint(out)
+
+
 def test_export_refuses_a_checkpoint_trained_with_other_model_options(exported, tmp_path):
     assert exported["cfg"].MODEL.VIT.MSVIT.SW_EXACT == 0  # what the checkpoint was trained with
     status, _, err = run_tool(

@@ -82,6 +82,11 @@ def main(argv=None):
         stride, size = model.total_stride, cfg.INPUT.IMAGE_SIZE
         if not args.static and not model.fixed_input_size:  # a linformer model takes its one size only
             size -= size % stride
+            if size < 2 * stride:
+                raise ValueError(
+                    f"INPUT.IMAGE_SIZE {cfg.INPUT.IMAGE_SIZE} is traced at the multiple of the total stride {stride} "
+                    f"below it, which must be at least {2 * stride}; set INPUT.IMAGE_SIZE to {2 * stride} or more."
+                )
         onnx_file = onnx_model(model, size, size, dynamic_size=not args.static)
         check(onnx_file, args.output, model, cfg, size, one_size=model.fixed_input_size or args.static)
         atomic_write(args.output, lambda f: f.write(onnx_file))  # only a file that passed its check

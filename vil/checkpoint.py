@@ -7,11 +7,13 @@ the trainer stores. A bare state dict is accepted too, and so are a ``.safetenso
 holds ``model.safetensors`` (a Hugging Face Hub folder, as ``tools/export_hub.py`` writes).
 """
 
+import json
 import os
 
 import safetensors.torch
 import torch
 
+from .config import config_from_model_arguments
 from .files import SAFETENSORS_NAME, atomic_write
 
 # A buffer the original release saved beside each relative position bias table (the table's name in the same module),
@@ -44,14 +46,15 @@ def download_checkpoint(url, file_name):
 
 def read_checkpoint(path):
     """The checkpoint dict at ``path``, loaded with ``weights_only=True`` (checkpoints are untrusted input); the
-    state dict of a ``.safetensors`` file or of a Hub folder's ``model.safetensors``."""
+    state dict of a ``.safetensors`` file; a Hub folder's ``model.safetensors`` with what its ``config.json``
+    records (:func:`_with_hub_config`)."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, SAFETENSORS_NAME)):
             raise FileNotFoundError(
                 f"{path} is a folder without {SAFETENSORS_NAME}; give a checkpoint file, or a folder that "
                 "tools/export_hub.py wrote."
             )
-        path = os.path.join(path, SAFETENSORS_NAME)
+        return _with_hub_config(read_checkpoint(os.path.join(path, SAFETENSORS_NAME)), path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if os.path.getsize(path) == 0:
@@ -69,6 +72,31 @@ def read_checkpoint(path):
         raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors ({_load_failure(e)}).") from None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
+    return checkpoint
+
+
+def _with_hub_config(state, folder):
+    """A Hub folder's weights as a checkpoint of this project's: ``{"net": state, "config": ..., "classes": ...}``,
+    the config of the model's arguments and the class names that the folder's ``config.json`` records, so that the
+    checks of a checkpoint's model options and classes apply to the folder too. A folder without such a record
+    (another model's, or no ``config.json``) gives the weights alone."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return state
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"{path} is not readable JSON ({e}); export the folder again with tools/export_hub.py."
+        ) from None
+    if not isinstance(record, dict) or record.get("architecture") != "vil_arch":
+        return state
+    cfg = config_from_model_arguments(record.get("model_args", {}), f"the model_args of {path}")
+    checkpoint = {"net": state, "config": cfg.dump()}
+    names = record.get("label_names")
+    if isinstance(names, list) and all(isinstance(name, str) for name in names):
+        checkpoint["classes"] = names
     return checkpoint
 
 

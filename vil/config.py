@@ -234,6 +234,25 @@ def config_value(cfg, key):
 # The keys that hold paths.
 PATH_KEYS = ("DATA.PATH", "DATA.DATA_DIR", "MODEL.MODEL_PATH", "OUTPUT_DIR")
 
+# The MsViT arguments that a config key sets as it is (vil.model_config.model_kwargs), by argument; ATTN_TYPE sets
+# two, the attention and its backend.
+MODEL_ARGUMENT_KEYS = {
+    "arch": "MODEL.VIT.MSVIT.ARCH",
+    "img_size": "INPUT.IMAGE_SIZE",
+    "num_classes": "DATA.NUM_CLASSES",
+    "drop_rate": "MODEL.VIT.DROP",
+    "drop_path_rate": "MODEL.VIT.DROP_PATH",
+    "norm_embed": "MODEL.VIT.NORM_EMBED",
+    "avg_pool": "MODEL.VIT.AVG_POOL",
+    "share_w": "MODEL.VIT.MSVIT.SHARE_W",
+    "share_kv": "MODEL.VIT.MSVIT.SHARE_KV",
+    "only_global": "MODEL.VIT.MSVIT.ONLY_GLOBAL",
+    "sw_exact": "MODEL.VIT.MSVIT.SW_EXACT",
+    "mode": "MODEL.VIT.MSVIT.MODE",
+    "ln_eps": "MODEL.VIT.MSVIT.LN_EPS",
+    "dynamic_img_pad": "MODEL.VIT.DYNAMIC_IMG_PAD",
+}
+
 
 def get_cfg():
     """A fresh copy of all defaults."""
@@ -304,6 +323,26 @@ def config_from_text(text, source):
         raise ValueError(f"Expected YAML text in {source}, not a {type(text).__name__}.")
     cfg = get_cfg()
     merge_yaml(cfg, text, source)
+    check_values(cfg, source)
+    cfg.freeze()
+    return cfg
+
+
+def config_from_model_arguments(arguments, source):
+    """The config of a model built from ``arguments``, the MsViT arguments a Hub folder's ``config.json`` records
+    (``model_args``): the defaults with the keys of :data:`MODEL_ARGUMENT_KEYS` set, and ATTN_TYPE where the
+    attention is not ViL's; arguments that no key sets (timm's ``in_chans``) are left out. Checked as
+    :func:`load_cfg` checks files."""
+    if not isinstance(arguments, dict):
+        raise ValueError(f"Expected the model's arguments as a mapping in {source}, not a {type(arguments).__name__}.")
+    cfg = get_cfg()
+    for name, value in arguments.items():
+        if name == "img_size" and isinstance(value, list) and len(value) == 2 and value[0] == value[1]:
+            value = value[0]  # timm records the side as (H, W)
+        if name in MODEL_ARGUMENT_KEYS:
+            _set(cfg, MODEL_ARGUMENT_KEYS[name], value, source)
+        elif name == "attention" and value != "longformer":
+            _set(cfg, "MODEL.VIT.MSVIT.ATTN_TYPE", value, source)
     check_values(cfg, source)
     cfg.freeze()
     return cfg

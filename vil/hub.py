@@ -73,8 +73,9 @@ def default_class_names(num_classes: int) -> list:
 
 def export_hub_folder(cfg, out: str) -> dict:
     """Write the Hub folder of ``MODEL.MODEL_PATH`` (its EMA weights when it has them) under ``cfg`` to ``out``, its
-    class names those the checkpoint records (else :func:`class_names`); returns what the model card states. A checkpoint that does not fit ``cfg``'s model, or was trained with other
-    model options, is refused as evaluation refuses it (:func:`~vil.weights.load_weights`)."""
+    class names those the checkpoint records (else :func:`class_names`); returns what the model card states. A
+    checkpoint that does not fit ``cfg``'s model, or was trained with other model options, is refused as evaluation
+    refuses it (:func:`~vil.weights.load_weights`)."""
     path = resolve_model_path(cfg)
     checkpoint = read_checkpoint(path)
     ema = has_ema(checkpoint)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode
 
+from .config import MODEL_ARGUMENT_KEYS, config_value
 from .models.msvit import MECHANISMS, MsViT
 from .ops import available_backends, check_window_options
 
@@ -47,27 +48,11 @@ def model_kwargs(cfg: CfgNode) -> dict[str, Any]:
     """The :class:`MsViT` arguments (``arch`` included) that ``cfg`` (from :func:`vil.config.load_cfg`) describes."""
     if cfg.MODEL.ARCH != "msvit":
         raise ValueError(f"MODEL.ARCH {cfg.MODEL.ARCH!r} is not a model of this project; it must be 'msvit'.")
-    vit, msvit = cfg.MODEL.VIT, cfg.MODEL.VIT.MSVIT
+    msvit = cfg.MODEL.VIT.MSVIT
     attention, backend = attention_of(msvit.ATTN_TYPE)
     check_window_options(msvit.SW_EXACT, msvit.MODE)  # also where no layer is a longformer one
-    return dict(
-        arch=msvit.ARCH,
-        img_size=cfg.INPUT.IMAGE_SIZE,
-        num_classes=cfg.DATA.NUM_CLASSES,
-        drop_rate=vit.DROP,
-        drop_path_rate=vit.DROP_PATH,
-        norm_embed=vit.NORM_EMBED,
-        avg_pool=vit.AVG_POOL,
-        attention=attention,
-        attn_backend=backend,
-        share_w=msvit.SHARE_W,
-        share_kv=msvit.SHARE_KV,
-        only_global=msvit.ONLY_GLOBAL,
-        sw_exact=msvit.SW_EXACT,
-        mode=msvit.MODE,
-        ln_eps=msvit.LN_EPS,
-        dynamic_img_pad=vit.DYNAMIC_IMG_PAD,
-    )
+    arguments = {name: config_value(cfg, key) for name, key in MODEL_ARGUMENT_KEYS.items()}
+    return dict(arguments, attention=attention, attn_backend=backend)
 
 
 def build_model(cfg: CfgNode) -> MsViT:

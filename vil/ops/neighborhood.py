@@ -88,12 +88,14 @@ class Neighborhood2d:
         use: every query keeps exactly its keys, since a chunk as large as the map holds all of it and a larger
         radius or dilation only reaches outside the map. Each (query, key) pair also keeps its relative position
         (in one chunk, under wrap-around too, the offset is the positions' own), so a bias table follows by
-        :meth:`bias_of_window`."""
+        :meth:`bias_of_window`. An exact window is fitted to the map's side too (in steps of the dilation), not to
+        the side less one that already reaches every key: the backends that lay a map out in chunks of the window
+        then take one chunk, not four (sliding_chunk 10x faster on a 14 x 14 map)."""
         reach = max(rows, cols, 1)
         if self.chunked:
             return Neighborhood2d(min(self.window, reach), self.exact, self.mode)
         dilation = min(self.dilation, reach)
-        return Neighborhood2d(min(self.window, max(1, -(-(reach - 1) // dilation))), self.exact, self.mode, dilation)
+        return Neighborhood2d(min(self.window, -(-reach // dilation)), self.exact, self.mode, dilation)
 
     @property
     def bias_rows(self) -> int:
@@ -151,12 +153,11 @@ class Neighborhood1d:
         return Neighborhood1d(self.window, dilation, self.causal)
 
     def fitted(self, length: int) -> "Neighborhood1d":
-        """The same band over ``length`` positions with no larger window than it can use (see
-        :meth:`Neighborhood2d.fitted`); the dilations are kept, as they are per head."""
+        """The same band over ``length`` positions with no larger window than it can use, fitted to the length in
+        steps of the smallest dilation (see :meth:`Neighborhood2d.fitted`); the dilations are kept, as they are per
+        head."""
         smallest = min(self.dilation if self.per_head else (self.dilation,))
-        return Neighborhood1d(
-            min(self.window, max(1, -(-(max(length, 1) - 1) // smallest))), self.dilation, self.causal
-        )
+        return Neighborhood1d(min(self.window, -(-max(length, 1) // smallest)), self.dilation, self.causal)
 
     @property
     def offsets(self) -> range:
