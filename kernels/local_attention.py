@@ -653,6 +653,12 @@ def _candidates(chunk_pad):
     return (*pipelined, (bq, bk, num_warps(bq, chunk_pad), UNPIPELINED))
 
 
+def _global_block(num_global):
+    """BLOCK_G, the global keys the programs hold at once: all of them, at least 16 (Triton's smallest product). It
+    sets the programs' registers and shared memory, so the tuning keys hold it."""
+    return max(16, flash.next_power_of_2(num_global))
+
+
 def _strides4(t):
     return t.stride()[:4]
 
@@ -680,7 +686,8 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = flash.new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
     dummy = q.new_empty(0)
-    key = (q.device, geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
+    BLOCK_G = _global_block(G)
+    key = (q.device, geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G and BLOCK_G, rel_bias is not None)
 
     def launch(bq, bk, warps, stages):
         _fwd_kernel[(geo.tiles(bq), B * H)](
@@ -715,7 +722,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
             N_OFF=geo.num_slots,
             HEAD_DIM=D,
             BLOCK_D=flash.next_power_of_2(D),
-            BLOCK_G=max(16, flash.next_power_of_2(G)),
+            BLOCK_G=BLOCK_G,
             HAS_GLOBAL=G > 0,
             HAS_REL_BIAS=rel_bias is not None,
             HAS_GLOBAL_BIAS=global_bias is not None,
@@ -738,7 +745,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
     G = 0 if gk is None else gk.shape[2]
     tensors = dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias, do=do, o=o, lse=lse)
     _check_inputs(tensors, geo.window)
-    BLOCK_D, BLOCK_G = flash.next_power_of_2(D), max(16, flash.next_power_of_2(G))
+    BLOCK_D, BLOCK_G = flash.next_power_of_2(D), _global_block(G)
     BT = max(16, flash.next_power_of_2(4 * geo.window - 1))
     dummy = q.new_empty(0)
     precision = flash.dot_precision(q.dtype)
@@ -754,7 +761,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
         HAS_REL_BIAS=rel_bias is not None,
         DOT_PRECISION=precision,
     )
-    key = (q.device, geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G > 0, rel_bias is not None)
+    key = (q.device, geo.chunk_pad, D, q.dtype, geo.num_slots, geo.exact, G and BLOCK_G, rel_bias is not None)
     rel = dummy if rel_bias is None else rel_bias
 
     delta = flash.delta(o.flatten(2, 3), do.flatten(2, 3)).flatten(1)

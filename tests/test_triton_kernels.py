@@ -156,6 +156,16 @@ def test_tuning_picks_a_timed_tile_shape(monkeypatch):
     assert all(tiles in kernels._candidates(8) for tiles in flash._TUNED.values())
 
 
+def test_tile_shapes_are_tuned_per_block_of_global_keys(monkeypatch):
+    """BLOCK_G (all the global keys, at least 16) sets a program's registers and shared memory: a shape tuned with
+    one global key is not taken for 20 (a block of 32) without being tuned again."""
+    monkeypatch.setattr(flash, "_TUNED", {})
+    for G in (1, 2, 20):
+        run("triton", make_inputs(4, 5, 2, G, False, False, H=1), 2)
+    forward_keys = [key for name, key in flash._TUNED if name == "forward"]
+    assert len(forward_keys) == 2  # blocks of 16 (one and two global keys) and of 32
+
+
 def test_tile_shapes_beyond_the_gpu_are_passed_over_or_refused_in_one_sentence(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
