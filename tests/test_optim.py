@@ -197,6 +197,14 @@ def test_warmup_then_cosine_per_step():
     assert values[50] == pytest.approx(1e-5)
 
 
+def test_a_fractional_warmup_lasts_the_whole_steps_it_covers():
+    """0.3 of 5 steps an epoch is 1.5 steps: one step of warmup, as the original release truncates, then the
+    cosine from its second step."""
+    values = lrs(cfg_with("SOLVER.LR_POLICY", "cosine", "SOLVER.WARMUP_EPOCHS", "0.3", "SOLVER.MIN_LR", "0.0"), 5)
+    assert values[0] == pytest.approx(1e-3 / 3)  # WARMUP_FACTOR 1/3, the default
+    assert values[1] == pytest.approx(0.5 * 1e-3 * (1 + math.cos(math.pi * 1 / 50)))
+
+
 def test_linear_policy_and_epoch_based_schedule():
     linear = lrs(cfg_with("SOLVER.LR_POLICY", "linear", "SOLVER.WARMUP_EPOCHS", "0.0", "SOLVER.MIN_LR", "1e-5"), 4)
     assert (

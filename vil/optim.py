@@ -108,7 +108,8 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
             "give SOLVER.WARMUP_EPOCHS below OPTIM.EPOCHS."
         )
     per_epoch = 1 if solver.EPOCH_BASED_SCHEDULE else steps_per_epoch
-    warmup = solver.WARMUP_EPOCHS if solver.EPOCH_BASED_SCHEDULE else int(round(solver.WARMUP_EPOCHS * steps_per_epoch))
+    # Steps of a fractional warmup, truncated as the original release counts them (0.25 of 1251 steps: 312).
+    warmup = solver.WARMUP_EPOCHS if solver.EPOCH_BASED_SCHEDULE else int(solver.WARMUP_EPOCHS * steps_per_epoch)
     total = cfg.OPTIM.EPOCHS * per_epoch
     common = dict(
         warmup_t=warmup, warmup_lr_init=cfg.OPTIM.LR * solver.WARMUP_FACTOR, t_in_epochs=solver.EPOCH_BASED_SCHEDULE
