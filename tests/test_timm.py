@@ -239,6 +239,38 @@ def test_out_indices_out_of_range():
     model = timm.create_model("vil_tiny")
     with pytest.raises(ValueError, match="last 5 stages.*with 4.*1 to 4"):
         model.forward_intermediates(torch.randn(1, 3, 64, 64), indices=5)
+    for indices in ([0.5], "a", 1.0, [True]):
+        with pytest.raises(ValueError, match=r"Stage indices must be an int or a sequence of ints, got"):
+            model.prune_intermediate_layers(indices)
+
+
+def test_pruning_the_last_stages_gives_a_model_of_the_stage_left():
+    """As timm's Swin: the features end at the last stage kept, so num_features is its width, and a classifier reset
+    afterwards (or the one prune_head=False leaves) is made for it."""
+    for prune_head in (True, False):
+        model = timm.create_model("vil_arch", arch=ARCH_8, img_size=64, num_classes=5)
+        model.prune_intermediate_layers([0], prune_head=prune_head)
+        assert model.num_features == model.head_hidden_size == 16
+        model.reset_classifier(10, "avg")
+        assert model(torch.randn(2, 3, 64, 64)).shape == (2, 10)
+
+
+def test_a_new_classifier_takes_the_models_device_and_dtype():
+    model = timm.create_model("vil_arch", arch=ARCH_8, img_size=64, num_classes=5).to(torch.bfloat16).eval()
+    model.reset_classifier(3)
+    assert model.head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 64, 64, dtype=torch.bfloat16)).shape == (1, 3)
+
+
+def test_bad_input_channels_and_traced_performer_features_are_one_sentence():
+    for in_chans in (0, -1, 3.0, True):
+        with pytest.raises(ValueError, match=rf"in_chans must be a positive number of image channels, got {in_chans}"):
+            timm.create_model("vil_arch", arch=ARCH_8, img_size=64, in_chans=in_chans)
+    with pytest.raises(ValueError, match="feature_cls 'fx' cannot extract a performer model's features"):
+        timm.create_model(
+            "vil_small_performer", features_only=True, feature_cls=timm.models.FeatureGraphNet, img_size=64
+        )
 
 
 def test_checkpoint_of_another_architecture(tmp_path):
@@ -466,6 +498,8 @@ def test_vil_arch_pretrained_cfg_follows_the_arch_and_attention_it_is_built_with
     assert model.pretrained_cfg["pool_size"] == tuple(features.shape[1:3]) == (14, 14)
     linformer = timm.create_model("vil_arch", arch=arch, attention="linformer", img_size=64, num_classes=3)
     assert linformer.pretrained_cfg["fixed_input_size"] and linformer.fixed_input_size
+    # What timm's scripts resolve the input size from: the one size it takes.
+    assert timm.data.resolve_model_data_config(linformer)["input_size"] == (3, 64, 64)
     srformer = timm.create_model("vil_arch", arch=arch.replace("f2", "f8"), attention="srformer", img_size=256)
     side = srformer.pretrained_cfg["min_input_size"][-1]
     with torch.no_grad():

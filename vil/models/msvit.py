@@ -19,8 +19,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, register_notrace_function, register_notrace_module, to_2tuple, trunc_normal_
+from timm.layers import (
+    DropPath,
+    Mlp,
+    get_device_dtype,
+    register_notrace_function,
+    register_notrace_module,
+    to_2tuple,
+    trunc_normal_,
+)
 from timm.models import (
+    FeatureGraphNet,
     build_model_with_cfg,
     generate_default_cfgs,
     get_pretrained_cfg,
@@ -155,6 +164,10 @@ class StageMap(nn.Module):
         return local.transpose(1, 2).reshape(local.shape[0], local.shape[-1], nx, ny)  # also for a batch of 0
 
 
+def _is_index(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_num_classes(num_classes):
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
         raise ValueError(f"num_classes must be 0 (no classifier) or a positive number of classes, got {num_classes!r}.")
@@ -228,6 +241,8 @@ class MsViT(nn.Module):
             raise ValueError(f"img_size must be a positive int or an (H, W) pair of them, got {img_size!r}.")
         self.img_size = tuple(int(side) for side in self.img_size)
         _check_num_classes(num_classes)
+        if isinstance(in_chans, bool) or not isinstance(in_chans, numbers.Integral) or in_chans < 1:
+            raise ValueError(f"in_chans must be a positive number of image channels, got {in_chans!r}.")
         if not 0 <= drop_path_rate < 1:
             raise ValueError(f"drop_path_rate must be a probability in [0, 1), got {drop_path_rate!r}.")
         if not (math.isfinite(ln_eps) and ln_eps > 0):
@@ -294,6 +309,7 @@ class MsViT(nn.Module):
         self.norm = norm_layer(in_dim)
         self.head = nn.Linear(in_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
+        self._traits = {"fixed_input_size": self.fixed_input_size}  # timm keeps what a model declares
         if any(isinstance(m, PerformerAttention) for m in self.modules()):
             # Training forwards since the features were last drawn (the original release's buffer), and every how
             # many the features are drawn anew (a tensor, so that changing it compiles nothing new).
@@ -413,7 +429,8 @@ class MsViT(nn.Module):
         if global_pool is not None:
             self.global_pool = self._checked_pool(global_pool)
         self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        made = get_device_dtype(self)  # the model's device and dtype (a bfloat16 model on a GPU: the head too)
+        self.head = nn.Linear(self.num_features, num_classes, **made) if num_classes > 0 else nn.Identity()
         self.head.apply(self._init_weights)
 
     @property
@@ -445,7 +462,9 @@ class MsViT(nn.Module):
         count = len(self.stage_specs)
         if indices is None:
             indices = count
-        if isinstance(indices, int):
+        if not all(_is_index(i) for i in (indices if isinstance(indices, Sequence) else [indices])):
+            raise ValueError(f"Stage indices must be an int or a sequence of ints, got {indices!r}.")
+        if isinstance(indices, numbers.Integral):
             if not 0 < indices <= count:
                 raise ValueError(f"Asked for the last {indices} stages of a model with {count}; ask for 1 to {count}.")
             return list(range(count - indices, count))
@@ -514,19 +533,22 @@ class MsViT(nn.Module):
     def prune_intermediate_layers(
         self, indices: Optional[Union[int, Sequence[int]]] = 1, prune_norm: bool = False, prune_head: bool = True
     ) -> list[int]:
-        """Remove the stages after the last of ``indices`` (and with them the final norm, which belongs to the
-        last stage), the final norm if ``prune_norm``, the classifier and pooling if ``prune_head``; returns
-        the stage indices to ask :meth:`forward_intermediates` for."""
+        """Remove the stages after the last of ``indices`` (and with them the final norm, the classifier and its
+        pooling, made for the last stage's features; ``num_features`` becomes the new last stage's), the final norm
+        if ``prune_norm``, the classifier and pooling if ``prune_head``; returns the stage indices to ask
+        :meth:`forward_intermediates` for."""
         take = self._take_indices(indices)
         keep = take[-1] + 1
+        cut = keep < len(self.stage_specs)
         for spec in self.stage_specs[keep:]:
             delattr(self, f"layer{spec.index}")
         self.stage_maps = self.stage_maps[:keep]
-        if prune_norm or keep < len(self.stage_specs):
+        if prune_norm or cut:
             self.norm = nn.Identity()
         self.stage_specs, self.feature_info = self.stage_specs[:keep], self.feature_info[:keep]
         self.total_stride = self.feature_info[-1]["reduction"]  # the stages left: the smallest image they take
-        if prune_head:
+        self.num_features = self.head_hidden_size = self.feature_info[-1]["num_chs"]
+        if prune_head or cut:  # the classifier and its pooling were made for the last stage's features: they go
             self.global_pool = ""
             self.reset_classifier(0)
         return take
@@ -784,7 +806,10 @@ def _create_vil(variant, pretrained=False, **kwargs):
     kwargs.setdefault("img_size", cfg.input_size[-1])
     arch, attention = VARIANTS[variant]
     arch = kwargs.pop("arch", arch)
-    if kwargs.get("feature_cls") == "fx" and kwargs.get("attention", attention.get("attention")) == "performer":
+    traced = kwargs.get("feature_cls") == "fx" or (
+        isinstance(kwargs.get("feature_cls"), type) and issubclass(kwargs["feature_cls"], FeatureGraphNet)
+    )
+    if traced and kwargs.get("attention", attention.get("attention")) == "performer":
         raise ValueError(
             "feature_cls 'fx' cannot extract a performer model's features: tracing drops the redraw of its "
             "random features; use feature_cls 'getter' (the default) or 'hook'."
@@ -809,6 +834,8 @@ def _create_vil(variant, pretrained=False, **kwargs):
     if arch != VARIANTS[variant][0] or "attention" in kwargs:  # vil_arch's own arch, or another attention
         built = {k: v for k, v in {**attention, **kwargs}.items() if k == "attention"}
         fields = _input_fields(arch, built, model.pretrained_cfg["input_size"][-1])
+        if fields["fixed_input_size"]:  # the one size it takes, which timm's data config resolves
+            fields["input_size"] = (model.in_chans, *model.img_size)
         rest = {k: v for k, v in model.pretrained_cfg.items() if k != "min_input_size"}
         model.pretrained_cfg = model.default_cfg = {**rest, **fields}
     return model
