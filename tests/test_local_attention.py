@@ -277,8 +277,12 @@ def test_integers_of_numpy_are_taken_as_ints():
     got = local_attention_2d(q, q, q, np.int64(2), exact=np.int32(0), mode=np.int64(3))
     assert torch.equal(got, local_attention_2d(q, q, q, 2, exact=0, mode=3))
     q1 = q.flatten(2, 3)[:, :, :, :2].expand(1, 2, 36, 2)
-    got = local_attention_1d(q1, q1, q1, np.int64(2), dilation=(np.int64(1), 2))
-    assert torch.equal(got, local_attention_1d(q1, q1, q1, 2, dilation=(1, 2)))
+    want = local_attention_1d(q1, q1, q1, 2, dilation=(1, 2))
+    for dilation in ((np.int64(1), 2), np.array([1, 2]), range(1, 3), [1, 2]):
+        assert torch.equal(local_attention_1d(q1, q1, q1, np.int64(2), dilation=dilation), want)
+    assert torch.equal(
+        local_attention_1d(q1, q1, q1, 2, dilation=np.int64(2)), local_attention_1d(q1, q1, q1, 2, dilation=2)
+    )
 
 
 @pytest.mark.parametrize("exact,mode", [(1, 0), (0, 0), (-1, 0), (0, 3)])
@@ -1012,6 +1016,9 @@ def test_an_enormous_window_is_the_whole_map(exact):
             lambda q: local_attention_2d(q, q, q, 1, scale="0.5"),
             r"scale must be a number.*'0.5'",
         ),
+        (lambda q: local_attention_2d(q, None, q, 1), r"k must be a torch.Tensor, got None"),
+        (lambda q: local_attention_1d(None, q[:, :, 0], q[:, :, 0], 1), r"q must be a torch.Tensor, got None"),
+        (lambda q: local_attention_2d(q.to_sparse(), q, q, 1), r"q must be a dense \(strided\) tensor.*sparse_coo"),
         (
             lambda q: local_attention_2d(q, q, q, 1, scale=float("nan")),
             r"scale must be a finite number, got nan\.$",

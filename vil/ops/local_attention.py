@@ -136,7 +136,9 @@ def local_attention_1d(
                 "Under torch.compile and torch.export give dilation as Python ints (one per head), not a tensor."
             )
         dilation = dilation.tolist()
-    if isinstance(dilation, (list, tuple)):
+    elif type(dilation).__module__ == "numpy":  # an array or a numpy int, as Python values
+        dilation = dilation.tolist()
+    if isinstance(dilation, Sequence) and not isinstance(dilation, str):
         if len(dilation) != H:
             raise ValueError(f"dilation must be one int or one int per head ({H}), got {len(dilation)} values.")
         dilation = tuple(dilation)
@@ -274,11 +276,18 @@ def check_window_options(exact: int, mode: int, dilation: int = 1) -> None:
 
 
 def _check_types(q, tensors, scale):
-    """Tensors where tensors belong (not lists or numpy arrays), a finite number as the scale."""
+    """Dense tensors where tensors belong (not lists, numpy arrays or sparse tensors; q, k and v not None), a finite
+    number as the scale."""
     for name, t in dict(q=q, **tensors).items():
+        if t is None and name in ("q", "k", "v"):
+            raise ValueError(f"{name} must be a torch.Tensor, got None.")
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(
                 f"{name} must be a torch.Tensor, got a {type(t).__name__}; convert it with torch.as_tensor."
+            )
+        if t is not None and t.layout != torch.strided:
+            raise ValueError(
+                f"{name} must be a dense (strided) tensor, got layout {t.layout}; convert it with .to_dense()."
             )
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise ValueError(f"scale must be a number (or None for head_dim ** -0.5), got {scale!r}.")
