@@ -639,3 +639,16 @@ def test_processes_added_on_resume_keep_random_states_of_their_own():
     assert torch.equal(torch.get_rng_state(), own)
     training_state.restore_rng_state(saved, 0)
     assert torch.equal(torch.get_rng_state(), saved[0]["torch"])
+
+
+def test_bfloat16_amp_on_a_gpu_without_bfloat16_tensor_cores_says_so(monkeypatch, caplog):
+    """A V100 or T4 (compute capability 7.x) emulates bfloat16 products: the log says to use float16 there."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    cfg = load_cfg("vil_tiny")  # AMP.ENABLED, bfloat16
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        training_setup.amp_context(cfg, torch.device("cuda"))
+    assert "compute capability below 8.0" in caplog.text and "AMP.DTYPE float16" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    training_setup.amp_context(cfg, torch.device("cuda"))
+    assert "compute capability" not in caplog.text

@@ -91,6 +91,11 @@ def amp_context(cfg, device):
             "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AVX512-FP16 or AMX-FP16",
             cfg.AMP.DTYPE,
         )
+    if on and device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
+        log.warning(
+            "AMP.DTYPE bfloat16: this GPU (compute capability below 8.0) has no bfloat16 tensor cores, so its bfloat16 "
+            "products are emulated, many times slower than float16; set AMP.DTYPE float16 on it."
+        )
     scaler = torch.amp.GradScaler(device.type, enabled=on and dtype == torch.float16)
     return ((lambda: torch.autocast(device.type, dtype=dtype)) if on else nullcontext), scaler
 
