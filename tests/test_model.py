@@ -8,7 +8,7 @@ import torch
 
 import vil.models.attention as attention_module
 from vil.config import load_cfg
-from vil.model_config import ATTN_TYPE_ALIASES, build_model
+from vil.model_config import ATTN_TYPE_ALIASES, attention_of, build_model
 from vil.models import PRESETS, MsViT, parse_arch
 from vil.models.attention import FullAttention, LongformerAttention, LongformerOptions
 from vil.models.msvit import MECHANISMS
@@ -235,11 +235,13 @@ def test_every_attn_type_gives_the_logits_of_sliding_chunk(attn_type):
 def test_attn_type_aliases_name_their_backends():
     """The original release's ATTN_TYPE names and this project's earlier ones build the model of their backend."""
     assert ATTN_TYPE_ALIASES["longformerhand"] == "sliding_chunk"
-    assert ATTN_TYPE_ALIASES["longformer_cuda"] == ATTN_TYPE_ALIASES["longformer_triton"] == "triton"
-    for alias, backend in ATTN_TYPE_ALIASES.items():
+    assert ATTN_TYPE_ALIASES["longformer_cuda"] == "triton"
+    names = {**ATTN_TYPE_ALIASES, **{f"longformer_{backend}": backend for backend in available_backends(2)}}
+    for alias, backend in names.items():
         assert backend in available_backends(2) and alias not in available_backends(2)
-        model = build_model(tiny_cfg("MODEL.VIT.MSVIT.ATTN_TYPE", alias))
-        assert model.layer1[1].attn.backend == backend
+        assert attention_of(alias) == ("longformer", backend)
+    model = build_model(tiny_cfg("MODEL.VIT.MSVIT.ATTN_TYPE", "longformerhand"))
+    assert model.layer1[1].attn.backend == "sliding_chunk"
 
 
 def test_full_attn_type_uses_full_attention_everywhere():

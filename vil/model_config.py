@@ -14,31 +14,27 @@ from .config import MODEL_ARGUMENT_KEYS, config_value
 from .models.msvit import MECHANISMS, MsViT
 from .ops import available_backends, check_window_options
 
-# ATTN_TYPE names of earlier configs -> the backend each means: the original release's, and this project's
-# ``longformer_<backend>``.
+# ATTN_TYPE names of the original release's configs -> the backend each means. Earlier configs of this project
+# name a backend ``longformer_<backend>``, which every backend takes (:func:`attention_of`).
 ATTN_TYPE_ALIASES: dict[str, str] = {
     "longformerhand": "sliding_chunk",
     "longformerauto": "sliding_chunk_autograd",
     "longformer_cuda": "triton",  # the original release's custom kernel
-    "longformer_triton": "triton",
-    "longformer_fused_cpu": "fused_cpu",
-    "longformer_flex": "flex",
-    "longformer_unfold": "unfold",
-    "longformer_unfold_nnf": "unfold_nnf",
-    "longformer_chunk_rows": "chunk_rows",
 }
+BACKEND_PREFIX = "longformer_"
 
 
 def attn_types() -> list[str]:
     """Every name ``MODEL.VIT.MSVIT.ATTN_TYPE`` takes."""
-    return [*MECHANISMS, *available_backends(2), *ATTN_TYPE_ALIASES]
+    backends = available_backends(2)
+    return [*MECHANISMS, *backends, *ATTN_TYPE_ALIASES, *(BACKEND_PREFIX + name for name in backends)]
 
 
 def attention_of(attn_type: str) -> tuple[str, Optional[str]]:
     """``(attention, attn_backend)``, the :class:`MsViT` arguments an ATTN_TYPE stands for."""
     if attn_type in MECHANISMS:
         return attn_type, None
-    backend = ATTN_TYPE_ALIASES.get(attn_type, attn_type)
+    backend = ATTN_TYPE_ALIASES.get(attn_type, attn_type.removeprefix(BACKEND_PREFIX))
     if backend not in available_backends(2):
         raise ValueError(f"Unknown MODEL.VIT.MSVIT.ATTN_TYPE {attn_type!r}; known: {', '.join(attn_types())}.")
     return "longformer", backend
