@@ -50,16 +50,9 @@ def full_bias_to_local(table, old_map, window):
 
 def full_bias(table, nx, ny):
     """``(heads, nx*ny, nx*ny)``: the bias of local query (qi, qj) and local key (ki, kj) of an ``nx x ny`` map,
-    row ``(qi-ki + nx-1) * (2ny-1) + (qj-kj + ny-1)`` of ``table`` (which must be that map's table)."""
-    heads = table.shape[1]
-    grid = table.t().reshape(heads, 2 * nx - 1, 2 * ny - 1)
-    rows = _offsets(nx, table.device)
-    cols = _offsets(ny, table.device)
-    # (heads, qi, ki, qj, kj) -> (heads, qi, qj, ki, kj)
-    return grid[:, rows][:, :, :, cols].permute(0, 1, 3, 2, 4).reshape(heads, nx * ny, nx * ny)
-
-
-def _offsets(n, device):
-    """``(n, n)`` with ``q - k + n - 1`` at (q, k)."""
-    positions = torch.arange(n, device=device)
-    return positions[:, None] - positions[None, :] + n - 1
+    row ``(qi-ki + nx-1) * (2ny-1) + (qj-kj + ny-1)`` of ``table`` (which must be that map's table). Indexed by
+    token directly (no 5-dimensional view), which torch.export can trace for map sizes of any expression."""
+    positions = torch.arange(nx * ny, device=table.device)
+    rows, cols = positions // ny, positions % ny
+    index = (rows[:, None] - rows[None, :] + nx - 1) * (2 * ny - 1) + (cols[:, None] - cols[None, :] + ny - 1)
+    return table.t()[:, index]
