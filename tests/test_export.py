@@ -471,6 +471,13 @@ def test_the_trace_size_a_refusal_names_gives_a_file_for_any_size(tmp_path):
         images = torch.randn(1, 3, height, width)
         with torch.no_grad():
             torch.testing.assert_close(onnx_outputs(tmp_path / "m.onnx", images), model(images), atol=1e-5, rtol=0)
+    # Sizes the file does not take are refused by the sizes it records, before onnxruntime fails inside the graph.
+    for height, width in ((50, 64), (16, 64)):
+        with pytest.raises(ValueError, match=rf"multiples of 16 from 32 up, not {height}x{width}"):
+            onnx_outputs(tmp_path / "m.onnx", torch.randn(1, 3, height, width))
+    export_onnx(model, tmp_path / "fixed.onnx", 96, 96, dynamic_size=False)
+    with pytest.raises(ValueError, match=r"takes 96x96 images only, not 64x64"):
+        onnx_outputs(tmp_path / "fixed.onnx", torch.randn(1, 3, 64, 64))
 
 
 def test_export_onnx_tool_writes_only_a_file_that_passes_its_check(tmp_path, monkeypatch):

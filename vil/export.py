@@ -145,7 +145,23 @@ def onnx_model(model, height, width, dynamic_size=True) -> bytes:
     onnx_program = torch.onnx.export(
         program, (example,), dynamo=True, input_names=["images"], output_names=_output_names(program)
     )
-    return onnx_program.model_proto.SerializeToString()
+    proto = onnx_program.model_proto
+    described = _vil_of(model)
+    if described.fixed_input_size or not dynamic_size:
+        taken = {SIZES_TAKEN["fixed"]: f"{height}x{width}"}
+    else:
+        taken = {
+            SIZES_TAKEN["step"]: str(described.total_stride),
+            SIZES_TAKEN["least"]: str(2 * described.total_stride),
+        }
+    for key, value in taken.items():
+        proto.metadata_props.add(key=key, value=value)
+    return proto.SerializeToString()
+
+
+# The image sizes an ONNX file of this project takes, as it records them (metadata_props): one size, or the
+# multiples of a step from a least side up.
+SIZES_TAKEN = {"fixed": "vil.image_size", "step": "vil.image_side_step", "least": "vil.image_side_least"}
 
 
 def _output_names(program):
@@ -178,4 +194,20 @@ def onnx_outputs(onnx_file, images):
     options.log_severity_level = 4  # a failure is raised with its message; not logged to stderr besides
     source = onnx_file if isinstance(onnx_file, bytes) else str(onnx_file)
     session = onnxruntime.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    _check_sizes_taken(session.get_modelmeta().custom_metadata_map, tuple(images.shape[-2:]))
     return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: images.numpy()})[0])
+
+
+def _check_sizes_taken(recorded, size):
+    """Refuse, in one sentence, images of a ``size`` (H, W) that the file's recorded sizes (:data:`SIZES_TAKEN`) do not
+    include; a file without the record is run as it is."""
+    height, width = size
+    if SIZES_TAKEN["fixed"] in recorded and recorded[SIZES_TAKEN["fixed"]] != f"{height}x{width}":
+        raise ValueError(f"This ONNX file takes {recorded[SIZES_TAKEN['fixed']]} images only, not {height}x{width}.")
+    if SIZES_TAKEN["step"] in recorded:
+        step, least = int(recorded[SIZES_TAKEN["step"]]), int(recorded[SIZES_TAKEN["least"]])
+        if height % step or width % step or min(height, width) < least:
+            raise ValueError(
+                f"This ONNX file takes images whose sides are multiples of {step} from {least} up, not "
+                f"{height}x{width}; resize or pad them to such a size."
+            )
