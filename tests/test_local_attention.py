@@ -222,12 +222,18 @@ def test_a_window_wider_than_the_map_with_a_bias_table_is_the_window_asked_for(b
         out, grads = run(backend, inputs, w, exact, mode) if dilation == 1 else run_dilated(backend, inputs, w)
         extras = Extras(4**-0.5, inputs["global_k"], inputs["global_v"], inputs["rel_bias"], inputs["global_bias"])
         hood = Neighborhood2d(w, exact, mode, dilation)
-        expected = reference.attention_2d(inputs["q"], inputs["k"], inputs["v"], hood, extras)
-        leaves = [t for t in inputs.values() if t is not None]
-        expected_grads = torch.autograd.grad(expected, leaves, upstream_gradient(expected, 1))
-        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
-        for got, want in zip(grads, expected_grads):
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        assert_matches_the_window_asked_for(out, grads, reference.attention_2d, inputs, hood, extras)
+
+
+def assert_matches_the_window_asked_for(out, grads, attention, inputs, hood, extras):
+    """``out`` and ``grads`` (those of every input present, for the upstream gradient of seed 1) against the reference
+    function ``attention`` called with ``hood`` and ``extras`` as they are, not fitted to the map."""
+    expected = attention(inputs["q"], inputs["k"], inputs["v"], hood, extras)
+    leaves = [t for t in inputs.values() if t is not None]
+    expected_grads = torch.autograd.grad(expected, leaves, upstream_gradient(expected, 1))
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def run_dilated(backend, inputs, w):
