@@ -53,6 +53,7 @@ def full_bias(table, nx, ny):
     row ``(qi-ki + nx-1) * (2ny-1) + (qj-kj + ny-1)`` of ``table`` (which must be that map's table). Indexed by
     token directly (no 5-dimensional view), which torch.export can trace for map sizes of any expression."""
     positions = torch.arange(nx * ny, device=table.device)
-    rows, cols = positions // ny, positions % ny
+    rows = positions // ny
+    cols = positions - rows * ny  # not %: ONNX's exporter takes no remainder by a size it does not know
     index = (rows[:, None] - rows[None, :] + nx - 1) * (2 * ny - 1) + (cols[:, None] - cols[None, :] + ny - 1)
     return table.t()[:, index]
