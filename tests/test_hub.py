@@ -326,6 +326,23 @@ def test_predict_reads_images_as_a_viewer_shows_them(tmp_path):
     Image.fromarray(np.ones((4, 4), dtype=np.float32)).save(tmp_path / "float.tif")
     with pytest.raises(ValueError, match="floating-point pixels"):
         photo(tmp_path / "float.tif")
+    # 32-bit integers: 16-bit levels (as older Pillow opens 16-bit PNGs) are scaled, wider ones refused.
+    Image.fromarray(levels.astype(np.int32), "I").save(tmp_path / "wide.tif")
+    assert np.array_equal(np.asarray(photo(tmp_path / "wide.tif"))[..., 0], np.arange(256).reshape(16, 16))
+    Image.fromarray(np.full((4, 4), 100000, np.int32), "I").save(tmp_path / "wider.tif")
+    with pytest.raises(ValueError, match=r"32-bit integer pixels \(mode I\) outside 16-bit levels \(up to 100000\)"):
+        photo(tmp_path / "wider.tif")
+
+
+def test_a_folder_gives_the_images_a_file_name_gives(tmp_path):
+    """GIF files, read when named one by one, are a folder's images too; other files are not."""
+    from vil.predict import image_paths
+
+    folder = tmp_path
+    for name in ("a.gif", "b.PNG", "notes.txt"):
+        (folder / name).write_bytes(b"")
+    assert [Path(p).name for p in image_paths([folder])] == ["a.gif", "b.PNG"]
+    assert [Path(p).name for p in image_paths([folder / "a.gif"])] == ["a.gif"]
 
 
 def test_predict_writes_as_many_csv_columns_as_the_model_has_classes_below_top_k(exported, tmp_path):

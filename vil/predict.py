@@ -16,6 +16,10 @@ from tqdm import tqdm
 from .data import collate_skipping, loaded_or_skipped
 from .unreadable import warn_unreadable
 
+# The files a folder's images are taken from: torchvision's image extensions, and GIF (its first frame), which a file
+# named on its own is read as too.
+FOLDER_IMAGE_EXTENSIONS = (*IMG_EXTENSIONS, ".gif")
+
 
 def image_paths(inputs) -> list:
     """The image files that ``inputs`` name: files as they are, folders' images (recursively, sorted), globs'
@@ -27,7 +31,7 @@ def image_paths(inputs) -> list:
                 os.path.join(root, name)
                 for root, _, names in os.walk(item)
                 for name in names
-                if name.lower().endswith(IMG_EXTENSIONS)
+                if name.lower().endswith(FOLDER_IMAGE_EXTENSIONS)
             )
         elif os.path.isfile(item):
             found = [item]
@@ -48,16 +52,21 @@ def readable_names(names: list) -> list:
 def photo(path) -> Image.Image:
     """The image at ``path`` in RGB as a viewer shows it: turned as its EXIF orientation says (a phone's photos), and
     16-bit grey levels scaled to 8 bits (a plain conversion clips every level above 255 to white). Floating-point
-    images, whose range nothing states, are refused in one sentence."""
+    images, and 32-bit integer ones beyond 16-bit levels, whose range nothing states, are refused in one sentence."""
     with Image.open(path) as image:
         image = ImageOps.exif_transpose(image)
         if image.mode == "F":
             raise ValueError(
                 "it holds floating-point pixels (mode F), whose range is not known; save it as 8- or 16-bit"
             )
-        if image.mode.startswith("I"):  # I;16, I;16B, I: 16-bit grey levels
-            levels = np.asarray(image, dtype=np.float64) * (255 / 65535)
-            image = Image.fromarray(np.clip(np.rint(levels), 0, 255).astype(np.uint8))
+        if image.mode.startswith("I"):  # I;16, I;16B, and I (how older Pillow opens 16-bit PNGs): 16-bit levels
+            levels = np.asarray(image, dtype=np.float64)
+            if levels.size and (levels.min() < 0 or levels.max() > 65535):
+                raise ValueError(
+                    f"it holds 32-bit integer pixels (mode {image.mode}) outside 16-bit levels (up to "
+                    f"{levels.max():.0f}), whose range is not known; save it as 8- or 16-bit"
+                )
+            image = Image.fromarray(np.clip(np.rint(levels * (255 / 65535)), 0, 255).astype(np.uint8))
         return image.convert("RGB")
 
 
