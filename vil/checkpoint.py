@@ -93,11 +93,17 @@ def _with_hub_config(state, folder):
     if not isinstance(record, dict) or record.get("architecture") != "vil_arch":
         return state
     cfg = config_from_model_arguments(record.get("model_args", {}), f"the model_args of {path}")
-    checkpoint = {"net": state, "config": cfg.dump()}
-    names = record.get("label_names")
-    if isinstance(names, list) and all(isinstance(name, str) for name in names):
-        checkpoint["classes"] = names
+    checkpoint = {"net": state, "config": cfg.dump(), "classes": record.get("label_names")}
+    if recorded_classes(checkpoint) is None:
+        del checkpoint["classes"]
     return checkpoint
+
+
+def recorded_classes(checkpoint):
+    """The class names, in label order, that a checkpoint records (``classes``: this project's trainer writes them,
+    a Hub folder's ``label_names`` give them), or None where it records no list of names."""
+    names = checkpoint.get("classes") if isinstance(checkpoint, dict) else None
+    return names if isinstance(names, list) and all(isinstance(name, str) for name in names) else None
 
 
 def classifier_classes(path):

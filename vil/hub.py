@@ -16,7 +16,7 @@ from timm.data import ImageNetInfo
 from timm.models._hub import save_config_for_hf  # timm's writer of config.json (save_for_hf without the weights)
 from torchvision.datasets.folder import find_classes
 
-from .checkpoint import SAFETENSORS_NAME, has_ema, read_checkpoint
+from .checkpoint import SAFETENSORS_NAME, has_ema, read_checkpoint, recorded_classes
 from .data import INTERPOLATIONS
 from .files import atomic_write, check_writable_folder
 from .model_config import model_kwargs
@@ -91,7 +91,8 @@ def export_hub_folder(cfg, out: str) -> dict:
         mean=tuple(cfg.INPUT.MEAN),
         std=tuple(cfg.INPUT.STD),
     )
-    names = checkpoint.get("classes") if _names_classes(checkpoint.get("classes"), cfg) else class_names(cfg)
+    recorded = recorded_classes(checkpoint)
+    names = recorded if recorded is not None and len(recorded) == cfg.DATA.NUM_CLASSES else class_names(cfg)
     card = dict(
         arch=args["arch"],
         weights="EMA" if ema else "model",
@@ -113,15 +114,6 @@ def export_hub_folder(cfg, out: str) -> dict:
     atomic_write(os.path.join(out, "config.json"), lambda f: f.write(config))
     atomic_write(os.path.join(out, "README.md"), lambda f: f.write(model_card(card).encode()))
     return card
-
-
-def _names_classes(recorded, cfg):
-    """Whether ``recorded`` (what a checkpoint stores as ``classes``) names ``cfg``'s classes, one string each."""
-    return (
-        isinstance(recorded, list)
-        and len(recorded) == cfg.DATA.NUM_CLASSES
-        and all(isinstance(name, str) for name in recorded)
-    )
 
 
 def _recorded(best):

@@ -126,10 +126,9 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
     if policy in ("multistep", "step"):  # drops at multiples of DROP_FREQ epochs from the first step
         decay = dict(decay_t=cfg.OPTIM.DROP_FREQ * per_epoch, decay_rate=1.0 / cfg.OPTIM.DROP_FACTOR)
         return StepLRScheduler(optimizer, **decay, warmup_prefix=False, **common)
-    if policy == "constant":
-        return StepLRScheduler(optimizer, decay_t=total + 1, decay_rate=1.0, **common)
-    if policy == "":
-        return StepLRScheduler(optimizer, decay_t=total + 1, decay_rate=1.0, **dict(common, warmup_t=0))
+    if policy in ("constant", ""):  # "" without the warmup
+        constant = dict(common, warmup_t=warmup if policy else 0)
+        return StepLRScheduler(optimizer, decay_t=total + 1, decay_rate=1.0, **constant)
     raise ValueError(
         f"SOLVER.LR_POLICY {policy!r} is not supported; use 'cosine', 'linear', 'multistep' or 'constant'."
     )

@@ -66,7 +66,7 @@ def photo(path) -> Image.Image:
                     f"it holds 32-bit integer pixels (mode {image.mode}) outside 16-bit levels (up to "
                     f"{levels.max():.0f}), whose range is not known; save it as 8- or 16-bit"
                 )
-            image = Image.fromarray(np.clip(np.rint(levels * (255 / 65535)), 0, 255).astype(np.uint8))
+            image = Image.fromarray(np.rint(levels * (255 / 65535)).astype(np.uint8))
         return image.convert("RGB")
 
 

@@ -7,7 +7,7 @@ the models, for their pretrained tags and the conversion of position tables."""
 import logging
 import os
 
-from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint
+from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint, recorded_classes
 from .config import config_value
 from .models import pretrained_checkpoint
 from .models.convert import MODEL_DEFINING_KEYS, fit_to_model, trained_with
@@ -58,8 +58,8 @@ def check_trained_classes(checkpoint, path, classes):
     """Refuse data whose classes (names in label order) are the checkpoint's training classes in another order: its
     labels would be scored against the wrong outputs. Classes named otherwise (another naming of the same labels,
     say) are scored label by label, said once in the log; a checkpoint that records no classes is not checked."""
-    trained = checkpoint.get("classes") if isinstance(checkpoint, dict) else None
-    if not isinstance(trained, list) or trained == list(classes):
+    trained = recorded_classes(checkpoint)
+    if trained is None or trained == list(classes):
         return
     first = next((i for i, (a, b) in enumerate(zip(trained, classes)) if a != b), min(len(trained), len(classes)))
     theirs, ours = (names[first] if first < len(names) else None for names in (trained, classes))

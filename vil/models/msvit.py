@@ -165,6 +165,7 @@ class StageMap(nn.Module):
 
 
 def _is_index(value):
+    """An integer (Python's or numpy's), and not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -235,13 +236,11 @@ class MsViT(nn.Module):
         self.dynamic_img_pad = dynamic_img_pad
         self.stage_specs = parse_arch(arch)
         self.img_size, self.in_chans, self.num_classes = to_2tuple(img_size), in_chans, num_classes
-        if len(self.img_size) != 2 or not all(
-            isinstance(side, numbers.Integral) and not isinstance(side, bool) and side > 0 for side in self.img_size
-        ):
+        if len(self.img_size) != 2 or not all(_is_index(side) and side > 0 for side in self.img_size):
             raise ValueError(f"img_size must be a positive int or an (H, W) pair of them, got {img_size!r}.")
         self.img_size = tuple(int(side) for side in self.img_size)
         _check_num_classes(num_classes)
-        if isinstance(in_chans, bool) or not isinstance(in_chans, numbers.Integral) or in_chans < 1:
+        if not _is_index(in_chans) or in_chans < 1:
             raise ValueError(f"in_chans must be a positive number of image channels, got {in_chans!r}.")
         if not 0 <= drop_path_rate < 1:
             raise ValueError(f"drop_path_rate must be a probability in [0, 1), got {drop_path_rate!r}.")

@@ -130,13 +130,11 @@ def local_attention_1d(
     if q.dim() != 4:
         raise ValueError(f"q must have shape (B, heads, L, head_dim), got {tuple(q.shape)}.")
     B, H, L, _ = q.shape
-    if isinstance(dilation, torch.Tensor):
-        if tracing(q):  # its values set the shapes of the computation: the trace cannot take them as data
-            raise ValueError(
-                "Under torch.compile and torch.export give dilation as Python ints (one per head), not a tensor."
-            )
-        dilation = dilation.tolist()
-    elif type(dilation).__module__ == "numpy":  # an array or a numpy int, as Python values
+    if isinstance(dilation, torch.Tensor) and tracing(q):  # its values set the shapes: the trace cannot take data
+        raise ValueError(
+            "Under torch.compile and torch.export give dilation as Python ints (one per head), not a tensor."
+        )
+    if hasattr(dilation, "tolist"):  # a tensor, a numpy array or a numpy int, as Python values
         dilation = dilation.tolist()
     if isinstance(dilation, Sequence) and not isinstance(dilation, str):
         if len(dilation) != H:
