@@ -118,10 +118,8 @@ def test_the_optimizer_says_once_where_torch_has_no_fused_kernels(caplog):
     with caplog.at_level("INFO", logger="vil"):
         optimizer = build_optimizer(cfg_with("OPTIM.OPT", "adamw"), torch.nn.Linear(4, 3, device="meta"))
     assert all(group["fused"] is None for group in optimizer.param_groups)
-    assert caplog.messages == [
-        "Parameters on meta: the optimizer runs torch's default implementation, not its fused one "
-        "(CPU and CUDA floating point only)."
-    ]
+    (message,) = caplog.messages
+    assert "meta" in message and "fused" in message and "CPU and CUDA" in message
 
 
 def test_layer_decay_gives_each_transformer_layer_its_rate():

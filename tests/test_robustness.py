@@ -87,8 +87,8 @@ def test_non_finite_gradients_stop_before_the_step_and_before_a_checkpoint_of_th
     # Steps 1 and 2 checkpointed (step 2's waits for step 3's gradients, which are not finite).
     with pytest.raises(
         FloatingPointError,
-        match=r"^Training stops before optimizer step 3: the gradient norm became (inf|nan) at epoch 1, "
-        r"batch 3; \S+checkpoint_last.pth keeps optimizer step 1 \(epoch 1, batch 1\), the newest state",
+        match=r"optimizer step 3\b.*\b(inf|nan) at epoch 1, batch 3\b.*checkpoint_last.pth.*optimizer step 1 "
+        r"\(epoch 1, batch 1\)",
     ):
         train(tiny_cfg(data, out, "CHECKPOINT.EVERY_STEPS", "1"))
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 1
@@ -151,7 +151,8 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_any_work(data, t
         out,
     )
     why = "it is a file, not a folder" if kind == "a file" else "No such file or directory"
-    assert message == f"error: OUTPUT_DIR {out} cannot be written ({why}); choose a folder you can write to."
+    assert message.startswith("error: OUTPUT_DIR") and message.count("\n") == 0
+    assert str(out) in message and why in message
 
 
 def test_a_full_disk_is_one_sentence_and_keeps_the_previous_checkpoint(data, tmp_path, monkeypatch):

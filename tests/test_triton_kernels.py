@@ -373,19 +373,20 @@ def test_model_gives_the_logits_of_sliding_chunk():
 
 
 @pytest.mark.parametrize(
-    "change,message",
+    "change,facts",
     [
-        (dict(D=40), "The triton backend takes head_dim 16, 32, 48, 64, 96, 128, got 40."),
-        (dict(dtype=torch.float64), "The triton backend takes float32, float16 or bfloat16 inputs, got torch.float64."),
-        (dict(w=17), "The triton backend takes windows 1..16, got 17."),
+        (dict(D=40), ["head_dim", "16, 32, 48, 64, 96, 128", "got 40"]),
+        (dict(dtype=torch.float64), ["float32, float16 or bfloat16", "got torch.float64"]),
+        (dict(w=17), ["windows 1..16", "got 17"]),
     ],
 )
-def test_unsupported_inputs_are_one_sentence(change, message):
+def test_unsupported_inputs_are_one_sentence(change, facts):
     w = change.pop("w", 2)
     inputs = make_inputs(4, 40, w, 0, False, False, **change)  # a map wide enough to use a window of 17
     with pytest.raises(ValueError) as err:
         run("triton", inputs, w)
-    assert str(err.value) == message
+    message = str(err.value)
+    assert message.count("\n") == 0 and all(fact in message for fact in ["triton", *facts]), message
 
 
 def with_stride_2(t):

@@ -249,21 +249,22 @@ def test_a_transformers_longformer_on_the_kernels_gives_its_outputs_and_gradient
 
 
 @pytest.mark.parametrize(
-    "change,message",
+    "change,facts",
     [
-        (dict(D=8), "The triton backend takes head_dim 16..128 for 1D windows, got 8."),
-        (dict(D=136), "The triton backend takes head_dim 16..128 for 1D windows, got 136."),
-        (dict(dtype=torch.float64), "The triton backend takes float32, float16 or bfloat16 inputs, got torch.float64."),
-        (dict(w=513), "The triton backend takes 1D windows 1..512, got 513."),
+        (dict(D=8), ["head_dim 16..128", "got 8"]),
+        (dict(D=136), ["head_dim 16..128", "got 136"]),
+        (dict(dtype=torch.float64), ["float32, float16 or bfloat16", "got torch.float64"]),
+        (dict(w=513), ["windows 1..512", "got 513"]),
     ],
 )
-def test_unsupported_inputs_are_one_sentence(change, message):
+def test_unsupported_inputs_are_one_sentence(change, facts):
     w = change.pop("w", 2)
     length = w + 1  # long enough that the window is not fitted to the sequence
     inputs, padding = make_inputs(length, w, 0, True, False, None, B=1, H=1, **change)
     with pytest.raises(ValueError) as err:
         run("triton", inputs, padding, w)
-    assert str(err.value) == message
+    message = str(err.value)
+    assert message.count("\n") == 0 and all(fact in message for fact in ["triton", *facts]), message
 
 
 def test_cpu_without_the_interpreter_is_refused(monkeypatch):
