@@ -423,6 +423,14 @@ def test_reset_vil_mode_rejects_bad_modes():
         model.reset_vil_mode(2)
     with pytest.raises(ValueError, match=r"mode \(MODE\) must be 0, -1 or one of 1..8"):
         model.reset_vil_mode(12)
+    # Where no stage is local (every stage s0) the options are refused as well, at build and at a reset.
+    full = "l1,h1,d16,n1,s0,g1,p4_l2,h1,d16,n1,s0,g1,p2_l3,h1,d16,n1,s0,g1,p4"
+    with pytest.raises(ValueError, match=r"SW_EXACT\).*1, 0 or -1.*got 5"):
+        MsViT(full, img_size=32, sw_exact=5)
+    with pytest.raises(ValueError, match=r"MODE\).*got 42"):
+        MsViT(full, img_size=32, mode=42)
+    with pytest.raises(ValueError, match=r"MODE\).*got 99"):
+        MsViT(full, img_size=32).reset_vil_mode(99)
 
 
 def test_three_stage_model_and_drop_path_schedule():

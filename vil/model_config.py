@@ -12,7 +12,7 @@ from yacs.config import CfgNode
 
 from .config import MODEL_ARGUMENT_KEYS, config_value
 from .models.msvit import MECHANISMS, MsViT
-from .ops import available_backends, check_window_options
+from .ops import available_backends
 
 # ATTN_TYPE names of the original release's configs -> the backend each means. Earlier configs of this project
 # name a backend ``longformer_<backend>``, which every backend takes (:func:`attention_of`).
@@ -46,7 +46,6 @@ def model_kwargs(cfg: CfgNode) -> dict[str, Any]:
         raise ValueError(f"MODEL.ARCH {cfg.MODEL.ARCH!r} is not a model of this project; it must be 'msvit'.")
     msvit = cfg.MODEL.VIT.MSVIT
     attention, backend = attention_of(msvit.ATTN_TYPE)
-    check_window_options(msvit.SW_EXACT, msvit.MODE)  # also where no layer is a longformer one
     arguments = {name: config_value(cfg, key) for name, key in MODEL_ARGUMENT_KEYS.items()}
     return dict(arguments, attention=attention, attn_backend=backend)
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module, trunc_normal_
 
-from ..ops import check_backend, local_attention_2d
+from ..ops import Neighborhood2d, check_backend, local_attention_2d
 from .tables import full_bias, resize_full_bias_table
 
 
@@ -162,7 +162,7 @@ class LongformerAttention(_Attention):
             self.proj_global = self.proj if share_w else nn.Linear(dim, dim)
         self.rpe = rpe
         if rpe:
-            self._init_relative_bias((4 * window - 1) ** 2, heads, num_global)
+            self._init_relative_bias(Neighborhood2d(window, exact, mode).bias_rows, heads, num_global)
 
     def current_mode(self):
         """The neighbour mode of this forward: a fresh random one in training when ``mode > 0``, as a tensor, so

@@ -316,13 +316,7 @@ class LongformerSelfAttention(SlidingWindowSelfAttention, nn.Module):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}).")
-        if isinstance(dilation, (list, tuple)):
-            if len(dilation) != num_heads:
-                raise ValueError(
-                    f"dilation must be one int or one int per head ({num_heads}), got {len(dilation)} values."
-                )
-            dilation = tuple(dilation)
-        Neighborhood1d(window, dilation, causal)  # raises for a bad window, dilation or causal
+        dilation = Neighborhood1d.of_heads(window, dilation, causal, num_heads).dilation  # raises for bad values
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.window, self.dilation, self.causal, self.backend = window, dilation, causal, backend
         self.query = nn.Linear(dim, dim)

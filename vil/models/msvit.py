@@ -270,6 +270,7 @@ class MsViT(nn.Module):
             raise ValueError(
                 f"attention {attention!r} is not a mechanism of this model; use one of {', '.join(MECHANISMS)}."
             )
+        check_window_options(sw_exact, mode)  # also where no stage is local
         for name, value, default, owner in (
             ("sw_exact", sw_exact, 0, "longformer"),
             ("mode", mode, 0, "longformer"),
@@ -440,8 +441,8 @@ class MsViT(nn.Module):
     def reset_vil_mode(self, mode: int) -> None:
         """Set the neighbour mode of every longformer attention layer (e.g. 0 when random shifting ends)."""
         layers = [m for m in self.modules() if isinstance(m, LongformerAttention)]
-        for m in layers:
-            check_window_options(m.exact, mode)
+        for exact in {m.exact for m in layers} or {0}:  # a bad mode is refused also where no layer is local
+            check_window_options(exact, mode)
         for m in layers:
             m.mode = mode
 

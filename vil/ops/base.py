@@ -24,6 +24,11 @@ def tracing(q: Tensor) -> bool:
     return torch.compiler.is_compiling() or is_fake(q)
 
 
+def static_sizes(sizes) -> bool:
+    """Whether ``sizes`` are numbers, not symbolic (torch.export with dynamic sizes, ``dynamic=True``)."""
+    return all(isinstance(n, int) for n in sizes)
+
+
 def needs_grad(*tensors: Optional[Tensor]) -> bool:
     """Whether autograd records a call on these tensors (None for absent ones): a gradient is on and one needs it."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -146,6 +151,12 @@ def _tensors_in(value):
     elif is_dataclass(value):
         for field in fields(value):
             yield from _tensors_in(getattr(value, field.name))
+
+
+def safe_max(row_max):
+    """The maximum to subtract from a row's scores: 0 for rows that see no key (maximum -inf), whose exponentials
+    are then all 0 instead of NaN."""
+    return row_max.masked_fill(row_max == float("-inf"), 0.0)
 
 
 def softmax_or_zeros(scores: Tensor, dim: int = -1) -> Tensor:

@@ -134,13 +134,7 @@ def local_attention_1d(
         raise ValueError(
             "Under torch.compile and torch.export give dilation as Python ints (one per head), not a tensor."
         )
-    if hasattr(dilation, "tolist"):  # a tensor, a numpy array or a numpy int, as Python values
-        dilation = dilation.tolist()
-    if isinstance(dilation, Sequence) and not isinstance(dilation, str):
-        if len(dilation) != H:
-            raise ValueError(f"dilation must be one int or one int per head ({H}), got {len(dilation)} values.")
-        dilation = tuple(dilation)
-    hood = Neighborhood1d(window, dilation, causal)
+    hood = Neighborhood1d.of_heads(window, dilation, causal, H)
     if L == 0:
         raise ValueError("q has length 0; local_attention_1d needs a sequence of at least one position.")
     _check_tensors(q, k, v, optional, hood)
@@ -253,12 +247,10 @@ def _declaration(backend, dims):
     return b
 
 
-def check_backend(
-    backend: Optional[str], head_dim: int, window: int, exact: int = 0, mode: int = 0, dilation: int = 1
-) -> None:
+def check_backend(backend: Optional[str], head_dim: int, window: int, exact: int = 0, mode: int = 0) -> None:
     """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these 2D options (device and dtype
     are checked when it runs)."""
-    hood = Neighborhood2d(window, exact, mode, dilation)
+    hood = Neighborhood2d(window, exact, mode)
     if backend is None:
         return
     b = _declaration(backend, 2)
@@ -268,9 +260,9 @@ def check_backend(
         b.check(hood, head_dim)
 
 
-def check_window_options(exact: int, mode: int, dilation: int = 1) -> None:
-    """Raise ``ValueError`` unless ``exact`` (SW_EXACT), ``mode`` (MODE) and ``dilation`` are valid together."""
-    Neighborhood2d(1, exact, mode, dilation)
+def check_window_options(exact: int, mode: int) -> None:
+    """Raise ``ValueError`` unless ``exact`` (SW_EXACT) and ``mode`` (MODE) are valid together."""
+    Neighborhood2d(1, exact, mode)
 
 
 def _check_types(q, tensors, scale):

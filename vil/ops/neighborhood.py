@@ -6,6 +6,7 @@ over a sequence (:class:`Neighborhood1d`). Both say nothing about how a backend 
 """
 
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar, Union
 
@@ -135,6 +136,18 @@ class Neighborhood1d:
             object.__setattr__(self, "dilation", self.dilation[0])  # one value for every head
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}.")
+
+    @classmethod
+    def of_heads(cls, window: int, dilation, causal: bool, heads: int) -> "Neighborhood1d":
+        """The band of ``heads`` heads whose ``dilation`` is one int or one per head, given as any sequence, numpy
+        array or tensor of values."""
+        if hasattr(dilation, "tolist"):  # a tensor, a numpy array or a numpy int, as Python values
+            dilation = dilation.tolist()
+        if isinstance(dilation, Sequence) and not isinstance(dilation, str):
+            if len(dilation) != heads:
+                raise ValueError(f"dilation must be one int or one int per head ({heads}), got {len(dilation)} values.")
+            dilation = tuple(dilation)
+        return cls(window, dilation, causal)
 
     @property
     def per_head(self) -> bool:

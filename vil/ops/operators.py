@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from . import split
-from .base import Backend, Extras, compute_dtype, listed, needs_grad, tracing
+from .base import Backend, Extras, compute_dtype, listed, needs_grad, static_sizes, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import BACKENDS
 
@@ -218,9 +218,7 @@ def _dense_where_symbolic(*tensors):
     of the outputs and gradients the fake implementations promise (``torch.empty_like``) follows how the strides of
     a strided view compare, which torch decides with guards on the sizes, so that a program of a model whose q, k, v
     are views of a padded map would take only some sizes."""
-    return tuple(
-        t.contiguous() if t is not None and not all(isinstance(n, int) for n in t.shape) else t for t in tensors
-    )
+    return tuple(t.contiguous() if t is not None and not static_sizes(t.shape) else t for t in tensors)
 
 
 def decomposed_attention(q: Tensor, k: Tensor, v: Tensor, hood, extras: Extras) -> Tensor:

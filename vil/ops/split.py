@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from .base import Backend, Extras, compute_dtype
+from .base import Backend, Extras, compute_dtype, static_sizes
 from .neighborhood import Neighborhood1d, Neighborhood2d
 
 
@@ -17,7 +17,7 @@ def _sizes(hood, q):
     """q's map (rows, cols) or sequence length (length,); ``None`` where they are symbolic (torch.export with
     dynamic sizes, ``torch.compile(dynamic=True)``)."""
     sizes = tuple(q.shape[2:4] if hood.dims == 2 else q.shape[2:3])
-    return sizes if all(isinstance(n, int) for n in sizes) else None
+    return sizes if static_sizes(sizes) else None
 
 
 def fitted(hood, q, extras: Extras):

@@ -78,9 +78,3 @@ def band_global_scores(queries, global_k, global_bias):
     if global_bias is not None:
         scores += global_bias[:, None, :]
     return scores.unflatten(2, queries.shape[2:-1])
-
-
-def safe_max(row_max):
-    """The maximum to subtract from a row's scores: 0 for rows that see no key (maximum -inf), whose exponentials
-    are then all 0 instead of NaN."""
-    return row_max.masked_fill(row_max == float("-inf"), 0.0)

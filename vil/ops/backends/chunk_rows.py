@@ -9,23 +9,19 @@ memory is the inputs, outputs and gradients plus one row's windows: it grows wit
 tokens x window. SW_EXACT 1 uses the same chunks (they hold every exact window) and masks by distance.
 """
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..base import Backend, built_outside_inference_mode, compute_dtype
+from ..base import Backend, compute_dtype, kept_tables, safe_max
 from ..geometry import unfolded_window_tables
-from .band_blocks import safe_max
 
 # Scores per block. A block's working memory is a few times this (scores, probabilities, their gradients,
 # the unfolded windows), which is all the memory this backend needs beyond its inputs, outputs and gradients.
 _BLOCK_BYTES = 2**20
 
 
-@lru_cache(maxsize=16)
-@built_outside_inference_mode
+@kept_tables(16)
 def _geometry(rows, cols, window, exact, mode, device):
     """The band geometry and window tables of one map size and window, built once."""
     return _Geometry(rows, cols, window, exact, mode, device)

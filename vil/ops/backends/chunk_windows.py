@@ -9,12 +9,10 @@ gather is several times slower. The G global keys are not chunked: they are one 
 chunk (:func:`global_scores`), which the backends combine with the local scores in the same softmax.
 """
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 
-from ..base import built_outside_inference_mode
+from ..base import kept_tables
 
 
 def to_chunks(x, plan, extra_column=None):
@@ -49,8 +47,7 @@ def _window_index(group, shape, batches, chunks):
     return _cached_window_index(group, B, C, H, batches.indices(B), chunks.indices(C))
 
 
-@lru_cache(maxsize=256)
-@built_outside_inference_mode
+@kept_tables(256)
 def _cached_window_index(group, B, C, H, batches, chunks):
     slots = group.slots[slice(*chunks)]
     batch = torch.arange(B, device=slots.device)[slice(*batches)]

@@ -22,7 +22,7 @@ Undilated windows only, as the paper's chunks.
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..base import LOG2E, Backend, in_float32_or_wider
+from ..base import LOG2E, Backend, in_float32_or_wider, safe_max
 from ..geometry import band_chunk_tables
 from .band_blocks import (
     band_blocks,
@@ -30,10 +30,9 @@ from .band_blocks import (
     band_masks,
     band_scores,
     band_windows,
-    safe_max,
     scatter_band_windows_,
 )
-from .sliding_chunk import BLOCK_BYTES
+from .sliding_chunk import items_per_block
 
 SPAN = 2  # padded blocks per chunk
 
@@ -44,8 +43,7 @@ def _chunk_groups(q, window, blocks):
     its second half only and chunk ``blocks`` in its first half only (the other halves are padding), so they run
     alone, with the half that counts."""
     B, H = q.shape[:2]
-    budget = BLOCK_BYTES.get(q.device.type, BLOCK_BYTES["cuda"])
-    step = max(1, budget // (B * H * (SPAN * window) ** 2 * q.element_size()))
+    step = items_per_block(B * H * (SPAN * window) ** 2 * q.element_size(), q.device)
     yield 0, 1, range(1, 2)
     for start in range(1, blocks, step):
         yield start, min(blocks, start + step), range(0, 2)

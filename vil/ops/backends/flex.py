@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from ..base import Backend, built_outside_inference_mode, tracing
+from ..base import Backend, built_outside_inference_mode, static_sizes, tracing
 from ..geometry import pair_in_band, pair_in_window_2d
 
 
@@ -52,7 +52,7 @@ def _no_grad_on_cpu(q, k, v, extras):
 def _refuse_dynamic_export(q):
     """The block mask is built from the map or sequence size, so an exported program could only keep the traced
     size: refused where torch.export gives symbolic sizes, which would otherwise fail in torch's own words."""
-    if torch.compiler.is_exporting() and not all(isinstance(n, int) for n in q.shape[2:-1]):
+    if torch.compiler.is_exporting() and not static_sizes(q.shape[2:-1]):
         raise ValueError(
             "The flex backend builds its block mask from the map or sequence size, so torch.export cannot give it "
             "dynamic sizes; export the sizes as static or use another backend (fused_cpu on the CPU, triton on CUDA)."

@@ -29,14 +29,14 @@ import logging
 import os
 import platform
 from contextvars import ContextVar
-from functools import cache, lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ...cpu import cpu_multiplies_natively
-from ..base import LOG2E, Backend, Extras, FusedPasses, built_outside_inference_mode, compute_dtype
+from ..base import LOG2E, Backend, Extras, FusedPasses, compute_dtype, kept_tables
 from ..geometry import neighbour_table
 from ..neighborhood import Neighborhood2d
 
@@ -168,8 +168,7 @@ def check_fused_cpu():
         raise ValueError(failure)
 
 
-@lru_cache(maxsize=64)
-@built_outside_inference_mode
+@kept_tables(64)
 def _slot_table(rows, cols, window, exact, mode):
     """(C, n, 3) int64: for each chunk (row-major) and neighbour slot, the chunk read (-1: none) and the slot's
     chunk offset (a, b)."""

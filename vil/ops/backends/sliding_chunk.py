@@ -21,7 +21,7 @@ Scores are computed in base 2 (queries and biases times log2(e), ``exp2`` for ``
 import torch
 import torch.nn.functional as F
 
-from ..base import LOG2E, Backend, FusedPasses, in_float32_or_wider
+from ..base import LOG2E, Backend, FusedPasses, in_float32_or_wider, safe_max
 from ..geometry import band_block_tables, chunk_plan
 from .band_blocks import (
     band_blocks,
@@ -29,7 +29,6 @@ from .band_blocks import (
     band_masks,
     band_scores,
     band_windows,
-    safe_max,
     scatter_band_windows_,
 )
 from .chunk_windows import (
@@ -47,17 +46,21 @@ from .chunk_windows import (
 BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 1 << 30}
 
 
+def items_per_block(item_bytes, device):
+    """How many items of ``item_bytes`` bytes of scores a block holds: about ``BLOCK_BYTES``, at least one."""
+    return max(1, BLOCK_BYTES.get(device.type, BLOCK_BYTES["cuda"]) // item_bytes)
+
+
 def _blocks(x, plan):
     """(group, batch slice, chunk slice within the group, the same chunks in ``x``) covering ``x (B, C, H, S, D)``
     group by group; every block is a contiguous slice of ``x``."""
     B, _, H, S = x.shape[:4]
-    budget = BLOCK_BYTES.get(x.device.type, BLOCK_BYTES["cuda"])
     for group in plan.groups:
         C = group.num_chunks
         per_chunk = H * S * group.window_len * x.element_size()
-        chunks_per_block = max(1, min(C, budget // per_chunk))
+        chunks_per_block = min(C, items_per_block(per_chunk, x.device))
         chunks_per_block = -(-C // -(-C // chunks_per_block))  # even blocks: no small remainder
-        batch_per_block = max(1, budget // (per_chunk * C)) if chunks_per_block == C else 1
+        batch_per_block = items_per_block(per_chunk * C, x.device) if chunks_per_block == C else 1
         batch_per_block = -(-B // -(-B // batch_per_block))
         for b in range(0, B, batch_per_block):
             for c in range(0, C, chunks_per_block):
@@ -194,8 +197,7 @@ def _scored_pairs(q, hood, num_global):
 def _band_block_ranges(q, window, blocks):
     """Ranges of query blocks whose scores stay near ``BLOCK_BYTES``."""
     B, H = q.shape[:2]
-    budget = BLOCK_BYTES.get(q.device.type, BLOCK_BYTES["cuda"])
-    step = max(1, budget // (B * H * window * 3 * window * 4))
+    step = items_per_block(B * H * window * 3 * window * 4, q.device)
     for start in range(0, blocks, step):
         yield start, min(blocks, start + step)
 

@@ -9,13 +9,12 @@ reads it again when it defines the kernels, on first use.
 """
 
 from dataclasses import replace
-from functools import lru_cache
 
 import torch
 
 from vil_kernels import interpreting
 
-from ..base import Backend, FusedPasses, built_outside_inference_mode
+from ..base import Backend, FusedPasses, kept_tables
 from ..geometry import neighbour_table
 
 
@@ -30,8 +29,7 @@ def _kernels(dims=2):
     return local_attention_1d if dims == 1 else local_attention
 
 
-@lru_cache(maxsize=64)
-@built_outside_inference_mode
+@kept_tables(64)
 def kernel_geometry(rows, cols, window, exact, mode, dilation, device):
     """The kernels' :class:`Geometry` of one map size and neighbourhood. With SW_EXACT 1 the chunks are the
     kernels' tile side (their 3x3 neighbours hold every exact window of radius ``window``), otherwise ViL's

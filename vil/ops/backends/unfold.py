@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..base import Backend, softmax_or_zeros
+from ..base import Backend, softmax_or_zeros, static_sizes
 from ..geometry import (
     NEIGHBOURS,
     exact_window_bias_index,
@@ -48,7 +48,7 @@ def _window_tables(rows, cols, window, exact, mode, device):
     w = window
     if exact == 1:
         return None, exact_window_bias_index(w).to(device)
-    if isinstance(rows, int) and isinstance(cols, int):
+    if static_sizes((rows, cols)):
         return unfolded_window_tables(rows, cols, window, exact, mode, device)
     # Symbolic sizes (torch.export): with zero padding every chunk has the mode's slots, as the middle chunk of
     # a 3x3 grid does; which keys are padding is checked separately.
