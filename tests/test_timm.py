@@ -498,6 +498,9 @@ def test_vil_arch_pretrained_cfg_follows_the_arch_and_attention_it_is_built_with
     assert model.pretrained_cfg["pool_size"] == tuple(features.shape[1:3]) == (14, 14)
     linformer = timm.create_model("vil_arch", arch=arch, attention="linformer", img_size=64, num_classes=3)
     assert linformer.pretrained_cfg["fixed_input_size"] and linformer.fixed_input_size
+    full = arch.replace("s1", "s0")  # no local stage: no linformer projection, any size
+    unfixed = timm.create_model("vil_arch", arch=full, attention="linformer", img_size=64, num_classes=3)
+    assert not unfixed.pretrained_cfg["fixed_input_size"] and not unfixed.fixed_input_size
     # What timm's scripts resolve the input size from: the one size it takes.
     assert timm.data.resolve_model_data_config(linformer)["input_size"] == (3, 64, 64)
     srformer = timm.create_model("vil_arch", arch=arch.replace("f2", "f8"), attention="srformer", img_size=256)

@@ -602,12 +602,15 @@ def _smallest_image(arch, attention):
 
 def _input_fields(arch, attention, size):
     """The ``pretrained_cfg`` fields that follow from the architecture and the attention, for ``size`` images."""
-    stride = math.prod(spec.patch for spec in parse_arch(arch))
+    specs = parse_arch(arch)
+    stride = math.prod(spec.patch for spec in specs)
     smallest = _smallest_image(arch, attention)
+    # Linformer's projections, in its local stages, are made for one map (MsViT.fixed_input_size).
+    fixed = attention.get("attention") == "linformer" and any(spec.local for spec in specs)
     return {
         **({"min_input_size": (3, smallest, smallest)} if smallest else {}),
         "pool_size": (size // stride, size // stride),
-        "fixed_input_size": attention.get("attention") == "linformer",  # its projections are made for one map
+        "fixed_input_size": fixed,
     }
 
 
