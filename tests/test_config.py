@@ -65,12 +65,18 @@ def test_original_style_yaml_and_overrides(tmp_path):
 
 
 def test_unknown_keys_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"Unknown config key MODEL.VIT.MSVIT.ATTNTYPE"):
+    with pytest.raises(
+        ValueError, match=r"Unknown config key MODEL.VIT.MSVIT.ATTNTYPE \(did you mean MODEL.VIT.MSVIT.ATTN_TYPE\?\)"
+    ):
         load_cfg(overrides=["MODEL.VIT.MSVIT.ATTNTYPE", "full"])
     path = tmp_path / "typo.yaml"
     path.write_text("MODEL:\n  VIT:\n    DROPPATH: 0.2\n")
-    with pytest.raises(ValueError, match=r"Unknown config key MODEL.VIT.DROPPATH"):
+    with pytest.raises(
+        ValueError, match=r"Unknown config key MODEL.VIT.DROPPATH \(did you mean MODEL.VIT.DROP_PATH\?\)"
+    ):
         load_cfg(path)
+    with pytest.raises(ValueError, match=r"Unknown config key ZEBRA.STRIPES: "):  # nothing close: no guess
+        load_cfg(overrides=["ZEBRA.STRIPES", "1"])
     with pytest.raises(ValueError, match=r"Unknown config key AUG.TIMM_AUG.RE_PROBABILITY"):
         load_cfg(overrides=["AUG.TIMM_AUG.RE_PROBABILITY", "0.25"])  # timm's options are keys like any other
     with pytest.raises(ValueError, match="KEY VALUE pairs"):

@@ -98,6 +98,14 @@ def test_missing_or_empty_data_folder_is_one_sentence(tmp_path, layout):
     assert "DATA.PATH/train/<class>/<image>" in message and "DATA.PATH/val/<class>/<image>" in message
 
 
+def test_a_data_path_that_does_not_exist_is_named_so(tmp_path):
+    with pytest.raises(ValueError) as err:
+        build_dataset(cfg_for(tmp_path / "nowhere"), train=False)
+    message = str(err.value)
+    assert f"DATA.PATH {tmp_path / 'nowhere'} does not exist" in message and message.count("\n") == 0
+    assert "DATA.PATH/train/<class>/<image>" in message
+
+
 def test_class_folders_that_are_links_are_read(tmp_path):
     """DATA.PATH/train/<class> as symbolic links to folders elsewhere (a common way to lay out ImageNet), read as
     torchvision's ImageFolder reads them."""

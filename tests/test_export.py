@@ -307,7 +307,7 @@ def test_export_onnx_checks_the_output_before_exporting(tmp_path, monkeypatch):
         assert output.read_bytes() == b"the user's weights"
 
 
-def test_export_onnx_exports_a_linformer_model_at_its_one_image_size(tmp_path, monkeypatch):
+def test_export_onnx_exports_a_linformer_model_at_its_one_image_size(tmp_path, monkeypatch, capsys):
     """A linformer model takes only INPUT.IMAGE_SIZE: the tool exports at that size, not at a multiple of the
     stride it would round to (72 to 64, which the export then refused)."""
     asked = []
@@ -322,6 +322,7 @@ def test_export_onnx_exports_a_linformer_model_at_its_one_image_size(tmp_path, m
     with pytest.raises(SystemExit, match="stopped before the export"):
         export_onnx_tool.main(["--config-file", "vil_digits", "--output", str(tmp_path / "m.onnx"), *overrides])
     assert asked == [(72, 72, True)]
+    assert "No MODEL.MODEL_PATH" in capsys.readouterr().out  # says the weights are the initial ones
 
 
 def test_sw_exact_minus_one_exports_at_one_image_size(tmp_path):
@@ -356,7 +357,7 @@ def test_sw_exact_minus_one_exports_at_one_image_size(tmp_path):
         tmp_path / "ckpt.pth",
     )
     assert status == 0, error
-    assert printed.count("32x32: largest difference from PyTorch") == 2
+    assert printed.count("32x32: largest difference from PyTorch") == 2 and "No MODEL.MODEL_PATH" not in printed
     shape = onnxruntime.InferenceSession(str(tmp_path / "m.onnx")).get_inputs()[0].shape
     assert shape[1:] == [3, 32, 32] and not isinstance(shape[0], int)
     torch.testing.assert_close(onnx_outputs(tmp_path / "m.onnx", images), want, atol=1e-6, rtol=0)

@@ -242,6 +242,25 @@ def test_export_refuses_an_unwritable_out_in_one_sentence(exported, tmp_path):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_export_keeps_files_of_the_users_and_rewrites_its_own_folder(exported, tmp_path):
+    """A folder holding a README.md and config.json of the user's is refused, untouched; the folder a previous
+    export wrote is written again."""
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "README.md").write_text("my project")
+    (mine / "config.json").write_text('{"mine": 1}')
+    args = ["--config-file", "vil_tiny", *exported["overrides"], "MODEL.MODEL_PATH", exported["checkpoint"]]
+    status, _, err = run_tool("export_hub", "--out", mine, *args)
+    assert status == 1 and len(err.strip().splitlines()) == 1
+    assert str(mine) in err and "README.md" in err and "config.json" in err
+    assert sorted(p.name for p in mine.iterdir()) == ["README.md", "config.json"]
+    assert (mine / "README.md").read_text() == "my project" and (mine / "config.json").read_text() == '{"mine": 1}'
+    before = (exported["out"] / "model.safetensors").read_bytes()
+    status, _, err = run_tool("export_hub", "--out", exported["out"], *args)
+    assert status == 0, err
+    assert (exported["out"] / "model.safetensors").read_bytes() == before
+
+
 def test_vil_arch_builds_any_architecture_string():
     model = timm.create_model("vil_arch", arch=TINY_ARCH, img_size=32, num_classes=3)
     assert model.stage_specs == MsViT(TINY_ARCH, img_size=32, num_classes=3).stage_specs

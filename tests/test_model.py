@@ -358,6 +358,7 @@ def test_bad_arch_strings(arch, facts):
     "overrides,facts",
     [
         (("MODEL.VIT.MSVIT.ATTN_TYPE", "longformer_magic"), r"'longformer_magic'"),
+        (("MODEL.VIT.MSVIT.ATTN_TYPE", "fused-cpu"), r"'fused-cpu' \(did you mean fused_cpu\?\)"),
         (("MODEL.VIT.MSVIT.SW_EXACT", "1", "MODEL.VIT.MSVIT.MODE", "3"), r"MODE\) 3.*SW_EXACT 0 or -1"),
         (("INPUT.IMAGE_SIZE", "16"), r"16.*total stride 32"),
         (

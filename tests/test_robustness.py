@@ -282,6 +282,14 @@ def test_a_corrupt_last_checkpoint_falls_back_to_the_newest_readable_epoch_check
 # 5. Changed config, foreign checkpoints.
 
 
+def test_a_refusal_at_start_up_is_in_the_log_too(data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError) as caught:
+        train(tiny_cfg(tmp_path / "no_data", out))
+    assert f"{tmp_path / 'no_data'} does not exist" in str(caught.value)
+    assert f"error: {caught.value}" in (out / "log.txt").read_text()
+
+
 @pytest.mark.parametrize(
     "change, named",
     [

@@ -365,26 +365,19 @@ def test_torchrun_two_processes_end_the_epoch_together_where_a_damaged_shard_run
 
 
 @pytest.mark.parametrize(
-    "args,message",
+    "args,facts",
     [
-        (
-            ["OPTIM.LRR", "0.1"],
-            "error: Unknown config key OPTIM.LRR: "
-            "it is not one of the keys defined in vil/config.py (in the overrides).",
-        ),
-        (
-            ["DATA.PATH", "/nonexistent"],
-            "error: No images found in /nonexistent/train: the data must be ImageNet-style folders",
-        ),
+        (["OPTIM.LRR", "0.1"], ["Unknown config key OPTIM.LRR", "OPTIM.LR?", "vil/config.py"]),
+        (["DATA.PATH", "/nonexistent"], ["DATA.PATH /nonexistent does not exist", "DATA.PATH/train/<class>/<image>"]),
     ],
 )
-def test_config_typo_and_missing_data_are_one_sentence(args, message, tmp_path):
+def test_config_typo_and_missing_data_are_one_sentence(args, facts, tmp_path):
     status, _, stderr = run_tool(
         "train", "--config-file", ROOT / "configs" / "vil_tiny.yaml", "OUTPUT_DIR", tmp_path / "o", *args
     )
-    assert status == 1
-    assert stderr.strip().splitlines()[-1].startswith(message)
-    assert "Traceback" not in stderr
+    assert status == 1 and "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and all(fact in last for fact in facts), last
 
 
 def break_loss(monkeypatch, at_call, broken):

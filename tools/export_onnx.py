@@ -79,6 +79,8 @@ def main(argv=None):
         model = build_model(cfg).eval()
         if cfg.MODEL.MODEL_PATH:
             load_weights(model, cfg)
+        else:
+            print("No MODEL.MODEL_PATH: the file holds the model's initial, untrained weights.", flush=True)
         stride, size = model.total_stride, cfg.INPUT.IMAGE_SIZE
         if not args.static and not model.fixed_input_size:  # a linformer model takes its one size only
             size -= size % stride

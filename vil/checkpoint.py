@@ -75,14 +75,12 @@ def read_checkpoint(path):
     return checkpoint
 
 
-def _with_hub_config(state, folder):
-    """A Hub folder's weights as a checkpoint of this project's: ``{"net": state, "config": ..., "classes": ...}``,
-    the config of the model's arguments and the class names that the folder's ``config.json`` records, so that the
-    checks of a checkpoint's model options and classes apply to the folder too. A folder without such a record
-    (another model's, or no ``config.json``) gives the weights alone."""
+def hub_record(folder):
+    """What the ``config.json`` of a Hub folder of this project (``tools/export_hub.py``'s) records, as a dict;
+    None for a folder without one, or with another model's."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
-        return state
+        return None
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
@@ -90,8 +88,18 @@ def _with_hub_config(state, folder):
         raise ValueError(
             f"{path} is not readable JSON ({e}); export the folder again with tools/export_hub.py."
         ) from None
-    if not isinstance(record, dict) or record.get("architecture") != "vil_arch":
+    return record if isinstance(record, dict) and record.get("architecture") == "vil_arch" else None
+
+
+def _with_hub_config(state, folder):
+    """A Hub folder's weights as a checkpoint of this project's: ``{"net": state, "config": ..., "classes": ...}``,
+    the config of the model's arguments and the class names that the folder's ``config.json`` records, so that the
+    checks of a checkpoint's model options and classes apply to the folder too. A folder without such a record
+    (another model's, or no ``config.json``) gives the weights alone."""
+    record = hub_record(folder)
+    if record is None:
         return state
+    path = os.path.join(folder, "config.json")
     cfg = config_from_model_arguments(record.get("model_args", {}), f"the model_args of {path}")
     checkpoint = {"net": state, "config": cfg.dump(), "classes": record.get("label_names")}
     if recorded_classes(checkpoint) is None:

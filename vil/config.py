@@ -6,6 +6,7 @@ original's YAML files load; setting one of those to another value than its defau
 augmentation keys are read by one of the training transforms each: one set for another logs a warning too.)
 """
 
+import difflib
 import logging
 import math
 import os
@@ -400,18 +401,28 @@ def _flatten(tree, node, source, prefix=""):
             yield key, value
 
 
+def did_you_mean(name: str, known) -> str:
+    """`` (did you mean X?)`` for the one of ``known`` closest to a misspelt ``name``, or "" where none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _dotted_keys(node, prefix=""):
+    for name, value in node.items():
+        yield from _dotted_keys(value, f"{prefix}{name}.") if isinstance(value, CN) else (f"{prefix}{name}",)
+
+
 def _set(cfg, key, value, source):
     """Set the dotted ``key`` to ``value`` when the key exists and the value has its default's type."""
     *sections, name = key.split(".")
     node = cfg
     for part in sections:
         node = node.get(part) if isinstance(node, CN) else None
-        if not isinstance(node, CN):
-            raise ValueError(
-                f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source})."
-            )
-    if name not in node:
-        raise ValueError(f"Unknown config key {key}: it is not one of the keys defined in vil/config.py (in {source}).")
+    if not isinstance(node, CN) or name not in node:
+        raise ValueError(
+            f"Unknown config key {key}{did_you_mean(key, _dotted_keys(cfg))}: it is not one of the keys defined in "
+            f"vil/config.py (in {source})."
+        )
     default = node[name]
     if isinstance(default, CN):
         raise ValueError(

@@ -257,6 +257,10 @@ def build_dataset(cfg, train):
         dataset = ShardDataset(os.path.join(cfg.DATA.PATH, "train" if train else "val"), transform, cfg.SEED)
     else:
         root = os.path.join(cfg.DATA.PATH, "train" if train else "val")
+        if not os.path.isdir(cfg.DATA.PATH):
+            raise ValueError(
+                f"DATA.PATH {cfg.DATA.PATH} does not exist; give the folder that holds the data, {EXPECTED_LAYOUT}."
+            )
         has_images = os.path.isdir(root) and any(
             f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(root, followlinks=True) for f in files
         )

@@ -16,9 +16,9 @@ from timm.data import ImageNetInfo
 from timm.models._hub import save_config_for_hf  # timm's writer of config.json (save_for_hf without the weights)
 from torchvision.datasets.folder import find_classes
 
-from .checkpoint import SAFETENSORS_NAME, has_ema, read_checkpoint, recorded_classes
+from .checkpoint import SAFETENSORS_NAME, has_ema, hub_record, read_checkpoint, recorded_classes
 from .data import INTERPOLATIONS
-from .files import atomic_write, check_writable_folder
+from .files import OutputError, atomic_write, check_writable_folder
 from .model_config import model_kwargs
 from .profiling import flop_counter
 from .shards import INDEX, ShardDataset
@@ -82,6 +82,7 @@ def export_hub_folder(cfg, out: str) -> dict:
     args = hub_model_args(cfg)
     model = timm.create_model("vil_arch", **args).eval()
     load_read_weights(model, cfg, path, checkpoint, ema)
+    _check_not_others(out)
     check_writable_folder(out, "--out")  # after the checkpoint: a refused one leaves no empty folder behind
     size = cfg.INPUT.IMAGE_SIZE
     data_config = dict(  # timm's names
@@ -114,6 +115,25 @@ def export_hub_folder(cfg, out: str) -> dict:
     atomic_write(os.path.join(out, "config.json"), lambda f: f.write(config))
     atomic_write(os.path.join(out, "README.md"), lambda f: f.write(model_card(card).encode()))
     return card
+
+
+def _check_not_others(out):
+    """``out`` is new, empty, or a Hub folder of this project, whose files a new export replaces: any other files
+    there (a README.md or config.json of the user's, a folder of images) would be replaced or mixed in with the
+    folder's."""
+    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if not entries:
+        return
+    try:
+        ours = hub_record(out) is not None
+    except ValueError:  # an unreadable config.json: not one this project wrote
+        ours = False
+    if not ours:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise OutputError(
+            f"--out {out} already holds files ({shown}) and is not a Hub folder of this project; choose a new or "
+            "empty folder."
+        )
 
 
 def _recorded(best):

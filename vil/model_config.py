@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode
 
-from .config import MODEL_ARGUMENT_KEYS, config_value
+from .config import MODEL_ARGUMENT_KEYS, config_value, did_you_mean
 from .models.msvit import MECHANISMS, MsViT
 from .ops import available_backends
 
@@ -36,7 +36,10 @@ def attention_of(attn_type: str) -> tuple[str, Optional[str]]:
         return attn_type, None
     backend = ATTN_TYPE_ALIASES.get(attn_type, attn_type.removeprefix(BACKEND_PREFIX))
     if backend not in available_backends(2):
-        raise ValueError(f"Unknown MODEL.VIT.MSVIT.ATTN_TYPE {attn_type!r}; known: {', '.join(attn_types())}.")
+        raise ValueError(
+            f"Unknown MODEL.VIT.MSVIT.ATTN_TYPE {attn_type!r}{did_you_mean(attn_type, attn_types())}; known: "
+            f"{', '.join(attn_types())}."
+        )
     return "longformer", backend
 
 

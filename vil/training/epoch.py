@@ -26,7 +26,7 @@ log = logging.getLogger("vil")
 
 def stop_diverged(run, what, where):
     """Stop the run because ``what`` is not finite (at ``where``), in one sentence that says what
-    ``checkpoint_last.pth`` holds and how to go on; also written to ``log.txt``."""
+    ``checkpoint_last.pth`` holds and how to go on (:func:`~vil.training.loop.train` writes it to ``log.txt``)."""
     last = os.path.join(run.cfg.OUTPUT_DIR, LAST)
     advice = "a lower OPTIM.LR (a resumed run follows it) or OPTIM.CLIP_GRAD set"
     if run.kept is None:
@@ -38,9 +38,7 @@ def stop_diverged(run, what, where):
             f"{last} keeps {run.kept.where()}, the newest state whose loss and gradients were finite: "
             f"run again with {advice}"
         )
-    message = f"Training stops before optimizer step {run.step + 1}: {what} at {where}; {held}."
-    log.error(message)
-    raise FloatingPointError(message)
+    raise FloatingPointError(f"Training stops before optimizer step {run.step + 1}: {what} at {where}; {held}.")
 
 
 def optimizer_step(run, where):

@@ -13,7 +13,7 @@ from ..optim import drop_learning_rate
 from ..training_state import copy_epoch_checkpoints
 from .epoch import train_one_epoch
 from .evaluation import evaluate_epoch
-from .setup import PLATEAU_OPTIMIZERS, set_up
+from .setup import PLATEAU_OPTIMIZERS, log_failure, set_up
 
 log = logging.getLogger("vil")
 
@@ -32,6 +32,9 @@ def train(cfg):
                 )
                 return run.best
         return _train_epochs(run)
+    except (ValueError, OSError, FloatingPointError) as e:
+        log_failure(e)
+        raise
     finally:
         run.close()
 

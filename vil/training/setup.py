@@ -64,6 +64,14 @@ def setup_logging(output_dir, is_main):
         log.addHandler(file)
 
 
+def log_failure(error):
+    """``error``'s sentence, which stops the run, in ``log.txt`` too (the console gets it from whoever catches it)."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, f"error: {error}", None, None)
+    for handler in log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def per_process_batch(cfg, runtime):
     """``DATALOADER.BSZ`` is the batch of all processes together, as in the original release."""
     batch = cfg.DATALOADER.BSZ
@@ -190,13 +198,14 @@ def set_up(cfg):
     :class:`Run` and the ``(path, checkpoint)`` to resume from, or None."""
     runtime = Runtime(cfg.DISTRIBUTED_BACKEND)
     out = cfg.OUTPUT_DIR
-    lock = None
+    lock, logging_here = None, False
     if runtime.is_main:
         check_writable_folder(out)
         lock = FolderLock(out)
     try:
         runtime.barrier()
         setup_logging(out, runtime.is_main)
+        logging_here = True
         if runtime.is_main and (leftovers := remove_temporaries(out)):
             log.info(
                 f"Removed {len(leftovers)} temporary files that interrupted writes left in {out}: "
@@ -217,7 +226,9 @@ def set_up(cfg):
             )
         seed_everything(cfg.SEED + runtime.rank)
         return _build_run(cfg, runtime, lock, starts_fresh=resume_point is None), resume_point
-    except BaseException:
+    except BaseException as e:
+        if logging_here and isinstance(e, (ValueError, OSError)):
+            log_failure(e)
         if lock:
             lock.release()
         raise
