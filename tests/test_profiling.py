@@ -1,5 +1,9 @@
 """PeakMemory on the CPU counts the allocator's tensors, allocation by allocation."""
 
+import os
+import subprocess
+import sys
+
 import torch
 
 from vil.profiling import PeakMemory
@@ -19,6 +23,17 @@ def test_cpu_peak_is_the_most_held_at_once():
         del second, third
     assert peak.mib == 0.0
     assert kept.numel() == 3 * MIB
+
+
+def test_a_cpu_profile_on_a_machine_without_a_gpu_logs_no_gpu_error():
+    """A CUDA build of torch, profiling the CPU where there is no GPU, logs "gpuGetDeviceCount failed" unless told
+    not to (a fresh process: the profiler says it once)."""
+    code = "from vil.profiling import PeakMemory\nwith PeakMemory('cpu'):\n    pass\nprint('profiled')"
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "profiled", done.stderr
+    if not torch.cuda.is_available():
+        assert "gpuGetDeviceCount" not in done.stderr
 
 
 # A three-stage ViL small enough for a test, at 32x32 with 3 classes.

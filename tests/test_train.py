@@ -21,6 +21,7 @@ from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
 from vil.models import MsViT
 from vil.runtime import get_rng_state
+from vil.training.evaluation import evaluate_checkpoint
 from vil.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +153,7 @@ def straight_and_resumed(data, tmp_path, *overrides):
 
 def test_resume_after_one_epoch_gives_identical_weights(data, tmp_path):
     straight, resumed = straight_and_resumed(data, tmp_path, "MODEL.EMA", "True")
-    assert "Resumed from" in (resumed / "log.txt").read_text()
+    assert re.search(r"Resumed from \S+: optimizer step 3 \(the end of epoch 1\)\.", (resumed / "log.txt").read_text())
     assert_same_weights(final_weights(straight), final_weights(resumed))
     ema = [read_checkpoint(str(d / "checkpoint_last.pth"))["ema"] for d in (straight, resumed)]
     assert_same_weights(*ema)
@@ -412,6 +413,29 @@ def test_nan_loss_stops_before_the_last_good_checkpoint_is_overwritten(data, tmp
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["epoch"] == 1
 
 
+def test_weights_of_another_architecture_or_mechanism_are_refused_naming_what_changed(data, tmp_path):
+    """A checkpoint that records its config: weights that do not fit the model are refused naming the config
+    values that differ, when fine-tuning (where other values are allowed while the weights fit) and evaluating."""
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
+    wider = TINY_ARCH.replace("d32", "d48")
+    with pytest.raises(ValueError) as caught:
+        train(
+            tiny_cfg(
+                data, tmp_path / "tune", "MODEL.MODEL_PATH", str(out / "model_best.pth"), "MODEL.VIT.MSVIT.ARCH", wider
+            )
+        )
+    message = str(caught.value)
+    assert "MODEL.VIT.MSVIT.ARCH" in message and repr(wider) in message and "do not fit" in message
+    cfg = tiny_cfg(
+        data, tmp_path / "eval", "MODEL.MODEL_PATH", str(out / "model_best.pth"), "MODEL.VIT.MSVIT.ATTN_TYPE", "full"
+    )
+    with pytest.raises(ValueError) as caught:
+        evaluate_checkpoint(cfg)
+    message = str(caught.value)
+    assert "MODEL.VIT.MSVIT.ATTN_TYPE" in message and "(now 'full')" in message and "do not fit" in message
+
+
 def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path):
     out = tmp_path / "run"
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
@@ -461,7 +485,7 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
     # The checkpoint records the training data's classes; the same ones in another order are refused.
     best = read_checkpoint(str(out / "model_best.pth"))
     assert best["classes"] == ["cat", "dog"]
-    for classes, name in ((["dog", "cat"], "swapped"), (["0", "1"], "renamed")):
+    for classes, name in ((["dog", "cat"], "swapped"), (["0", "1"], "renamed"), (["cat", "dog", "bird"], "more")):
         torch.save({**best, "classes": classes}, tmp_path / f"{name}.pth")
         status, _, stderr = run_tool(
             "eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common, "MODEL.MODEL_PATH",
@@ -471,8 +495,10 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
             assert status == 1 and re.search(
                 r"error: .*swapped\.pth.*label 0 is 'dog', the data's 'cat'.*CLASSES", stderr
             )
-        else:  # another naming of two labels: scored label by label, said once
+        elif name == "renamed":  # another naming of two labels: scored label by label, said once
             assert status == 0 and re.search(r"label 0 is '0', the data's 'cat'", stderr), stderr[-2000:]
+        else:  # another class count: not a naming of the data's labels (the classifier decides), no word of one
+            assert status == 0 and "named otherwise" not in stderr, stderr[-2000:]
 
 
 @pytest.mark.parametrize("big,accum,epochs", [(4, 2, 1), (8, 4, 2)])

@@ -1,6 +1,7 @@
 """This project's measurements of a block of code: its peak memory (or that of the process so far), on a GPU or
 on the CPU, its FLOPs (the CPU they were taken on: ``vil/cpu.py``), and where its time goes."""
 
+import os
 from typing import Union
 
 import torch
@@ -51,7 +52,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.before = torch.cuda.memory_allocated()
         else:
-            self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.profiler = _cpu_profile(profile_memory=True)
             self.profiler.__enter__()
         return self
 
@@ -80,12 +81,21 @@ def peak_memory_mib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _cpu_profile(**options):
+    """torch.profiler over the CPU's operators. On a machine without a GPU, torch's profiler (kineto) is told to
+    keep quiet: a CUDA build of torch logs an ERROR line there ("gpuGetDeviceCount failed"), which says nothing
+    about the CPU profile."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    return profile(activities=[ProfilerActivity.CPU], **options)
+
+
 def time_table(fn, device, calls=1, rows=12):
     """torch.profiler's table of ``calls`` calls of ``fn``: the operators (on CUDA, the kernels too) that take the
     most time on ``device``, most first."""
     on_gpu = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) if on_gpu else _cpu_profile() as prof:
         for _ in range(calls):
             fn()
     sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"

@@ -254,9 +254,10 @@ def restore(checkpoint, path, model, optimizer, scaler, ema, rank):
         ema.module.load_state_dict(checkpoint["ema"])
     epoch, batch_in_epoch, step, best = (checkpoint[k] for k in ("epoch", "batch_in_epoch", "step", "best_acc"))
     restore_rng_state(checkpoint["rng"], rank)
-    log.info(f"Resumed from {path}: epoch {epoch + 1}, optimizer step {step}.")
     improved = bool(checkpoint.get("improved", False))
-    return Snapshot(epoch, batch_in_epoch, step, best, lr_drop, checkpoint["rng"], improved=improved)
+    snapshot = Snapshot(epoch, batch_in_epoch, step, best, lr_drop, checkpoint["rng"], improved=improved)
+    log.info(f"Resumed from {path}: {snapshot.where()}.")
+    return snapshot
 
 
 def restore_rng_state(states, rank):

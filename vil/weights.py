@@ -8,7 +8,8 @@ import logging
 import os
 
 from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint, recorded_classes
-from .config import config_value
+from .config import config_from_text, config_value
+from .model_config import attention_of
 from .models import pretrained_checkpoint
 from .models.convert import MODEL_DEFINING_KEYS, fit_to_model, trained_with
 
@@ -57,12 +58,13 @@ def load_weights(model, cfg, new_classifier=False, classes=None):
 def check_trained_classes(checkpoint, path, classes):
     """Refuse data whose classes (names in label order) are the checkpoint's training classes in another order: its
     labels would be scored against the wrong outputs. Classes named otherwise (another naming of the same labels,
-    say) are scored label by label, said once in the log; a checkpoint that records no classes is not checked."""
+    say) are scored label by label, said once in the log. A checkpoint that records no classes is not checked, nor
+    one of another class count (its classifier is refused, or replaced when fine-tuning)."""
     trained = recorded_classes(checkpoint)
-    if trained is None or trained == list(classes):
+    if trained is None or len(trained) != len(classes) or trained == list(classes):
         return
-    first = next((i for i, (a, b) in enumerate(zip(trained, classes)) if a != b), min(len(trained), len(classes)))
-    theirs, ours = (names[first] if first < len(names) else None for names in (trained, classes))
+    first = next(i for i, (a, b) in enumerate(zip(trained, classes)) if a != b)
+    theirs, ours = trained[first], classes[first]
     if sorted(trained) == sorted(classes):
         raise ValueError(
             f"Checkpoint {path} was trained with the same classes in another order: its label {first} is {theirs!r}, "
@@ -88,13 +90,40 @@ def _check_classifier_parts(head, path):
         )
 
 
+def _listed(differences):
+    return ", ".join(f"{key} {saved!r} (now {now!r})" for key, (saved, now) in differences.items())
+
+
+def _other_mechanism(checkpoint, path, cfg):
+    """``{"MODEL.VIT.MSVIT.ATTN_TYPE": (the checkpoint's, cfg's)}`` where the two name different attention mechanisms
+    (whose layers have other parameters; backends of one mechanism share them), else ``{}``."""
+    key, text = "MODEL.VIT.MSVIT.ATTN_TYPE", checkpoint.get("config")
+    if text is None:
+        return {}
+    then, now = config_value(config_from_text(text, f"the config stored in {path}"), key), config_value(cfg, key)
+    try:
+        differ = attention_of(then)[0] != attention_of(now)[0]
+    except ValueError:  # a name this version does not know
+        differ = False
+    return {key: (then, now)} if differ else {}
+
+
 def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
     """:func:`load_weights` of the checkpoint dict already read from ``path`` (its EMA weights with ``ema``)."""
     differences = trained_with(checkpoint, path, {key: config_value(cfg, key) for key in MODEL_DEFINING_KEYS})
-    listed = ", ".join(f"{key} {saved!r} (now {now!r})" for key, (saved, now) in differences.items())
+    listed = _listed(differences)
     if differences and not new_classifier:
         raise ValueError(f"Checkpoint {path} was trained with {listed}; set those values to use it as it was trained.")
-    state = fitted_state(checkpoint, path, model, ema)
+    try:
+        state = fitted_state(checkpoint, path, model, ema)
+    except ValueError:
+        changed = {**differences, **_other_mechanism(checkpoint, path, cfg)}
+        if not changed:
+            raise
+        raise ValueError(
+            f"Checkpoint {path} was trained with {_listed(changed)}, and its weights do not fit the model of the "
+            "new values; set those values to use it."
+        ) from None
     broken = [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
     if broken:
         raise ValueError(
