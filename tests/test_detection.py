@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
 import vil.models.attention as attention
@@ -186,6 +188,26 @@ def test_faster_rcnn_and_retinanet_take_the_backbone():
         for model in (faster, retina):
             (det,) = model(images)
             assert {"boxes", "labels", "scores"} <= set(det) and det["boxes"].shape[1] == 4
+
+
+def test_a_three_stage_backbone_detects_with_the_anchors_and_pooling_the_readme_gives():
+    """Four maps ("0", "1", "2", "pool"): torchvision's default anchors (five maps) and RoI pooling (maps "0" to
+    "3") do not fit; the README's generator and pooling do."""
+    torch.manual_seed(0)
+    backbone = build_fpn_backbone(load_cfg("vil_digits"), out_channels=64)
+    images = [torch.rand(3, 64, 80)]
+    with torch.no_grad():
+        assert list(backbone(images[0][None])) == ["0", "1", "2", "pool"]
+    anchors = AnchorGenerator(((16,), (32,), (64,), (128,)), ((0.5, 1.0, 2.0),) * 4)
+    faster = FasterRCNN(
+        backbone, num_classes=3, rpn_anchor_generator=anchors, box_roi_pool=MultiScaleRoIAlign(["0", "1", "2"], 7, 2),
+        min_size=64, max_size=96,
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        (det,) = faster(images)
+    assert {"boxes", "labels", "scores"} <= set(det) and det["boxes"].shape[1] == 4
+    with pytest.raises((AssertionError, ValueError, KeyError)), torch.no_grad():  # torchvision's defaults
+        FasterRCNN(backbone, num_classes=3, min_size=64, max_size=96).eval()(images)
 
 
 def test_fpn_backbone_from_a_config_and_a_classification_checkpoint(tmp_path):
