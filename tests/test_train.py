@@ -418,22 +418,27 @@ def test_weights_of_another_architecture_or_mechanism_are_refused_naming_what_ch
     values that differ, when fine-tuning (where other values are allowed while the weights fit) and evaluating."""
     out = tmp_path / "run"
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
+    weights = ("MODEL.MODEL_PATH", str(out / "model_best.pth"))
     wider = TINY_ARCH.replace("d32", "d48")
     with pytest.raises(ValueError) as caught:
-        train(
-            tiny_cfg(
-                data, tmp_path / "tune", "MODEL.MODEL_PATH", str(out / "model_best.pth"), "MODEL.VIT.MSVIT.ARCH", wider
-            )
-        )
+        train(tiny_cfg(data, tmp_path / "tune", *weights, "MODEL.VIT.MSVIT.ARCH", wider))
     message = str(caught.value)
     assert "MODEL.VIT.MSVIT.ARCH" in message and repr(wider) in message and "do not fit" in message
-    cfg = tiny_cfg(
-        data, tmp_path / "eval", "MODEL.MODEL_PATH", str(out / "model_best.pth"), "MODEL.VIT.MSVIT.ATTN_TYPE", "full"
-    )
     with pytest.raises(ValueError) as caught:
-        evaluate_checkpoint(cfg)
+        evaluate_checkpoint(tiny_cfg(data, tmp_path / "eval", *weights, "MODEL.VIT.MSVIT.ATTN_TYPE", "full"))
     message = str(caught.value)
     assert "MODEL.VIT.MSVIT.ATTN_TYPE" in message and "(now 'full')" in message and "do not fit" in message
+
+
+def test_evaluation_at_another_image_size_than_the_training_says_so(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
+    capsys.readouterr()
+    for size, said in (("32", False), ("64", True)):
+        cfg = tiny_cfg(data, tmp_path / size, "MODEL.MODEL_PATH", str(out / "model_best.pth"), "INPUT.IMAGE_SIZE", size)
+        evaluate_checkpoint(cfg)  # its log: warnings, on the console
+        printed = capsys.readouterr().err
+        assert ("trained on 32x32 images; this model is built for 64x64" in printed) == said, printed
 
 
 def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path):

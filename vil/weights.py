@@ -94,13 +94,19 @@ def _listed(differences):
     return ", ".join(f"{key} {saved!r} (now {now!r})" for key, (saved, now) in differences.items())
 
 
+def _stored_config(checkpoint, path):
+    """The config this project's checkpoints store; None for others."""
+    text = checkpoint.get("config")
+    return None if text is None else config_from_text(text, f"the config stored in {path}")
+
+
 def _other_mechanism(checkpoint, path, cfg):
     """``{"MODEL.VIT.MSVIT.ATTN_TYPE": (the checkpoint's, cfg's)}`` where the two name different attention mechanisms
     (whose layers have other parameters; backends of one mechanism share them), else ``{}``."""
-    key, text = "MODEL.VIT.MSVIT.ATTN_TYPE", checkpoint.get("config")
-    if text is None:
+    key, stored = "MODEL.VIT.MSVIT.ATTN_TYPE", _stored_config(checkpoint, path)
+    if stored is None:
         return {}
-    then, now = config_value(config_from_text(text, f"the config stored in {path}"), key), config_value(cfg, key)
+    then, now = config_value(stored, key), config_value(cfg, key)
     try:
         differ = attention_of(then)[0] != attention_of(now)[0]
     except ValueError:  # a name this version does not know
@@ -142,6 +148,14 @@ def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
         log.info(f"Checkpoint {path} has {found}: this run trains a new one for DATA.NUM_CLASSES {model.num_classes}.")
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     load_model_state(model, state, path, may_miss=("head.",))
+    stored = _stored_config(checkpoint, path)
+    trained = None if stored is None else (stored.INPUT.IMAGE_SIZE,) * 2
+    if trained is not None and trained != tuple(model.img_size):
+        say = log.info if new_classifier else log.warning  # a run trains on; figures at another size are others
+        say(
+            f"Checkpoint {path} was trained on {trained[0]}x{trained[1]} images; this model is built for "
+            f"{model.img_size[0]}x{model.img_size[1]}, its position tables resized."
+        )
     if differences:  # said once the weights fit
         log.warning(
             f"Checkpoint {path} was trained with {listed}: this run starts from its weights with the new values."
