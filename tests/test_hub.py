@@ -43,9 +43,9 @@ def random_model(cfg, seed):
 
 @pytest.fixture
 def exported(tmp_path):
-    """A folder of images, a training checkpoint with EMA weights of a model on it, and its Hub folder."""
+    """A folder of images, a training checkpoint with EMA weights of a model on it, and the Hub folder of those."""
     data = make_folder(tmp_path / "data", classes=("cat", "dog"), per_class=2)
-    overrides = [*TINY, *PREPROCESSING, "DATA.PATH", str(data)]
+    overrides = [*TINY, *PREPROCESSING, "DATA.PATH", str(data), "MODEL.LOAD_EMA", "True"]
     cfg = load_cfg("vil_tiny", overrides)
     model, ema = random_model(cfg, 0), random_model(cfg, 1)
     checkpoint = tmp_path / "checkpoint_last.pth"
@@ -81,6 +81,22 @@ def test_a_hub_folder_rebuilds_the_ema_weights_through_timm(exported):
     assert "license: mit" in card and "arXiv:2103.15358" in card
     assert tuple(timm.data.resolve_data_config({}, model=rebuilt)["mean"]) == (0.5, 0.4, 0.3)
     assert cfg.INPUT.IMAGE_SIZE == 32
+
+
+def test_a_hub_folder_holds_the_model_weights_unless_load_ema_asks_for_the_ema_ones(exported, tmp_path):
+    """As tools/eval.py reads a checkpoint: its model weights, the ones its run's best top-1 is of, by default."""
+    overrides = [o for o in exported["overrides"] if o not in ("MODEL.LOAD_EMA", "True")]
+    out = tmp_path / "model_weights"
+    status, stdout, err = run_tool(
+        "export_hub", "--config-file", "vil_tiny", "--out", out, *overrides, "MODEL.MODEL_PATH", exported["checkpoint"]
+    )
+    assert status == 0 and "model weights" in stdout, err
+    model = random_model(exported["cfg"], 0)  # the checkpoint's model weights
+    rebuilt = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(images), model(images)) and not torch.equal(rebuilt(images), exported["ema"](images))
+    assert "87.50% (the run's best)" in (out / "README.md").read_text()
 
 
 def test_every_checkpoint_reader_takes_the_folder_and_the_safetensors_file(exported, tmp_path):
@@ -180,7 +196,7 @@ def test_a_folder_keeps_the_model_options_and_classes_it_records(exported, tmp_p
     from vil.checkpoint import read_checkpoint
     from vil.detection import build_fpn_backbone
 
-    overrides = [*exported["overrides"], "MODEL.VIT.MSVIT.LN_EPS", "0.1"]
+    overrides = [*exported["overrides"], "MODEL.VIT.MSVIT.LN_EPS", "0.1", "MODEL.LOAD_EMA", "False"]
     cfg = load_cfg("vil_tiny", overrides)
     checkpoint = tmp_path / "eps.pth"
     save_checkpoint(checkpoint, random_model(cfg, 3), config=cfg.dump(), classes=["cat", "dog"])
@@ -323,6 +339,21 @@ def test_predict_labels_files_folders_and_globs_and_skips_unreadable_images(expo
     records = json.loads((tmp_path / "labels.json").read_text())
     assert [r["path"] for r in records] == [r["path"] for r in rows[:4]]
     assert [r["classes"][0] for r in records] == [r["class_1"] for r in rows[:4]]
+
+
+def test_predict_names_the_classes_the_checkpoint_records(exported, tmp_path):
+    """The checkpoint's class names label the images, whatever data the config names; the same classes in another
+    order in the config are refused, as evaluation refuses them."""
+    checkpoint = tmp_path / "named.pth"
+    torch.save({**torch.load(exported["checkpoint"], weights_only=True), "classes": ["fish", "cat"]}, checkpoint)
+    images = str(exported["data"] / "val")
+    common = ["--config-file", "vil_tiny", *TINY, *PREPROCESSING, "MODEL.MODEL_PATH", checkpoint, images]
+    status, stdout, err = run_tool("predict", *common, "--top-k", "2")
+    assert status == 0, err
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 4 and all("fish (" in line and "cat (" in line for line in lines), stdout
+    status, _, err = run_tool("predict", *common, "DATA.CLASSES", '["cat", "fish"]')
+    assert status == 1 and "another order" in err and "label 0 is 'fish'" in err, err
 
 
 def test_predict_reads_images_as_a_viewer_shows_them(tmp_path):

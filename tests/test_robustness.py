@@ -282,6 +282,17 @@ def test_a_corrupt_last_checkpoint_falls_back_to_the_newest_readable_epoch_check
 # 5. Changed config, foreign checkpoints.
 
 
+def test_a_resumed_run_may_compute_its_attention_with_another_backend(data, tmp_path):
+    """Backends (and their other names) compute the same model: a run goes on with another, saying so."""
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1", "MODEL.VIT.MSVIT.ATTN_TYPE", "sliding_chunk"))
+    for epochs, attn_type in (("2", "longformerhand"), ("3", "unfold")):
+        train(tiny_cfg(data, out, "OPTIM.EPOCHS", epochs, "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type))
+    text = (out / "log.txt").read_text()
+    assert "ATTN_TYPE 'sliding_chunk' -> 'longformerhand'" in text and "ATTN_TYPE 'longformerhand' -> 'unfold'" in text
+    assert read_checkpoint(str(out / "checkpoint_last.pth"))["epoch"] == 3
+
+
 def test_a_refusal_at_start_up_is_in_the_log_too(data, tmp_path):
     out = tmp_path / "run"
     with pytest.raises(ValueError) as caught:
@@ -295,6 +306,7 @@ def test_a_refusal_at_start_up_is_in_the_log_too(data, tmp_path):
     [
         (("MODEL.VIT.MSVIT.ARCH", TINY_ARCH.replace("d32", "d48")), "MODEL.VIT.MSVIT.ARCH"),
         (("OPTIM.OPT", "sgd"), "OPTIM.OPT 'adamw' (now 'sgd')"),
+        (("MODEL.VIT.MSVIT.ATTN_TYPE", "performer"), "MODEL.VIT.MSVIT.ATTN_TYPE"),  # another attention
     ],
 )
 def test_resuming_with_a_changed_config_names_the_keys_and_overwrites_nothing(data, tmp_path, change, named):

@@ -2,8 +2,8 @@
 MODEL.MODEL_PATH ckpt [KEY VALUE ...]`` (console script ``vil-export-hub``; the options and the overrides in any
 order).
 
-DIR gets ``model.safetensors`` (the weights alone: the checkpoint's EMA weights when it has them, as MODEL.LOAD_EMA
-evaluation reads them, else its model weights), ``config.json`` in timm's layout (architecture ``vil_arch`` with the
+DIR gets ``model.safetensors`` (the weights alone: the checkpoint's model weights, or with ``MODEL.LOAD_EMA True``
+its EMA weights, as evaluation reads them), ``config.json`` in timm's layout (architecture ``vil_arch`` with the
 config's arch string and model arguments, the class count and names, and the ``pretrained_cfg`` with mean, std,
 input size, crop and interpolation from INPUT) and a ``README.md`` model card. ``timm.create_model("local-dir:DIR")``
 (after ``import vil``) rebuilds the model; ``MODEL.MODEL_PATH DIR`` and every tool that takes a checkpoint read it.

@@ -27,10 +27,10 @@ from timm.models import parse_model_name
 from vil.config import get_cfg, load_cfg
 from vil.data import build_transform
 from vil.files import atomic_write, check_writable_file
-from vil.hub import class_names, default_class_names
+from vil.hub import class_names, data_class_names, default_class_names
 from vil.model_config import build_model
 from vil.predict import image_paths, predict, readable_names
-from vil.weights import load_weights
+from vil.weights import load_read_weights, read_model_checkpoint
 
 CONFIG_KEY = re.compile(r"^[A-Z][A-Z0-9_]*(\.[A-Z0-9_]+)+$")  # MODEL.MODEL_PATH: a config override, not an image
 
@@ -94,8 +94,11 @@ def model_and_preprocessing(args):
         if not cfg.MODEL.MODEL_PATH:
             raise ValueError("Give the checkpoint to predict with: MODEL.MODEL_PATH path/to/checkpoint.pth.")
         model = build_model(cfg)
-        load_weights(model, cfg)
-        transform, names = build_transform(cfg, train=False), class_names(cfg)
+        # The class names the checkpoint records; those of the config's data are checked against them, as
+        # evaluation checks them (the same classes in another order are refused).
+        path, checkpoint = read_model_checkpoint(cfg, classes=data_class_names(cfg))
+        load_read_weights(model, cfg, path, checkpoint, cfg.MODEL.LOAD_EMA)
+        transform, names = build_transform(cfg, train=False), class_names(cfg, checkpoint)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return model.to(device), transform, readable_names(names)
 

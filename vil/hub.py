@@ -8,6 +8,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import safetensors.torch
 import timm
@@ -16,7 +17,7 @@ from timm.data import ImageNetInfo
 from timm.models._hub import save_config_for_hf  # timm's writer of config.json (save_for_hf without the weights)
 from torchvision.datasets.folder import find_classes
 
-from .checkpoint import SAFETENSORS_NAME, has_ema, hub_record, read_checkpoint, recorded_classes
+from .checkpoint import SAFETENSORS_NAME, hub_record, read_checkpoint, recorded_classes
 from .data import INTERPOLATIONS
 from .files import OutputError, atomic_write, check_writable_folder
 from .model_config import model_kwargs
@@ -44,10 +45,20 @@ def hub_model_args(cfg) -> dict:
     return {k: v for k, v in model_kwargs(cfg).items() if k not in _TRAINING_ONLY}
 
 
-def class_names(cfg) -> list:
+def class_names(cfg, checkpoint=None) -> list:
+    """The names of the classes of ``cfg``'s model, by class index: those ``checkpoint`` (a checkpoint dict)
+    records where they are as many, else those of the config's training data (:func:`data_class_names`), else
+    ImageNet's (timm's) for 1000 classes, else the indices as text."""
+    recorded = None if checkpoint is None else recorded_classes(checkpoint)
+    if recorded is not None and len(recorded) == cfg.DATA.NUM_CLASSES:
+        return recorded
+    return data_class_names(cfg) or default_class_names(cfg.DATA.NUM_CLASSES)
+
+
+def data_class_names(cfg) -> Optional[list]:
     """The names of the classes of ``cfg``'s training data, by class index: ``DATA.CLASSES`` when set, the digits,
-    the class folders of ``DATA.PATH/train`` when they are there (the classes its ``index.json`` lists, for shards),
-    ImageNet's (timm's) for 1000 classes; else the indices as text."""
+    the class folders of ``DATA.PATH/train`` when they are there (the classes its ``index.json`` lists, for shards);
+    None where the config names none."""
     if cfg.DATA.CLASSES:
         return list(cfg.DATA.CLASSES)
     if cfg.DATA.TRAIN[0] == "digits":
@@ -61,9 +72,7 @@ def class_names(cfg) -> list:
             names = ShardDataset(folder).classes
         except ValueError:  # a split that cannot be read names no classes
             pass
-    if names is not None and len(names) == cfg.DATA.NUM_CLASSES:
-        return names
-    return default_class_names(cfg.DATA.NUM_CLASSES)
+    return names if names is not None and len(names) == cfg.DATA.NUM_CLASSES else None
 
 
 def default_class_names(num_classes: int) -> list:
@@ -72,13 +81,13 @@ def default_class_names(num_classes: int) -> list:
 
 
 def export_hub_folder(cfg, out: str) -> dict:
-    """Write the Hub folder of ``MODEL.MODEL_PATH`` (its EMA weights when it has them) under ``cfg`` to ``out``, its
-    class names those the checkpoint records (else :func:`class_names`); returns what the model card states. A
+    """Write the Hub folder of ``MODEL.MODEL_PATH`` (its EMA weights with ``MODEL.LOAD_EMA``) under ``cfg`` to
+    ``out``, with the class names of :func:`class_names`; returns what the model card states. A
     checkpoint that does not fit ``cfg``'s model, or was trained with other model options, is refused as evaluation
     refuses it (:func:`~vil.weights.load_weights`)."""
     path = resolve_model_path(cfg)
     checkpoint = read_checkpoint(path)
-    ema = has_ema(checkpoint)
+    ema = cfg.MODEL.LOAD_EMA
     args = hub_model_args(cfg)
     model = timm.create_model("vil_arch", **args).eval()
     load_read_weights(model, cfg, path, checkpoint, ema)
@@ -92,8 +101,7 @@ def export_hub_folder(cfg, out: str) -> dict:
         mean=tuple(cfg.INPUT.MEAN),
         std=tuple(cfg.INPUT.STD),
     )
-    recorded = recorded_classes(checkpoint)
-    names = recorded if recorded is not None and len(recorded) == cfg.DATA.NUM_CLASSES else class_names(cfg)
+    names = class_names(cfg, checkpoint)
     card = dict(
         arch=args["arch"],
         weights="EMA" if ema else "model",

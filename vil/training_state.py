@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .checkpoint import load_model_state, model_state, read_checkpoint, save_checkpoint
 from .config import config_from_text, config_items
 from .files import atomic_write
+from .model_config import attention_of
 from .runtime import get_rng_state, set_rng_state
 
 log = logging.getLogger("vil")
@@ -211,7 +212,11 @@ def check_resumable(checkpoint, path, cfg, world=1):
     changed = [key for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
     # Shards: each loading worker batches shards of its own, so the workers decide an epoch's batches and steps.
     workers_decide = now.get("DATA.FORMAT") == "shards" and "DATALOADER.WORKERS" in changed
-    refused = [key for key in changed if not _followed(key) or (workers_decide and key == "DATALOADER.WORKERS")]
+    refused = [
+        key
+        for key in changed
+        if not (_followed(key) or _another_backend(key, saved, now)) or (workers_decide and key == "DATALOADER.WORKERS")
+    ]
     if refused:
         differences = ", ".join(f"{key} {saved.get(key)!r} (now {now.get(key)!r})" for key in refused)
         why = " (with DATA.FORMAT shards the loading workers decide an epoch's batches)" if workers_decide else ""
@@ -270,6 +275,17 @@ def restore_rng_state(states, rank):
 
 def _followed(key):
     return any(key == k or key.startswith(k + ".") for k in FOLLOWED_ON_RESUME)
+
+
+def _another_backend(key, saved, now):
+    """Whether ``key`` is ATTN_TYPE naming another backend (or another name of one) of the same attention: the
+    same model, computed otherwise, which a resumed run may follow."""
+    if key != "MODEL.VIT.MSVIT.ATTN_TYPE":
+        return False
+    try:
+        return attention_of(saved[key])[0] == attention_of(now[key])[0]
+    except (KeyError, ValueError):  # a name this version does not know
+        return False
 
 
 def _flat(cfg):

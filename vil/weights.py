@@ -47,12 +47,18 @@ def load_weights(model, cfg, new_classifier=False, classes=None):
     with the config's, both said in the log. Otherwise (evaluating, predicting, exporting) both are refused in one
     sentence, with the rest of a checkpoint that does not fit. ``classes``: the names of the data's classes in label
     order, checked against the training data's that the checkpoint records (:func:`check_trained_classes`)."""
+    path, checkpoint = read_model_checkpoint(cfg, classes)
+    load_read_weights(model, cfg, path, checkpoint, cfg.MODEL.LOAD_EMA, new_classifier)
+    return path
+
+
+def read_model_checkpoint(cfg, classes=None):
+    """``(path, checkpoint dict)`` of ``MODEL.MODEL_PATH``; ``classes``: as :func:`load_weights` takes them."""
     path = resolve_model_path(cfg)
     checkpoint = read_checkpoint(path)
     if classes is not None:
         check_trained_classes(checkpoint, path, classes)
-    load_read_weights(model, cfg, path, checkpoint, cfg.MODEL.LOAD_EMA, new_classifier)
-    return path
+    return path, checkpoint
 
 
 def check_trained_classes(checkpoint, path, classes):
