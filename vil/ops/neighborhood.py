@@ -138,7 +138,9 @@ class Neighborhood1d:
             raise ValueError(f"causal must be True or False, got {self.causal!r}.")
 
     @classmethod
-    def of_heads(cls, window: int, dilation, causal: bool, heads: int) -> "Neighborhood1d":
+    def of_heads(
+        cls, window: int, dilation: Union[int, Sequence[int], torch.Tensor], causal: bool, heads: int
+    ) -> "Neighborhood1d":
         """The band of ``heads`` heads whose ``dilation`` is one int or one per head, given as any sequence, numpy
         array or tensor of values."""
         if hasattr(dilation, "tolist"):  # a tensor, a numpy array or a numpy int, as Python values
