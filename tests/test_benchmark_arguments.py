@@ -37,6 +37,8 @@ def not_a_folder(tmp_path):
         ("benchmark_mechanisms", ["--plot", "{bad}"], r"{bad}_time.png cannot be written"),
         ("benchmark_loader", ["--images", "4", "--batch", "8"], r"--images must be at least 2 .* --batch 8 .* got 4"),
         ("benchmark_loader", ["--workers", "-1"], r"--workers: must be an integer of at least 0, got -1"),
+        ("benchmark_loader", ["--config-file", "vil_smal"], r"vil_smal"),
+        ("benchmark_model", ["--config-file", "vil_tiny", "--timm", "no_such_net"], r"--timm no_such_net"),
     ],
 )
 def test_bad_arguments_are_one_sentence(tool, args, facts, not_a_folder):

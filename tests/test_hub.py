@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -435,6 +436,30 @@ def test_predict_refuses_inputs_that_name_nothing(exported, tmp_path):
     (tmp_path / "labels.json").mkdir()  # refused before any image is labelled, in one sentence
     status, _, err = run_tool("predict", "--model", "vil_tiny", "--output", tmp_path / "labels.json", tmp_path)
     assert status == 1 and err.startswith("error: --output") and "(it is a folder)" in err and "Traceback" not in err
+
+
+def test_predict_refuses_a_folder_that_is_not_a_readable_hub_folder(exported, tmp_path):
+    images = exported["data"] / "val"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(exported["out"], damaged)
+    (damaged / "model.safetensors").write_bytes(b"")
+    (tmp_path / "bare").mkdir()
+    for folder, fact in (
+        (tmp_path / "nowhere", "is not a folder"),
+        (tmp_path / "bare", "has no config.json"),
+        (damaged, "model.safetensors"),
+    ):
+        status, _, err = run_tool("predict", "--model", f"local-dir:{folder}", images)
+        assert status == 1 and str(folder) in err and fact in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_predict_takes_its_options_after_the_images_and_names_a_bad_one(exported):
+    images = exported["data"] / "val"
+    status, stdout, err = run_tool("predict", "--model", f"local-dir:{exported['out']}", images, "--top-k", "1")
+    assert status == 0 and len(stdout.strip().splitlines()) == 4 and all(" (" in line for line in stdout.splitlines())
+    status, _, err = run_tool("predict", "--model", f"local-dir:{exported['out']}", images, "--top-k", "0")
+    assert status == 2 and "--top-k" in err and "got 0" in err
 
 
 def test_predict_tells_config_keys_from_image_names(tmp_path, monkeypatch):

@@ -74,6 +74,10 @@ def main(argv=None):
             f"--images must be at least 2 (two classes) and at least --batch {args.batch} (a whole batch), "
             f"got {args.images}."
         )
+    try:
+        load_cfg(args.config_file)  # a config that cannot be read is refused before the images are written
+    except (ValueError, OSError) as e:
+        p.error(str(e))
     with tempfile.TemporaryDirectory() as root:
         write_images(root, args.images)
         print(f"{args.images} JPEGs of 500x375, batch {args.batch}, the training transform of {args.config_file}")

@@ -22,6 +22,7 @@ the operators with the most time of their own).
 import argparse
 import time
 
+import timm
 import torch
 
 from vil.cli import positive_int
@@ -48,6 +49,8 @@ def main():
     )
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args()
+    if args.timm and not timm.is_model(args.timm):
+        parser.error(f"--timm {args.timm} is not a timm model; give one that timm.list_models() lists.")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda was asked for, but torch sees no CUDA device here.")
@@ -133,8 +136,6 @@ def compare(args, model, steps, timed, device):
         print(f"\ntorch.compile: {time.perf_counter() - start:.0f} s to compile training and inference")
         contenders["torch.compile"] = compiled
     if args.timm:
-        import timm
-
         contenders[f"timm {args.timm}"] = steps(timm.create_model(args.timm, num_classes=model.num_classes).to(device))
     best = {name: [0.0, 0.0] for name in contenders}
     for _ in range(args.rounds):

@@ -24,6 +24,8 @@ import torch
 from timm.data import create_transform, resolve_data_config
 from timm.models import parse_model_name
 
+from vil.checkpoint import read_checkpoint
+from vil.cli import non_negative_int, positive_int
 from vil.config import get_cfg, load_cfg
 from vil.data import build_transform
 from vil.files import atomic_write, check_writable_file
@@ -48,12 +50,12 @@ def parse_args(argv=None):
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a registered model (vil_small, vil_small.in1k) or local-dir:DIR")
     source.add_argument("--config-file", help="a run's config (YAML file or preset name), with MODEL.MODEL_PATH")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--workers", type=int, default=0, help="image loading processes")
+    p.add_argument("--top-k", type=positive_int, default=5)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--workers", type=non_negative_int, default=0, help="image loading processes")
     p.add_argument("--output", help="also write the records to this .csv or .json file")
     p.add_argument("inputs", nargs="+", help="images, folders, globs; with --config-file also KEY VALUE overrides")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # options after the images and overrides too
     args.overrides, args.images = [], []
     tokens = iter(args.inputs)
     for token in tokens:
@@ -65,8 +67,6 @@ def parse_args(argv=None):
         p.error(f"config overrides ({args.overrides[0]} ...) go with --config-file, not with --model.")
     if args.output and not args.output.endswith((".csv", ".json")):
         p.error(f"--output {args.output} must end in .csv or .json.")
-    if args.top_k < 1 or args.batch_size < 1:
-        p.error("--top-k and --batch-size must be at least 1.")
     return args
 
 
@@ -82,10 +82,28 @@ def check_model_name(name):
         )
 
 
+def check_hub_folder(folder):
+    """Refuse, in one sentence, a ``local-dir:`` folder that is not a readable Hub folder: no folder, no config.json,
+    or a config.json or model.safetensors that cannot be read (timm would stop with its own error)."""
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"--model local-dir:{folder}: {folder} is not a folder; give a Hub folder, as tools/export_hub.py writes."
+        )
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(
+            f"--model local-dir:{folder}: {folder} has no config.json, so it is not a Hub folder; give one that "
+            "tools/export_hub.py wrote."
+        )
+    read_checkpoint(folder)  # the weights and this project's config.json, each read or refused in one sentence
+
+
 def model_and_preprocessing(args):
     """(model, its evaluation transform, its class names)."""
     if args.model:
         check_model_name(args.model)
+        source, folder = parse_model_name(args.model)
+        if source == "local-dir":
+            check_hub_folder(folder)
         model = timm.create_model(args.model, pretrained=True)
         transform = create_transform(**resolve_data_config({}, model=model))
         names = model.pretrained_cfg.get("label_names") or default_class_names(model.num_classes)
