@@ -72,6 +72,17 @@ def test_an_export_for_another_image_size_loads_in_every_layout(tmp_path, fmt):
     torch.testing.assert_close(built.get_parameter(key), resize_full_bias_table(stored, (6, 8), (4, 4)))
 
 
+def test_sizes_below_the_stride_and_paths_taken_as_sizes_are_refused_in_one_sentence(tmp_path):
+    small_checkpoint(tmp_path / "cls.pth")
+    paths, layout = (tmp_path / "cls.pth", tmp_path / "out.pth"), ("--format", "torchvision")
+    status, _, err = run_tool("export_backbone", *paths, *layout, "--new-image-size", "3")
+    assert status == 1 and "3x3" in err and "total stride 16" in err and "16 or more" in err, err
+    assert not (tmp_path / "out.pth").exists()
+    status, _, err = run_tool("export_backbone", *layout, "--image-size", "64", *paths)
+    assert status == 2 and "cls.pth" in err and "end its values with --" in err, err
+    export(*layout, "--image-size", "64", "--", *paths)  # as the hint says
+
+
 def test_a_model_trained_at_a_size_that_is_not_a_multiple_of_the_stride_exports(tmp_path):
     """At 72 pixels the model's stage-3 map is 4x4 (72 // 16, no padding): exported for 64x64 (also 4x4), its tables
     are the model's own, and the backbone computes the model's maps."""

@@ -37,6 +37,17 @@ from vil.models import PRESETS, MsViT, arch_string, parse_arch
 from vil.models.convert import GLOBAL_INITS, fit_to_model
 
 
+def _side(text):
+    """An argparse type: an image side. The hint is for IN and OUT given after a size option, which takes them as
+    sizes."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"takes image sides (N, or H W), got {text!r}; give IN and OUT before it, or end its values with --"
+        ) from None
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("input", help="classification checkpoint")
@@ -53,7 +64,7 @@ def parse_args(argv=None):
         "goes first, and must agree with it)",
     )
     parser.add_argument(
-        "--image-size", type=int, nargs="+", help="image size IN was trained for, N or H W (default: from IN)"
+        "--image-size", type=_side, nargs="+", help="image size IN was trained for, N or H W (default: from IN)"
     )
     parser.add_argument(
         "--full-attention-to-local",
@@ -68,7 +79,7 @@ def parse_args(argv=None):
         help="new global tokens: the learned ones repeated (copy) or their mean (average)",
     )
     parser.add_argument(
-        "--new-image-size", type=int, nargs="+", help="resize the position tables for images of N or H W"
+        "--new-image-size", type=_side, nargs="+", help="resize the position tables for images of N or H W"
     )
     return parser.parse_args(argv)
 

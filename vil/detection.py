@@ -9,6 +9,7 @@
 """
 
 import inspect
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -332,6 +333,12 @@ def classification_backbone_state(
     specs = parse_arch(source["arch"])
     old_size = tuple(to_2tuple(source["img_size"]))
     size = tuple(to_2tuple(new_image_size)) if new_image_size is not None else old_size
+    stride = math.prod(spec.patch for spec in specs)
+    if min(size) < stride:
+        raise ValueError(
+            f"The new image size {size[0]}x{size[1]} is smaller than the model's total stride {stride} (the product "
+            f"of its stages' patch sizes); give {stride} or more."
+        )
     old_maps = stage_map_sizes(specs, old_size, source.get("dynamic_img_pad", False))
     state = _resize_stage_tables(state, specs, old_maps, stage_map_sizes(specs, size, pad))
     return convert_classification_state(state, source["arch"], size, pad=pad, **conversion)
