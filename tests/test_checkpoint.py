@@ -96,8 +96,8 @@ def test_checkpoint_of_another_architecture_is_one_sentence(tmp_path):
 def test_missing_and_unreadable_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_checkpoint(model(0), tmp_path / "nope.pth")
-    (tmp_path / "junk.pth").write_text("not a checkpoint")
-    with pytest.raises(ValueError, match="is not a readable PyTorch checkpoint"):
+    (tmp_path / "junk.pth").write_text("MODEL:\n  ARCH: msvit\n")  # a config given for the checkpoint
+    with pytest.raises(ValueError, match=r"junk\.pth is not a PyTorch checkpoint \(.*zip archive or a pickle"):
         load_checkpoint(model(0), tmp_path / "junk.pth")
     torch.save({"net": model(0).state_dict()}, tmp_path / "cut.pth")
     (tmp_path / "cut.pth").write_bytes((tmp_path / "cut.pth").read_bytes()[:1000])  # a copy cut short

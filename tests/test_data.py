@@ -104,6 +104,25 @@ def test_a_data_path_that_does_not_exist_is_named_so(tmp_path):
     message = str(err.value)
     assert f"DATA.PATH {tmp_path / 'nowhere'} does not exist" in message and message.count("\n") == 0
     assert "DATA.PATH/train/<class>/<image>" in message
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"DATA.PATH \S+a_file is a file, not a folder"):
+        build_dataset(cfg_for(tmp_path / "a_file"), train=False)
+
+
+def test_a_class_folder_without_images_and_images_without_class_folders_are_one_sentence(tmp_path):
+    (tmp_path / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "train" / "dog").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "dog" / "0.png")
+    with pytest.raises(ValueError) as err:
+        build_dataset(cfg_for(tmp_path), train=True)
+    message = str(err.value)
+    assert f"{tmp_path / 'train' / 'cat'} holds no images" in message and ".png" in message and "\n" not in message
+    (tmp_path / "val").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "val" / "0.png")  # images, but no class folders
+    with pytest.raises(ValueError) as err:
+        build_dataset(cfg_for(tmp_path), train=False)
+    message = str(err.value)
+    assert f"{tmp_path / 'val'} has no class folders" in message and "<class>" in message and "\n" not in message
 
 
 def test_class_folders_that_are_links_are_read(tmp_path):

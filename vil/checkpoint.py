@@ -69,6 +69,11 @@ def read_checkpoint(path):
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
+        if not _saved_by_torch(path):
+            raise ValueError(
+                f"{path} is not a PyTorch checkpoint (torch.save writes a zip archive or a pickle, and this file is "
+                "neither); give the checkpoint file of the run."
+            ) from None
         raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors ({_load_failure(e)}).") from None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
@@ -135,6 +140,13 @@ def classifier_classes(path):
     except (ValueError, AttributeError):
         return None
     return None if head is None else head.shape[0]
+
+
+def _saved_by_torch(path):
+    """Whether the file begins as ``torch.save`` writes: a zip archive, or a pickle (older files)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
 def _load_failure(error):

@@ -41,7 +41,11 @@ class SkippingImageFolder(ImageFolder):
 
     def __init__(self, root, transform=None, classes=None):
         self.chosen = list(classes) if classes else None
-        super().__init__(root, transform)
+        try:
+            super().__init__(root, transform)
+        except FileNotFoundError:  # torchvision's words for a folder without class folders, or a class without images
+            folders = self.chosen or sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+            raise ValueError(_without_images(root, folders)) from None
 
     def find_classes(self, directory):
         found, _ = super().find_classes(directory)
@@ -52,6 +56,17 @@ class SkippingImageFolder(ImageFolder):
     def __getitem__(self, index):
         path, target = self.samples[index]
         return loaded_or_skipped(path, target, self.transform, self.loader)
+
+
+def _without_images(root, classes):
+    """One sentence on what of ``root`` holds no images: its class folders (``classes``), or the first without."""
+    if not classes:
+        return f"{root} has no class folders; put each class's images in {root}/<class>/ ({EXPECTED_LAYOUT})."
+    for name in classes:
+        files = (f for _, _, found in os.walk(os.path.join(root, name), followlinks=True) for f in found)
+        if not any(f.lower().endswith(IMG_EXTENSIONS) for f in files):
+            return f"{os.path.join(root, name)} holds no images ({', '.join(IMG_EXTENSIONS)}); add some or remove it."
+    return f"{root} holds no images of its classes; the data must be ImageNet-style folders, {EXPECTED_LAYOUT}."
 
 
 def loaded_or_skipped(path, target, transform, loader=default_loader):
@@ -258,8 +273,9 @@ def build_dataset(cfg, train):
     else:
         root = os.path.join(cfg.DATA.PATH, "train" if train else "val")
         if not os.path.isdir(cfg.DATA.PATH):
+            what = "is a file, not a folder" if os.path.exists(cfg.DATA.PATH) else "does not exist"
             raise ValueError(
-                f"DATA.PATH {cfg.DATA.PATH} does not exist; give the folder that holds the data, {EXPECTED_LAYOUT}."
+                f"DATA.PATH {cfg.DATA.PATH} {what}; give the folder that holds the data, {EXPECTED_LAYOUT}."
             )
         has_images = os.path.isdir(root) and any(
             f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(root, followlinks=True) for f in files
