@@ -285,3 +285,11 @@ def test_bad_shard_requests_are_one_sentence(shards, tmp_path):
     assert status == 1 and stderr.startswith(
         f"error: {shards / 'train'} has neither train/ nor val/; give the DATA.PATH"
     )
+    (tmp_path / "a_file").write_text("")
+    for source, output, fact in (
+        (tmp_path / "nowhere", tmp_path / "new", f"{tmp_path / 'nowhere'} does not exist"),
+        (tmp_path / "a_file", tmp_path / "new", f"{tmp_path / 'a_file'} is a file, not a folder"),
+        (tmp_path / "folder", tmp_path / "a_file", f"The output {tmp_path / 'a_file'} is a file"),
+    ):
+        status, _, stderr = run_tool("make_shards", source, output)
+        assert status == 1 and fact in stderr and len(stderr.strip().splitlines()) == 1, stderr

@@ -16,16 +16,14 @@ import random
 import shutil
 import sys
 
-from torchvision.datasets import ImageFolder
-
-from vil.data import check_same_classes
+from vil.data import SkippingImageFolder, check_same_classes
 from vil.shards import require_webdataset, write_index
 
 
 def image_folder(source):
     """The image paths and classes of one split (nothing is decoded); an empty class or split is refused here, before
     anything is written."""
-    return ImageFolder(source, loader=lambda path: path)
+    return SkippingImageFolder(source)
 
 
 def write_split(folder, output, per_shard, shuffle_seed=None):
@@ -65,6 +63,13 @@ def main(argv=None):
     try:
         if args.per_shard < 1:
             raise ValueError(f"--per-shard must be a positive number of samples, got {args.per_shard}.")
+        if not os.path.isdir(args.source):
+            what = "is a file, not a folder" if os.path.exists(args.source) else "does not exist"
+            raise ValueError(f"{args.source} {what}; give the DATA.PATH of ImageNet-style folders (train/ and val/).")
+        if os.path.exists(args.output) and not os.path.isdir(args.output):
+            raise ValueError(
+                f"The output {args.output} is a file; give a folder to write the train/ and val/ shards into."
+            )
         splits = [s for s in ("train", "val") if os.path.isdir(os.path.join(args.source, s))]
         if not splits:
             raise ValueError(
