@@ -226,7 +226,7 @@ def test_model_path_is_looked_up_under_data_dir_and_other_architectures_are_refu
             MsViT(wider, img_size=32, num_classes=2),
             load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "tiny.pth")]),
         )
-    with pytest.raises(ValueError, match=r"classifier for 2 classes.*NUM_CLASSES 3"):
+    with pytest.raises(ValueError, match=r"classifier for 2 classes.*NUM_CLASSES 3.*set DATA.NUM_CLASSES to its count"):
         load_weights(
             MsViT(TINY_ARCH, img_size=32, num_classes=3),
             load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "tiny.pth")]),

@@ -253,7 +253,10 @@ def check_fits(state, model, path, may_miss=()):
             )
             if items
         ]
-        raise ValueError(f"Checkpoint {path} does not fit this model's architecture: " + "; ".join(problems) + ".")
+        raise ValueError(
+            f"Checkpoint {path} does not fit this model's architecture ({'; '.join(problems)}); use a checkpoint of "
+            "this architecture, or build the model it was trained as (its arch string and attention)."
+        )
 
 
 def _shared_names(model):

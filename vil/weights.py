@@ -148,8 +148,9 @@ def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
         found = f"a classifier for {head['head.weight'][0]} classes" if "head.weight" in head else "no classifier"
         if not new_classifier:
             raise ValueError(
-                f"Checkpoint {path} has {found}, "
-                f"not one for the DATA.NUM_CLASSES {model.num_classes} classes of this model."
+                f"Checkpoint {path} has {found}, not one for the DATA.NUM_CLASSES {model.num_classes} classes of "
+                "this model; set DATA.NUM_CLASSES to its count, or fine-tune it (tools/train.py with MODEL.MODEL_PATH) "
+                "for these classes."
             )
         log.info(f"Checkpoint {path} has {found}: this run trains a new one for DATA.NUM_CLASSES {model.num_classes}.")
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
