@@ -11,7 +11,7 @@ starts. Before the file is written, onnxruntime runs it at ``INPUT.IMAGE_SIZE`` 
 batch for a file of one input size), and the tool prints the largest difference from the PyTorch model's logits,
 computed with the local attention backend this machine runs fastest (any backend computes the same function; the
 file holds none). Only a file that passes (1e-4) is written (atomically); where onnxruntime fails or the difference
-is larger the tool exits with an error and writes nothing. Needs the ``onnx`` extra (``pip install -e .[onnx]``).
+is larger the tool exits with an error and writes nothing. Needs the ``onnx`` extra (``pip install 'vil[onnx]'``).
 """
 
 import argparse

@@ -7,7 +7,7 @@ per shard). The images are stored as they are (their bytes, not decoded), the cl
 as image folders number them, the training images in a seeded random order so that every shard mixes the
 classes. Both splits are listed before anything is written (an empty class, or classes that differ between them,
 are refused); a split is written into ``<split>.partial`` and renamed when complete; an existing split is refused.
-Needs webdataset (``pip install -e .[shards]``).
+Needs webdataset (``pip install 'vil[shards]'``).
 """
 
 import argparse

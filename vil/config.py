@@ -282,7 +282,8 @@ def load_cfg(config_file=None, overrides=()):
     if overrides:
         if len(overrides) % 2:
             raise ValueError(
-                f"Config overrides come in KEY VALUE pairs; got an odd number of items: {list(overrides)}."
+                f"Config overrides come in KEY VALUE pairs, but an odd number of items was given ({len(overrides)}, "
+                f"the last {overrides[-1]!r}); give each key its value."
             )
         for key, value in zip(overrides[0::2], overrides[1::2]):
             _set(cfg, str(key), CN._decode_cfg_value(value), "the overrides")

@@ -137,7 +137,7 @@ def onnx_model(model, height, width, dynamic_size=True) -> bytes:
         import onnxscript  # noqa: F401
     except ImportError as error:
         raise ValueError(
-            f"ONNX export needs the onnx and onnxscript packages ({error}); install them with pip install -e .[onnx]."
+            f"ONNX export needs the onnx and onnxscript packages ({error}); install them with pip install 'vil[onnx]'."
         ) from None
     # Traced by torch.export with the op layer recording standard operators, then translated.
     with recording_for_onnx():
@@ -188,7 +188,7 @@ def onnx_outputs(onnx_file, images):
         import onnxruntime
     except ImportError as error:
         raise ValueError(
-            f"Running an ONNX file needs onnxruntime ({error}); install it with pip install -e .[onnx]."
+            f"Running an ONNX file needs onnxruntime ({error}); install it with pip install 'vil[onnx]'."
         ) from None
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 4  # a failure is raised with its message; not logged to stderr besides

@@ -43,7 +43,7 @@ def require_webdataset():
         import webdataset
     except ImportError as error:
         raise ValueError(
-            f"DATA.FORMAT shards reads tar shards with webdataset ({error}); install it with pip install -e .[shards]."
+            f"DATA.FORMAT shards reads tar shards with webdataset ({error}); install it with pip install 'vil[shards]'."
         ) from None
     return webdataset
 

@@ -50,7 +50,8 @@ def parse_arch(arch: str) -> list[StageSpec]:
         )
     stages = arch.split("_")
     if len(stages) not in (3, 4):
-        raise ValueError(f"Arch string {arch!r} has {len(stages)} stages; it needs 3 or 4: {GRAMMAR}.")
+        counted = "1 stage" if len(stages) == 1 else f"{len(stages)} stages"
+        raise ValueError(f"Arch string {arch!r} has {counted}; it needs 3 or 4: {GRAMMAR}.")
     specs = []
     for position, stage in enumerate(stages, start=1):
         values = dict(_DEFAULTS)

@@ -261,7 +261,7 @@ class MsViT(nn.Module):
         if min(self.img_size) < stride:
             raise ValueError(
                 f"Image size {img_size} is smaller than the model's total stride {stride} (the product of the "
-                f"stages' patch sizes); build it for images of at least {stride}x{stride}."
+                f"stages' patch sizes); build it for images of at least {stride}x{stride} (INPUT.IMAGE_SIZE, img_size)."
             )
         if global_pool is None:
             global_pool = "token" if self.stage_specs[-1].num_global and not avg_pool else "avg"

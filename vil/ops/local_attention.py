@@ -280,7 +280,8 @@ def _check_types(q, tensors, scale):
                 f"{name} must be a dense (strided) tensor, got layout {t.layout}; convert it with .to_dense()."
             )
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise ValueError(f"scale must be a number (or None for head_dim ** -0.5), got {scale!r}.")
+        shown = f"a tensor of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else repr(scale)
+        raise ValueError(f"scale must be a number (or None for head_dim ** -0.5), got {shown}.")
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}.")
     if q.dim() and q.shape[-1] == 0:  # a 0-dim q is refused by the shape checks after this

@@ -100,6 +100,7 @@ def _check_ranks_agree(model, runtime):
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     if low.item() != high.item():
         raise RuntimeError(
-            f"The {runtime.world} processes ended with different weights (checksums {low.item()} to {high.item()})."
+            f"The {runtime.world} processes ended with different weights (checksums {low.item()} to {high.item()}), "
+            "which DistributedDataParallel should prevent; evaluate each process's checkpoint before using one."
         )
     log.info(f"All {runtime.world} processes hold identical weights.")

@@ -24,7 +24,8 @@ def _kernels(dims=2):
         from vil_kernels import local_attention, local_attention_1d
     except ImportError as error:
         raise ValueError(
-            f"The triton backend needs the triton package, which does not import here ({error})."
+            f"The triton backend needs the triton package, which does not import here ({error}); install it "
+            "(pip install triton, on a machine with a CUDA GPU) or choose another backend, such as sliding_chunk."
         ) from error
     return local_attention_1d if dims == 1 else local_attention
 
