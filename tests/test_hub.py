@@ -25,6 +25,7 @@ import vil  # noqa: F401  (registers the models)
 from vil.checkpoint import save_checkpoint
 from vil.config import load_cfg
 from vil.data import build_transform
+from vil.hub import class_names
 from vil.model_config import build_model
 from vil.models import MsViT
 from vil.weights import load_weights
@@ -436,6 +437,14 @@ def test_predict_refuses_inputs_that_name_nothing(exported, tmp_path):
     (tmp_path / "labels.json").mkdir()  # refused before any image is labelled, in one sentence
     status, _, err = run_tool("predict", "--model", "vil_tiny", "--output", tmp_path / "labels.json", tmp_path)
     assert status == 1 and err.startswith("error: --output") and "(it is a folder)" in err and "Traceback" not in err
+
+
+def test_class_folders_of_another_count_name_no_classes_and_say_so(tmp_path, caplog):
+    data = make_folder(tmp_path / "data", classes=("cat", "dog", "fox"), per_class=1, corrupt=False)
+    cfg = load_cfg("vil_tiny", [*TINY, "DATA.PATH", str(data)])  # DATA.NUM_CLASSES 2
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        assert class_names(cfg) == ["0", "1"]
+    assert f"{data / 'train'}: it has 3 classes, not DATA.NUM_CLASSES 2" in caplog.text
 
 
 def test_predict_refuses_a_folder_that_is_not_a_readable_hub_folder(exported, tmp_path):

@@ -86,8 +86,9 @@ def main(argv=None):
             size -= size % stride
             if size < 2 * stride:
                 raise ValueError(
-                    f"INPUT.IMAGE_SIZE {cfg.INPUT.IMAGE_SIZE} is traced at the multiple of the total stride {stride} "
-                    f"below it, which must be at least {2 * stride}; set INPUT.IMAGE_SIZE to {2 * stride} or more."
+                    f"INPUT.IMAGE_SIZE {cfg.INPUT.IMAGE_SIZE} is too small to export: it is traced at {size} (rounded "
+                    f"down to a multiple of the total stride {stride}), and tracing needs at least {2 * stride}; set "
+                    f"INPUT.IMAGE_SIZE to {2 * stride} or more."
                 )
         onnx_file = onnx_model(model, size, size, dynamic_size=not args.static)
         check(onnx_file, args.output, model, cfg, size, one_size=model.fixed_input_size or args.static)

@@ -4,6 +4,7 @@ size, crop, interpolation) and a ``README.md`` model card. ``timm.create_model("
 from it; every place of this project that takes a checkpoint takes the folder too.
 """
 
+import logging
 import math
 import os
 import tempfile
@@ -24,6 +25,8 @@ from .model_config import model_kwargs
 from .profiling import flop_counter
 from .shards import INDEX, ShardDataset
 from .weights import load_read_weights, resolve_model_path
+
+log = logging.getLogger("vil")
 
 # What a model is built from, as config.json records it (the rest of model_kwargs is training's: dropout rates,
 # and the backend, which the loading machine chooses).
@@ -70,9 +73,15 @@ def data_class_names(cfg) -> Optional[list]:
     elif cfg.DATA.FORMAT == "shards" and os.path.isfile(os.path.join(folder, INDEX)):
         try:
             names = ShardDataset(folder).classes
-        except ValueError:  # a split that cannot be read names no classes
-            pass
-    return names if names is not None and len(names) == cfg.DATA.NUM_CLASSES else None
+        except ValueError as e:  # a split that cannot be read names no classes
+            log.warning(f"The classes are not named after {folder}: {e}")
+    if names is not None and len(names) != cfg.DATA.NUM_CLASSES:
+        log.warning(
+            f"The classes are not named after {folder}: it has {len(names)} classes, not DATA.NUM_CLASSES "
+            f"{cfg.DATA.NUM_CLASSES}."
+        )
+        return None
+    return names
 
 
 def default_class_names(num_classes: int) -> list:
