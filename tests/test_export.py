@@ -488,7 +488,8 @@ def test_export_onnx_tool_writes_only_a_file_that_passes_its_check(tmp_path, mon
         return error
 
     # The size given is named, not its multiple of the stride (16) that the export would trace at.
-    assert re.search(r"INPUT.IMAGE_SIZE 20 .* stride 16 .* at least 32; set INPUT.IMAGE_SIZE to 32", failure(TINY, 20))
+    error = failure(TINY, 20)
+    assert re.search(r"INPUT.IMAGE_SIZE 20 .* at 16 .* stride 16.* at least 32; set INPUT.IMAGE_SIZE to 32", error)
     error = failure(ONE_CHUNK, 64)
     assert re.search(r"Traced at 64x64.* at most 80x4096 .* export at 96x96 or larger", error), error
     monkeypatch.setattr(export_onnx_tool, "onnx_model", lambda *args, **kwargs: _file_of_one_input_shape())
