@@ -471,6 +471,7 @@ def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path)
     assert re.fullmatch(r"top-1 \d+\.\d\d top-5 \d+\.\d\d", lines[0])
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert f"top-1 {result['top1']:.2f} top-5 {result['top5']:.2f}" == lines[0] and result["images"] == 12
+    assert result["weights"] == "model"  # MODEL.LOAD_EMA False
     status, _, stderr = run_tool("eval", "--config-file", ROOT / "configs" / "vil_tiny.yaml", *common)
     assert status == 1 and re.fullmatch(r"error: [^\n]*MODEL\.MODEL_PATH[^\n]*\.", stderr.strip())
     net["head.weight"].fill_(3e38)  # finite weights whose logits overflow

@@ -175,7 +175,7 @@ def evaluate_checkpoint(cfg):
     if not runtime.is_main:
         return None
     report = {key: result[key] for key in ("top1", "top5", "images", "skipped")}
-    report = {"checkpoint": path, **report}
+    report = {"checkpoint": path, "weights": "EMA" if cfg.MODEL.LOAD_EMA else "model", **report}
     if cfg.OUTPUT_PERCLASS_ACC:
         report["per_class"] = {
             name: {"images": int(n), "top1": 100 * hit1 / max(n, 1), "top5": 100 * hit5 / max(n, 1)}
