@@ -447,8 +447,8 @@ def test_what_is_refused():
         vil.accelerate_longformer(subclassed)
     assert subclassed.config._attn_implementation == "eager"  # a refused call leaves the model as it was
     assert vil.accelerate_longformer(accelerated) is accelerated  # a second call changes nothing
-    for name in ("nonsense", "unfold"):  # unfold computes 2D windows only
-        with pytest.raises(ValueError, match=rf"backend '{name}' computes no .* one of sliding_chunk, .*reference"):
+    for name, what in (("nonsense", "is not a backend"), ("unfold", "computes no Longformer")):  # unfold: 2D only
+        with pytest.raises(ValueError, match=rf"backend '{name}' {what}.* one of sliding_chunk, .*reference"):
             vil.accelerate_longformer(accelerated, backend=name)
 
 

@@ -132,9 +132,10 @@ def accelerate_longformer(model, backend=None):
     such layer (subclasses of transformers' layers included: they may change its forward) or ``backend`` computes no
     1D windows."""
     if backend is not None and backend not in available_backends(1):
+        what = "computes no Longformer (1D) windows" if backend in available_backends(2) else "is not a backend"
         raise ValueError(
-            f"backend {backend!r} computes no Longformer (1D) windows; use None (the fastest for the inputs) or one "
-            f"of {', '.join(available_backends(1))}."
+            f"backend {backend!r} {what}; use None (the fastest for the inputs) or one of "
+            f"{', '.join(available_backends(1))}."
         )
     if not isinstance(model, torch.nn.Module):
         kind = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
