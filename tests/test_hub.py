@@ -272,6 +272,12 @@ def test_export_keeps_files_of_the_users_and_rewrites_its_own_folder(exported, t
     assert status == 1 and len(err.strip().splitlines()) == 1
     assert str(mine) in err and "README.md" in err and "config.json" in err
     assert sorted(p.name for p in mine.iterdir()) == ["README.md", "config.json"]
+    clone = tmp_path / "clone"  # a cloned repository: its other files stay, the export is written beside them
+    (clone / ".git").mkdir(parents=True)
+    (clone / ".gitattributes").write_text("*.safetensors filter=lfs")
+    status, _, err = run_tool("export_hub", "--out", clone, *args)
+    assert status == 0 and (clone / ".gitattributes").read_text() == "*.safetensors filter=lfs", err
+    assert {"README.md", "config.json", "model.safetensors"} <= {p.name for p in clone.iterdir()}
     assert (mine / "README.md").read_text() == "my project" and (mine / "config.json").read_text() == '{"mine": 1}'
     before = (exported["out"] / "model.safetensors").read_bytes()
     status, _, err = run_tool("export_hub", "--out", exported["out"], *args)
@@ -444,7 +450,7 @@ def test_class_folders_of_another_count_name_no_classes_and_say_so(tmp_path, cap
     cfg = load_cfg("vil_tiny", [*TINY, "DATA.PATH", str(data)])  # DATA.NUM_CLASSES 2
     with caplog.at_level(logging.WARNING, logger="vil"):
         assert class_names(cfg) == ["0", "1"]
-    assert f"{data / 'train'}: it has 3 classes, not DATA.NUM_CLASSES 2" in caplog.text
+    assert f"{data / 'train'} names 3 classes, not DATA.NUM_CLASSES 2" in caplog.text
 
 
 def test_predict_refuses_a_folder_that_is_not_a_readable_hub_folder(exported, tmp_path):
@@ -454,7 +460,7 @@ def test_predict_refuses_a_folder_that_is_not_a_readable_hub_folder(exported, tm
     (damaged / "model.safetensors").write_bytes(b"")
     (tmp_path / "bare").mkdir()
     for folder, fact in (
-        (tmp_path / "nowhere", "is not a folder"),
+        (tmp_path / "nowhere", "does not exist"),
         (tmp_path / "bare", "has no config.json"),
         (damaged, "model.safetensors"),
     ):
@@ -463,10 +469,13 @@ def test_predict_refuses_a_folder_that_is_not_a_readable_hub_folder(exported, tm
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_predict_takes_its_options_after_the_images_and_names_a_bad_one(exported):
+def test_predict_takes_its_options_between_the_images_and_names_a_bad_one(exported):
+    cats, dogs = exported["data"] / "val" / "cat", exported["data"] / "val" / "dog"
+    status, stdout, err = run_tool("predict", "--model", f"local-dir:{exported['out']}", cats, "--top-k", "1", dogs)
+    assert status == 0, err
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 4 and all(line.count(" (") == 1 for line in lines)  # both folders' images, one class each
     images = exported["data"] / "val"
-    status, stdout, err = run_tool("predict", "--model", f"local-dir:{exported['out']}", images, "--top-k", "1")
-    assert status == 0 and len(stdout.strip().splitlines()) == 4 and all(" (" in line for line in stdout.splitlines())
     status, _, err = run_tool("predict", "--model", f"local-dir:{exported['out']}", images, "--top-k", "0")
     assert status == 2 and "--top-k" in err and "got 0" in err
 

@@ -428,6 +428,9 @@ def test_weights_of_another_architecture_or_mechanism_are_refused_naming_what_ch
         evaluate_checkpoint(tiny_cfg(data, tmp_path / "eval", *weights, "MODEL.VIT.MSVIT.ATTN_TYPE", "full"))
     message = str(caught.value)
     assert "MODEL.VIT.MSVIT.ATTN_TYPE" in message and "(now 'full')" in message and "do not fit" in message
+    # Another refusal is not taken for weights that do not fit: here, EMA weights the checkpoint does not hold.
+    with pytest.raises(ValueError, match="holds no EMA weights"):
+        train(tiny_cfg(data, tmp_path / "ema", *weights, "MODEL.LOAD_EMA", "True", "MODEL.VIT.MSVIT.LN_EPS", "0.1"))
 
 
 def test_evaluation_at_another_image_size_than_the_training_says_so(data, tmp_path, capsys):

@@ -20,7 +20,12 @@ from vil.hub import export_hub_folder
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-file", required=True, help="the run's config: a YAML file or a preset's name")
-    parser.add_argument("--out", required=True, help="the folder to write (created if needed)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="the folder to write (created if needed; its own README.md, config.json or model.safetensors are refused, "
+        "a previous export's rewritten)",
+    )
     parser.add_argument("opts", nargs="*", metavar="KEY VALUE", help="config overrides, MODEL.MODEL_PATH among them")
     args = parser.parse_intermixed_args(argv)  # --out after the overrides too
     try:

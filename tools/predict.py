@@ -5,9 +5,9 @@ IMAGES are image files, folders (their images, recursively) and globs (quoted, `
 takes a registered model with its published weights (``vil_small``, ``vil_small.in1k``) or a Hub folder that
 ``tools/export_hub.py`` wrote (``local-dir:DIR``), with the preprocessing its pretrained_cfg records;
 ``--config-file`` a run's config and checkpoint, with the config's evaluation preprocessing. Every image gets the
-model's top-k classes (ImageNet's descriptions for 1000-class ImageNet models, the folder's or the config's class
-names otherwise) and their probabilities: one line each on stdout, and with ``--output`` a CSV or JSON file (one
-record per image). An image that cannot be read is named in a warning and skipped.
+model's top-k classes (ImageNet's descriptions for 1000-class ImageNet models, else the names the checkpoint
+records, else the config's class names) and their probabilities: one line each on stdout, and with ``--output`` a
+CSV or JSON file (one record per image). An image that cannot be read is named in a warning and skipped.
 """
 
 import argparse
@@ -19,12 +19,13 @@ import os
 import re
 import sys
 
+import safetensors
 import timm
 import torch
 from timm.data import create_transform, resolve_data_config
 from timm.models import parse_model_name
 
-from vil.checkpoint import read_checkpoint
+from vil.checkpoint import SAFETENSORS_NAME, hub_record, recorded_classes
 from vil.cli import non_negative_int, positive_int
 from vil.config import get_cfg, load_cfg
 from vil.data import build_transform
@@ -32,7 +33,7 @@ from vil.files import atomic_write, check_writable_file
 from vil.hub import class_names, data_class_names, default_class_names
 from vil.model_config import build_model
 from vil.predict import image_paths, predict, readable_names
-from vil.weights import load_read_weights, read_model_checkpoint
+from vil.weights import check_trained_classes, load_read_weights, read_model_checkpoint
 
 CONFIG_KEY = re.compile(r"^[A-Z][A-Z0-9_]*(\.[A-Z0-9_]+)+$")  # MODEL.MODEL_PATH: a config override, not an image
 
@@ -84,17 +85,27 @@ def check_model_name(name):
 
 def check_hub_folder(folder):
     """Refuse, in one sentence, a ``local-dir:`` folder that is not a readable Hub folder: no folder, no config.json,
-    or a config.json or model.safetensors that cannot be read (timm would stop with its own error)."""
+    or a config.json or model.safetensors header that cannot be read (timm would stop with its own error)."""
     if not os.path.isdir(folder):
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
         raise ValueError(
-            f"--model local-dir:{folder}: {folder} is not a folder; give a Hub folder, as tools/export_hub.py writes."
+            f"--model local-dir:{folder}: {folder} {what}; give a Hub folder, as tools/export_hub.py writes."
         )
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ValueError(
             f"--model local-dir:{folder}: {folder} has no config.json, so it is not a Hub folder; give one that "
             "tools/export_hub.py wrote."
         )
-    read_checkpoint(folder)  # the weights and this project's config.json, each read or refused in one sentence
+    hub_record(folder)  # this project's config.json read, or refused in one sentence
+    weights = os.path.join(folder, SAFETENSORS_NAME)
+    if os.path.isfile(weights):
+        try:
+            with safetensors.safe_open(weights, framework="pt"):
+                pass
+        except Exception as e:  # safetensors' own error types
+            raise ValueError(
+                f"{weights} is not a readable safetensors file ({e}); export the folder again with tools/export_hub.py."
+            ) from None
 
 
 def model_and_preprocessing(args):
@@ -114,7 +125,9 @@ def model_and_preprocessing(args):
         model = build_model(cfg)
         # The class names the checkpoint records; those of the config's data are checked against them, as
         # evaluation checks them (the same classes in another order are refused).
-        path, checkpoint = read_model_checkpoint(cfg, classes=data_class_names(cfg))
+        path, checkpoint = read_model_checkpoint(cfg)
+        if recorded_classes(checkpoint) is not None and (data_names := data_class_names(cfg)) is not None:
+            check_trained_classes(checkpoint, path, data_names)
         load_read_weights(model, cfg, path, checkpoint, cfg.MODEL.LOAD_EMA)
         transform, names = build_transform(cfg, train=False), class_names(cfg, checkpoint)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -44,6 +44,8 @@ class SkippingImageFolder(ImageFolder):
         try:
             super().__init__(root, transform)
         except FileNotFoundError:  # torchvision's words for a folder without class folders, or a class without images
+            if not os.path.isdir(root):
+                raise ValueError(f"{root} does not exist; give a folder of class folders, {EXPECTED_LAYOUT}.") from None
             folders = self.chosen or sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
             raise ValueError(_without_images(root, folders)) from None
 

@@ -63,9 +63,9 @@ def data_class_names(cfg) -> Optional[list]:
     the class folders of ``DATA.PATH/train`` when they are there (the classes its ``index.json`` lists, for shards);
     None where the config names none."""
     if cfg.DATA.CLASSES:
-        return list(cfg.DATA.CLASSES)
+        return _of_the_class_count(list(cfg.DATA.CLASSES), "DATA.CLASSES", cfg.DATA.NUM_CLASSES)
     if cfg.DATA.TRAIN[0] == "digits":
-        return [str(d) for d in range(10)]
+        return _of_the_class_count([str(d) for d in range(10)], "The digits", cfg.DATA.NUM_CLASSES)
     folder = os.path.join(cfg.DATA.PATH, "train")
     names = None
     if cfg.DATA.FORMAT == "folder" and os.path.isdir(folder):
@@ -75,11 +75,13 @@ def data_class_names(cfg) -> Optional[list]:
             names = ShardDataset(folder).classes
         except ValueError as e:  # a split that cannot be read names no classes
             log.warning(f"The classes are not named after {folder}: {e}")
-    if names is not None and len(names) != cfg.DATA.NUM_CLASSES:
-        log.warning(
-            f"The classes are not named after {folder}: it has {len(names)} classes, not DATA.NUM_CLASSES "
-            f"{cfg.DATA.NUM_CLASSES}."
-        )
+    return _of_the_class_count(names, folder, cfg.DATA.NUM_CLASSES)
+
+
+def _of_the_class_count(names, source, num_classes):
+    """``names`` where they are ``num_classes``, else None, said once (``source``: where they are from)."""
+    if names is not None and len(names) != num_classes:
+        log.warning(f"{source} names {len(names)} classes, not DATA.NUM_CLASSES {num_classes}: they name none here.")
         return None
     return names
 
@@ -135,21 +137,21 @@ def export_hub_folder(cfg, out: str) -> dict:
 
 
 def _check_not_others(out):
-    """``out`` is new, empty, or a Hub folder of this project, whose files a new export replaces: any other files
-    there (a README.md or config.json of the user's, a folder of images) would be replaced or mixed in with the
-    folder's."""
-    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    if not entries:
+    """Refuse an ``out`` whose README.md, config.json or model.safetensors an export would replace, unless they are a
+    Hub folder of this project's (its previous export): files of the user's would be lost. Other files (a clone's
+    .git, say) stay as they are."""
+    ours = (SAFETENSORS_NAME, "config.json", "README.md")
+    taken = [name for name in ours if os.path.exists(os.path.join(out, name))]
+    if not taken:
         return
     try:
-        ours = hub_record(out) is not None
+        previous = hub_record(out) is not None
     except ValueError:  # an unreadable config.json: not one this project wrote
-        ours = False
-    if not ours:
-        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        previous = False
+    if not previous:
         raise OutputError(
-            f"--out {out} already holds files ({shown}) and is not a Hub folder of this project; choose a new or "
-            "empty folder."
+            f"--out {out} holds {', '.join(taken)}, which the export would replace, and is not a Hub folder of this "
+            "project; move them away or choose another folder."
         )
 
 

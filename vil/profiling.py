@@ -83,8 +83,9 @@ def peak_memory_mib(device):
 
 def _cpu_profile(**options):
     """torch.profiler over the CPU's operators. On a machine without a GPU, torch's profiler (kineto) is told to
-    keep quiet: a CUDA build of torch logs an ERROR line there ("gpuGetDeviceCount failed"), which says nothing
-    about the CPU profile."""
+    keep quiet, for the rest of the process and the processes it starts (``KINETO_LOG_LEVEL``, where not set): a
+    CUDA build of torch logs an ERROR line there ("gpuGetDeviceCount failed"), which says nothing about the CPU
+    profile."""
     if not torch.cuda.is_available():
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     return profile(activities=[ProfilerActivity.CPU], **options)

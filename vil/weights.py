@@ -33,12 +33,6 @@ def resolve_model_path(cfg):
     )
 
 
-def fitted_state(checkpoint, path, model, ema=False):
-    """The model weights of the checkpoint dict read from ``path`` (its EMA weights with ``ema``), position tables
-    resized to ``model``'s image size."""
-    return fit_to_model((ema_state if ema else model_state)(checkpoint, path), model, path)
-
-
 def load_weights(model, cfg, new_classifier=False, classes=None):
     """Load the weights of ``MODEL.MODEL_PATH`` (this project's checkpoint, the original release's, a bare state
     dict; its EMA weights with ``MODEL.LOAD_EMA``) into ``model``, position tables resized to the model's image
@@ -106,10 +100,10 @@ def _stored_config(checkpoint, path):
     return None if text is None else config_from_text(text, f"the config stored in {path}")
 
 
-def _other_mechanism(checkpoint, path, cfg):
-    """``{"MODEL.VIT.MSVIT.ATTN_TYPE": (the checkpoint's, cfg's)}`` where the two name different attention mechanisms
-    (whose layers have other parameters; backends of one mechanism share them), else ``{}``."""
-    key, stored = "MODEL.VIT.MSVIT.ATTN_TYPE", _stored_config(checkpoint, path)
+def _other_mechanism(stored, cfg):
+    """``{"MODEL.VIT.MSVIT.ATTN_TYPE": (the ``stored`` config's, cfg's)}`` where the two name different attention
+    mechanisms (whose layers have other parameters; backends of one mechanism share them), else ``{}``."""
+    key = "MODEL.VIT.MSVIT.ATTN_TYPE"
     if stored is None:
         return {}
     then, now = config_value(stored, key), config_value(cfg, key)
@@ -126,10 +120,12 @@ def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
     listed = _listed(differences)
     if differences and not new_classifier:
         raise ValueError(f"Checkpoint {path} was trained with {listed}; set those values to use it as it was trained.")
+    stored = _stored_config(checkpoint, path)
+    chosen = (ema_state if ema else model_state)(checkpoint, path)
     try:
-        state = fitted_state(checkpoint, path, model, ema)
+        state = fit_to_model(chosen, model, path)
     except ValueError:
-        changed = {**differences, **_other_mechanism(checkpoint, path, cfg)}
+        changed = {**differences, **_other_mechanism(stored, cfg)}
         if not changed:
             raise
         raise ValueError(
@@ -155,7 +151,6 @@ def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
         log.info(f"Checkpoint {path} has {found}: this run trains a new one for DATA.NUM_CLASSES {model.num_classes}.")
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     load_model_state(model, state, path, may_miss=("head.",))
-    stored = _stored_config(checkpoint, path)
     trained = None if stored is None else (stored.INPUT.IMAGE_SIZE,) * 2
     if trained is not None and trained != tuple(model.img_size):
         say = log.info if new_classifier else log.warning  # a run trains on; figures at another size are others
