@@ -99,6 +99,14 @@ def test_missing_and_unreadable_checkpoints(tmp_path):
     (tmp_path / "junk.pth").write_text("MODEL:\n  ARCH: msvit\n")  # a config given for the checkpoint
     with pytest.raises(ValueError, match=r"junk\.pth is not a PyTorch checkpoint \(.*zip archive or a pickle"):
         load_checkpoint(model(0), tmp_path / "junk.pth")
+    for protocol in (0, 1, 2):  # older files torch.save wrote as pickles: taken as such, whatever their protocol
+        legacy = tmp_path / f"legacy{protocol}.pth"
+        state = {"net": model(0).state_dict()}
+        torch.save(state, legacy, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+        try:
+            load_checkpoint(model(0), legacy)
+        except ValueError as refusal:
+            assert "is not a PyTorch checkpoint" not in str(refusal)
     torch.save({"net": model(0).state_dict()}, tmp_path / "cut.pth")
     (tmp_path / "cut.pth").write_bytes((tmp_path / "cut.pth").read_bytes()[:1000])  # a copy cut short
     with pytest.raises(ValueError) as refusal:

@@ -24,6 +24,7 @@ import time
 
 import timm
 import torch
+from timm.models import parse_model_name
 
 from vil.cli import positive_int
 from vil.config import load_cfg
@@ -49,7 +50,7 @@ def main():
     )
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args()
-    if args.timm and not timm.is_model(args.timm):
+    if args.timm and parse_model_name(args.timm)[0] is None and not timm.is_model(args.timm):
         parser.error(f"--timm {args.timm} is not a timm model; give one that timm.list_models() lists.")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -143,10 +143,11 @@ def classifier_classes(path):
 
 
 def _saved_by_torch(path):
-    """Whether the file begins as ``torch.save`` writes: a zip archive, or a pickle (older files)."""
+    """Whether the file begins as ``torch.save`` writes: a zip archive, or a pickle (older files; protocol 2 and up
+    open with 0x80, protocols 0 and 1 with torch's magic number as text)."""
     with open(path, "rb") as f:
-        head = f.read(4)
-    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+        head = f.read(5)
+    return head.startswith((b"PK\x03\x04", b"\x80", b"L1195"))
 
 
 def _load_failure(error):

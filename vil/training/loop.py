@@ -101,6 +101,7 @@ def _check_ranks_agree(model, runtime):
     if low.item() != high.item():
         raise RuntimeError(
             f"The {runtime.world} processes ended with different weights (checksums {low.item()} to {high.item()}), "
-            "which DistributedDataParallel should prevent; evaluate each process's checkpoint before using one."
+            "which DistributedDataParallel should prevent; checkpoint_last.pth and model_best.pth hold the main "
+            "process's (rank 0) weights: evaluate them before using them."
         )
     log.info(f"All {runtime.world} processes hold identical weights.")
