@@ -91,16 +91,16 @@ class _Geometry:
         out[:, r * w : r * w + height] = grid[:, :height, : self.cols]
 
 
-def _row_scores(geo, r, queries, keys, gk, rel_bias, global_bias, scale):
+def _row_scores(geo, r, queries, keys, global_k, rel_bias, global_bias, scale):
     """Scores of chunk row r, (n, my, S, G + 9S), -inf where a key is not in the window. ``rel_bias``
     (n, S, 9S) and ``global_bias`` (n, G) are those of the block's entries."""
     scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # keys: (n, my, 9S, D)
     if rel_bias is not None:
         scores += rel_bias[:, None]
     scores.masked_fill_(geo.hidden[r], float("-inf"))
-    if gk is None:
+    if global_k is None:
         return scores
-    g_scores = torch.matmul(queries, gk.transpose(-1, -2)[:, None]) * scale
+    g_scores = torch.matmul(queries, global_k.transpose(-1, -2)[:, None]) * scale
     if global_bias is not None:
         g_scores += global_bias[:, None, None, :]
     return torch.cat([g_scores, scores], dim=-1)
@@ -113,9 +113,9 @@ class _ChunkRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, geo, scale, *tensors):
-        q, k, v, gk, gv, rel_bias, global_bias = tensors
+        q, k, v, global_k, global_v, rel_bias, global_bias = tensors
         B, H, X, Y, D = q.shape
-        G = 0 if gk is None else gk.shape[2]
+        G = 0 if global_k is None else global_k.shape[2]
         dtype = compute_dtype(q)
         kc, vc = k.permute(0, 1, 4, 2, 3), v.permute(0, 1, 4, 2, 3)  # (B, H, D, X, Y) views, for the unfold
         out = q.new_empty(q.shape)
@@ -127,7 +127,7 @@ class _ChunkRows(torch.autograd.Function):
                 r,
                 geo.queries(q[b, h].to(dtype), r),
                 keys,
-                _part(gk, (b, h), dtype),
+                _part(global_k, (b, h), dtype),
                 _bias_rows(rel_bias, h, geo, dtype),
                 _part(global_bias, h, dtype),
                 scale,
@@ -141,30 +141,30 @@ class _ChunkRows(torch.autograd.Function):
             row_lse = torch.where(total > 0, row_max + total.log(), float("inf"))  # +inf: sees no key
             row_out = torch.matmul(probs[..., G:], geo.windows(geo.gather(vc[b, h].to(dtype), r), r))
             if G:
-                row_out += torch.matmul(probs[..., :G], gv[b, h, None].to(dtype))
+                row_out += torch.matmul(probs[..., :G], global_v[b, h, None].to(dtype))
             geo.put_row(out[b, h], row_out, r)
             geo.put_row(lse[b, h], row_lse, r)
-        ctx.save_for_backward(q, k, v, gk, gv, rel_bias, global_bias, out, lse)
+        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse)
         ctx.geo, ctx.scale = geo, scale
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, gk, gv, rel_bias, global_bias, out, lse = ctx.saved_tensors
+        q, k, v, global_k, global_v, rel_bias, global_bias, out, lse = ctx.saved_tensors
         geo, scale = ctx.geo, ctx.scale
         B, H, X, Y, D = q.shape
-        G = 0 if gk is None else gk.shape[2]
+        G = 0 if global_k is None else global_k.shape[2]
         dtype = compute_dtype(q)
         kc, vc = k.permute(0, 1, 4, 2, 3), v.permute(0, 1, 4, 2, 3)
-        dq = q.new_empty(q.shape)  # written once per chunk row
+        grad_q = q.new_empty(q.shape)  # written once per chunk row
         # dK and dV gather up to three band contributions per token: summed in the compute dtype.
-        dk, dv = (torch.zeros(q.shape, dtype=dtype, device=q.device) for _ in range(2))
-        dkc, dvc = dk.permute(0, 1, 4, 2, 3), dv.permute(0, 1, 4, 2, 3)
-        dgk = None if gk is None else torch.zeros(gk.shape, dtype=dtype, device=q.device)
-        dgv = None if gv is None else torch.zeros(gv.shape, dtype=dtype, device=q.device)
+        grad_k, grad_v = (torch.zeros(q.shape, dtype=dtype, device=q.device) for _ in range(2))
+        dkc, dvc = grad_k.permute(0, 1, 4, 2, 3), grad_v.permute(0, 1, 4, 2, 3)
+        grad_global_k = None if global_k is None else torch.zeros(global_k.shape, dtype=dtype, device=q.device)
+        grad_global_v = None if global_v is None else torch.zeros(global_v.shape, dtype=dtype, device=q.device)
         d_rel = None if rel_bias is None else torch.zeros(H, geo.bias_index.numel(), dtype=dtype, device=q.device)
-        d_glob = None if global_bias is None else torch.zeros(H, G, dtype=dtype, device=q.device)
+        grad_global_bias = None if global_bias is None else torch.zeros(H, G, dtype=dtype, device=q.device)
         for r, b, h in geo.blocks(B, H):
             queries, row_dout = geo.queries(q[b, h].to(dtype), r), geo.queries(grad_out[b, h].to(dtype), r)
             row_lse = geo.queries(lse[b, h], r)
@@ -175,13 +175,13 @@ class _ChunkRows(torch.autograd.Function):
                 k_band = geo.gather(kc[b, h].to(dtype), r).requires_grad_()
                 v_band = geo.gather(vc[b, h].to(dtype), r).requires_grad_()
                 keys, values = geo.windows(k_band, r), geo.windows(v_band, r)
-            gkb = _part(gk, (b, h), dtype)
+            head_global_k = _part(global_k, (b, h), dtype)
             scores = _row_scores(
                 geo,
                 r,
                 queries,
                 keys.detach(),
-                gkb,
+                head_global_k,
                 _bias_rows(rel_bias, h, geo, dtype),
                 _part(global_bias, h, dtype),
                 scale,
@@ -189,8 +189,8 @@ class _ChunkRows(torch.autograd.Function):
             probs = torch.exp(scores - row_lse)
             d_probs = torch.matmul(row_dout, values.detach().transpose(-1, -2))
             if G:
-                gvb = gv[b, h].to(dtype)
-                d_probs = torch.cat([torch.matmul(row_dout, gvb.transpose(-1, -2)[:, None]), d_probs], dim=-1)
+                head_global_v = global_v[b, h].to(dtype)
+                d_probs = torch.cat([torch.matmul(row_dout, head_global_v.transpose(-1, -2)[:, None]), d_probs], dim=-1)
             d_scores = probs * (d_probs - row_delta)
             local = d_scores[..., G:]
             row_dq = torch.matmul(local, keys.detach()) * scale
@@ -201,21 +201,21 @@ class _ChunkRows(torch.autograd.Function):
             dvc[b, h].index_add_(2, rows, dv_band)
             if G:
                 d_global_scores = d_scores[..., :G]
-                row_dq += torch.matmul(d_global_scores, gkb[:, None]) * scale
-                dgk[b, h] += torch.einsum("nmsg,nmsd->ngd", d_global_scores, queries) * scale
-                dgv[b, h] += torch.einsum("nmsg,nmsd->ngd", probs[..., :G], row_dout)
-                if d_glob is not None:
-                    d_glob[h] += d_global_scores.sum((1, 2))
+                row_dq += torch.matmul(d_global_scores, head_global_k[:, None]) * scale
+                grad_global_k[b, h] += torch.einsum("nmsg,nmsd->ngd", d_global_scores, queries) * scale
+                grad_global_v[b, h] += torch.einsum("nmsg,nmsd->ngd", probs[..., :G], row_dout)
+                if grad_global_bias is not None:
+                    grad_global_bias[h] += d_global_scores.sum((1, 2))
             if d_rel is not None:
                 d_rel[h] += local.sum(1).flatten(1)
-            geo.put_row(dq[b, h], row_dq, r)
-        d_rel_table = None
+            geo.put_row(grad_q[b, h], row_dq, r)
+        grad_rel_bias = None
         if d_rel is not None:
-            d_rel_table = torch.zeros(rel_bias.shape, dtype=dtype, device=q.device).index_add_(
+            grad_rel_bias = torch.zeros(rel_bias.shape, dtype=dtype, device=q.device).index_add_(
                 1, geo.bias_index.flatten(), d_rel
             )
-        grads = (dq, dk, dv, dgk, dgv, d_rel_table, d_glob)
-        inputs = (q, k, v, gk, gv, rel_bias, global_bias)
+        grads = (grad_q, grad_k, grad_v, grad_global_k, grad_global_v, grad_rel_bias, grad_global_bias)
+        inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
         return (None, None, *(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)))
 
 

@@ -164,23 +164,23 @@ class ChunksAttention1d(torch.autograd.Function):
         )
         grad_q.mul_(scale / LOG2E)
 
-        grad_gk = grad_gv = grad_gb = None
+        grad_global_k = grad_global_v = grad_global_bias = None
         if global_k is not None:
             queries = queries_b[..., :D].flatten(2, 3)[:, :, w : w + L]
             scores_g = band_global_scores(
                 queries * LOG2E, global_k, None if global_bias is None else global_bias * LOG2E
             )
             probs_g = scores_g.sub_(lse[..., None]).exp2_()
-            grad_gv = torch.matmul(probs_g.transpose(-1, -2), grad_out)
+            grad_global_v = torch.matmul(probs_g.transpose(-1, -2), grad_out)
             grad_scores_g = torch.matmul(grad_out, global_v.transpose(-1, -2)).sub_(row_term[..., None]).mul_(probs_g)
             grad_q.add_(torch.matmul(grad_scores_g, global_k), alpha=scale)
-            grad_gk = torch.matmul(grad_scores_g.transpose(-1, -2), queries)
-            grad_gb = None if global_bias is None else grad_scores_g.sum((0, 2))
+            grad_global_k = torch.matmul(grad_scores_g.transpose(-1, -2), queries)
+            grad_global_bias = None if global_bias is None else grad_scores_g.sum((0, 2))
         grad_rel_bias = None
         if grad_bias is not None:
             bias_row = band_chunk_tables(w, causal, q.device)[1]
             grad_rel_bias = torch.zeros_like(rel_bias).index_add_(1, bias_row.flatten(), grad_bias.flatten(1))
-        return None, None, grad_q, grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_gb, None
+        return None, None, grad_q, grad_k, grad_v, grad_global_k, grad_global_v, grad_rel_bias, grad_global_bias, None
 
 
 def attention_1d(q, k, v, hood, extras):

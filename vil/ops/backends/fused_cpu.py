@@ -303,7 +303,7 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
     rel_bias, global_bias, has_global = extras.rel_bias, extras.global_bias, extras.num_global > 0
     global_k, global_v, biases = _kernel_inputs(q, extras, half)
     grad_q, grad_k, grad_v = _gradient_buffers(q, k, v)
-    grad_gk, grad_gv = (_sums(q, global_k.shape) for _ in range(2))
+    grad_global_k, grad_global_v = (_sums(q, global_k.shape) for _ in range(2))
     # Per (batch, head) partial sums of the bias gradients, added up here.
     grad_rel = _sums(q, None if rel_bias is None else (B, H, rel_bias.shape[1]))
     grad_glob = _sums(q, None if global_bias is None else (B, H, global_bias.shape[1]))
@@ -321,8 +321,8 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
         grad_q,
         grad_k,
         grad_v,
-        grad_gk,
-        grad_gv,
+        grad_global_k,
+        grad_global_v,
         grad_rel,
         grad_glob,
         hood.window,
@@ -334,8 +334,8 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
         grad_q,
         grad_k,
         grad_v,
-        grad_gk if has_global else None,
-        grad_gv if has_global else None,
+        grad_global_k if has_global else None,
+        grad_global_v if has_global else None,
         None if rel_bias is None else grad_rel.sum(0),
         None if global_bias is None else grad_glob.sum(0),
     )
@@ -384,7 +384,7 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
     grad_q, grad_k, grad_v = _gradient_buffers(q, k, v)
     # Per (batch, head, residue class) partial sums of the global key, value and bias gradients, added up here.
     residues = max(min(d, L) for d in dilations)
-    grad_gk, grad_gv = (_sums(q, (B, H, residues, *global_k.shape[2:])) for _ in range(2))
+    grad_global_k, grad_global_v = (_sums(q, (B, H, residues, *global_k.shape[2:])) for _ in range(2))
     grad_rel = _sums(q, None if rel_bias is None else (B, H, residues, rel_bias.shape[1]))
     grad_glob = _sums(q, None if global_bias is None else (B, H, residues, global_bias.shape[1]))
     _kernels().backward_1d(
@@ -401,8 +401,8 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
         grad_q,
         grad_k,
         grad_v,
-        grad_gk,
-        grad_gv,
+        grad_global_k,
+        grad_global_v,
         grad_rel,
         grad_glob,
         dilations,
@@ -416,8 +416,8 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
         grad_q,
         grad_k,
         grad_v,
-        grad_gk.sum(2) if has_global else None,
-        grad_gv.sum(2) if has_global else None,
+        grad_global_k.sum(2) if has_global else None,
+        grad_global_v.sum(2) if has_global else None,
         None if rel_bias is None else grad_rel.sum((0, 2)),
         None if global_bias is None else grad_glob.sum((0, 2)),
     )

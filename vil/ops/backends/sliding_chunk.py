@@ -247,10 +247,10 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
     grad_q = q.new_empty(B, H, blocks, w, D)
     grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
     grad_bias = None if rel_bias is None else q.new_zeros(H, w, 3 * w)
-    grad_gk = grad_gv = grad_gb = None
+    grad_global_k = grad_global_v = grad_global_bias = None
     if global_k is not None:
-        grad_gk, grad_gv = torch.zeros_like(global_k), torch.zeros_like(global_v)
-        grad_gb = None if global_bias is None else torch.zeros_like(global_bias)
+        grad_global_k, grad_global_v = torch.zeros_like(global_k), torch.zeros_like(global_v)
+        grad_global_bias = None if global_bias is None else torch.zeros_like(global_bias)
     for start, stop in _band_block_ranges(q, w, blocks):
         block_queries = queries[:, :, start + 1 : stop + 1]
         block_keys, block_values = band_windows(keys, start, stop, 3), band_windows(values, start, stop, 3)
@@ -266,20 +266,20 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
             grad_bias += grad_scores.sum((0, 2))
         if global_k is not None:
             probs_g = band_global_scores(block_queries * LOG2E, global_k, global_bias2).sub_(block_lse).exp2_()
-            grad_gv += torch.matmul(probs_g.transpose(-1, -2), block_grad_out).sum(2)
+            grad_global_v += torch.matmul(probs_g.transpose(-1, -2), block_grad_out).sum(2)
             grad_scores_g = torch.matmul(block_grad_out, global_v[:, :, None].transpose(-1, -2))
             grad_scores_g.sub_(block_row_term).mul_(probs_g)
             block_grad_q += torch.matmul(grad_scores_g, global_k[:, :, None])
-            grad_gk += torch.matmul(grad_scores_g.transpose(-1, -2), block_queries).sum(2)
-            if grad_gb is not None:
-                grad_gb += grad_scores_g.sum((0, 2, 3))
+            grad_global_k += torch.matmul(grad_scores_g.transpose(-1, -2), block_queries).sum(2)
+            if grad_global_bias is not None:
+                grad_global_bias += grad_scores_g.sum((0, 2, 3))
         grad_q[:, :, start:stop] = block_grad_q * scale
     grad_rel_bias = None
     if grad_bias is not None:
         row = band_block_tables(w, hood.causal, q.device)[1]
         grad_rel_bias = torch.zeros_like(rel_bias).index_add_(1, row.flatten(), grad_bias.flatten(1))
     grad_k, grad_v = (x.flatten(2, 3)[:, :, w : w + L] for x in (grad_keys, grad_values))  # less the padding
-    return grad_q.flatten(2, 3)[:, :, :L], grad_k, grad_v, grad_gk, grad_gv, grad_rel_bias, grad_gb
+    return grad_q.flatten(2, 3)[:, :, :L], grad_k, grad_v, grad_global_k, grad_global_v, grad_rel_bias, grad_global_bias
 
 
 def _band_masks(q, hood, extras, blocks):
