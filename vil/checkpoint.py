@@ -9,11 +9,14 @@ holds ``model.safetensors`` (a Hugging Face Hub folder, as ``tools/export_hub.py
 
 import json
 import os
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 import safetensors.torch
 import torch
+from yacs.config import CfgNode
 
-from .config import config_from_model_arguments
+from .config import config_from_model_arguments, config_from_text
 from .files import SAFETENSORS_NAME, atomic_write
 
 # A buffer the original release saved beside each relative position bias table (the table's name in the same module),
@@ -78,6 +81,14 @@ def read_checkpoint(path):
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
     return checkpoint
+
+
+def stored_config(checkpoint: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint") -> Optional[CfgNode]:
+    """The config this project's trainer stores in its checkpoints, checked as config files are (crafted
+    metadata is refused in one sentence); None for other checkpoints."""
+    if not isinstance(checkpoint, dict) or "config" not in checkpoint:
+        return None
+    return config_from_text(checkpoint["config"], f"the config stored in {path}")
 
 
 def hub_record(folder):

@@ -22,8 +22,8 @@ from timm.layers import LayerNorm2d, to_2tuple
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, FeaturePyramidNetwork, LastLevelMaxPool
 from yacs.config import CfgNode
 
-from .checkpoint import load_model_state, model_state, read_checkpoint
-from .config import config_from_text, config_value
+from .checkpoint import load_model_state, model_state, read_checkpoint, stored_config
+from .config import config_value
 from .model_config import model_kwargs
 from .models import PRESETS, MsViT, arch_string, parse_arch, stage_map_sizes
 from .models.convert import (
@@ -397,14 +397,6 @@ def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
     pruned = tuple(f"layer{spec.index}." for spec in body.pruned_specs)
     state = {k: v for k, v in state.items() if not k.startswith(pruned)}
     load_model_state(body, state, path, may_miss=("level_norms.",))
-
-
-def stored_config(checkpoint: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint") -> Optional[CfgNode]:
-    """The config this project's trainer stores in its checkpoints, checked as config files are (crafted
-    metadata is refused in one sentence); None for other checkpoints."""
-    if "config" not in checkpoint:
-        return None
-    return config_from_text(checkpoint["config"], f"the config stored in {path}")
 
 
 def checkpoint_image_size(

@@ -65,7 +65,7 @@ def data_class_names(cfg) -> Optional[list]:
     if cfg.DATA.CLASSES:
         return _of_the_class_count(list(cfg.DATA.CLASSES), "DATA.CLASSES", cfg.DATA.NUM_CLASSES)
     if cfg.DATA.TRAIN[0] == "digits":
-        return _of_the_class_count([str(d) for d in range(10)], "The digits", cfg.DATA.NUM_CLASSES)
+        return _of_the_class_count([str(d) for d in range(10)], "The digits data set", cfg.DATA.NUM_CLASSES)
     folder = os.path.join(cfg.DATA.PATH, "train")
     names = None
     if cfg.DATA.FORMAT == "folder" and os.path.isdir(folder):

@@ -43,6 +43,15 @@ def attention_of(attn_type: str) -> tuple[str, Optional[str]]:
     return "longformer", backend
 
 
+def mechanism_of(attn_type: str) -> Optional[str]:
+    """The attention mechanism an ATTN_TYPE names (``longformer`` for every backend of ViL's attention, which
+    compute the same model); None for a name this version does not know."""
+    try:
+        return attention_of(attn_type)[0]
+    except ValueError:
+        return None
+
+
 def model_kwargs(cfg: CfgNode) -> dict[str, Any]:
     """The :class:`MsViT` arguments (``arch`` included) that ``cfg`` (from :func:`vil.config.load_cfg`) describes."""
     if cfg.MODEL.ARCH != "msvit":

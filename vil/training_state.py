@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from .checkpoint import load_model_state, model_state, read_checkpoint, save_checkpoint
-from .config import config_from_text, config_items
+from .checkpoint import load_model_state, model_state, read_checkpoint, save_checkpoint, stored_config
+from .config import config_items
 from .files import atomic_write
-from .model_config import attention_of
+from .model_config import mechanism_of
 from .runtime import get_rng_state, set_rng_state
 
 log = logging.getLogger("vil")
@@ -207,7 +207,7 @@ def check_resumable(checkpoint, path, cfg, world=1):
             f"more than OPTIM.EPOCHS {epochs}; set OPTIM.EPOCHS to {done + 1} or more to train on, or choose another "
             "OUTPUT_DIR for a new run."
         )
-    saved = _flat(config_from_text(checkpoint["config"], f"the config stored in {path}"))
+    saved = _flat(stored_config(checkpoint, path))  # a training checkpoint holds one (_REQUIRED)
     now = _flat(cfg)
     changed = [key for key in sorted(saved.keys() | now.keys()) if saved.get(key) != now.get(key)]
     # Shards: each loading worker batches shards of its own, so the workers decide an epoch's batches and steps.
@@ -280,12 +280,10 @@ def _followed(key):
 def _another_backend(key, saved, now):
     """Whether ``key`` is ATTN_TYPE naming another backend (or another name of one) of the same attention: the
     same model, computed otherwise, which a resumed run may follow."""
-    if key != "MODEL.VIT.MSVIT.ATTN_TYPE":
+    if key != "MODEL.VIT.MSVIT.ATTN_TYPE" or key not in saved or key not in now:
         return False
-    try:
-        return attention_of(saved[key])[0] == attention_of(now[key])[0]
-    except (KeyError, ValueError):  # a name this version does not know
-        return False
+    mechanism = mechanism_of(saved[key])
+    return mechanism is not None and mechanism == mechanism_of(now[key])
 
 
 def _flat(cfg):

@@ -7,9 +7,9 @@ the models, for their pretrained tags and the conversion of position tables."""
 import logging
 import os
 
-from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint, recorded_classes
-from .config import config_from_text, config_value
-from .model_config import attention_of
+from .checkpoint import ema_state, load_model_state, model_state, read_checkpoint, recorded_classes, stored_config
+from .config import config_value
+from .model_config import mechanism_of
 from .models import pretrained_checkpoint
 from .models.convert import MODEL_DEFINING_KEYS, fit_to_model, trained_with
 
@@ -41,18 +41,17 @@ def load_weights(model, cfg, new_classifier=False, classes=None):
     with the config's, both said in the log. Otherwise (evaluating, predicting, exporting) both are refused in one
     sentence, with the rest of a checkpoint that does not fit. ``classes``: the names of the data's classes in label
     order, checked against the training data's that the checkpoint records (:func:`check_trained_classes`)."""
-    path, checkpoint = read_model_checkpoint(cfg, classes)
+    path, checkpoint = read_model_checkpoint(cfg)
+    if classes is not None:
+        check_trained_classes(checkpoint, path, classes)
     load_read_weights(model, cfg, path, checkpoint, cfg.MODEL.LOAD_EMA, new_classifier)
     return path
 
 
-def read_model_checkpoint(cfg, classes=None):
-    """``(path, checkpoint dict)`` of ``MODEL.MODEL_PATH``; ``classes``: as :func:`load_weights` takes them."""
+def read_model_checkpoint(cfg):
+    """``(path, checkpoint dict)`` of ``MODEL.MODEL_PATH``."""
     path = resolve_model_path(cfg)
-    checkpoint = read_checkpoint(path)
-    if classes is not None:
-        check_trained_classes(checkpoint, path, classes)
-    return path, checkpoint
+    return path, read_checkpoint(path)
 
 
 def check_trained_classes(checkpoint, path, classes):
@@ -94,12 +93,6 @@ def _listed(differences):
     return ", ".join(f"{key} {saved!r} (now {now!r})" for key, (saved, now) in differences.items())
 
 
-def _stored_config(checkpoint, path):
-    """The config this project's checkpoints store; None for others."""
-    text = checkpoint.get("config")
-    return None if text is None else config_from_text(text, f"the config stored in {path}")
-
-
 def _other_mechanism(stored, cfg):
     """``{"MODEL.VIT.MSVIT.ATTN_TYPE": (the ``stored`` config's, cfg's)}`` where the two name different attention
     mechanisms (whose layers have other parameters; backends of one mechanism share them), else ``{}``."""
@@ -107,10 +100,8 @@ def _other_mechanism(stored, cfg):
     if stored is None:
         return {}
     then, now = config_value(stored, key), config_value(cfg, key)
-    try:
-        differ = attention_of(then)[0] != attention_of(now)[0]
-    except ValueError:  # a name this version does not know
-        differ = False
+    mechanisms = mechanism_of(then), mechanism_of(now)
+    differ = None not in mechanisms and mechanisms[0] != mechanisms[1]  # a name this version does not know: not said
     return {key: (then, now)} if differ else {}
 
 
@@ -120,7 +111,7 @@ def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
     listed = _listed(differences)
     if differences and not new_classifier:
         raise ValueError(f"Checkpoint {path} was trained with {listed}; set those values to use it as it was trained.")
-    stored = _stored_config(checkpoint, path)
+    stored = stored_config(checkpoint, path)
     chosen = (ema_state if ema else model_state)(checkpoint, path)
     try:
         state = fit_to_model(chosen, model, path)

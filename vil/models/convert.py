@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import torch
 
-from ..checkpoint import check_fits, check_shared, model_state, with_shared_names
-from ..config import config_from_text, config_value
+from ..checkpoint import check_fits, check_shared, model_state, stored_config, with_shared_names
+from ..config import config_value
 from .arch import parse_arch, stage_map_sizes
 from .tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
 
@@ -198,10 +198,9 @@ def trained_with(checkpoint, path, values):
     """``{key: (the checkpoint's value, the one in values)}`` for each of :data:`MODEL_DEFINING_KEYS` in ``values``
     (key: value) that computes otherwise than the value of the config the checkpoint holds (this project's; the
     original release's and bare state dicts hold none)."""
-    text = checkpoint.get("config") if isinstance(checkpoint, dict) else None
-    if text is None:
+    saved = stored_config(checkpoint, path)
+    if saved is None:
         return {}
-    saved = config_from_text(text, f"the config stored in {path}")
     differences = {}
     for key, value in values.items():
         then = config_value(saved, key)
