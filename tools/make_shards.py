@@ -17,6 +17,7 @@ import shutil
 import sys
 
 from vil.data import SkippingImageFolder, check_same_classes
+from vil.files import not_a_folder
 from vil.shards import require_webdataset, write_index
 
 
@@ -63,8 +64,7 @@ def main(argv=None):
     try:
         if args.per_shard < 1:
             raise ValueError(f"--per-shard must be a positive number of samples, got {args.per_shard}.")
-        if not os.path.isdir(args.source):
-            what = "is a file, not a folder" if os.path.exists(args.source) else "does not exist"
+        if what := not_a_folder(args.source):
             raise ValueError(f"{args.source} {what}; give the DATA.PATH of ImageNet-style folders (train/ and val/).")
         if os.path.exists(args.output) and not os.path.isdir(args.output):
             raise ValueError(

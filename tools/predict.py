@@ -29,7 +29,7 @@ from vil.checkpoint import SAFETENSORS_NAME, hub_record, recorded_classes
 from vil.cli import non_negative_int, positive_int
 from vil.config import get_cfg, load_cfg
 from vil.data import build_transform
-from vil.files import atomic_write, check_writable_file
+from vil.files import atomic_write, check_writable_file, not_a_folder
 from vil.hub import class_names, data_class_names, default_class_names
 from vil.model_config import build_model
 from vil.predict import image_paths, predict, readable_names
@@ -86,8 +86,7 @@ def check_model_name(name):
 def check_hub_folder(folder):
     """Refuse, in one sentence, a ``local-dir:`` folder that is not a readable Hub folder: no folder, no config.json,
     or a config.json or model.safetensors header that cannot be read (timm would stop with its own error)."""
-    if not os.path.isdir(folder):
-        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+    if what := not_a_folder(folder):
         raise ValueError(
             f"--model local-dir:{folder}: {folder} {what}; give a Hub folder, as tools/export_hub.py writes."
         )

@@ -18,6 +18,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
 from .config import config_value, get_cfg
+from .files import not_a_folder
 from .shards import ShardDataset
 from .unreadable import Unreadable, skipped
 
@@ -274,8 +275,7 @@ def build_dataset(cfg, train):
         dataset = ShardDataset(os.path.join(cfg.DATA.PATH, "train" if train else "val"), transform, cfg.SEED)
     else:
         root = os.path.join(cfg.DATA.PATH, "train" if train else "val")
-        if not os.path.isdir(cfg.DATA.PATH):
-            what = "is a file, not a folder" if os.path.exists(cfg.DATA.PATH) else "does not exist"
+        if what := not_a_folder(cfg.DATA.PATH):
             raise ValueError(
                 f"DATA.PATH {cfg.DATA.PATH} {what}; give the folder that holds the data, {EXPECTED_LAYOUT}."
             )

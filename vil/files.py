@@ -93,6 +93,13 @@ def check_writable_file(path, what="The output", source=None):
         raise OutputError(f"{what} {path} cannot be written ({why}); choose a path you can write to.")
 
 
+def not_a_folder(path):
+    """Why ``path`` is not a folder to read from ("does not exist", "is a file, not a folder"), or None when it is."""
+    if os.path.isdir(path):
+        return None
+    return "is a file, not a folder" if os.path.exists(path) else "does not exist"
+
+
 def _unwritable(folder):
     """Why no file can be written in ``folder`` (created if missing), or None when one can."""
     if os.path.exists(folder) and not os.path.isdir(folder):
