@@ -1,6 +1,7 @@
 """``python -m vil <command> [arguments]``: the command-line tools, as the console scripts ``vil-train``,
 ``vil-eval``, ``vil-predict``, ``vil-export``, ``vil-export-onnx``, ``vil-export-hub``, ``vil-benchmark`` and
-``vil-make-shards`` run them."""
+``vil-make-shards`` run them, and ``timm-train`` (timm's own ``train.py`` with the ViL models registered), which has
+no console script."""
 
 import importlib
 import sys

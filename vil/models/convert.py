@@ -243,8 +243,8 @@ def convert_classification_state(
     """A classification model's state (arch string ``arch``, its position tables made for ``image_size``) as a
     backbone's: no classifier or final norm; optionally full-attention stages as longformer ones (on the maps of
     patch embeddings that ``pad``, as the detection backbone's do by default) and another number of global tokens.
-    Tables for another image size are remade first (:func:`vil.detection.classification_backbone_state`). Returns
-    ``(state, arch specs, image size)``."""
+    It keeps the tables' size: :func:`vil.detection.classification_backbone_state` remakes them for another image
+    size before calling it. Returns ``(state, arch specs, image size)``."""
     specs = parse_arch(arch)
     state = drop_classifier(model_state(state))
     if full_attention_to_local:

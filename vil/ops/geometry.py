@@ -11,7 +11,7 @@ taken as if neighbour chunks were adjacent (:func:`rel_bias_row`). Chunks whose 
 once, through the offset that wraps around the fewest axes.
 
 1D (Longformer). Query ``i`` sees keys ``i + d*a``, ``-w <= a <= w`` (``a <= 0`` causal), inside the sequence;
-the bias row is ``a + w`` (:func:`band_offset`).
+the bias row is ``a + w`` (:func:`pair_in_band`, :func:`band_block_tables`).
 """
 
 import operator
@@ -66,7 +66,7 @@ class ChunkGroup:
 
 @dataclass(frozen=True, eq=False)
 class ChunkPlan:
-    """How one (map size, window, masking method) is cut into chunks and grouped.
+    """How one (map size, window, SW_EXACT, mode) is cut into chunks and grouped.
 
     Chunks whose window reaches outside the map (at the border, with zero padding) do not read the missing
     neighbour chunks at all: chunks are grouped by the number of slots they use (9 inside, 6 on an edge, 4
