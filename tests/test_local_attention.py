@@ -970,6 +970,35 @@ def test_half_precision_inputs(backend, dtype, tolerance):
         )
 
 
+# The backends that compute half-precision scores and softmax in float32 (vil/ops/local_attention.py) and train here.
+FLOAT32_SCORES = {2: ("fused_cpu", "sliding_chunk", "chunk_rows"), 1: ("fused_cpu", "sliding_chunk", "chunks")}
+
+
+@pytest.mark.parametrize("dims,backend", [(dims, b) for dims, names in FLOAT32_SCORES.items() for b in names])
+def test_float16_scores_beyond_its_range(dims, backend):
+    """q = k = 200 in every channel of 8: every scaled score is 200 * 200 * 8 ** 0.5 = 113137, beyond float16's
+    65504. These backends compute scores in float32, so each query averages its window's values: the output and v's
+    gradient are the float64 reference's on the same values, within 1e-2 of their largest (float32 holds a score of
+    1.1e5 to 0.008, which the backward's probabilities, exp(score - log-sum-exp), carry). The gradients of q and k
+    are finite; their values are sums of terms 200 times their size that cancel, so float16's rounding of the output
+    decides them."""
+    shape = (1, 2, 5, 6, 8) if dims == 2 else (1, 2, 12, 8)
+    attention = local_attention_2d if dims == 2 else local_attention_1d
+    q = torch.full(shape, 200.0, dtype=torch.float16, requires_grad=True)
+    k = torch.full(shape, 200.0, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(shape, generator=torch.Generator().manual_seed(0)).half().requires_grad_()
+    out = attention(q, k, v, 2, backend=backend)
+    upstream = upstream_gradient(out, 1)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = attention(*wide, 2, backend="reference")
+    expected_grads = torch.autograd.grad(expected, wide, upstream.double())
+    assert all(g.dtype == torch.float16 and torch.isfinite(g).all() for g in (out, *grads))
+    for name, got, want in (("output", out, expected), ("v", grads[2], expected_grads[2])):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-2 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS + ["reference"])
 def test_bias_tables_of_another_dtype_are_cast(backend):
     # float32 parameters next to half-precision activations, as under autocast: no error, same result.

@@ -6,6 +6,17 @@ declares (:class:`vil.ops.base.Backend`; the table is ``vil/ops/registry.py``). 
 once, builds the neighbourhood (``vil/ops/neighborhood.py``) and the optional inputs as one
 :class:`~vil.ops.base.Extras`, picks or checks the backend from its declaration, and hands the request to
 ``vil/ops/operators.py``, which runs it.
+
+Two limits hold for every backend, as for torch's ``scaled_dot_product_attention``:
+
+- Values must be finite at every position, padded ones and those outside every window included: a value a query does
+  not attend to meets a probability of 0 there, and 0 x NaN is NaN. Which rows a NaN or inf in ``v`` reaches differs
+  between backends (the keys each one multiplies by zero); where every value is finite, none of them matters.
+- In float16 the fused backends (``fused_cpu``, ``sliding_chunk``, ``chunks``, ``chunk_rows``, ``triton``, ``flex``)
+  compute scores and softmax in float32; the backends built from autograd's operators (``unfold``, ``unfold_nnf``,
+  ``sliding_chunk_autograd``, ``loop``, ``reference``) compute them in float16, as the original release's unfold did,
+  so that a scaled score beyond float16's largest value (65504) overflows and its query's row is NaN. bfloat16 has
+  float32's range.
 """
 
 import logging
