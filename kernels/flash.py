@@ -16,6 +16,8 @@ from triton.runtime.errors import OutOfResources
 from . import interpreting
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The names of the gradients the backward launchers return (a dict), in the order of the inputs they are of.
+GRADIENTS = ("grad_q", "grad_k", "grad_v", "grad_global_k", "grad_global_v", "grad_rel_bias", "grad_global_bias")
 LOG2E = 1.4426950408889634
 DELTA_BLOCK_N = 64  # queries per program of the delta pass
 # Programs a backward pass with partial sums aims for: enough to fill a GPU, few enough that the sums stay small.
@@ -266,9 +268,9 @@ def program_split(items, other_programs):
     return per_program, cdiv(items, per_program)
 
 
-def global_strides(gk, gv):
+def global_strides(global_k, global_v):
     """The (batch, head, key) strides of the global keys and values, zeros without them."""
-    return (*gk.stride()[:3], *gv.stride()[:3]) if gk is not None else (0,) * 6
+    return (*global_k.stride()[:3], *global_v.stride()[:3]) if global_k is not None else (0,) * 6
 
 
 _TUNED = {}
@@ -333,8 +335,8 @@ def check_inputs(tensors, rows, tables):
     q = tensors["q"]
     if q.dtype not in DTYPES:
         raise ValueError(f"The triton kernels take float32, float16 or bfloat16 q, k and v, got q of {q.dtype}.")
-    if (tensors.get("gk") is None) != (tensors.get("gv") is None):
-        raise ValueError("The triton kernels take global keys and values together (gk and gv), or neither.")
+    if (tensors.get("global_k") is None) != (tensors.get("global_v") is None):
+        raise ValueError("The triton kernels take global keys and values together (global_k and global_v), or neither.")
     for name, shape in rows.items():
         t = tensors.get(name)
         if t is not None and (t.shape != shape or t.stride(-1) != 1):

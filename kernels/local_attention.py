@@ -664,25 +664,31 @@ def _strides4(t):
 
 
 def _check_inputs(tensors, window):
-    """One sentence (``ValueError``) unless ``tensors`` (by name: q, k, v, gk, gv, the bias tables, and in the
-    backward do, o and lse; None: absent) have the shapes the kernels take, given q's, and the dtypes, laid out as
+    """One sentence (``ValueError``) unless ``tensors`` (by name: q, k, v, global_k, global_v, the bias tables, and in
+    the backward do, o and lse; None: absent) have the shapes the kernels take, given q's, and the dtypes, laid out as
     they read them (:func:`flash.check_inputs`), and the head_dim, window, GPU and batch x heads are ones they take
     (:func:`check_supported`)."""
     q = tensors["q"]
     B, H, X, Y, D = q.shape
-    G = 0 if tensors["gk"] is None else tensors["gk"].shape[2]
-    rows = dict.fromkeys(("q", "k", "v", "do", "o"), (B, H, X, Y, D)) | dict(gk=(B, H, G, D), gv=(B, H, G, D))
+    G = 0 if tensors["global_k"] is None else tensors["global_k"].shape[2]
+    rows = dict.fromkeys(("q", "k", "v", "do", "o"), (B, H, X, Y, D)) | dict(
+        global_k=(B, H, G, D), global_v=(B, H, G, D)
+    )
     flash.check_inputs(tensors, rows, dict(rel_bias=(H, (4 * window - 1) ** 2), global_bias=(H, G), lse=(B, H, X * Y)))
     check_supported(D, window, q.dtype, q.device, B * H)
 
 
 @flash.on_the_inputs_device
-def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
-    """Output and base-2 log-sum-exp; q, k, v (B, H, X, Y, D), gk/gv (B, H, G, D), each with unit stride along D,
-    and contiguous bias tables, checked by :func:`_check_inputs`; ``gk``/``gv`` and the bias tables may be None."""
+def forward(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale):
+    """Output and base-2 log-sum-exp; q, k, v (B, H, X, Y, D), global_k and global_v (B, H, G, D), each with unit
+    stride along D, and contiguous bias tables, checked by :func:`_check_inputs`; ``global_k``, ``global_v`` and the
+    bias tables may be None."""
     B, H, X, Y, D = q.shape
-    G = 0 if gk is None else gk.shape[2]
-    _check_inputs(dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias), geo.window)
+    G = 0 if global_k is None else global_k.shape[2]
+    _check_inputs(
+        dict(q=q, k=k, v=v, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias),
+        geo.window,
+    )
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = flash.new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
     dummy = q.new_empty(0)
@@ -694,8 +700,8 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
             q,
             k,
             v,
-            gk if G else dummy,
-            gv if G else dummy,
+            global_k if G else dummy,
+            global_v if G else dummy,
             dummy if rel_bias is None else rel_bias,
             dummy if global_bias is None else global_bias,
             geo.neighbours,
@@ -706,7 +712,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
             *_strides4(k),
             *_strides4(v),
             *_strides4(o),
-            *flash.global_strides(gk, gv),
+            *flash.global_strides(global_k, global_v),
             H,
             X,
             Y,
@@ -738,12 +744,23 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, geo, scale):
 
 
 @flash.on_the_inputs_device
-def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
-    """The gradients of :func:`forward`, as a dict (dq, dk, dv, dgk, dgv, drb, dgb; None for absent inputs); ``lse``
-    (B, H, X * Y) contiguous, the other tensors laid out as :func:`forward` takes them."""
+def backward(do, q, k, v, global_k, global_v, rel_bias, global_bias, o, lse, geo, scale):
+    """The gradients of :func:`forward`, as a dict by the names of :data:`flash.GRADIENTS` (None for absent inputs);
+    ``lse`` (B, H, X * Y) contiguous, the other tensors laid out as :func:`forward` takes them."""
     B, H, X, Y, D = q.shape
-    G = 0 if gk is None else gk.shape[2]
-    tensors = dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias, do=do, o=o, lse=lse)
+    G = 0 if global_k is None else global_k.shape[2]
+    tensors = dict(
+        q=q,
+        k=k,
+        v=v,
+        global_k=global_k,
+        global_v=global_v,
+        rel_bias=rel_bias,
+        global_bias=global_bias,
+        do=do,
+        o=o,
+        lse=lse,
+    )
     _check_inputs(tensors, geo.window)
     BLOCK_D, BLOCK_G = flash.next_power_of_2(D), _global_block(G)
     BT = max(16, flash.next_power_of_2(4 * geo.window - 1))
@@ -824,8 +841,8 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
             q,
             k,
             v,
-            gk if G else dummy,
-            gv if G else dummy,
+            global_k if G else dummy,
+            global_v if G else dummy,
             do,
             rel,
             dummy if global_bias is None else global_bias,
@@ -842,7 +859,7 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
             *_strides4(k),
             *_strides4(v),
             *_strides4(do),
-            *flash.global_strides(gk, gv),
+            *flash.global_strides(global_k, global_v),
             B,
             H,
             X,
@@ -863,19 +880,27 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, o, lse, geo, scale):
             num_stages=stages,
             **common,
         )
-        result.update(dgk=dgk, dgv=dgv, dgb=dgb, drb=drb)
+        result.update(grad_global_k=dgk, grad_global_v=dgv, grad_global_bias=dgb, grad_rel_bias=drb)
 
     flash.tuned_launch("backward_dq", key, _candidates(geo.chunk_pad), launch_dq)
 
-    grads = dict(dq=dq, dk=dk, dv=dv, dgk=None, dgv=None, drb=None, dgb=None)
+    grads = dict(
+        grad_q=dq,
+        grad_k=dk,
+        grad_v=dv,
+        grad_global_k=None,
+        grad_global_v=None,
+        grad_rel_bias=None,
+        grad_global_bias=None,
+    )
     if G:
-        grads["dgk"] = (result["dgk"].sum(2) * scale).to(gk.dtype)
-        grads["dgv"] = result["dgv"].sum(2).to(gv.dtype)
+        grads["grad_global_k"] = (result["grad_global_k"].sum(2) * scale).to(global_k.dtype)
+        grads["grad_global_v"] = result["grad_global_v"].sum(2).to(global_v.dtype)
     if global_bias is not None:
-        grads["dgb"] = result["dgb"].sum((0, 2))[:, :G].to(global_bias.dtype)
+        grads["grad_global_bias"] = result["grad_global_bias"].sum((0, 2))[:, :G].to(global_bias.dtype)
     if rel_bias is not None:
         T = 4 * geo.window - 1
-        grads["drb"] = result["drb"].sum((0, 2))[:, :T, :T].reshape(H, T * T).to(rel_bias.dtype)
+        grads["grad_rel_bias"] = result["grad_rel_bias"].sum((0, 2))[:, :T, :T].reshape(H, T * T).to(rel_bias.dtype)
     return grads
 
 

@@ -690,17 +690,17 @@ def _strides3(t):
 
 
 def _check_inputs(tensors, dilations, window):
-    """One sentence (``ValueError``) unless ``tensors`` (by name: q, k, v, gk, gv, the bias tables, the key padding
-    mask, and in the backward do, o and lse; None: absent) have the shapes the kernels take, given q's, and the
+    """One sentence (``ValueError``) unless ``tensors`` (by name: q, k, v, global_k, global_v, the bias tables, the key
+    padding mask, and in the backward do, o and lse; None: absent) have the shapes the kernels take, given q's, and the
     dtypes, laid out as they read them (:func:`flash.check_inputs`; the mask bool, in any layout: the launchers copy
     it), ``dilations`` has one positive int per head, and the head_dim, window, GPU and batch x heads are ones they
     take (:func:`check_supported`)."""
     q = tensors["q"]
     B, H, L, D = q.shape
-    G = 0 if tensors["gk"] is None else tensors["gk"].shape[2]
+    G = 0 if tensors["global_k"] is None else tensors["global_k"].shape[2]
     if len(dilations) != H or not all(isinstance(d, int) and d >= 1 for d in dilations):
         raise ValueError(f"The triton kernels take one positive int dilation per head ({H}), got {tuple(dilations)}.")
-    rows = dict.fromkeys(("q", "k", "v", "do", "o"), (B, H, L, D)) | dict(gk=(B, H, G, D), gv=(B, H, G, D))
+    rows = dict.fromkeys(("q", "k", "v", "do", "o"), (B, H, L, D)) | dict(global_k=(B, H, G, D), global_v=(B, H, G, D))
     flash.check_inputs(tensors, rows, dict(rel_bias=(H, 2 * window + 1), global_bias=(H, G), lse=(B, H, L)))
     mask = tensors["mask"]
     if mask is not None and (mask.shape != (B, L) or mask.dtype != torch.bool or mask.device != tensors["q"].device):
@@ -720,13 +720,22 @@ def _mask(key_padding_mask, q):
 
 
 @flash.on_the_inputs_device
-def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations, window, causal, scale):
-    """Output and base-2 log-sum-exp ``(B, H, L)``; q, k, v (B, H, L, D), gk/gv (B, H, G, D), each with unit stride
-    along D, contiguous bias tables, a (B, L) mask and one dilation per head, checked by :func:`_check_inputs`;
-    ``gk``/``gv``, the bias tables and the mask may be None."""
+def forward(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, dilations, window, causal, scale):
+    """Output and base-2 log-sum-exp ``(B, H, L)``; q, k, v (B, H, L, D), global_k and global_v (B, H, G, D), each with
+    unit stride along D, contiguous bias tables, a (B, L) mask and one dilation per head, checked by
+    :func:`_check_inputs`; ``global_k``, ``global_v``, the bias tables and the mask may be None."""
     B, H, L, D = q.shape
-    G = 0 if gk is None else gk.shape[2]
-    tensors = dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias, mask=key_padding_mask)
+    G = 0 if global_k is None else global_k.shape[2]
+    tensors = dict(
+        q=q,
+        k=k,
+        v=v,
+        global_k=global_k,
+        global_v=global_v,
+        rel_bias=rel_bias,
+        global_bias=global_bias,
+        mask=key_padding_mask,
+    )
     _check_inputs(tensors, dilations, window)
     dilations = _fitted(dilations, L)
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
@@ -741,8 +750,8 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
             q,
             k,
             v,
-            gk if G else dummy,
-            gv if G else dummy,
+            global_k if G else dummy,
+            global_v if G else dummy,
             dummy if rel_bias is None else rel_bias,
             dummy if global_bias is None else global_bias,
             mask,
@@ -753,7 +762,7 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
             *_strides3(k),
             *_strides3(v),
             *_strides3(o),
-            *flash.global_strides(gk, gv),
+            *flash.global_strides(global_k, global_v),
             H,
             L,
             G,
@@ -779,12 +788,23 @@ def forward(q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, dilations,
 
 
 @flash.on_the_inputs_device
-def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, lse, dilations, window, causal, scale):
-    """The gradients of :func:`forward`, as a dict (dq, dk, dv, dgk, dgv, drb, dgb; None for absent inputs); ``lse``
-    (B, H, L) contiguous, the other tensors laid out as :func:`forward` takes them."""
+def backward(
+    do, q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask, o, lse, dilations, window, causal, scale
+):
+    """The gradients of :func:`forward`, as a dict by the names of :data:`flash.GRADIENTS` (None for absent inputs);
+    ``lse`` (B, H, L) contiguous, the other tensors laid out as :func:`forward` takes them."""
     B, H, L, D = q.shape
-    G = 0 if gk is None else gk.shape[2]
-    tensors = dict(q=q, k=k, v=v, gk=gk, gv=gv, rel_bias=rel_bias, global_bias=global_bias, mask=key_padding_mask)
+    G = 0 if global_k is None else global_k.shape[2]
+    tensors = dict(
+        q=q,
+        k=k,
+        v=v,
+        global_k=global_k,
+        global_v=global_v,
+        rel_bias=rel_bias,
+        global_bias=global_bias,
+        mask=key_padding_mask,
+    )
     _check_inputs(dict(tensors, do=do, o=o, lse=lse), dilations, window)
     dilations = _fitted(dilations, L)
     dummy = q.new_empty(0)
@@ -803,13 +823,13 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
     rel = dummy if rel_bias is None else rel_bias
     delta = flash.delta(o, do)
     grads = dict(
-        dq=flash.new_output(q.shape, dtype=q.dtype, device=q.device),
-        dk=flash.new_output(k.shape, dtype=k.dtype, device=k.device),
-        dv=flash.new_output(v.shape, dtype=v.dtype, device=v.device),
-        dgk=None,
-        dgv=None,
-        drb=None,
-        dgb=None,
+        grad_q=flash.new_output(q.shape, dtype=q.dtype, device=q.device),
+        grad_k=flash.new_output(k.shape, dtype=k.dtype, device=k.device),
+        grad_v=flash.new_output(v.shape, dtype=v.dtype, device=v.device),
+        grad_global_k=None,
+        grad_global_v=None,
+        grad_rel_bias=None,
+        grad_global_bias=None,
     )
 
     def launch_dkdv(bm, bn, warps):
@@ -823,13 +843,13 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
             table,
             lse,
             delta,
-            grads["dk"],
-            grads["dv"],
+            grads["grad_k"],
+            grads["grad_v"],
             *_strides3(q),
             *_strides3(k),
             *_strides3(v),
             *_strides3(do),
-            *_strides3(grads["dk"]),
+            *_strides3(grads["grad_k"]),
             H,
             L,
             scale * LOG2E,
@@ -854,8 +874,8 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
             q,
             k,
             v,
-            gk if G else dummy,
-            gv if G else dummy,
+            global_k if G else dummy,
+            global_v if G else dummy,
             do,
             rel,
             dummy if global_bias is None else global_bias,
@@ -863,14 +883,14 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
             table,
             lse,
             delta,
-            grads["dq"],
+            grads["grad_q"],
             parts,
             *_strides3(q),
             *_strides3(k),
             *_strides3(v),
             *_strides3(do),
-            *_strides3(grads["dq"]),
-            *flash.global_strides(gk, gv),
+            *_strides3(grads["grad_q"]),
+            *flash.global_strides(global_k, global_v),
             H,
             L,
             G,
@@ -894,9 +914,11 @@ def backward(do, q, k, v, gk, gv, rel_bias, global_bias, key_padding_mask, o, ls
     flash.tuned_launch("backward_dq_1d", key, TILE_SHAPES, launch_dq)
     if rel_bias is not None:
         table_sums = bias_sums["parts"].view(B, H, -1, *bias_sums["parts"].shape[2:]).sum((0, 2))
-        grads["drb"] = _bias_gradient(table_sums, bias_sums["kb"], bias_sums["before"], window).to(rel_bias.dtype)
+        grads["grad_rel_bias"] = _bias_gradient(table_sums, bias_sums["kb"], bias_sums["before"], window).to(
+            rel_bias.dtype
+        )
     if G:
-        grads.update(_global_gradients(q, gk, gv, do, global_bias, lse, delta, scale))
+        grads.update(_global_gradients(q, global_k, global_v, do, global_bias, lse, delta, scale))
     return grads
 
 
@@ -912,9 +934,9 @@ def _bias_gradient(table_sums, kb, before, window):
     return sums[:, top - 2 * window : top + 1].flip(1)
 
 
-def _global_gradients(q, gk, gv, do, global_bias, lse, delta, scale):
+def _global_gradients(q, global_k, global_v, do, global_bias, lse, delta, scale):
     B, H, L, D = q.shape
-    G = gk.shape[2]
+    G = global_k.shape[2]
     blocks = flash.cdiv(G, BLOCK_G)
     per_program, segments = flash.program_split(flash.cdiv(L, BLOCK_N), B * H * blocks)
     segment = per_program * BLOCK_N
@@ -927,8 +949,8 @@ def _global_gradients(q, gk, gv, do, global_bias, lse, delta, scale):
     )
     _bwd_global_kernel[(segments, B * H, blocks)](
         q,
-        gk,
-        gv,
+        global_k,
+        global_v,
         do,
         q.new_empty(0) if global_bias is None else global_bias,
         lse,
@@ -938,7 +960,7 @@ def _global_gradients(q, gk, gv, do, global_bias, lse, delta, scale):
         dgb,
         *_strides3(q),
         *_strides3(do),
-        *flash.global_strides(gk, gv),
+        *flash.global_strides(global_k, global_v),
         H,
         L,
         G,
@@ -952,9 +974,12 @@ def _global_gradients(q, gk, gv, do, global_bias, lse, delta, scale):
         DOT_PRECISION=flash.dot_precision(q.dtype),
         num_warps=4,
     )
-    grads = dict(dgk=(dgk.sum(0) * scale).view(B, H, G, D).to(gk.dtype), dgv=dgv.sum(0).view(B, H, G, D).to(gv.dtype))
+    grads = dict(
+        grad_global_k=(dgk.sum(0) * scale).view(B, H, G, D).to(global_k.dtype),
+        grad_global_v=dgv.sum(0).view(B, H, G, D).to(global_v.dtype),
+    )
     if global_bias is not None:
-        grads["dgb"] = dgb.sum(0).view(B, H, G).sum(0).to(global_bias.dtype)
+        grads["grad_global_bias"] = dgb.sum(0).view(B, H, G).sum(0).to(global_bias.dtype)
     return grads
 
 

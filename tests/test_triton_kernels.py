@@ -394,7 +394,7 @@ def with_stride_2(t):
     return torch.stack([t, torch.zeros_like(t)], -1).flatten(-2)[..., ::2]
 
 
-FORWARD_ARGS = ("q", "k", "v", "gk", "gv", "rel_bias", "global_bias")
+FORWARD_ARGS = ("q", "k", "v", "global_k", "global_v", "rel_bias", "global_bias")
 BACKWARD_ARGS = ("do", *FORWARD_ARGS, "o", "lse")
 
 
@@ -408,7 +408,12 @@ BACKWARD_ARGS = ("do", *FORWARD_ARGS, "o", "lse")
             r"q of shape \(1, 2, 5, 6, 16\) with unit stride .* strides \(1920, 960, 192, 32, 2\)",
         ),
         ("forward", "k", lambda k: k[:, :, :2, :2], r"k of shape \(1, 2, 5, 6, 16\) .* got shape \(1, 2, 2, 2, 16\)"),
-        ("forward", "gv", lambda gv: gv[:, :1], r"gv of shape \(1, 2, 1, 16\) .* got shape \(1, 1, 1, 16\)"),
+        (
+            "forward",
+            "global_v",
+            lambda global_v: global_v[:, :1],
+            r"global_v of shape \(1, 2, 1, 16\) .* got shape \(1, 1, 1, 16\)",
+        ),
         ("forward", "rel_bias", lambda rb: rb[:, :10], r"rel_bias as a contiguous .* \(2, 49\), got shape \(2, 10\)"),
         ("forward", "global_bias", lambda gb: gb.t(), r"global_bias as a contiguous .* \(2, 1\), got shape \(1, 2\)"),
         (
@@ -419,7 +424,7 @@ BACKWARD_ARGS = ("do", *FORWARD_ARGS, "o", "lse")
         ),
         ("backward", "lse", lambda lse: lse[:, :, :-1], r"lse as a contiguous .* \(1, 2, 30\), got shape \(1, 2, 29\)"),
         ("forward", "q", lambda q: q.double(), r"float32, float16 or bfloat16 q, k and v, got q of torch.float64"),
-        ("forward", "gk", lambda gk: None, r"global keys and values together"),
+        ("forward", "global_k", lambda global_k: None, r"global keys and values together"),
         (
             "forward",
             "rel_bias",
@@ -436,7 +441,7 @@ def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(lau
 
     inputs = make_inputs(5, 6, 2, 1, True, True)
     tensors = {name: inputs[name].detach() for name in ("q", "k", "v", "rel_bias", "global_bias")}
-    tensors.update(gk=inputs["global_k"].detach(), gv=inputs["global_v"].detach())
+    tensors.update(global_k=inputs["global_k"].detach(), global_v=inputs["global_v"].detach())
     geo = kernel_geometry(5, 6, 2, 0, 0, 1, DEVICE)
     tensors["o"], tensors["lse"] = kernels.forward(*(tensors[n] for n in FORWARD_ARGS), geo, 0.25)
     tensors["do"] = torch.ones_like(tensors["o"])

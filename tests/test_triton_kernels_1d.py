@@ -275,8 +275,21 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
         run("triton", inputs, padding, 2)
 
 
-FORWARD_ARGS = ("q", "k", "v", "gk", "gv", "rel_bias", "global_bias", "mask", "dilations")
-BACKWARD_ARGS = ("do", "q", "k", "v", "gk", "gv", "rel_bias", "global_bias", "mask", "o", "lse", "dilations")
+FORWARD_ARGS = ("q", "k", "v", "global_k", "global_v", "rel_bias", "global_bias", "mask", "dilations")
+BACKWARD_ARGS = (
+    "do",
+    "q",
+    "k",
+    "v",
+    "global_k",
+    "global_v",
+    "rel_bias",
+    "global_bias",
+    "mask",
+    "o",
+    "lse",
+    "dilations",
+)
 
 
 @pytest.mark.parametrize(
@@ -295,7 +308,12 @@ def test_launchers_refuse_head_dims_and_windows_the_kernels_do_not_take(head_dim
     [
         ("forward", "q", with_stride_2, r"q of shape \(1, 2, 9, 16\) with unit stride .* strides \(576, 288, 32, 2\)"),
         ("forward", "v", lambda v: v[:, :, :4], r"v of shape \(1, 2, 9, 16\) .* got shape \(1, 2, 4, 16\)"),
-        ("forward", "gk", lambda gk: gk[..., :8], r"gk of shape \(1, 2, 1, 16\) .* got shape \(1, 2, 1, 8\)"),
+        (
+            "forward",
+            "global_k",
+            lambda global_k: global_k[..., :8],
+            r"global_k of shape \(1, 2, 1, 16\) .* got shape \(1, 2, 1, 8\)",
+        ),
         ("forward", "rel_bias", lambda rb: rb[:, :3], r"rel_bias as a contiguous .* \(2, 5\), got shape \(2, 3\)"),
         ("forward", "mask", lambda mask: mask[:, :4], r"a bool key_padding_mask of shape \(1, 9\) .* shape \(1, 4\)"),
         ("forward", "dilations", lambda dilations: (1,), r"one positive int dilation per head \(2\), got \(1,\)"),
@@ -307,7 +325,7 @@ def test_launchers_refuse_head_dims_and_windows_the_kernels_do_not_take(head_dim
             lambda k: k.half(),
             r"k of q's dtype and device \(torch.float32 on {device}\), got torch.float16 on {device}",
         ),
-        ("forward", "gv", lambda gv: None, r"global keys and values together"),
+        ("forward", "global_v", lambda global_v: None, r"global keys and values together"),
         ("backward", "o", with_stride_2, r"o of shape \(1, 2, 9, 16\) with unit stride .* strides \(576, 288, 32, 2\)"),
         (
             "backward",
@@ -323,7 +341,9 @@ def test_launchers_refuse_tensors_of_other_shapes_or_layouts_in_one_sentence(lau
     # a tensor laid out otherwise is refused before a kernel reads it.
     inputs, mask = make_inputs(9, 2, 1, True, True, "random", B=1, H=2)
     tensors = {name: inputs[name].detach() for name in ("q", "k", "v", "rel_bias", "global_bias")}
-    tensors.update(gk=inputs["global_k"].detach(), gv=inputs["global_v"].detach(), mask=mask, dilations=(1, 2))
+    tensors.update(
+        global_k=inputs["global_k"].detach(), global_v=inputs["global_v"].detach(), mask=mask, dilations=(1, 2)
+    )
     tensors["o"], tensors["lse"] = kernels.forward(*(tensors[n] for n in FORWARD_ARGS), 2, False, 0.25)
     tensors["do"] = torch.ones_like(tensors["o"])
     tensors[name] = change(tensors[name])

@@ -30,6 +30,13 @@ def _kernels(dims=2):
     return local_attention_1d if dims == 1 else local_attention
 
 
+def _in_order(gradients):
+    """The kernels' gradients (a dict by name) as the op's backward returns them, in the order of its inputs."""
+    from vil_kernels.flash import GRADIENTS
+
+    return tuple(gradients[name] for name in GRADIENTS)
+
+
 @kept_tables(64)
 def kernel_geometry(rows, cols, window, exact, mode, dilation, device):
     """The kernels' :class:`Geometry` of one map size and neighbourhood. With SW_EXACT 1 the chunks are the
@@ -71,7 +78,7 @@ def _forward_2d(q, k, v, hood, extras):
 def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
     inputs = (q, k, v, *extras.differentiable)
     g = _kernels().backward(grad_out, *inputs, out, lse.flatten(2), _geometry(q, hood), extras.scale)
-    return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"]
+    return _in_order(g)
 
 
 def _scored_pairs(q, hood, num_global):
@@ -95,7 +102,7 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
     inputs = (q, k, v, *extras.differentiable)
     mask, *options = _band_options(q, hood, extras)
     g = _kernels(1).backward(grad_out, *inputs, mask, out, lse, *options)
-    return g["dq"], g["dk"], g["dv"], g["dgk"], g["dgv"], g["drb"], g["dgb"]
+    return _in_order(g)
 
 
 def _scored_pairs_1d(q, hood, num_global):
