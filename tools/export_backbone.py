@@ -64,7 +64,11 @@ def parse_args(argv=None):
         "goes first, and must agree with it)",
     )
     parser.add_argument(
-        "--image-size", type=_side, nargs="+", help="image size IN was trained for, N or H W (default: from IN)"
+        "--image-size",
+        type=_side,
+        nargs="+",
+        help="image size IN was trained for, N or H W (default: the config stored in IN or given by "
+        "--config-file, else read from IN's position tables, else 224)",
     )
     parser.add_argument(
         "--full-attention-to-local",

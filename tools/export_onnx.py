@@ -7,7 +7,7 @@ stride), which must be at least that, and large enough that every chunked local 
 side (the tool says which size otherwise). With ``--static`` the file takes only images of ``INPUT.IMAGE_SIZE``
 (any batch), which SW_EXACT -1 needs. Its input is ``images`` (B, 3, H, W), its output ``logits``. Without
 ``MODEL.MODEL_PATH`` the model keeps its initial weights. The output is checked to be writable before the export
-starts. Before the file is written, onnxruntime runs it at ``INPUT.IMAGE_SIZE`` and at a second size (another
+starts. Before the file is written, onnxruntime runs it at the traced size and at a second size (another
 batch for a file of one input size), and the tool prints the largest difference from the PyTorch model's logits,
 computed with the local attention backend this machine runs fastest (any backend computes the same function; the
 file holds none). Only a file that passes (1e-4) is written (atomically); where onnxruntime fails or the difference

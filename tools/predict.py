@@ -5,9 +5,10 @@ IMAGES are image files, folders (their images, recursively) and globs (quoted, `
 takes a registered model with its published weights (``vil_small``, ``vil_small.in1k``) or a Hub folder that
 ``tools/export_hub.py`` wrote (``local-dir:DIR``), with the preprocessing its pretrained_cfg records;
 ``--config-file`` a run's config and checkpoint, with the config's evaluation preprocessing. Every image gets the
-model's top-k classes (ImageNet's descriptions for 1000-class ImageNet models, else the names the checkpoint
-records, else the config's class names) and their probabilities: one line each on stdout, and with ``--output`` a
-CSV or JSON file (one record per image). An image that cannot be read is named in a warning and skipped.
+model's top-k classes (the names the checkpoint records, else the config's class names, else ImageNet's classes
+for 1000 classes, else the class indices; ImageNet's class ids shown as their descriptions) and their
+probabilities: one line each on stdout, and with ``--output`` a CSV or JSON file (one record per image). An
+image that cannot be read is named in a warning and skipped.
 """
 
 import argparse

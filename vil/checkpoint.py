@@ -2,9 +2,10 @@
 
 Both are ``torch.save``d dicts whose key ``"net"`` holds the model's state dict (the original release's
 layout, which this project's models share, so no conversion is needed); keys may carry the ``module.``
-prefix of a DistributedDataParallel wrapper. This project adds ``"arch"``, ``"epoch"`` and whatever else
-the trainer stores. A bare state dict is accepted too, and so are a ``.safetensors`` file of one and a folder that
-holds ``model.safetensors`` (a Hugging Face Hub folder, as ``tools/export_hub.py`` writes).
+prefix of a DistributedDataParallel wrapper. This project adds ``"arch"`` (``MODEL.ARCH``, ``"msvit"``; the
+arch string is in the stored ``"config"``), ``"epoch"`` and whatever else the trainer stores. A bare state dict
+is accepted too, and so are a ``.safetensors`` file of one and a folder that holds ``model.safetensors`` (a
+Hugging Face Hub folder, as ``tools/export_hub.py`` writes).
 """
 
 import json

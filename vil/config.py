@@ -33,7 +33,8 @@ _C.AMP.DTYPE = "bfloat16"  # or float16, with a gradient scaler
 _C.AUG = CN()
 _C.AUG.SCALE = (0.08, 1.0)
 _C.AUG.RATIO = (3.0 / 4.0, 4.0 / 3.0)
-# Without AUG.TIMM_AUG.USE_TRANSFORM: brightness, contrast, saturation, hue, and the probability to apply them.
+# The plain training transform's (neither AUG.TIMM_AUG.USE_TRANSFORM nor fine-tuning's): brightness, contrast,
+# saturation, hue, and the probability to apply them.
 _C.AUG.COLOR_JITTER = [0.4, 0.4, 0.4, 0.1, 0.0]
 _C.AUG.GRAY_SCALE = 0.0
 _C.AUG.GAUSSIAN_BLUR = 0.0
@@ -161,7 +162,7 @@ _C.OUTPUT_DIR = "./output"
 _C.BACKUP_LOG_DIR = ""
 _C.LOG_FREQ = 10  # a line in log.txt and TensorBoard points every LOG_FREQ optimizer steps
 _C.EVALUATE = False  # tools/train.py evaluates MODEL.MODEL_PATH and exits
-_C.OUTPUT_PERCLASS_ACC = False  # evaluation also reports the top-1 and top-5 of every class
+_C.OUTPUT_PERCLASS_ACC = False  # tools/eval.py and EVALUATE also write every class's top-1 and top-5 to eval.json
 _C.ONLY_SAVE_LAST = 0  # no checkpoint_epoch<N>.pth files, only checkpoint_last.pth and model_best.pth
 _C.DISTRIBUTED_BACKEND = "nccl"  # torch.distributed backend on CUDA; CPU processes use gloo
 _C.GATHER_ON_CPU = False

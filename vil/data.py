@@ -154,8 +154,9 @@ def build_transform(cfg, train):
     """The transform of the training or the evaluation images, as the original release chose it:
 
     - evaluation: resize to ``INPUT.IMAGE_SIZE / INPUT.CROP_PCT``, center crop;
-    - training with ``AUG.TIMM_AUG.USE_TRANSFORM``: timm's (random resized crop, flips, RandAugment, color
-      jitter, random erasing from ``AUG.TIMM_AUG``);
+    - training with ``AUG.TIMM_AUG.USE_TRANSFORM``: timm's (random resized crop, flips, the
+      ``AUTO_AUGMENT`` policy where one is set (RandAugment, AutoAugment or AugMix), color jitter, random erasing,
+      from ``AUG.TIMM_AUG``);
     - fine-tuning (``FINETUNE.FINETUNE``) without ``FINETUNE.USE_TRAIN_AUG``: the evaluation resize, then a
       random crop and the horizontal flip;
     - otherwise: random resized crop (``AUG.SCALE``, ``AUG.RATIO``), horizontal flip, and with the

@@ -193,8 +193,8 @@ def build_fpn_backbone(
             takes ``LastLevelP6P7(out_channels, out_channels)`` and ``out_indices=(1, 2, 3)``.
         level_norm, global_tokens: see :class:`ViLBackbone`.
         full_attention_to_local: full-attention stages become longformer stages (cheaper on large images).
-        num_global, global_init: another number of global tokens for stages that have them (``"copy"`` or
-            ``"average"`` the learned ones).
+        num_global, global_init: another number of global tokens for stages that have them, initialised as
+            ``"copy"`` or ``"average"`` of the learned ones (unrelated to ``global_tokens="average"``).
         model_overrides: other :class:`~vil.models.MsViT` arguments (``drop_path_rate``, ``attn_backend``, ...).
     """
     kwargs = {**_model_arguments(name_or_cfg), **model_overrides}

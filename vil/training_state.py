@@ -5,8 +5,9 @@ scaler, EMA, counters, every process's random state, the config), ``checkpoint_e
 newest ``CHECKPOINT.KEEP``) and ``model_best.pth``.
 
 A state is written only after a pass on it came out finite: a mid-epoch checkpoint
-(``CHECKPOINT.EVERY_STEPS``) waits for the next optimizer step's loss and gradients, an end-of-epoch one for
-the evaluation's outputs. So ``checkpoint_last.pth`` never holds weights that already diverged.
+(``CHECKPOINT.EVERY_STEPS``) waits for the next optimizer step's loss and gradients (with float16's gradient
+scaler, the loss: the scaler skips a step whose gradients are not finite), an end-of-epoch one for the
+evaluation's outputs. So ``checkpoint_last.pth`` never holds weights that already diverged.
 
 A resumed run compares its config with the one stored in the checkpoint before it touches anything: keys in
 :data:`FOLLOWED_ON_RESUME` (learning rate, schedule, epochs, logging, ...) may change and the run follows the
@@ -161,7 +162,8 @@ def check_fresh_folder(out):
 
 def read_resume_point(out):
     """``(path, checkpoint)`` to resume from: ``checkpoint_last.pth``, or when that cannot be read, the newest
-    readable epoch checkpoint (with a warning naming both); None when ``out`` holds neither."""
+    readable epoch checkpoint (with a warning naming both); None when ``out`` has no ``checkpoint_last.pth``
+    (epoch checkpoints alone are not resumed from)."""
     last = os.path.join(out, LAST)
     if not os.path.isdir(out) or not os.path.exists(last):
         return None

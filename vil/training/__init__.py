@@ -11,6 +11,7 @@ it, and never again from ``MODEL.MODEL_PATH``. The sample order of an epoch depe
 epoch, and each sample's augmentation only on ``SEED``, the epoch and the sample (:mod:`vil.seeding`), so a
 resumed run repeats bit for bit what an uninterrupted one would have done, from a mid-epoch checkpoint too and
 with any number of data-loading workers (with shards, the number it started with).
-A loss or gradient that is not finite stops the run before the optimizer step and before any checkpoint of
-that state.
+A loss that is not finite stops the run before the optimizer step and before any checkpoint of that state;
+so does a gradient that is not finite, except with ``AMP.DTYPE float16``, whose gradient scaler skips that step
+instead (the weights stay as they were).
 """

@@ -153,7 +153,9 @@ class Run:
     lr_drop: float = 1.0  # the product of OPTIM.VAL's learning-rate drops so far
     lr: float = 0.0  # the last optimizer step's learning rate: its largest group's (layer decay scales the others)
     kept: Optional[Snapshot] = None  # the one checkpoint_last.pth holds
-    pending: Optional[Snapshot] = None  # to write once the next step's loss and gradients are finite
+    pending: Optional[Snapshot] = (
+        None  # to write once the next step's loss (and, without fp16's scaler, gradients) is finite
+    )
     writer: Optional[SummaryWriter] = None
     started: Optional[tuple[float, int]] = None  # (time.perf_counter(), epoch) when this process began training
 
