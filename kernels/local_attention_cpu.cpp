@@ -102,7 +102,8 @@ void half_product(int m, int n, int k, const S* a, int lda, const S* b_pairs, in
 
 // exp2 for t <= 0 (scores less their maximum or log-sum-exp): 2^round(t) times a degree-6 polynomial of the
 // remainder, about 1 ulp. Written so that the compiler vectorises a loop over it; t <= -127 (and -inf) gives 0,
-// since 2^-127 has a zero exponent field.
+// since 2^-127 has a zero exponent field. NaN stays NaN: n's bits are read without a conversion to int, which
+// would be undefined for NaN.
 inline float exp2_nonpositive(float t) {
   t = std::max(t, -127.0f);
   const float n = std::floor(t + 0.5f);
@@ -114,7 +115,12 @@ inline float exp2_nonpositive(float t) {
   p = p * f + 0.5f;
   p = p * f + 1.0f;
   p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  // n + 1.5 * 2^23 holds the integer n in its low mantissa bits (0x4B400000 + n for -127 <= n <= 0); 2^n's exponent
+  // field is n + 127.
+  const float shifted = n + 12582912.0f;
+  uint32_t low;
+  std::memcpy(&low, &shifted, sizeof(low));
+  const uint32_t bits = (low - 0x4B400000u + 127u) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
@@ -804,9 +810,9 @@ void finish_scores(const Geometry1d& g, const Block& blk, T* scores, int ld, T f
       for (int64_t j = 0; j < g.G; ++j) row[blk.keys + j] *= factor;
     }
     if (rel_bias != nullptr) {
-      const T* bias = rel_bias + band.bias_row - band.lo;
+      const T* bias = rel_bias + band.bias_row;  // key j's row is bias_row + j - lo
 #pragma omp simd
-      for (int j = band.lo; j < band.hi; ++j) row[j] += bias[j];
+      for (int j = band.lo; j < band.hi; ++j) row[j] += bias[j - band.lo];
     }
     if (key_padding != nullptr) {  // chosen, not added: a padded key's score may be NaN (keys of any value)
 #pragma omp simd
@@ -1476,8 +1482,8 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
           const T* row = ws.grad_scores.data() + static_cast<int64_t>(i) * ws.ld;
           if (grad_rel != nullptr) {
             const Band band = band_of(g, blk, i);
-            T* bias = grad_rel + band.bias_row - band.lo;
-            for (int j = band.lo; j < band.hi; ++j) bias[j] += row[j];
+            T* bias = grad_rel + band.bias_row;
+            for (int j = band.lo; j < band.hi; ++j) bias[j - band.lo] += row[j];
           }
           if (grad_glob != nullptr) add_into(grad_glob, row + blk.keys, g.G);
         }
