@@ -1,5 +1,6 @@
 """The implementation study's plots: one line per backend, log scales, files written whole."""
 
+import pytest
 from tool_runner import load_tool
 
 
@@ -97,6 +98,23 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     # Each backend's first call is reported as it ends, passed on from the worker's stderr.
     assert "progress: sliding_chunk at 64: first call" in printed.err and "progress: loop at 128" in printed.err
 
+    # A run stopped before its last size (a time limit) leaves the rows it measured, not the earlier run's table.
+    measured = tool.run_size
+
+    def stopped_at_128(args, backends, size):
+        if size == 128:
+            raise KeyboardInterrupt
+        return measured(args, backends, size)
+
+    monkeypatch.setattr(tool, "run_size", stopped_at_128)
+    with pytest.raises(KeyboardInterrupt):
+        tool.main(argv[:-4] + ["--backends", "loop", "--markdown", str(tmp_path / "study.md")])
+    monkeypatch.setattr(tool, "run_size", measured)
+    rows = [line.split(" | ")[:2] for line in (tmp_path / "study.md").read_text().splitlines() if line[:3] == "| 6"]
+    assert rows == [["| 64", tool.SDPA], ["| 64", "loop"]]
+    assert "| 128 " not in (tmp_path / "study.md").read_text()
+    capsys.readouterr()
+
     # --profile: the worker's profiler tables reach the output, before the size's rows.
     tool.main(argv[:-4] + ["--backends", "sliding_chunk", "--sizes", "64", "--profile"])
     out = capsys.readouterr().out
@@ -107,7 +125,6 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     # The skipping rules answer without a worker; one size in a real fresh process, where a backend's failure is
     # its own row.
     args = tool.parse_args(argv[:-4] + ["--dilation", "2"])
-    assert tool.run_size(args, ["chunks"], 64)["chunks"].startswith("skipped")
     assert tool.run_size(args, [tool.SDPA], 32768)[tool.SDPA].startswith("skipped")
     assert tool.run_size(args, ["loop"], 32768)["loop"].startswith("skipped")
     assert tool.run_size(args, ["reference"], 8192)["reference"].startswith("skipped")

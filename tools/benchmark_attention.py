@@ -262,8 +262,6 @@ def skip_reason(args, backend, size):
         return "skipped (tokens^2 time)"
     if backend == "loop" and args.device == "cpu" and tokens > LOOP_MAX_TOKENS:
         return "skipped (one pass per window offset: time)"
-    if backend == "chunks" and args.dilation > 1:
-        return "skipped (computes undilated windows only)"
     if backend.startswith("unfold"):
         window_keys = (2 * args.window + 1) ** 2 if args.exact == 1 else 9 * args.window**2
         unfolded = 4 * args.batch * args.heads * tokens * window_keys * args.head_dim * 4  # K, V and gradients
@@ -365,6 +363,13 @@ def main(argv=None):
     ]
     print("\n".join(lines), flush=True)
     summary, study = [], {}
+
+    def write_table():
+        """The rows so far (a run stopped by a time limit leaves them, not an earlier run's table)."""
+        if args.markdown:
+            atomic_write(args.markdown, lambda f: f.write(("\n".join(lines + [""] + summary) + "\n").encode()))
+
+    write_table()
     for size in args.sizes:
         results = study[size] = run_size(args, [SDPA] + args.backends, size)
         sdpa = results[SDPA]
@@ -407,10 +412,8 @@ def main(argv=None):
                 f"{point}: triton's speed-up over {', '.join(others)}; its memory is {fused[2]:.2f}x "
                 f"the inputs, outputs and gradients"
             )
-    lines += [""] + summary
+        write_table()
     print("\n" + "\n".join(summary))
-    if args.markdown:
-        atomic_write(args.markdown, lambda f: f.write(("\n".join(lines) + "\n").encode()))
     if args.plot:
         plot_study(study, args.plot, lines[1], args.dim)
 

@@ -8,8 +8,8 @@
 #      ViL-Tiny against sliding_chunk);
 #   3. the 2D study: ViL-Small's first stage (bfloat16, batch 64, 3 heads x 32, w 7, one global token, relative
 #      bias) at 28x28, 56x56 and 112x112: triton, sliding_chunk and SDPA (flash), then flex (compiled) on its own;
-#   4. the 1D study: Longformer's settings (12 heads x 64, w 256, bfloat16, batch 1) at 4k and 32k tokens
-#      (SIZES_1D; 32k is where the 1D targets are), causal and not, dilation 1 and 2: triton, flex (compiled, the
+#   4. the 1D study: Longformer's settings (12 heads x 64, w 256, bfloat16, batch 1) at 32k tokens (SIZES_1D, a
+#      list; 32k is where the 1D targets are), causal and not, dilation 1 and 2: triton, flex (compiled, the
 #      same band as a block mask), sliding_chunk, chunks and SDPA (flash; causal for the causal rows).
 #   5. (only when STEPS names it) the model study: ViL-Small against timm's Swin-T, batch 64 at 224, in bfloat16
 #      autocast and in float32, with tools/benchmark_model.py.
@@ -18,21 +18,21 @@
 # 3, 4 and 5 share theirs out among their runs), so that a slow step cannot take the time of the next. The studies print
 # each size's rows as it ends, after the profiler's table of each backend (kernel by kernel) and, but for flex in 2D,
 # the host's time per call against the GPU's (--host-time); their last column is the first call's time (compilation
-# and tuning), and each backend's first call is reported as it ends. With the defaults
-# the whole script takes at most 14 minutes (split it with STEPS where a machine is lent for less at a time). Logs and
-# tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
+# and tuning), and each backend's first call is reported as it ends; a study's table holds the sizes it measured
+# before its time ran out. With the defaults the steps 1 to 4 take at most 550 s (130 + 100 + 140 + 180), within one
+# 10-minute command; STEPS="1 2" and then STEPS="3 4" split them. Logs and tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
 # attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md, models_gpu.log. Each step goes on after a failing one, and the
 # script exits non-zero if any failed or ran out of time.
 #
 #   bash tools/gpu_checks.sh                     # everything
 #   STEPS="1 2" bash tools/gpu_checks.sh         # only the tests
-#   STEPS=4 SIZES_1D="4096 65536" LIMIT_4=400 bash tools/gpu_checks.sh
+#   STEPS=4 SIZES_1D="4096 32768" LIMIT_4=400 bash tools/gpu_checks.sh
 #   STEPS=5 bash tools/gpu_checks.sh             # the model study alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs}
 STEPS=${STEPS:-"1 2 3 4"}
-SIZES_1D=${SIZES_1D:-"4096 32768"}
+SIZES_1D=${SIZES_1D:-32768}
 failed=0
 mkdir -p "$OUT"
 # limited SECONDS LOG COMMAND...: run COMMAND under a time limit, its output to the terminal and appended to LOG.
@@ -40,7 +40,7 @@ limited() {
   local seconds=$1 log=$2
   shift 2
   echo "+ $* (limit ${seconds} s)"
-  timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee -a "$log"
+  timeout --kill-after=5 "$seconds" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
     echo "OUT OF TIME after ${seconds} s: $*"
@@ -64,9 +64,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in $STEPS; do
   case $step in
-    1) limited "${LIMIT_1:-200}" "$OUT/tests_triton.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
+    1) limited "${LIMIT_1:-130}" "$OUT/tests_triton.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_triton_kernels.py tests/test_triton_kernels_1d.py ;;
-    2) limited "${LIMIT_2:-180}" "$OUT/tests_cuda.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
+    2) limited "${LIMIT_2:-100}" "$OUT/tests_cuda.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_local_attention.py tests/test_local_attention_1d.py tests/test_models_on_gpu.py \
          -k "flex and cuda or models_on_gpu" ;;
     3) # flex in a run of its own, so that its compilation (minutes, before its window rule was in closed form) holds
@@ -75,14 +75,14 @@ for step in $STEPS; do
        for run in "attention_gpu:triton sliding_chunk:--host-time" "attention_gpu_flex:flex:"; do
          IFS=: read -r table backends host_time <<< "$run"
          # shellcheck disable=SC2086  # a list of backends, and a switch or nothing
-         limited $((${LIMIT_3:-180} / 2)) "$OUT/studies.log" python tools/benchmark_attention.py --device cuda \
+         limited $((${LIMIT_3:-140} / 2)) "$OUT/studies.log" python tools/benchmark_attention.py --device cuda \
            --dtype bfloat16 --batch 64 --heads 3 --head-dim 32 --window 7 --num-global 1 --rel-bias --sizes 28 56 112 \
            --backends $backends --profile $host_time --markdown "$OUT/$table.md"
        done ;;
     4) for causal in "" "--causal"; do
          for dilation in 1 2; do
            # shellcheck disable=SC2086  # SIZES_1D is a list of lengths
-           limited $((${LIMIT_4:-280} / 4)) "$OUT/studies.log" python tools/benchmark_attention.py --dim 1 --device cuda \
+           limited $((${LIMIT_4:-180} / 4)) "$OUT/studies.log" python tools/benchmark_attention.py --dim 1 --device cuda \
              --dtype bfloat16 --sizes $SIZES_1D --dilation "$dilation" $causal \
              --backends triton flex sliding_chunk chunks --profile --host-time \
              --markdown "$OUT/attention_gpu_1d_dilation${dilation}${causal:+_causal}.md"
