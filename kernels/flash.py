@@ -326,6 +326,13 @@ def _beyond_the_gpu(name, candidates, error):
     )
 
 
+def by_name(q, k, v, global_k, global_v, rel_bias, global_bias, **others):
+    """A launcher's tensors by the names :func:`check_inputs` and its messages use."""
+    return dict(
+        q=q, k=k, v=v, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias, **others
+    )
+
+
 def check_inputs(tensors, rows, tables):
     """Raise ``ValueError`` with one sentence unless ``tensors`` (by name; None: absent) are what the kernels read:
     each named in ``rows`` of the shape given there, of q's dtype (float32, float16 or bfloat16) and device, with

@@ -685,10 +685,7 @@ def forward(q, k, v, global_k, global_v, rel_bias, global_bias, geo, scale):
     bias tables may be None."""
     B, H, X, Y, D = q.shape
     G = 0 if global_k is None else global_k.shape[2]
-    _check_inputs(
-        dict(q=q, k=k, v=v, global_k=global_k, global_v=global_v, rel_bias=rel_bias, global_bias=global_bias),
-        geo.window,
-    )
+    _check_inputs(flash.by_name(q, k, v, global_k, global_v, rel_bias, global_bias), geo.window)
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = flash.new_output((B, H, X * Y), dtype=torch.float32, device=q.device)
     dummy = q.new_empty(0)
@@ -749,19 +746,7 @@ def backward(do, q, k, v, global_k, global_v, rel_bias, global_bias, o, lse, geo
     ``lse`` (B, H, X * Y) contiguous, the other tensors laid out as :func:`forward` takes them."""
     B, H, X, Y, D = q.shape
     G = 0 if global_k is None else global_k.shape[2]
-    tensors = dict(
-        q=q,
-        k=k,
-        v=v,
-        global_k=global_k,
-        global_v=global_v,
-        rel_bias=rel_bias,
-        global_bias=global_bias,
-        do=do,
-        o=o,
-        lse=lse,
-    )
-    _check_inputs(tensors, geo.window)
+    _check_inputs(flash.by_name(q, k, v, global_k, global_v, rel_bias, global_bias, do=do, o=o, lse=lse), geo.window)
     BLOCK_D, BLOCK_G = flash.next_power_of_2(D), _global_block(G)
     BT = max(16, flash.next_power_of_2(4 * geo.window - 1))
     dummy = q.new_empty(0)
@@ -884,15 +869,7 @@ def backward(do, q, k, v, global_k, global_v, rel_bias, global_bias, o, lse, geo
 
     flash.tuned_launch("backward_dq", key, _candidates(geo.chunk_pad), launch_dq)
 
-    grads = dict(
-        grad_q=dq,
-        grad_k=dk,
-        grad_v=dv,
-        grad_global_k=None,
-        grad_global_v=None,
-        grad_rel_bias=None,
-        grad_global_bias=None,
-    )
+    grads = dict(dict.fromkeys(flash.GRADIENTS), grad_q=dq, grad_k=dk, grad_v=dv)
     if G:
         grads["grad_global_k"] = (result["grad_global_k"].sum(2) * scale).to(global_k.dtype)
         grads["grad_global_v"] = result["grad_global_v"].sum(2).to(global_v.dtype)

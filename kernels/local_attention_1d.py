@@ -726,17 +726,9 @@ def forward(q, k, v, global_k, global_v, rel_bias, global_bias, key_padding_mask
     :func:`_check_inputs`; ``global_k``, ``global_v``, the bias tables and the mask may be None."""
     B, H, L, D = q.shape
     G = 0 if global_k is None else global_k.shape[2]
-    tensors = dict(
-        q=q,
-        k=k,
-        v=v,
-        global_k=global_k,
-        global_v=global_v,
-        rel_bias=rel_bias,
-        global_bias=global_bias,
-        mask=key_padding_mask,
+    _check_inputs(
+        flash.by_name(q, k, v, global_k, global_v, rel_bias, global_bias, mask=key_padding_mask), dilations, window
     )
-    _check_inputs(tensors, dilations, window)
     dilations = _fitted(dilations, L)
     o = flash.new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = flash.new_output((B, H, L), dtype=torch.float32, device=q.device)
@@ -795,17 +787,10 @@ def backward(
     ``lse`` (B, H, L) contiguous, the other tensors laid out as :func:`forward` takes them."""
     B, H, L, D = q.shape
     G = 0 if global_k is None else global_k.shape[2]
-    tensors = dict(
-        q=q,
-        k=k,
-        v=v,
-        global_k=global_k,
-        global_v=global_v,
-        rel_bias=rel_bias,
-        global_bias=global_bias,
-        mask=key_padding_mask,
+    tensors = flash.by_name(
+        q, k, v, global_k, global_v, rel_bias, global_bias, mask=key_padding_mask, do=do, o=o, lse=lse
     )
-    _check_inputs(dict(tensors, do=do, o=o, lse=lse), dilations, window)
+    _check_inputs(tensors, dilations, window)
     dilations = _fitted(dilations, L)
     dummy = q.new_empty(0)
     mask = _mask(key_padding_mask, q)
@@ -822,15 +807,9 @@ def backward(
     key = (q.device, window, D, q.dtype, causal, G > 0, rel_bias is not None, key_padding_mask is not None)
     rel = dummy if rel_bias is None else rel_bias
     delta = flash.delta(o, do)
-    grads = dict(
-        grad_q=flash.new_output(q.shape, dtype=q.dtype, device=q.device),
-        grad_k=flash.new_output(k.shape, dtype=k.dtype, device=k.device),
-        grad_v=flash.new_output(v.shape, dtype=v.dtype, device=v.device),
-        grad_global_k=None,
-        grad_global_v=None,
-        grad_rel_bias=None,
-        grad_global_bias=None,
-    )
+    grads = dict.fromkeys(flash.GRADIENTS)
+    for name, t in (("grad_q", q), ("grad_k", k), ("grad_v", v)):
+        grads[name] = flash.new_output(t.shape, dtype=t.dtype, device=t.device)
 
     def launch_dkdv(bm, bn, warps):
         _bwd_dkdv_kernel[(lattice_tiles(L, dilations, bn), B * H)](
