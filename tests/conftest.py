@@ -11,6 +11,7 @@ its share of the cores: a worker's torch threads on every core would wait for ea
 """
 
 import dataclasses
+import logging
 import os
 
 import pytest
@@ -84,6 +85,23 @@ if interpreter is not None and all(
     hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")
 ):
     _PatchLanguageOncePerLaunch().install()
+
+
+@pytest.fixture(autouse=True)
+def vil_logger_as_it_was():
+    """Training and evaluation set the "vil" logger up for the rest of the process (handlers of their own, a level,
+    no propagation to the root logger, where pytest before 9.1 has caplog listen): each test gets it back as it was,
+    so that a test reading the log sees its messages whatever ran before it in the same worker."""
+    logger = logging.getLogger("vil")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    for handler in logger.handlers:
+        if handler not in handlers:
+            logger.removeHandler(handler)
+            handler.close()  # a run's log.txt
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
 
 
 @pytest.fixture
