@@ -95,10 +95,9 @@ def vil_logger_as_it_was():
     logger = logging.getLogger("vil")
     handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
     yield
-    for handler in logger.handlers:
-        if handler not in handlers:
-            logger.removeHandler(handler)
-            handler.close()  # a run's log.txt
+    for handler in [h for h in logger.handlers if h not in handlers]:
+        logger.removeHandler(handler)
+        handler.close()  # a run's log.txt
     logger.handlers[:] = handlers
     logger.setLevel(level)
     logger.propagate = propagate

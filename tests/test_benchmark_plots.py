@@ -125,6 +125,7 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     # The skipping rules answer without a worker; one size in a real fresh process, where a backend's failure is
     # its own row.
     args = tool.parse_args(argv[:-4] + ["--dilation", "2"])
+    assert tool.skip_reason(args, "chunks", 64) is None  # chunks takes dilated bands (split by residue class)
     assert tool.run_size(args, [tool.SDPA], 32768)[tool.SDPA].startswith("skipped")
     assert tool.run_size(args, ["loop"], 32768)["loop"].startswith("skipped")
     assert tool.run_size(args, ["reference"], 8192)["reference"].startswith("skipped")

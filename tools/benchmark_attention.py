@@ -33,9 +33,8 @@ a long compilation shows where it is.
 ``--dim 1`` measures ``local_attention_1d`` over sequences instead, with Longformer's settings: batch 1, 12 heads
 x 64, a window of 256 keys on each side, no global keys (``--num-global``), ``--dilation`` and ``--causal``
 (full attention then gets ``is_causal=True``); the sizes are sequence lengths, 1024 to 32768 by default. On the
-CPU, full attention and ``loop`` are skipped above 16384 and 2048 tokens and ``reference`` above 4096; ``chunks``
-is skipped with a dilation. The plots put time and peak memory against the sequence length, as Figure 1 of the
-Longformer paper.
+CPU, full attention and ``loop`` are skipped above 16384 and 2048 tokens and ``reference`` above 4096. The plots
+put time and peak memory against the sequence length, as Figure 1 of the Longformer paper.
 
     python tools/benchmark_attention.py --dim 1 --markdown docs/study_1d.md --plot docs/study_1d
     python tools/benchmark_attention.py --dim 1 --causal --markdown docs/study_1d_causal.md --plot docs/study_1d_causal

@@ -19,8 +19,8 @@
 # each size's rows as it ends, after the profiler's table of each backend (kernel by kernel) and, but for flex in 2D,
 # the host's time per call against the GPU's (--host-time); their last column is the first call's time (compilation
 # and tuning), and each backend's first call is reported as it ends; a study's table holds the sizes it measured
-# before its time ran out. With the defaults the steps 1 to 4 take at most 550 s (130 + 100 + 140 + 180), within one
-# 10-minute command; STEPS="1 2" and then STEPS="3 4" split them. Logs and tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
+# before its time ran out. The default limits of steps 1 to 4 add up to 520 s (130 + 90 + 140 + 160; at most 5 s more
+# per run to stop it, 560 s in all, within one 10-minute command); STEPS="1 2" and then STEPS="3 4" split them. Logs and tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
 # attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md, models_gpu.log. Each step goes on after a failing one, and the
 # script exits non-zero if any failed or ran out of time.
 #
@@ -66,7 +66,7 @@ for step in $STEPS; do
   case $step in
     1) limited "${LIMIT_1:-130}" "$OUT/tests_triton.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_triton_kernels.py tests/test_triton_kernels_1d.py ;;
-    2) limited "${LIMIT_2:-100}" "$OUT/tests_cuda.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
+    2) limited "${LIMIT_2:-90}" "$OUT/tests_cuda.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_local_attention.py tests/test_local_attention_1d.py tests/test_models_on_gpu.py \
          -k "flex and cuda or models_on_gpu" ;;
     3) # flex in a run of its own, so that its compilation (minutes, before its window rule was in closed form) holds
@@ -82,7 +82,7 @@ for step in $STEPS; do
     4) for causal in "" "--causal"; do
          for dilation in 1 2; do
            # shellcheck disable=SC2086  # SIZES_1D is a list of lengths
-           limited $((${LIMIT_4:-180} / 4)) "$OUT/studies.log" python tools/benchmark_attention.py --dim 1 --device cuda \
+           limited $((${LIMIT_4:-160} / 4)) "$OUT/studies.log" python tools/benchmark_attention.py --dim 1 --device cuda \
              --dtype bfloat16 --sizes $SIZES_1D --dilation "$dilation" $causal \
              --backends triton flex sliding_chunk chunks --profile --host-time \
              --markdown "$OUT/attention_gpu_1d_dilation${dilation}${causal:+_causal}.md"

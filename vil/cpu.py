@@ -1,6 +1,6 @@
 """What this CPU is and which half-precision matrix instructions it has: written beside the timings of the
-attention, Longformer and precision benchmarks, and read by the fused CPU kernels and AMP on the CPU, which gain
-from half precision only where the CPU multiplies it natively."""
+attention, mechanism, Longformer and precision benchmarks, and read by the fused CPU kernels and AMP on the CPU,
+which gain from half precision only where the CPU multiplies it natively."""
 
 import os
 import platform

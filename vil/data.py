@@ -155,8 +155,8 @@ def build_transform(cfg, train):
 
     - evaluation: resize to ``INPUT.IMAGE_SIZE / INPUT.CROP_PCT``, center crop;
     - training with ``AUG.TIMM_AUG.USE_TRANSFORM``: timm's (random resized crop, flips, the
-      ``AUTO_AUGMENT`` policy where one is set (RandAugment, AutoAugment or AugMix), color jitter, random erasing,
-      from ``AUG.TIMM_AUG``);
+      ``AUTO_AUGMENT`` policy where one is set (RandAugment, AutoAugment or AugMix), color jitter, random erasing;
+      the crop's scale and ratio from ``AUG.SCALE`` and ``AUG.RATIO``, the rest from ``AUG.TIMM_AUG``);
     - fine-tuning (``FINETUNE.FINETUNE``) without ``FINETUNE.USE_TRAIN_AUG``: the evaluation resize, then a
       random crop and the horizontal flip;
     - otherwise: random resized crop (``AUG.SCALE``, ``AUG.RATIO``), horizontal flip, and with the

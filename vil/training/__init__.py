@@ -12,6 +12,6 @@ epoch, and each sample's augmentation only on ``SEED``, the epoch and the sample
 resumed run repeats bit for bit what an uninterrupted one would have done, from a mid-epoch checkpoint too and
 with any number of data-loading workers (with shards, the number it started with).
 A loss that is not finite stops the run before the optimizer step and before any checkpoint of that state;
-so does a gradient that is not finite, except with ``AMP.DTYPE float16``, whose gradient scaler skips that step
-instead (the weights stay as they were).
+so does a gradient that is not finite, except under float16 AMP (AMP.ENABLED with AMP.DTYPE float16), whose
+gradient scaler skips that step instead (the weights stay as they were).
 """
