@@ -380,6 +380,21 @@ def test_an_exported_program_takes_sizes_on_both_sides_of_the_written_out_scores
             torch.testing.assert_close(program.module()(images), model(images))
 
 
+def test_a_program_of_standard_operators_holds_no_operator_of_the_op_layer():
+    """The default program calls the op layer's operators (Python custom operators: it needs vil imported where it
+    runs); with standard_operators it holds none of them and computes the same logits."""
+    torch.manual_seed(0)
+    model = MsViT(TINY, img_size=64, num_classes=5).eval()
+    images = torch.randn(2, 3, 64, 64)
+    for standard, expected in ((False, True), (True, False)):
+        program = export_program(model, 64, 64, standard_operators=standard)
+        graphs = [m.graph for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+        namespaces = {getattr(node.target, "namespace", None) for graph in graphs for node in graph.nodes}
+        assert ("vil" in namespaces) is expected, namespaces
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(images), model(images))
+
+
 def test_exporting_leaves_the_model_in_the_mode_it_was_in():
     """A model exported in the middle of training trains on afterwards (dropout, drop-path, MODE > 0 draws), and
     one refused by the export keeps its mode too."""

@@ -3,7 +3,8 @@ dynamic height and width, or at one image size).
 
 Local attention is one operator per call (``vil/ops/operators.py``); the exported program keeps it, so it runs
 with the backend it was built with. ONNX has no such operator: during an ONNX export the op layer records its
-decomposition into standard operators instead (the unfold_nnf computation of the same function).
+decomposition into standard operators instead (the unfold_nnf computation of the same function), as it does for a
+program of standard operators (``export_program(..., standard_operators=True)``).
 """
 
 import torch
@@ -119,11 +120,19 @@ def _sides_taken(model):
     return "size" if step == 1 else f"multiple of {step}"
 
 
-def export_program(model, height, width):
+def export_program(model, height, width, standard_operators=False):
     """``torch.export`` of ``model`` in evaluation mode, traced at ``height x width``, for any batch and any
     height and width from twice the model's total stride that are multiples of it, or of any size for a model that
     pads its input (``dynamic_img_pad``); a trace size at which torch would narrow that is refused
-    (:func:`_check_any_size`)."""
+    (:func:`_check_any_size`).
+
+    The program keeps the op layer's operators, which are Python custom operators: it runs, and so does an
+    AOTInductor package of it, in a process that has imported ``vil``. With ``standard_operators`` it records their
+    decomposition into standard operators instead, as an ONNX file does (and takes the sizes an ONNX file takes),
+    so that it runs without ``vil``, e.g. as an AOTInductor package loaded from C++."""
+    if standard_operators:
+        with recording_for_onnx():
+            return _traced(model, height, width)[1]
     return _traced(model, height, width)[1]
 
 

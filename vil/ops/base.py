@@ -39,8 +39,9 @@ _recording_for_onnx = False  # set by recording_for_onnx
 
 @contextmanager
 def recording_for_onnx():
-    """While tracing a model for an ONNX file (:func:`vil.export.export_onnx`): the op layer records standard
-    operators. A plain flag, so that every trace (torch.export's too, strict or not) reads it as set."""
+    """While tracing a model for an ONNX file (:func:`vil.export.export_onnx`), or for a program of standard
+    operators (:func:`vil.export.export_program`): the op layer records standard operators. A plain flag, so that
+    every trace (torch.export's too, strict or not) reads it as set."""
     global _recording_for_onnx
     _recording_for_onnx = True
     try:
