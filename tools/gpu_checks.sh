@@ -19,10 +19,11 @@
 # each size's rows as it ends, after the profiler's table of each backend (kernel by kernel) and, but for flex in 2D,
 # the host's time per call against the GPU's (--host-time); their last column is the first call's time (compilation
 # and tuning), and each backend's first call is reported as it ends; a study's table holds the sizes it measured
-# before its time ran out. The default limits of steps 1 to 4 add up to 520 s (130 + 90 + 140 + 160; at most 5 s more
-# per run to stop it, 560 s in all, within one 10-minute command); STEPS="1 2" and then STEPS="3 4" split them. Logs and tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
-# attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md, models_gpu.log. Each step goes on after a failing one, and the
-# script exits non-zero if any failed or ran out of time.
+# before its time ran out. The default limits of steps 1 to 4 add up to 520 s (130 + 90 + 140 + 160; at most 5 s
+# more per run to stop it, 560 s in all, within one 10-minute command); STEPS="1 2" and then STEPS="3 4" split them.
+# Logs and tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
+# attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md, models_gpu.log. Each step goes on after a
+# failing one, and the script exits non-zero if any failed or ran out of time.
 #
 #   bash tools/gpu_checks.sh                     # everything
 #   STEPS="1 2" bash tools/gpu_checks.sh         # only the tests

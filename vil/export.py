@@ -7,6 +7,8 @@ decomposition into standard operators instead (the unfold_nnf computation of the
 program of standard operators (``export_program(..., standard_operators=True)``).
 """
 
+import contextlib
+
 import torch
 
 from .files import atomic_write
@@ -130,10 +132,8 @@ def export_program(model, height, width, standard_operators=False):
     AOTInductor package of it, in a process that has imported ``vil``. With ``standard_operators`` it records their
     decomposition into standard operators instead, as an ONNX file does (and takes the sizes an ONNX file takes),
     so that it runs without ``vil``, e.g. as an AOTInductor package loaded from C++."""
-    if standard_operators:
-        with recording_for_onnx():
-            return _traced(model, height, width)[1]
-    return _traced(model, height, width)[1]
+    with recording_for_onnx() if standard_operators else contextlib.nullcontext():
+        return _traced(model, height, width)[1]
 
 
 def onnx_model(model, height, width, dynamic_size=True) -> bytes:
