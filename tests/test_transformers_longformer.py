@@ -12,8 +12,15 @@ import vil
 import vil.models.longformer
 
 transformers = pytest.importorskip("transformers", reason="the transformers extra (pip install 'vil[transformers]')")
+import vil.transformers_longformer  # noqa: E402  (needs transformers)
 
 VOCAB, PAD = 60, 1
+# .ci/run runs this file with transformers 5 (requirements.txt) and again with transformers 4 (.ci/transformers4.txt).
+TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
+needs_l_by_l_mask = pytest.mark.skipif(
+    not vil.transformers_longformer.REPLACES_MASK,
+    reason="this transformers builds LongformerModel's mask as one row per sequence (transformers 4): none replaced",
+)
 
 
 def longformer_config(**changes):
@@ -109,6 +116,7 @@ def test_longformer_model_gives_the_same_outputs_and_gradients():
             assert_same(got_grads[name], grad), name
 
 
+@needs_l_by_l_mask
 def test_the_accelerated_model_forms_no_mask_over_every_pair_of_tokens():
     """LongformerModel keeps one query row of its (batch, 1, L, L) mask: accelerated, the mask is that row's values
     broadcast, and every other mask of transformers' is still its own."""
@@ -120,7 +128,8 @@ def test_the_accelerated_model_forms_no_mask_over_every_pair_of_tokens():
     masks = {
         "Longformer's": lambda c, m: create_bidirectional_mask(c, embeds, m, allow_is_bidirectional_skip=False),
         "skippable": lambda c, m: create_bidirectional_mask(c, embeds, m),
-        "causal": lambda c, m: create_causal_mask(c, embeds, m, cache=None, position_ids=None),
+        # no cache, by position: the keyword is past_key_values in transformers 5.17, cache in 5.24
+        "causal": lambda c, m: create_causal_mask(c, embeds, m, None, position_ids=None),
     }
     for name, make in masks.items():
         for attention_mask in (mask, torch.ones_like(mask)):
@@ -131,6 +140,7 @@ def test_the_accelerated_model_forms_no_mask_over_every_pair_of_tokens():
     assert torch.finfo(torch.float64).min in masks["Longformer's"](accelerated.config, mask)
 
 
+@needs_l_by_l_mask
 def test_models_built_from_an_accelerated_config_pass_transformers_checks_and_give_the_same_outputs(tmp_path):
     """The mask implementation lives on the config: other models built from it, with or without acceleration, are
     still transformers' models with the same outputs; one that computes attention through it is told why not."""
@@ -152,6 +162,25 @@ def test_models_built_from_an_accelerated_config_pass_transformers_checks_and_gi
     bert._attn_implementation = vil.transformers_longformer.MASK_IMPLEMENTATION
     with pytest.raises(ValueError, match=r"'vil_key_padding' only builds the attention mask of Longformer models"):
         transformers.BertModel(bert)(ids)
+
+
+def test_activation_checkpointing_gives_the_same_outputs_and_gradients():
+    """transformers' activation checkpointing recomputes each layer's forward, the op's included, in the backward."""
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config())
+    # activation_checkpointing_enable from transformers 5.2x; gradient_checkpointing_enable before (deprecated after)
+    enable = getattr(accelerated, "activation_checkpointing_enable", None) or accelerated.gradient_checkpointing_enable
+    enable()
+    ids, mask, global_mask = batch(one_global_each=True)
+    want, _, want_grads = training_results(reference, ids, mask, global_mask)
+    layer = accelerated.encoder.layer[0].attention.self
+    calls = []
+    layer.register_forward_hook(lambda *_: calls.append(1))
+    got, _, got_grads = training_results(accelerated, ids, mask, global_mask)
+    assert len(calls) == 2  # the forward, then its recomputation in the backward
+    assert_same(got, want, mask)
+    for name, grad in want_grads.items():
+        if grad is not None:
+            assert_same(got_grads[name], grad), name
 
 
 def test_different_global_counts_give_the_same_outputs_and_finite_gradients():
@@ -194,7 +223,17 @@ def test_multiple_choice_head():
         assert_same(accelerated.eval()(**choices).logits, reference.eval()(**choices).logits)
 
 
-def test_led_encoder_is_accelerated_and_the_decoder_stays():
+@pytest.fixture
+def float64_by_default():
+    """transformers 4's LED decoder fills its causal mask with the model dtype's lowest value in the default dtype,
+    which a float64 model's overflows in float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def test_led_encoder_is_accelerated_and_the_decoder_stays(float64_by_default):
     reference, accelerated = pair(transformers.LEDForConditionalGeneration, led_config())
     encoder_layer = accelerated.led.encoder.layers[0].self_attn.longformer_self_attn
     assert isinstance(encoder_layer, vil.transformers_longformer.AcceleratedLEDEncoderSelfAttention)
@@ -406,6 +445,35 @@ def test_backward_hooks_and_forwards_set_on_global_projections_are_kept():
     assert_same(got, want, mask)
 
 
+@pytest.mark.skipif(not TRANSFORMERS_4, reason="transformers 5's Longformer models take no head_mask")
+def test_head_mask_gives_the_same_outputs_and_gradients():
+    """transformers 4 scales each head's attention probabilities by ``head_mask``, gradients to the mask included
+    (head-importance scores are those gradients); the op's output is scaled per head instead. With attention dropout
+    in training, transformers' own attention gets the mask."""
+    for dropout in (0.0, 0.3):
+        reference, accelerated = pair(
+            transformers.LongformerModel, longformer_config(attention_probs_dropout_prob=dropout)
+        )
+        ids, mask, global_mask = batch(one_global_each=True)
+        results = []
+        for model in (reference, accelerated):
+            head_mask = torch.tensor([[1.0, 0.0, 0.5, 1.0], [0.25, 1.0, 1.0, 0.0]], dtype=torch.float64)
+            head_mask.requires_grad_()
+            torch.manual_seed(7)
+            out = model.train()(ids, attention_mask=mask, global_attention_mask=global_mask, head_mask=head_mask)
+            (out.last_hidden_state * mask[..., None]).square().sum().backward()
+            results.append((out.last_hidden_state, head_mask.grad, {n: p.grad for n, p in model.named_parameters()}))
+        (want, want_mask_grad, want_grads), (got, got_mask_grad, got_grads) = results
+        assert_same(got, want, mask)
+        assert_same(got_mask_grad, want_mask_grad)
+        assert want_mask_grad.abs().min() > 0  # every head's output reaches the loss
+        for name, grad in want_grads.items():
+            if grad is not None:
+                assert_same(got_grads[name], grad), name
+    with pytest.raises(ValueError, match=r"shape \(3,\).*\(4,\)"):
+        accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask, head_mask=torch.ones(2, 3))
+
+
 def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_once(caplog):
     reference, accelerated = pair(transformers.LongformerModel, longformer_config(attention_probs_dropout_prob=0.3))
     ids, mask, global_mask = batch(seed=6)
@@ -458,7 +526,7 @@ def test_without_transformers_the_call_says_how_to_install_it(monkeypatch):
     monkeypatch.delitem(sys.modules, "vil.transformers_longformer", raising=False)
     for name in [name for name in sys.modules if name.split(".")[0] == "transformers"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
-    with pytest.raises(ImportError, match=r"vil\[transformers\]"):
+    with pytest.raises(ImportError, match=r"transformers 4\.57 or later.*vil\[transformers\]"):
         vil.accelerate_longformer(torch.nn.Linear(2, 2))
 
 

@@ -28,6 +28,7 @@ def accelerate_longformer(model: nn.Module, backend: Optional[str] = None) -> nn
         from .transformers_longformer import accelerate_longformer as accelerate
     except ImportError as error:
         raise ImportError(
-            f"vil.accelerate_longformer needs transformers ({error}); install it with pip install 'vil[transformers]'."
+            f"vil.accelerate_longformer needs transformers 4.57 or later ({error}); install it with "
+            "pip install -U 'vil[transformers]'."
         ) from error
     return accelerate(model, backend)

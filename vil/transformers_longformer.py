@@ -9,17 +9,18 @@ changes the class of each such module in place (same parameters, same names, sam
 op through ``vil.models.longformer.SlidingWindowSelfAttention.attend``. transformers is imported only here
 (``pip install vil[transformers]``).
 
-``LongformerModel`` also builds a (batch, 1, L, L) float mask, keeps its first query row and drops the rest: at 16k
-tokens 1 GiB and half a second on a CPU for a (batch, L) result. An accelerated ``LongformerModel`` builds that mask
-through :data:`MASK_IMPLEMENTATION` instead, which gives the same values as a broadcast view of that row.
+From transformers 5 on, ``LongformerModel`` also builds a (batch, 1, L, L) float mask, keeps its first query row and
+drops the rest: at 16k tokens 1 GiB and half a second on a CPU for a (batch, L) result. An accelerated
+``LongformerModel`` builds that mask through :data:`MASK_IMPLEMENTATION` instead, which gives the same values as a
+broadcast view of that row. (transformers 4 builds the row alone.)
 """
 
 import logging
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, eager_mask
+from transformers import AttentionInterface, masking_utils
 from transformers.models.led.modeling_led import LEDEncoderSelfAttention
+from transformers.models.longformer import modeling_longformer
 from transformers.models.longformer.modeling_longformer import LongformerModel, LongformerSelfAttention
 
 from .models.longformer import SlidingWindowSelfAttention
@@ -31,7 +32,9 @@ _log = logging.getLogger(__name__)
 class _Accelerated(SlidingWindowSelfAttention):
     """The forward of transformers' layer (its arguments, its tuple of outputs) on the op. Attention dropout in
     training, which the op has no place for, and ``output_attentions``, whose tensors the op never forms, are the
-    two things it does not take: the first runs transformers' own forward (said once), the second is refused."""
+    two things it does not take: the first runs transformers' own forward (said once), the second is refused.
+    ``layer_head_mask`` (transformers 4, which passes it by name) scales each head's output, as it scales the head's
+    probabilities there."""
 
     dilation, causal = 1, False
     _said_dropout = False
@@ -48,6 +51,8 @@ class _Accelerated(SlidingWindowSelfAttention):
         is_index_global_attn=None,
         is_global_attn=None,
         output_attentions=False,
+        *,
+        layer_head_mask=None,
     ):
         if output_attentions:
             raise ValueError(
@@ -64,10 +69,24 @@ class _Accelerated(SlidingWindowSelfAttention):
                     "attention_dropout for LED, is read only when the model is built).",
                     self.dropout,
                 )
+            head_mask = {} if layer_head_mask is None else {"layer_head_mask": layer_head_mask}
             return super().forward(
-                hidden_states, attention_mask, is_index_masked, is_index_global_attn, is_global_attn, False
+                hidden_states,
+                attention_mask=attention_mask,
+                is_index_masked=is_index_masked,
+                is_index_global_attn=is_index_global_attn,
+                is_global_attn=is_global_attn,
+                **head_mask,
             )
-        return (self.attend(hidden_states, is_index_masked, is_index_global_attn),)
+        out = self.attend(hidden_states, is_index_masked, is_index_global_attn)
+        if layer_head_mask is not None:
+            if tuple(layer_head_mask.shape) != (self.num_heads,):
+                raise ValueError(
+                    f"layer_head_mask has shape {tuple(layer_head_mask.shape)}; it takes one value per head, "
+                    f"({self.num_heads},)."
+                )
+            out = (out.unflatten(-1, (self.num_heads, self.head_dim)) * layer_head_mask[:, None]).flatten(-2)
+        return (out,)
 
 
 class AcceleratedLongformerSelfAttention(_Accelerated, LongformerSelfAttention):
@@ -84,14 +103,14 @@ def key_padding_mask(batch_size, q_length, kv_length, attention_mask=None, dtype
     expanded over the queries: 0 where a key is a token, the dtype's lowest value where it is padding. Every other
     mask is transformers' own ``eager_mask``."""
     keys_only = (
-        options.get("mask_function") is bidirectional_mask_function
+        options.get("mask_function") is masking_utils.bidirectional_mask_function
         and not options.get("q_offset")
         and not options.get("kv_offset")
         and not options.get("allow_is_bidirectional_skip")
         and (attention_mask is None or tuple(attention_mask.shape) == (batch_size, kv_length))
     )
     if not keys_only:
-        return eager_mask(
+        return masking_utils.eager_mask(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, attention_mask=attention_mask,
             dtype=dtype, **options,
         )  # fmt: skip
@@ -112,10 +131,13 @@ def no_attention(module, *args, **kwargs):
 
 
 # The attention implementation of an accelerated LongformerModel, registered as transformers registers its own, so
-# that every model built from its config passes transformers' checks and builds the same mask.
+# that every model built from its config passes transformers' checks and builds the same mask. Only where
+# LongformerModel builds its mask with transformers' masking utilities (transformers 5).
 MASK_IMPLEMENTATION = "vil_key_padding"
-AttentionInterface.register(MASK_IMPLEMENTATION, no_attention)
-AttentionMaskInterface.register(MASK_IMPLEMENTATION, key_padding_mask)
+REPLACES_MASK = hasattr(modeling_longformer, "create_bidirectional_mask")
+if REPLACES_MASK:
+    AttentionInterface.register(MASK_IMPLEMENTATION, no_attention)
+    masking_utils.AttentionMaskInterface.register(MASK_IMPLEMENTATION, key_padding_mask)
 
 CONVERSIONS = {
     LongformerSelfAttention: AcceleratedLongformerSelfAttention,
@@ -128,9 +150,9 @@ def accelerate_longformer(model, backend=None):
     ``vil.ops.local_attention_1d`` (``backend``: the op's backend, None for its default), in place; returns the
     model. Parameters, their names and the state dict stay as they are, so checkpoints load before or after and
     ``save_pretrained`` writes what transformers reads; a ``LongformerModel``'s ``config._attn_implementation``
-    becomes :data:`MASK_IMPLEMENTATION` (not saved). Raises ``ValueError`` where ``model`` is not a module, has no
-    such layer (subclasses of transformers' layers included: they may change its forward) or ``backend`` computes no
-    1D windows."""
+    becomes :data:`MASK_IMPLEMENTATION` (not saved) where transformers builds its mask in L x L (transformers 5).
+    Raises ``ValueError`` where ``model`` is not a module, has no such layer (subclasses of transformers' layers
+    included: they may change its forward) or ``backend`` computes no 1D windows."""
     if backend is not None and backend not in available_backends(1):
         what = "computes no Longformer (1D) windows" if backend in available_backends(2) else "is not a backend"
         raise ValueError(
@@ -161,6 +183,6 @@ def accelerate_longformer(model, backend=None):
         module.__class__ = CONVERSIONS.get(type(module), type(module))
         module.backend = backend
     for module in model.modules():
-        if isinstance(module, LongformerModel):
+        if REPLACES_MASK and isinstance(module, LongformerModel):
             module.config._attn_implementation = MASK_IMPLEMENTATION
     return model
