@@ -103,9 +103,22 @@ def _plain_linear(module) -> bool:
 _said_projected = set()
 
 
+def _kind(module) -> str:
+    """A global projection as the warning names it: its class with the module that defines it (adapters' classes
+    are often called ``Linear`` too), or, for an ``nn.Linear``, what keeps it from being plain."""
+    cls = type(module)
+    if cls is not nn.Linear:
+        return f"{cls.__module__}.{cls.__qualname__}"
+    if module.bias is None:
+        return "nn.Linear without bias"
+    if "forward" in vars(module):
+        return "nn.Linear with a forward of its own"
+    return "nn.Linear" if _plain_linear(module) else "nn.Linear with hooks"
+
+
 def _say_projected(projections):
     """Log once per kind of module that the global projections run on every token."""
-    kinds = tuple(type(p).__name__ for p in projections)
+    kinds = tuple(map(_kind, projections))
     if kinds not in _said_projected and not torch.compiler.is_compiling():
         _said_projected.add(kinds)
         _log.warning(
