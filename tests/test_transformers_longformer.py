@@ -451,10 +451,11 @@ def test_backward_hooks_and_forwards_set_on_global_projections_are_kept(caplog):
 
 
 @pytest.mark.skipif(not TRANSFORMERS_4, reason="transformers 5's Longformer models take no head_mask")
-def test_head_mask_gives_the_same_outputs_and_gradients():
+def test_head_mask_gives_the_same_outputs_and_gradients(float64_by_default):
     """transformers 4 scales each head's attention probabilities by ``head_mask``, gradients to the mask included
     (head-importance scores are those gradients); the op's output is scaled per head instead. With attention dropout
-    in training, transformers' own attention gets the mask."""
+    in training, transformers' own attention gets the mask. LED's encoder too; a mask in another dtype than the
+    model's is cast, as transformers casts its product."""
     for dropout in (0.0, 0.3):
         reference, accelerated = pair(
             transformers.LongformerModel, longformer_config(attention_probs_dropout_prob=dropout)
@@ -475,8 +476,38 @@ def test_head_mask_gives_the_same_outputs_and_gradients():
         for name, grad in want_grads.items():
             if grad is not None:
                 assert_same(got_grads[name], grad), name
-    with pytest.raises(ValueError, match=r"shape \(3,\).*\(4,\)"):
+    with pytest.raises(ValueError, match=r"shape \(3,\).*\(4,\).*\(layers, 4\)"):
         accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask, head_mask=torch.ones(2, 3))
+
+    reference, accelerated = pair(transformers.LEDModel, led_config())
+    decoder_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
+    results = []
+    for model in (reference, accelerated):
+        head_mask = torch.tensor([[0.5, 1.0, 0.0, 1.0], [1.0, 0.75, 1.0, 1.0]], dtype=torch.float64)
+        head_mask.requires_grad_()
+        out = model.train()(
+            ids, attention_mask=mask, global_attention_mask=global_mask, decoder_input_ids=decoder_ids,
+            head_mask=head_mask,
+        )  # fmt: skip
+        out.last_hidden_state.square().mean().backward()
+        results.append((out.encoder_last_hidden_state, head_mask.grad))
+    (want, want_mask_grad), (got, got_mask_grad) = results
+    assert_same(got, want, mask)
+    assert_same(got_mask_grad, want_mask_grad)
+    assert want_mask_grad.abs().min() > 0
+
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    reference = transformers.LongformerModel(longformer_config()).eval()  # float32, with a float64 mask
+    accelerated = vil.accelerate_longformer(copy.deepcopy(reference))
+    head_mask = torch.tensor([[1.0, 0.0, 0.5, 1.0], [0.25, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    with torch.no_grad():
+        want, got = (
+            model(ids, attention_mask=mask, global_attention_mask=global_mask, head_mask=head_mask)[0]
+            for model in (reference, accelerated)
+        )
+    assert got.dtype == torch.float32
+    assert_same(got, want, mask, tol=1e-5)
 
 
 def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_once(caplog):

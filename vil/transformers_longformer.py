@@ -82,10 +82,11 @@ class _Accelerated(SlidingWindowSelfAttention):
         if layer_head_mask is not None:
             if tuple(layer_head_mask.shape) != (self.num_heads,):
                 raise ValueError(
-                    f"layer_head_mask has shape {tuple(layer_head_mask.shape)}; it takes one value per head, "
-                    f"({self.num_heads},)."
+                    f"head_mask gives this layer a layer_head_mask of shape {tuple(layer_head_mask.shape)}; it takes "
+                    f"one value per head, ({self.num_heads},), so head_mask is (layers, {self.num_heads})."
                 )
-            out = (out.unflatten(-1, (self.num_heads, self.head_dim)) * layer_head_mask[:, None]).flatten(-2)
+            scale = layer_head_mask.to(out.dtype)[:, None]  # any dtype, as transformers casts the product back
+            out = (out.unflatten(-1, (self.num_heads, self.head_dim)) * scale).flatten(-2)
         return (out,)
 
 
