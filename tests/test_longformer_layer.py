@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vil.models.longformer import LongformerSelfAttention
+from vil.models.longformer import LongformerSelfAttention, folding_pays
 
 BACKENDS = ["reference", "sliding_chunk", "fused_cpu", "loop"]
 DIM, HEADS = 16, 4
@@ -123,6 +123,28 @@ def test_gradients(backend):
         assert not got.isnan().any()
         torch.testing.assert_close(got, want)
     assert all(g.abs().sum() > 0 for g in grads[0])  # every parameter takes part
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused_cpu"])
+def test_many_global_tokens_project_every_token(backend):
+    """Up to ``g (heads - 1) < dim`` global tokens their keys and values fold into the global queries' products;
+    beyond, every token is projected with ``key_global`` and ``value_global``, which then costs less. A batch with
+    5 (folded) and 6 and 9 (projected) global tokens: outputs and every gradient against the dense definition."""
+    assert folding_pays(5, HEADS, DIM) and not folding_pays(6, HEADS, DIM)
+    layer = make(2, backend)
+    padding, is_global = masks([14, 11, 14], [[0, 2, 4, 6, 13], range(6), [1, 2, 4, 6, 7, 8, 10, 12, 13]], 14)
+    assert is_global.sum(1).tolist() == [5, 6, 9]
+    x = torch.randn(3, 14, DIM, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(3, 14, DIM, dtype=torch.float64)
+    grads = []
+    for fn in (layer, lambda *a, **k: dense(layer, *a)):
+        layer.zero_grad()
+        x.grad = None
+        out = fn(x, padding, is_global)
+        out.backward(grad_out)
+        grads.append([out.detach()] + [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want)
 
 
 def test_state_dict_names():

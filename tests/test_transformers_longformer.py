@@ -194,6 +194,23 @@ def test_different_global_counts_give_the_same_outputs_and_finite_gradients():
     assert all(g.isfinite().all() for g in got_grads.values() if g is not None)
 
 
+def test_many_global_tokens_give_the_same_outputs_and_gradients():
+    """12 global tokens per sequence, past the count (10 at 32 = 4 x 8) beyond which the global keys and values are
+    projected for every token rather than folded into the global queries' products."""
+    assert not vil.models.longformer.folding_pays(12, 4, 32)
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config())
+    ids, mask, _ = batch()
+    global_mask = torch.zeros_like(mask)
+    global_mask[:, [0, 1, 2, 3, 5, 7, 8, 11, 13, 16, 17, 19]] = 1
+    want, want_pooled, want_grads = training_results(reference, ids, mask, global_mask)
+    got, got_pooled, got_grads = training_results(accelerated, ids, mask, global_mask)
+    assert_same(got, want, mask)
+    assert_same(got_pooled, want_pooled)
+    for name, grad in want_grads.items():
+        if grad is not None:
+            assert_same(got_grads[name], grad), name
+
+
 @pytest.mark.parametrize(
     "head",
     [

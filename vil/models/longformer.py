@@ -50,7 +50,8 @@ class SlidingWindowSelfAttention:
         ``(B, L, dim)``, zeros at padded positions.
 
         Where the global projections are plain ``nn.Linear`` modules without hooks, the global keys and values are
-        never formed for every token: their weights fold into the global queries' products. Any other module
+        not formed for every token while a sequence's global tokens are few (:func:`folding_pays`): their weights
+        fold into the global queries' products. Any other module
         there (a low-rank adapter, a quantized linear layer, one with hooks) is called on every token of
         the batch, once per call, with ``(B, L, dim)`` inputs, and said once: slower, the same result. (transformers
         calls them only where a batch has global tokens, with sequence-first inputs, and ``query_global`` only on
@@ -186,10 +187,26 @@ def _same_count_attention(tensors, g, band):
     else:
         query_weight, query_bias, *key_value = projections
         global_q = F.linear(x.gather(1, chosen), query_weight, query_bias).view(B, g, H, D).transpose(1, 2)
-        global_out = _global_attention(x, global_q * scale, padding, key_value)
+        if folding_pays(g, H, x.shape[-1]):
+            global_out = _global_attention(x, global_q * scale, padding, key_value)
+        else:
+            key_weight, key_bias, value_weight, value_bias = key_value
+            global_k, global_v = (
+                F.linear(x, weight, bias).view(B, L, H, D).transpose(1, 2)
+                for weight, bias in ((key_weight, key_bias), (value_weight, value_bias))
+            )
+            global_out = _masked_attention(global_q, global_k, global_v, ~padding[:, None, None, :])
     if out.requires_grad or global_out.requires_grad:
         return out.scatter(2, index, global_out)
     return out.scatter_(2, index, global_out)  # nothing saved the op's output for a backward: no copy
+
+
+def folding_pays(g, heads, dim) -> bool:
+    """Whether :func:`_global_attention`'s folded products cost less than projecting every token with
+    ``key_global`` and ``value_global``: per sequence of L tokens, about ``4 L g heads dim`` multiply-adds folded
+    against ``4 L dim^2 + 4 L g dim`` projected, so up to ``g (heads - 1) < dim`` global tokens (69 at
+    longformer-base's 768 = 12 x 64)."""
+    return g * (heads - 1) < dim
 
 
 def _global_attention(x, global_q, padding, key_value):
