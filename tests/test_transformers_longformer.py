@@ -532,7 +532,7 @@ def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_o
     ids, mask, global_mask = batch(seed=6)
     outputs = []
     with caplog.at_level(logging.WARNING, logger="vil.transformers_longformer"):
-        vil.transformers_longformer._Accelerated._said_dropout = False
+        vil.transformers_longformer._Accelerated._said.clear()
         for model in (reference, accelerated, accelerated):
             torch.manual_seed(7)
             outputs.append(model.train()(ids, attention_mask=mask, global_attention_mask=global_mask)[0])
@@ -546,11 +546,26 @@ def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_o
         )
 
 
+def test_output_attentions_gives_transformers_tensors_and_says_so_once(caplog):
+    """The op never forms the probabilities: a call that asks for them runs transformers' own attention."""
+    reference, accelerated = pair(transformers.LongformerModel, longformer_config())
+    ids, mask, global_mask = batch(one_global_each=True)
+    vil.transformers_longformer._Accelerated._said.clear()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="vil.transformers_longformer"):
+        want, got, _ = (
+            model.eval()(ids, attention_mask=mask, global_attention_mask=global_mask, output_attentions=True)
+            for model in (reference, accelerated, accelerated)
+        )
+    assert caplog.text.count("output_attentions=True asks for the attention probabilities") == 1
+    assert_same(got.last_hidden_state, want.last_hidden_state, mask)
+    assert len(got.attentions) == len(got.global_attentions) == 2
+    for got_probs, want_probs in zip(got.attentions + got.global_attentions, want.attentions + want.global_attentions):
+        assert torch.equal(got_probs, want_probs)
+
+
 def test_what_is_refused():
     _, accelerated = pair(transformers.LongformerModel, longformer_config())
     ids, mask, global_mask = batch()
-    with pytest.raises(ValueError, match="output_attentions=True"):
-        accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask, output_attentions=True)
     with pytest.raises(ValueError, match="Linear has no Longformer self-attention"):
         vil.accelerate_longformer(torch.nn.Linear(2, 2))
     for not_a_model, named in (

@@ -30,14 +30,13 @@ _log = logging.getLogger(__name__)
 
 
 class _Accelerated(SlidingWindowSelfAttention):
-    """The forward of transformers' layer (its arguments, its tuple of outputs) on the op. Attention dropout in
-    training, which the op has no place for, and ``output_attentions``, whose tensors the op never forms, are the
-    two things it does not take: the first runs transformers' own forward (said once), the second is refused.
-    ``layer_head_mask`` (transformers 4, which passes it by name) scales each head's output, as it scales the head's
-    probabilities there."""
+    """The forward of transformers' layer (its arguments, its tuple of outputs) on the op. Two things the op has no
+    place for run transformers' own forward instead, said once each: attention dropout in training, and
+    ``output_attentions``, whose probabilities the op never forms. ``layer_head_mask`` (transformers 4, which passes
+    it by name) scales each head's output, as it scales the head's probabilities there."""
 
     dilation, causal = 1, False
-    _said_dropout = False
+    _said = set()  # the reasons for running transformers' own attention already logged
 
     @property
     def window(self):
@@ -54,21 +53,23 @@ class _Accelerated(SlidingWindowSelfAttention):
         *,
         layer_head_mask=None,
     ):
+        reason = None
         if output_attentions:
-            raise ValueError(
-                "output_attentions=True needs the attention probabilities, which vil.accelerate_longformer's "
-                "op never forms; call the model without it, or before accelerating it."
+            reason = (
+                "output_attentions=True asks for the attention probabilities, which the op never forms: the "
+                "accelerated layers run transformers' own attention in such calls."
             )
-        if self.training and self.dropout > 0:
-            if not _Accelerated._said_dropout:
-                _Accelerated._said_dropout = True
-                _log.warning(
-                    "The attention dropout is %s: in training the accelerated layers run transformers' own "
-                    "attention, which applies it. To train on the op, set each layer's dropout to 0 "
-                    "(layer.dropout = 0.0 on the self-attention modules: the config's attention_probs_dropout_prob, "
-                    "attention_dropout for LED, is read only when the model is built).",
-                    self.dropout,
-                )
+        elif self.training and self.dropout > 0:
+            reason = (
+                f"The attention dropout is {self.dropout}: in training the accelerated layers run transformers' own "
+                "attention, which applies it. To train on the op, set each layer's dropout to 0 (layer.dropout = 0.0 "
+                "on the self-attention modules: the config's attention_probs_dropout_prob, attention_dropout for LED, "
+                "is read only when the model is built)."
+            )
+        if reason is not None:
+            if reason not in _Accelerated._said:
+                _Accelerated._said.add(reason)
+                _log.warning("%s", reason)
             head_mask = {} if layer_head_mask is None else {"layer_head_mask": layer_head_mask}
             return super().forward(
                 hidden_states,
@@ -76,6 +77,7 @@ class _Accelerated(SlidingWindowSelfAttention):
                 is_index_masked=is_index_masked,
                 is_index_global_attn=is_index_global_attn,
                 is_global_attn=is_global_attn,
+                output_attentions=output_attentions,
                 **head_mask,
             )
         out = self.attend(hidden_states, is_index_masked, is_index_global_attn)
