@@ -271,6 +271,24 @@ def test_led_encoder_is_accelerated_and_the_decoder_stays(float64_by_default):
             assert_same(got_grads[name], grad), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_led_encoder_forms_no_mask_over_every_pair_of_tokens(dtype):
+    """Accelerating an LED model replaces the function of transformers' LED module that forms the encoder's mask:
+    LED's 0 (padding), 1 (a token), 2 (a global token) become the dtype's lowest value, 0 and its highest, as a
+    view of one row per sequence."""
+    modeling_led = transformers.models.led.modeling_led
+    vil.accelerate_longformer(transformers.LEDModel(led_config()))
+    assert modeling_led._prepare_4d_attention_mask_inverted is vil.transformers_longformer.led_padding_mask
+    mask = torch.tensor([[2, 1, 1, 0, 0], [1, 2, 2, 1, 1]])
+    lowest, highest = torch.finfo(dtype).min, torch.finfo(dtype).max
+    want = torch.tensor([[highest, 0, 0, lowest, lowest], [0, highest, highest, 0, 0]], dtype=dtype)
+    for tgt_len, queries in ((None, 5), (3, 3)):
+        got = modeling_led._prepare_4d_attention_mask_inverted(mask, dtype, tgt_len)
+        assert got.shape == (2, 1, queries, 5) and got.dtype == dtype
+        assert torch.equal(got, want[:, None, None, :].expand(2, 1, queries, 5))
+        assert got.untyped_storage().nbytes() == 2 * 5 * want.element_size()
+
+
 def test_compiled_model_gives_the_same_outputs_and_gradients_at_several_lengths():
     """torch.compile with dynamic shapes: the accelerated layers add no graph break (transformers' encoder has its
     own: a ``.item()`` and a log call), and outputs and gradients stay those of transformers' model."""

@@ -12,13 +12,16 @@ op through ``vil.models.longformer.SlidingWindowSelfAttention.attend``. transfor
 From transformers 5 on, ``LongformerModel`` also builds a (batch, 1, L, L) float mask, keeps its first query row and
 drops the rest: at 16k tokens 1 GiB and half a second on a CPU for a (batch, L) result. An accelerated
 ``LongformerModel`` builds that mask through :data:`MASK_IMPLEMENTATION` instead, which gives the same values as a
-broadcast view of that row. (transformers 4 builds the row alone.)
+broadcast view of that row. (transformers 4 builds the row alone.) LED's encoder forms such a mask in every version;
+accelerating an LED model replaces the function that forms it with :func:`led_padding_mask`, the same values as a
+view.
 """
 
 import logging
 
 import torch
 from transformers import AttentionInterface, masking_utils
+from transformers.models.led import modeling_led
 from transformers.models.led.modeling_led import LEDEncoderSelfAttention
 from transformers.models.longformer import modeling_longformer
 from transformers.models.longformer.modeling_longformer import LongformerModel, LongformerSelfAttention
@@ -133,6 +136,17 @@ def no_attention(module, *args, **kwargs):
     )
 
 
+def led_padding_mask(mask, dtype, tgt_len=None):
+    """transformers' ``modeling_led._prepare_4d_attention_mask_inverted``: from LED's (batch, L) mask of 0 (padding),
+    1 (a token) and 2 (a global token), the dtype's lowest value, 0 and its highest, as a view of one row per
+    sequence expanded over ``tgt_len`` queries (default L). transformers forms the whole (batch, 1, tgt_len, L)
+    tensor, of which LED's encoder keeps one row: at 16k tokens 2 s and 5 GiB on a CPU."""
+    inverted = 1.0 - mask[:, None, None, :].to(dtype)
+    row = inverted.masked_fill(inverted.bool(), torch.finfo(dtype).min) * inverted
+    batch, length = mask.shape
+    return row.expand(batch, 1, length if tgt_len is None else tgt_len, length)
+
+
 # The attention implementation of an accelerated LongformerModel, registered as transformers registers its own, so
 # that every model built from its config passes transformers' checks and builds the same mask. Only where
 # LongformerModel builds its mask with transformers' masking utilities (transformers 5).
@@ -141,6 +155,10 @@ REPLACES_MASK = hasattr(modeling_longformer, "create_bidirectional_mask")
 if REPLACES_MASK:
     AttentionInterface.register(MASK_IMPLEMENTATION, no_attention)
     masking_utils.AttentionMaskInterface.register(MASK_IMPLEMENTATION, key_padding_mask)
+
+# LED's encoder forms its padding mask with this function of transformers' module, which no setting reaches: an
+# accelerated LED model replaces it there (for every LED model of the process: the values are the same).
+LED_MASK_FUNCTION = "_prepare_4d_attention_mask_inverted"
 
 CONVERSIONS = {
     LongformerSelfAttention: AcceleratedLongformerSelfAttention,
@@ -153,9 +171,10 @@ def accelerate_longformer(model, backend=None):
     ``vil.ops.local_attention_1d`` (``backend``: the op's backend, None for its default), in place; returns the
     model. Parameters, their names and the state dict stay as they are, so checkpoints load before or after and
     ``save_pretrained`` writes what transformers reads; a ``LongformerModel``'s ``config._attn_implementation``
-    becomes :data:`MASK_IMPLEMENTATION` (not saved) where transformers builds its mask in L x L (transformers 5).
-    Raises ``ValueError`` where ``model`` is not a module, has no such layer (subclasses of transformers' layers
-    included: they may change its forward) or ``backend`` computes no 1D windows."""
+    becomes :data:`MASK_IMPLEMENTATION` (not saved) where transformers builds its mask in L x L (transformers 5),
+    and for an LED model :func:`led_padding_mask` replaces the function of transformers' LED module that forms its
+    encoder's mask. Raises ``ValueError`` where ``model`` is not a module, has no such layer (subclasses of
+    transformers' layers included: they may change its forward) or ``backend`` computes no 1D windows."""
     if backend is not None and backend not in available_backends(1):
         what = "computes no Longformer (1D) windows" if backend in available_backends(2) else "is not a backend"
         raise ValueError(
@@ -188,4 +207,6 @@ def accelerate_longformer(model, backend=None):
     for module in model.modules():
         if REPLACES_MASK and isinstance(module, LongformerModel):
             module.config._attn_implementation = MASK_IMPLEMENTATION
+    if hasattr(modeling_led, LED_MASK_FUNCTION) and any(isinstance(m, LEDEncoderSelfAttention) for m in layers):
+        setattr(modeling_led, LED_MASK_FUNCTION, led_padding_mask)
     return model
