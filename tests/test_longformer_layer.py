@@ -107,22 +107,29 @@ def test_short_and_odd_lengths(backend, L):
     torch.testing.assert_close(layer(x), dense(layer, x, no_mask, no_mask))  # no masks at all
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_gradients(backend):
-    layer = make(2, backend, dilation=(1, 2, 1, 2))
-    padding, is_global = masks([12, 8, 10], [[0, 5], [3], []], 12)
-    x = torch.randn(3, 12, DIM, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(3, 12, DIM, dtype=torch.float64)
-    grads = []
+def check_gradients(layer, lengths, global_positions, L):
+    """The layer's output and the gradients of x and every parameter against :func:`dense`'s; returns the layer's
+    gradients."""
+    padding, is_global = masks(lengths, global_positions, L)
+    x = torch.randn(len(lengths), L, DIM, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(len(lengths), L, DIM, dtype=torch.float64)
+    results = []
     for fn in (layer, lambda *a, **k: dense(layer, *a)):
         layer.zero_grad()
         x.grad = None
-        fn(x, padding, is_global).backward(grad_out)
-        grads.append([x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
-    for got, want in zip(*grads):
+        out = fn(x, padding, is_global)
+        out.backward(grad_out)
+        results.append([out.detach(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
+    for got, want in zip(*results):
         assert not got.isnan().any()
         torch.testing.assert_close(got, want)
-    assert all(g.abs().sum() > 0 for g in grads[0])  # every parameter takes part
+    return results[0][1:]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients(backend):
+    grads = check_gradients(make(2, backend, dilation=(1, 2, 1, 2)), [12, 8, 10], [[0, 5], [3], []], 12)
+    assert all(g.abs().sum() > 0 for g in grads)  # every parameter takes part
 
 
 @pytest.mark.parametrize("backend", ["reference", "fused_cpu"])
@@ -131,20 +138,9 @@ def test_many_global_tokens_project_every_token(backend):
     beyond, every token is projected with ``key_global`` and ``value_global``, which then costs less. A batch with
     5 (folded) and 6 and 9 (projected) global tokens: outputs and every gradient against the dense definition."""
     assert folding_pays(5, HEADS, DIM) and not folding_pays(6, HEADS, DIM)
-    layer = make(2, backend)
-    padding, is_global = masks([14, 11, 14], [[0, 2, 4, 6, 13], range(6), [1, 2, 4, 6, 7, 8, 10, 12, 13]], 14)
-    assert is_global.sum(1).tolist() == [5, 6, 9]
-    x = torch.randn(3, 14, DIM, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(3, 14, DIM, dtype=torch.float64)
-    grads = []
-    for fn in (layer, lambda *a, **k: dense(layer, *a)):
-        layer.zero_grad()
-        x.grad = None
-        out = fn(x, padding, is_global)
-        out.backward(grad_out)
-        grads.append([out.detach()] + [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
-    for got, want in zip(*grads):
-        torch.testing.assert_close(got, want)
+    global_positions = [[0, 2, 4, 6, 13], range(6), [1, 2, 4, 6, 7, 8, 10, 12, 13]]
+    assert masks([14, 11, 14], global_positions, 14)[1].sum(1).tolist() == [5, 6, 9]
+    check_gradients(make(2, backend), [14, 11, 14], global_positions, 14)
 
 
 def test_state_dict_names():
