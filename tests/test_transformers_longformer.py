@@ -271,22 +271,37 @@ def test_led_encoder_is_accelerated_and_the_decoder_stays(float64_by_default):
             assert_same(got_grads[name], grad), name
 
 
+def transformers_led_module():
+    """A fresh copy of transformers' LED module, as transformers wrote it (the imported one's mask function is
+    vil's)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers.models.led.modeling_led")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_led_encoder_forms_no_mask_over_every_pair_of_tokens(dtype):
-    """Accelerating an LED model replaces the function of transformers' LED module that forms the encoder's mask:
-    LED's 0 (padding), 1 (a token), 2 (a global token) become the dtype's lowest value, 0 and its highest, as a
-    view of one row per sequence."""
-    modeling_led = transformers.models.led.modeling_led
-    vil.accelerate_longformer(transformers.LEDModel(led_config()))
-    assert modeling_led._prepare_4d_attention_mask_inverted is vil.transformers_longformer.led_padding_mask
+    """Importing vil.transformers_longformer replaces the function of transformers' LED module that forms the
+    encoder's mask: LED's 0 (padding), 1 (a token), 2 (a global token) become the dtype's lowest value, 0 and its
+    highest, as transformers' function gives them, but as a view of one row per sequence."""
+    replaced = transformers.models.led.modeling_led._prepare_4d_attention_mask_inverted
+    assert replaced is vil.transformers_longformer.led_padding_mask
+    original = transformers_led_module()._prepare_4d_attention_mask_inverted
+    assert original is not replaced
     mask = torch.tensor([[2, 1, 1, 0, 0], [1, 2, 2, 1, 1]])
     lowest, highest = torch.finfo(dtype).min, torch.finfo(dtype).max
-    want = torch.tensor([[highest, 0, 0, lowest, lowest], [0, highest, highest, 0, 0]], dtype=dtype)
-    for tgt_len, queries in ((None, 5), (3, 3)):
-        got = modeling_led._prepare_4d_attention_mask_inverted(mask, dtype, tgt_len)
-        assert got.shape == (2, 1, queries, 5) and got.dtype == dtype
-        assert torch.equal(got, want[:, None, None, :].expand(2, 1, queries, 5))
-        assert got.untyped_storage().nbytes() == 2 * 5 * want.element_size()
+    row = torch.tensor([[highest, 0, 0, lowest, lowest], [0, highest, highest, 0, 0]], dtype=dtype)
+    for given in (mask, mask.bool(), mask.double() * 0.75):  # transformers' function takes any mask
+        for tgt_len, queries in ((None, 5), (3, 3)):
+            got, want = (f(given, dtype, tgt_len) for f in (replaced, original))
+            assert got.shape == want.shape == (2, 1, queries, 5) and got.dtype == want.dtype == dtype
+            assert torch.equal(got, want)
+            assert got.untyped_storage().nbytes() == 2 * 5 * row.element_size()
+            if given is mask:
+                assert torch.equal(want, row[:, None, None, :].expand(2, 1, queries, 5))
 
 
 def test_compiled_model_gives_the_same_outputs_and_gradients_at_several_lengths():
@@ -555,7 +570,7 @@ def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_o
             torch.manual_seed(7)
             outputs.append(model.train()(ids, attention_mask=mask, global_attention_mask=global_mask)[0])
     assert_same(outputs[1], outputs[0], mask)  # the same dropout draws: transformers' own attention
-    assert caplog.text.count("The attention dropout is 0.3") == 1 and "layer.dropout = 0.0" in caplog.text
+    assert caplog.text.count("The attention dropout is above 0") == 1 and "layer.dropout = 0.0" in caplog.text
     with torch.no_grad():  # in evaluation dropout is off: the op
         assert_same(
             accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0],

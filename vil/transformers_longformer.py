@@ -13,8 +13,8 @@ From transformers 5 on, ``LongformerModel`` also builds a (batch, 1, L, L) float
 drops the rest: at 16k tokens 1 GiB and half a second on a CPU for a (batch, L) result. An accelerated
 ``LongformerModel`` builds that mask through :data:`MASK_IMPLEMENTATION` instead, which gives the same values as a
 broadcast view of that row. (transformers 4 builds the row alone.) LED's encoder forms such a mask in every version;
-accelerating an LED model replaces the function that forms it with :func:`led_padding_mask`, the same values as a
-view.
+this module replaces the function of transformers' LED module that forms it with :func:`led_padding_mask`, the same
+values as a view.
 """
 
 import logging
@@ -56,23 +56,24 @@ class _Accelerated(SlidingWindowSelfAttention):
         *,
         layer_head_mask=None,
     ):
-        reason = None
+        reasons = []
         if output_attentions:
-            reason = (
+            reasons.append(
                 "output_attentions=True asks for the attention probabilities, which the op never forms: the "
                 "accelerated layers run transformers' own attention in such calls."
             )
-        elif self.training and self.dropout > 0:
-            reason = (
-                f"The attention dropout is {self.dropout}: in training the accelerated layers run transformers' own "
+        if self.training and self.dropout > 0:
+            reasons.append(
+                "The attention dropout is above 0: in training the accelerated layers run transformers' own "
                 "attention, which applies it. To train on the op, set each layer's dropout to 0 (layer.dropout = 0.0 "
                 "on the self-attention modules: the config's attention_probs_dropout_prob, attention_dropout for LED, "
                 "is read only when the model is built)."
             )
-        if reason is not None:
-            if reason not in _Accelerated._said:
-                _Accelerated._said.add(reason)
-                _log.warning("%s", reason)
+        if reasons:
+            for reason in reasons:
+                if reason not in _Accelerated._said:
+                    _Accelerated._said.add(reason)
+                    _log.warning("%s", reason)
             head_mask = {} if layer_head_mask is None else {"layer_head_mask": layer_head_mask}
             return super().forward(
                 hidden_states,
@@ -140,7 +141,7 @@ def led_padding_mask(mask, dtype, tgt_len=None):
     """transformers' ``modeling_led._prepare_4d_attention_mask_inverted``: from LED's (batch, L) mask of 0 (padding),
     1 (a token) and 2 (a global token), the dtype's lowest value, 0 and its highest, as a view of one row per
     sequence expanded over ``tgt_len`` queries (default L). transformers forms the whole (batch, 1, tgt_len, L)
-    tensor, of which LED's encoder keeps one row: at 16k tokens 2 s and 5 GiB on a CPU."""
+    tensor, of which LED's encoder keeps one row: at 16k tokens 2.2 s and a peak of 5.7 GiB on a 2-core CPU."""
     inverted = 1.0 - mask[:, None, None, :].to(dtype)
     row = inverted.masked_fill(inverted.bool(), torch.finfo(dtype).min) * inverted
     batch, length = mask.shape
@@ -156,9 +157,11 @@ if REPLACES_MASK:
     AttentionInterface.register(MASK_IMPLEMENTATION, no_attention)
     masking_utils.AttentionMaskInterface.register(MASK_IMPLEMENTATION, key_padding_mask)
 
-# LED's encoder forms its padding mask with this function of transformers' module, which no setting reaches: an
-# accelerated LED model replaces it there (for every LED model of the process: the values are the same).
-LED_MASK_FUNCTION = "_prepare_4d_attention_mask_inverted"
+# LED's encoder forms its padding mask with this function of transformers' module, which no setting reaches. Importing
+# this module (which vil.accelerate_longformer and unpickling an accelerated model do) replaces it there, for every
+# LED model of the process: the values are the same.
+if hasattr(modeling_led, "_prepare_4d_attention_mask_inverted"):
+    modeling_led._prepare_4d_attention_mask_inverted = led_padding_mask
 
 CONVERSIONS = {
     LongformerSelfAttention: AcceleratedLongformerSelfAttention,
@@ -171,9 +174,8 @@ def accelerate_longformer(model, backend=None):
     ``vil.ops.local_attention_1d`` (``backend``: the op's backend, None for its default), in place; returns the
     model. Parameters, their names and the state dict stay as they are, so checkpoints load before or after and
     ``save_pretrained`` writes what transformers reads; a ``LongformerModel``'s ``config._attn_implementation``
-    becomes :data:`MASK_IMPLEMENTATION` (not saved) where transformers builds its mask in L x L (transformers 5),
-    and for an LED model :func:`led_padding_mask` replaces the function of transformers' LED module that forms its
-    encoder's mask. Raises ``ValueError`` where ``model`` is not a module, has no such layer (subclasses of
+    becomes :data:`MASK_IMPLEMENTATION` (not saved) where transformers builds its mask in L x L (transformers 5).
+    Raises ``ValueError`` where ``model`` is not a module, has no such layer (subclasses of
     transformers' layers included: they may change its forward) or ``backend`` computes no 1D windows."""
     if backend is not None and backend not in available_backends(1):
         what = "computes no Longformer (1D) windows" if backend in available_backends(2) else "is not a backend"
@@ -207,6 +209,4 @@ def accelerate_longformer(model, backend=None):
     for module in model.modules():
         if REPLACES_MASK and isinstance(module, LongformerModel):
             module.config._attn_implementation = MASK_IMPLEMENTATION
-    if hasattr(modeling_led, LED_MASK_FUNCTION) and any(isinstance(m, LEDEncoderSelfAttention) for m in layers):
-        setattr(modeling_led, LED_MASK_FUNCTION, led_padding_mask)
     return model

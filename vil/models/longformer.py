@@ -203,8 +203,8 @@ def _same_count_attention(tensors, g, band):
 
 def folding_pays(g, heads, dim) -> bool:
     """Whether :func:`_global_attention`'s folded products cost less than projecting every token with
-    ``key_global`` and ``value_global``: per sequence of L tokens, about ``4 L g heads dim`` multiply-adds folded
-    against ``4 L dim^2 + 4 L g dim`` projected, so up to ``g (heads - 1) < dim`` global tokens (69 at
+    ``key_global`` and ``value_global``: per sequence of L tokens, about ``2 L g heads dim`` multiply-adds folded
+    against ``2 L dim^2 + 2 L g dim`` projected, so up to ``g (heads - 1) < dim`` global tokens (69 at
     longformer-base's 768 = 12 x 64)."""
     return g * (heads - 1) < dim
 
