@@ -69,11 +69,11 @@ class _Accelerated(SlidingWindowSelfAttention):
                 "on the self-attention modules: the config's attention_probs_dropout_prob, attention_dropout for LED, "
                 "is read only when the model is built)."
             )
+        for reason in reasons:
+            if reason not in _Accelerated._said:
+                _Accelerated._said.add(reason)
+                _log.warning("%s", reason)
         if reasons:
-            for reason in reasons:
-                if reason not in _Accelerated._said:
-                    _Accelerated._said.add(reason)
-                    _log.warning("%s", reason)
             head_mask = {} if layer_head_mask is None else {"layer_head_mask": layer_head_mask}
             return super().forward(
                 hidden_states,

@@ -179,23 +179,22 @@ def _same_count_attention(tensors, g, band):
     if not g:
         return out
     chosen = positions[..., None].expand(B, g, x.shape[-1])
+    folded = False
     if band.projected:
         global_q, global_k, global_v = projections
-        global_q = global_q.gather(1, chosen).view(B, g, H, D).transpose(1, 2)
-        global_k, global_v = (t.view(B, L, H, D).transpose(1, 2) for t in (global_k, global_v))
-        global_out = _masked_attention(global_q, global_k, global_v, ~padding[:, None, None, :])
+        global_q = global_q.gather(1, chosen)
     else:
         query_weight, query_bias, *key_value = projections
-        global_q = F.linear(x.gather(1, chosen), query_weight, query_bias).view(B, g, H, D).transpose(1, 2)
-        if folding_pays(g, H, x.shape[-1]):
-            global_out = _global_attention(x, global_q * scale, padding, key_value)
-        else:
-            key_weight, key_bias, value_weight, value_bias = key_value
-            global_k, global_v = (
-                F.linear(x, weight, bias).view(B, L, H, D).transpose(1, 2)
-                for weight, bias in ((key_weight, key_bias), (value_weight, value_bias))
-            )
-            global_out = _masked_attention(global_q, global_k, global_v, ~padding[:, None, None, :])
+        global_q = F.linear(x.gather(1, chosen), query_weight, query_bias)
+        folded = folding_pays(g, H, x.shape[-1])
+        if not folded:
+            global_k, global_v = (F.linear(x, weight, bias) for weight, bias in zip(key_value[::2], key_value[1::2]))
+    global_q = global_q.view(B, g, H, D).transpose(1, 2)
+    if folded:
+        global_out = _global_attention(x, global_q * scale, padding, key_value)
+    else:
+        global_k, global_v = (t.view(B, L, H, D).transpose(1, 2) for t in (global_k, global_v))
+        global_out = _masked_attention(global_q, global_k, global_v, ~padding[:, None, None, :])
     if out.requires_grad or global_out.requires_grad:
         return out.scatter(2, index, global_out)
     return out.scatter_(2, index, global_out)  # nothing saved the op's output for a backward: no copy
