@@ -1,6 +1,6 @@
 """Fuzz tests (hypothesis, a fixed seed and a bounded number of examples, about a minute together): damaged
 image files and random config overrides end in a result or in one sentence, never in a traceback; random valid
-local-attention requests give every CPU backend the reference's result.
+2D and 1D local-attention requests give every CPU backend the reference's result (1D: every gradient too).
 
 A longer profile, by hand: ``VIL_FUZZ_EXAMPLES=500 python -m pytest tests/test_fuzz.py``.
 """
@@ -18,7 +18,7 @@ from test_train import tiny_cfg
 
 import vil.training.epoch as training_epoch
 from vil.config import config_items, get_cfg
-from vil.ops import available_backends, local_attention_2d
+from vil.ops import available_backends, local_attention_1d, local_attention_2d
 from vil.ops.registry import BACKENDS
 from vil.training.loop import train
 
@@ -244,3 +244,82 @@ def test_random_local_attention_requests_match_the_reference(shape, window, opti
         assert not declared_to_take(backend, dilation), f"{backend} refused a request it declares: {error}"
         return
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+# Random 1D requests: every CPU backend of local_attention_1d against the reference in float64, forward and every
+# gradient (flex: forward only, it has no CPU backward), q, k, v contiguous or views of one projection.
+
+CPU_BACKENDS_1D = ("sliding_chunk", "fused_cpu", "flex", "loop", "chunks")
+
+
+def test_every_cpu_backend_is_fuzzed_in_1d():
+    on_cpu = {n for n in available_backends(1) if BACKENDS[n].runs_on("cpu")}
+    assert set(CPU_BACKENDS_1D) == on_cpu - {"reference", "triton"}
+
+
+@st.composite
+def requests_1d(draw):
+    heads = draw(st.integers(1, 3))
+    return dict(
+        shape=(draw(st.integers(1, 2)), heads, draw(st.integers(1, 40)), draw(st.integers(1, 9))),
+        window=draw(st.integers(1, 12)),
+        dilation=draw(st.one_of(st.integers(1, 5), st.lists(st.integers(1, 6), min_size=heads, max_size=heads))),
+        causal=draw(st.booleans()),
+        num_global=draw(st.integers(0, 3)),
+        with_bias=draw(st.booleans()),
+        padding=draw(st.sampled_from([None, "scattered", "at the end"])),
+        one_projection=draw(st.booleans()),
+    )
+
+
+def inputs_1d(request, generator):
+    """The leaves (float64) and a function of them giving local_attention_1d's arguments."""
+    B, H, L, D = request["shape"]
+    G, window = request["num_global"], request["window"]
+    leaves = [torch.randn(B, L, 3, H, D, generator=generator, dtype=torch.float64)]
+    if not request["one_projection"]:
+        leaves = [torch.randn(B, H, L, D, generator=generator, dtype=torch.float64) for _ in range(3)]
+    names = []
+    if G:
+        names += ["global_k", "global_v"]
+        leaves += [torch.randn(B, H, G, D, generator=generator, dtype=torch.float64) for _ in range(2)]
+    if request["with_bias"]:
+        names += ["rel_bias", *(["global_bias"] if G else [])]
+        leaves += [torch.randn(H, 2 * window + 1, generator=generator, dtype=torch.float64)]
+        leaves += [torch.randn(H, G, generator=generator, dtype=torch.float64)] if G else []
+    padding = None
+    if request["padding"] == "scattered":
+        padding = torch.rand(B, L, generator=generator) < 0.3
+    elif request["padding"] == "at the end":
+        padding = torch.arange(L).expand(B, L) >= L - L // 3
+
+    def arguments(tensors):
+        if request["one_projection"]:
+            qkv = tensors[0].permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, L, D) views, as a model's projection gives
+            tensors = [*qkv, *tensors[1:]]
+        optional = dict(zip(names, tensors[3:]))
+        return tensors[:3], dict(optional, key_padding_mask=padding)
+
+    return leaves, arguments
+
+
+@seed(20261127)
+@fuzz_settings(120)
+@given(request=requests_1d(), backend=st.sampled_from(CPU_BACKENDS_1D))
+def test_random_1d_requests_match_the_reference_with_every_gradient(request, backend):
+    leaves, arguments = inputs_1d(request, torch.Generator().manual_seed(sum(request["shape"])))
+    options = dict(window=request["window"], dilation=request["dilation"], causal=request["causal"])
+    grad_out = torch.randn(request["shape"], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    train = backend != "flex"
+
+    def results(name):
+        tensors = [t.detach().requires_grad_(train) for t in leaves]
+        (q, k, v), optional = arguments(tensors)
+        out = local_attention_1d(q, k, v, **options, **optional, backend=name)
+        if not train:
+            return [out]
+        (out * grad_out).sum().backward()
+        return [out, *(t.grad for t in tensors)]
+
+    for got, want in zip(results(backend), results("reference"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
