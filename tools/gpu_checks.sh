@@ -13,22 +13,30 @@
 #      same band as a block mask), sliding_chunk, chunks and SDPA (flash; causal for the causal rows).
 #   5. (only when STEPS names it) the model study: ViL-Small against timm's Swin-T, batch 64 at 224, in bfloat16
 #      autocast and in float32, with tools/benchmark_model.py.
+#   6. (only when STEPS names it) the host CPU's figures on two of its cores (taskset, OMP_NUM_THREADS=2), as on the
+#      2-core machines of BENCHMARKS.md: the fused CPU kernels in float32 and bfloat16 against SDPA and the CPU's
+#      matrix products (tools/benchmark_precision.py; its CPU line says whether the OS grants AMX tiles), transformers'
+#      Longformer at 4096 tokens against the accelerated one (tools/benchmark_longformer.py), and ViL-Small against
+#      Swin-T under bfloat16 autocast (tools/benchmark_model.py).
 # Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS, default
-# 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_5 seconds; steps
-# 3, 4 and 5 share theirs out among their runs), so that a slow step cannot take the time of the next. The studies print
+# 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_6 seconds; steps
+# 3 to 6 share theirs out among their runs), so that a slow step cannot take the time of the next. The studies print
 # each size's rows as it ends, after the profiler's table of each backend (kernel by kernel) and, but for flex in 2D,
 # the host's time per call against the GPU's (--host-time); their last column is the first call's time (compilation
 # and tuning), and each backend's first call is reported as it ends; a study's table holds the sizes it measured
 # before its time ran out. The default limits of steps 1 to 4 add up to 520 s (130 + 90 + 140 + 160; at most 5 s
 # more per run to stop it, 560 s in all, within one 10-minute command); STEPS="1 2" and then STEPS="3 4" split them.
+# Step 6 takes 420 s (a third for each run; the Longformer run took 80 s on a 2-core AMD EPYC; the other two, in
+# bfloat16, end within theirs only on a CPU with bfloat16 matrix instructions, AVX512-BF16 or AMX).
 # Logs and tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
-# attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md, models_gpu.log. Each step goes on after a
-# failing one, and the script exits non-zero if any failed or ran out of time.
+# attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md, models_gpu.log, cpu_host.log. Each step goes
+# on after a failing one, and the script exits non-zero if any failed or ran out of time.
 #
 #   bash tools/gpu_checks.sh                     # everything
 #   STEPS="1 2" bash tools/gpu_checks.sh         # only the tests
 #   STEPS=4 SIZES_1D="4096 32768" LIMIT_4=400 bash tools/gpu_checks.sh
 #   STEPS=5 bash tools/gpu_checks.sh             # the model study alone
+#   STEPS=6 bash tools/gpu_checks.sh             # the host CPU's figures alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs}
@@ -94,7 +102,15 @@ for step in $STEPS; do
            --config-file configs/vil_small.yaml --device cuda --batch 64 --steps 10 --rounds 2 \
            --timm swin_tiny_patch4_window7_224 AMP.ENABLED "$precision"
        done ;;
-    *) echo "Unknown step $step; the steps are 1 2 3 4 5."; failed=1 ;;
+    6) pin=()
+       if command -v taskset > /dev/null; then pin=(taskset -c 0,1); else echo "taskset is missing: all cores run."; fi
+       for run in "tools/benchmark_precision.py --rounds 3" "tools/benchmark_longformer.py --lengths 4096 --what model \
+--rounds 3" "tools/benchmark_model.py --config-file configs/vil_small.yaml --batch 4 --steps 4 --rounds 3 --timm \
+swin_tiny_patch4_window7_224 MODEL.VIT.MSVIT.ATTN_TYPE fused_cpu AMP.ON_CPU True AMP.ENABLED True"; do
+         # shellcheck disable=SC2086  # a command line of words
+         limited $((${LIMIT_6:-420} / 3)) "$OUT/cpu_host.log" "${pin[@]}" env OMP_NUM_THREADS=2 python $run
+       done ;;
+    *) echo "Unknown step $step; the steps are 1 2 3 4 5 6."; failed=1 ;;
   esac
 done
 exit $failed
