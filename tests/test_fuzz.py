@@ -1,6 +1,7 @@
 """Fuzz tests (hypothesis, a fixed seed and a bounded number of examples, about a minute together): damaged
 image files and random config overrides end in a result or in one sentence, never in a traceback; random valid
-2D and 1D local-attention requests give every CPU backend the reference's result (1D: every gradient too).
+2D and 1D local-attention requests give every CPU backend the reference's result (1D: every gradient too), and
+random models the reference backend's logits and gradients.
 
 A longer profile, by hand: ``VIL_FUZZ_EXAMPLES=500 python -m pytest tests/test_fuzz.py``.
 """
@@ -18,6 +19,7 @@ from test_train import tiny_cfg
 
 import vil.training.epoch as training_epoch
 from vil.config import config_items, get_cfg
+from vil.models.msvit import MsViT
 from vil.ops import available_backends, local_attention_1d, local_attention_2d
 from vil.ops.registry import BACKENDS
 from vil.training.loop import train
@@ -323,3 +325,63 @@ def test_random_1d_requests_match_the_reference_with_every_gradient(request, bac
 
     for got, want in zip(results(backend), results("reference"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+# Random models: arch strings of 3 or 4 stages (local or full attention, 0 to 2 global tokens, windows 1 to 5, either
+# position embedding), image sizes, SW_EXACT, SHARE_W, ONLY_GLOBAL and padding; each 2D CPU backend (flex: no CPU
+# backward) gives the logits and every gradient of the same weights with the reference backend, in float64.
+
+TRAINING_BACKENDS_2D = tuple(name for name in CPU_BACKENDS if name != "flex")
+
+
+@st.composite
+def arch_strings(draw):
+    stages = []
+    for index in range(1, draw(st.integers(3, 4)) + 1):
+        heads = draw(st.integers(1, 3))
+        fields = dict(
+            l=index,
+            h=heads,
+            d=2 * heads * draw(st.integers(1, 3)),  # even: the absolute embedding splits it between rows and columns
+            n=draw(st.integers(1, 2)),
+            s=draw(st.integers(0, 1)),
+            g=draw(st.integers(0, 2)),
+            p=draw(st.integers(1, 2)),
+            f=draw(st.integers(1, 5)),
+            a=draw(st.integers(0, 1)),
+        )
+        stages.append(",".join(f"{letter}{value}" for letter, value in fields.items()))
+    return "_".join(stages)
+
+
+@seed(20261127)
+@fuzz_settings(25)
+@given(
+    arch=arch_strings(),
+    size=st.tuples(st.integers(8, 40), st.integers(8, 40)),
+    backend=st.sampled_from(TRAINING_BACKENDS_2D),
+    exact=st.sampled_from([-1, 0, 1]),
+    share_w=st.booleans(),
+    only_global=st.sampled_from([False, False, True]),
+    padding=st.booleans(),
+)
+def test_random_models_give_the_reference_backends_logits_and_gradients(
+    arch, size, backend, exact, share_w, only_global, padding
+):
+    options = dict(arch=arch, img_size=size, num_classes=3, drop_path_rate=0.0, sw_exact=exact, share_w=share_w)
+    options.update(only_global=only_global, dynamic_img_pad=padding)
+    try:
+        reference = MsViT(**options, attn_backend="reference").double()
+    except ValueError as error:  # e.g. an image smaller than the strides, ONLY_GLOBAL without global tokens
+        assert_one_sentence(error)
+        return
+    model = MsViT(**options, attn_backend=backend).double()
+    model.load_state_dict(reference.state_dict())
+    images = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(sum(size)), dtype=torch.float64)
+    for m in (reference, model):
+        m(images).square().sum().backward()
+    torch.testing.assert_close(model(images), reference(images), rtol=1e-9, atol=1e-10)
+    for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert (want.grad is None) == (got.grad is None), name
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-10, msg=name)
