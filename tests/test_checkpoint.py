@@ -1,13 +1,17 @@
 """Checkpoints: the original release's format loads and reproduces outputs; wrong ones are refused clearly."""
 
+import logging
 import os
 import re
+import struct
+import zipfile
 
 import pytest
 import torch
 
 from vil.checkpoint import load_checkpoint, save_checkpoint
 from vil.models import PRESETS, MsViT
+from vil.training_state import read_resume_point
 
 ARCH = PRESETS["vil_tiny_rpb"]  # relative bias: also exercises the original's derived index buffers
 
@@ -116,6 +120,55 @@ def test_missing_and_unreadable_checkpoints(tmp_path):
     torch.save({"net": {"a": 1}}, tmp_path / "odd.pth")
     with pytest.raises(ValueError, match="has no model state dict"):
         load_checkpoint(model(0), tmp_path / "odd.pth")
+
+
+def flip_a_byte_of_the_largest_tensor(path):
+    """Alters one byte in the middle of the largest record of the zip archive torch.save wrote: a tensor's data, which
+    torch.load reads without checking its CRC-32. Returns the record's name."""
+    with zipfile.ZipFile(path) as archive:
+        record = max(archive.infolist(), key=lambda r: r.file_size)
+    data = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[record.header_offset + 26 : record.header_offset + 30])
+    start = record.header_offset + 30 + name_length + extra_length  # after the record's local header
+    data[start + record.file_size // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    return record.filename
+
+
+def test_a_checkpoint_altered_after_it_was_written_is_refused_naming_its_record(tmp_path):
+    path = tmp_path / "altered.pth"
+    torch.save({"net": model(0).state_dict()}, path)
+    record = flip_a_byte_of_the_largest_tensor(path)
+    altered = torch.load(path, weights_only=True)["net"]  # torch.load itself takes it, with other weights
+    assert any(not torch.equal(altered[k], v) for k, v in model(0).state_dict().items())
+    with pytest.raises(ValueError) as refusal:
+        load_checkpoint(model(0), path)
+    assert "damaged" in str(refusal.value) and record in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_a_resumed_run_passes_over_an_altered_last_checkpoint(tmp_path, caplog):
+    for name in ("checkpoint_epoch1.pth", "checkpoint_last.pth"):
+        torch.save({"net": model(0).state_dict(), "epoch": 1}, tmp_path / name)
+    flip_a_byte_of_the_largest_tensor(tmp_path / "checkpoint_last.pth")
+    with caplog.at_level(logging.WARNING):
+        path, checkpoint = read_resume_point(str(tmp_path))
+    assert path.endswith("checkpoint_epoch1.pth") and checkpoint["epoch"] == 1
+    assert re.search(r"Resuming from \S+checkpoint_epoch1\.pth.*checkpoint_last\.pth is damaged", caplog.text)
+
+
+def test_a_checkpoint_written_without_checksums_loads(tmp_path):
+    path = tmp_path / "unchecked.pth"
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"net": model(0).state_dict()}, path)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+    with zipfile.ZipFile(path) as archive:
+        assert all(record.CRC == 0 for record in archive.infolist())
+    loaded = model(1)
+    load_checkpoint(loaded, path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model(0).state_dict().items())
 
 
 def test_untrusted_pickles_are_not_executed(tmp_path):

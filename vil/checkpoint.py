@@ -10,6 +10,7 @@ Hugging Face Hub folder, as ``tools/export_hub.py`` writes).
 
 import json
 import os
+import zipfile
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -79,9 +80,30 @@ def read_checkpoint(path):
                 "neither); give the checkpoint file of the run."
             ) from None
         raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors ({_load_failure(e)}).") from None
+    _check_records(path)
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
     return checkpoint
+
+
+def _check_records(path):
+    """Refuses a zip archive of ``torch.save`` whose records no longer match the CRC-32 it wrote with each: torch.load
+    does not check them, so a copy altered in place would load as other weights. Pickles (older files) and archives
+    written without checksums (``torch.serialization.set_crc32_options(False)``: every CRC 0) have none to check."""
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if all(record.CRC == 0 for record in archive.infolist()):
+                return
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors (its zip archive: {e}).") from None
+    if damaged is not None:
+        raise ValueError(
+            f"{path} is damaged: its record {damaged} does not match the checksum torch.save wrote with it (the file "
+            "was altered after it was written, e.g. in a copy); copy it again from where the run wrote it."
+        )
 
 
 def stored_config(checkpoint: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint") -> Optional[CfgNode]:
