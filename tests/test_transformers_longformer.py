@@ -228,9 +228,16 @@ def random_requests(draw):
     rows = st.lists(st.lists(st.booleans(), min_size=L, max_size=L), min_size=B, max_size=B)
     mask = torch.tensor(draw(rows), dtype=torch.long)
     mask[:, 0] = 1  # every sequence has a token; the others are padding anywhere
-    global_mask = torch.tensor(draw(rows), dtype=torch.long)
-    if draw(st.booleans()):
-        global_mask *= mask  # else some global tokens are padding too
+    kind = draw(st.sampled_from(["the same count in each sequence", "at tokens", "anywhere"]))
+    if kind == "the same count in each sequence":  # where transformers' own gradients are finite
+        count = draw(st.integers(1, int(mask.sum(1).min())))
+        global_mask = torch.zeros_like(mask)
+        for row, tokens in enumerate(mask.bool()):
+            global_mask[row, draw(st.permutations(tokens.nonzero().squeeze(1).tolist()))[:count]] = 1
+    else:
+        global_mask = torch.tensor(draw(rows), dtype=torch.long)
+        if kind == "at tokens":
+            global_mask *= mask  # else some global tokens are padding too
     return heads, windows, mask, global_mask, draw(st.integers(0, 99))
 
 

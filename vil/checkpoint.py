@@ -86,24 +86,48 @@ def read_checkpoint(path):
     return checkpoint
 
 
+_FOLDER_ATTRIBUTE = 0x10  # MS-DOS's, in a zip record's external attributes
+
+
 def _check_records(path):
     """Refuses a zip archive of ``torch.save`` whose records no longer match the CRC-32 it wrote with each: torch.load
     does not check them, so a copy altered in place would load as other weights. Pickles (older files) and archives
     written without checksums (``torch.serialization.set_crc32_options(False)``: every CRC 0) have none to check."""
-    if not zipfile.is_zipfile(path):
-        return
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":  # as torch.load tells its archives from pickles
+            return
     try:
         with zipfile.ZipFile(path) as archive:
-            if all(record.CRC == 0 for record in archive.infolist()):
+            records = archive.infolist()
+            if all(record.CRC == 0 for record in records):
                 return
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors (its zip archive: {e}).") from None
+            damaged = next((record.filename for record in records if not _reads_back(archive, record)), None)
+    except Exception as e:  # zipfile's own errors (BadZipFile, NotImplementedError, ...) on an altered directory
+        detail = next(iter(str(e).splitlines()), "").rstrip(".")
+        raise ValueError(
+            f"{path} is damaged: torch.load read it, but its zip archive does not read back ({type(e).__name__}: "
+            f"{detail}); copy it again from where the run wrote it."
+        ) from None
     if damaged is not None:
         raise ValueError(
-            f"{path} is damaged: its record {damaged} does not match the checksum torch.save wrote with it (the file "
-            "was altered after it was written, e.g. in a copy); copy it again from where the run wrote it."
+            f"{path} is damaged: its record {damaged} no longer reads back as torch.save wrote it (its checksum or "
+            "its header does not match; the file was altered after it was written, e.g. in a copy); copy it again "
+            "from where the run wrote it."
         )
+
+
+def _reads_back(archive, record):
+    """Whether a record of the archive reads to its end as its header describes it, checksum included, and is not
+    marked as a folder (torch.save marks none; torch.load leaves a tensor so marked uninitialised)."""
+    if record.is_dir() or record.external_attr & _FOLDER_ATTRIBUTE:
+        return False
+    try:
+        with archive.open(record) as data:
+            while data.read(1 << 20):
+                pass
+    except Exception:  # BadZipFile for a checksum, and whatever an altered header leads zipfile to
+        return False
+    return True
 
 
 def stored_config(checkpoint: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint") -> Optional[CfgNode]:
