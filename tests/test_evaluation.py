@@ -2,14 +2,18 @@
 hand from fixed logits."""
 
 import contextlib
+import logging
 import math
 import re
+import sys
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from vil.data import collate_skipping
+from vil.progress import log_lines_above_bars
 from vil.runtime import Runtime
 from vil.training.evaluation import evaluate
 from vil.unreadable import Unreadable
@@ -86,3 +90,24 @@ def test_evaluate_with_fewer_than_five_classes_counts_every_image_in_the_top_fiv
     assert result["top1"] == pytest.approx(25.0) and result["top5"] == pytest.approx(100.0)
     assert result["per_class"].tolist() == [[1, 1, 1], [2, 0, 2], [1, 0, 1]]
     assert result["nonfinite"] == 0
+
+
+@pytest.mark.parametrize("where", ["the vil logger's own handler", "the root logger's, propagated to"])
+def test_log_lines_during_a_progress_bar_are_printed_above_it_once(capsys, where):
+    """What a terminal shows of each line (the text after its last carriage return): the logged lines whole, each
+    once, not behind the bar's text."""
+    vil_log, root = logging.getLogger("vil"), logging.getLogger()
+    saved = vil_log.handlers, vil_log.propagate, root.handlers
+    console = logging.StreamHandler(sys.stderr)  # as setup_logging's, or a basicConfig's
+    if where == "the vil logger's own handler":
+        vil_log.handlers, vil_log.propagate = [console], False
+    else:
+        vil_log.handlers, vil_log.propagate, root.handlers = [], True, [console]
+    try:
+        with log_lines_above_bars():
+            for i in tqdm(range(3), desc="bar", file=sys.stderr):
+                vil_log.warning(f"line {i}")
+    finally:
+        vil_log.handlers, vil_log.propagate, root.handlers = saved
+    shown = [line.split("\r")[-1] for line in capsys.readouterr().err.split("\n")]
+    assert [line for line in shown if "line" in line] == ["line 0", "line 1", "line 2"]

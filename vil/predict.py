@@ -14,6 +14,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from tqdm import tqdm
 
 from .data import collate_skipping, loaded_or_skipped
+from .progress import log_lines_above_bars
 from .unreadable import warn_unreadable
 
 # The files a folder's images are taken from: torchvision's image extensions, and GIF (its first frame), which a file
@@ -91,12 +92,14 @@ def predict(model, transform, paths, names, top_k=5, batch_size=32, workers=0) -
     device = next(model.parameters()).device
     loader = DataLoader(ImageFiles(paths, transform), batch_size, num_workers=workers, collate_fn=collate_skipping)
     records = []
-    for images, indices, unreadable in tqdm(loader, desc="predict", unit="batch", leave=False):
-        warn_unreadable(unreadable)
-        if not len(indices):
-            continue
-        probabilities = model(images.to(device)).float().softmax(-1)
-        top = probabilities.topk(min(top_k, probabilities.shape[-1]), dim=-1)
-        for index, values, classes in zip(indices.tolist(), top.values.tolist(), top.indices.tolist()):
-            records.append(dict(path=paths[index], classes=[names[c] for c in classes], probabilities=values))
+    bar = tqdm(loader, desc="predict", unit="batch", leave=False)
+    with log_lines_above_bars():
+        for images, indices, unreadable in bar:
+            warn_unreadable(unreadable)
+            if not len(indices):
+                continue
+            probabilities = model(images.to(device)).float().softmax(-1)
+            top = probabilities.topk(min(top_k, probabilities.shape[-1]), dim=-1)
+            for index, values, classes in zip(indices.tolist(), top.values.tolist(), top.indices.tolist()):
+                records.append(dict(path=paths[index], classes=[names[c] for c in classes], probabilities=values))
     return records

@@ -18,6 +18,7 @@ from ..data import build_dataset, collate_skipping
 from ..files import atomic_write, check_writable_file
 from ..model_config import build_model
 from ..profiling import peak_memory_mib
+from ..progress import log_lines_above_bars
 from ..runtime import Runtime
 from ..shards import ShardDataset
 from ..unreadable import warn_unreadable
@@ -38,17 +39,19 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
     model.eval()
     counts = torch.zeros(num_classes, 3, dtype=torch.float64, device=runtime.device)
     skipped, nonfinite = 0, torch.zeros((), dtype=torch.long, device=runtime.device)
-    for images, targets, unreadable in tqdm(loader, desc="evaluation", disable=not runtime.is_main, leave=False):
-        skipped += warn_unreadable(unreadable)
-        if not len(images):
-            continue
-        images, targets = images.to(runtime.device, memory_format=memory_format), targets.to(runtime.device)
-        with amp():
-            logits = model(images).float()
-        nonfinite += (~torch.isfinite(logits).all(dim=1)).sum()
-        ranks = logits.topk(min(5, num_classes), dim=1).indices.eq(targets[:, None])
-        hits = torch.stack([torch.ones_like(ranks[:, 0]), ranks[:, 0], ranks.any(dim=1)], dim=1)
-        counts.index_add_(0, targets, hits.double())
+    bar = tqdm(loader, desc="evaluation", disable=not runtime.is_main, leave=False)
+    with log_lines_above_bars():
+        for images, targets, unreadable in bar:
+            skipped += warn_unreadable(unreadable)
+            if not len(images):
+                continue
+            images, targets = images.to(runtime.device, memory_format=memory_format), targets.to(runtime.device)
+            with amp():
+                logits = model(images).float()
+            nonfinite += (~torch.isfinite(logits).all(dim=1)).sum()
+            ranks = logits.topk(min(5, num_classes), dim=1).indices.eq(targets[:, None])
+            hits = torch.stack([torch.ones_like(ranks[:, 0]), ranks[:, 0], ranks.any(dim=1)], dim=1)
+            counts.index_add_(0, targets, hits.double())
     if runtime.world > 1:
         dist.all_reduce(counts)
     skipped, nonfinite = runtime.sum(skipped, nonfinite.item())

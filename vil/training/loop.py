@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from ..optim import drop_learning_rate
+from ..progress import log_lines_above_bars
 from ..training_state import copy_epoch_checkpoints
 from .epoch import train_one_epoch
 from .evaluation import evaluate_epoch
@@ -77,7 +78,7 @@ def _train_epochs(run):
             model.set_feature_redraw_interval(1 + 5 * epoch)  # performer: the original release's schedule
         run.scheduler.step(epoch)  # SOLVER.EPOCH_BASED_SCHEDULE; a per-step schedule ignores it
         start = time.perf_counter()
-        with torch.autograd.set_detect_anomaly(cfg.SOLVER.DETECT_ANOMALY):
+        with torch.autograd.set_detect_anomaly(cfg.SOLVER.DETECT_ANOMALY), log_lines_above_bars():
             seen, skipped, loss = train_one_epoch(run, epoch)
         top1 = evaluate_epoch(run, epoch, seen, skipped, loss, time.perf_counter() - start)
         end_epoch(run, epoch, top1)
