@@ -459,10 +459,19 @@ def test_predict_refuses_a_folder_that_is_not_a_readable_hub_folder(exported, tm
     shutil.copytree(exported["out"], damaged)
     (damaged / "model.safetensors").write_bytes(b"")
     (tmp_path / "bare").mkdir()
+    # config.json readable JSON, but not what timm builds from: its keys altered (KeyError, TypeError in timm)
+    altered = {}
+    for key in ("architecture", "arch"):
+        altered[key] = tmp_path / f"altered_{key}"
+        shutil.copytree(exported["out"], altered[key])
+        config = altered[key] / "config.json"
+        config.write_text(config.read_text().replace(f'"{key}"', f'"x{key}"', 1))
     for folder, fact in (
         (tmp_path / "nowhere", "does not exist"),
         (tmp_path / "bare", "has no config.json"),
         (damaged, "model.safetensors"),
+        (altered["architecture"], "'architecture'"),
+        (altered["arch"], "'xarch'"),
     ):
         status, _, err = run_tool("predict", "--model", f"local-dir:{folder}", images)
         assert status == 1 and str(folder) in err and fact in err, err

@@ -115,7 +115,15 @@ def model_and_preprocessing(args):
         source, folder = parse_model_name(args.model)
         if source == "local-dir":
             check_hub_folder(folder)
-        model = timm.create_model(args.model, pretrained=True)
+        try:
+            model = timm.create_model(args.model, pretrained=True)
+        except (KeyError, TypeError, RuntimeError) as e:  # timm's, on a config.json it cannot build from
+            if source != "local-dir":
+                raise
+            raise ValueError(
+                f"--model {args.model}: timm cannot build the model that {folder}/config.json describes "
+                f"({type(e).__name__}: {e}); export the folder again with tools/export_hub.py."
+            ) from None
         transform = create_transform(**resolve_data_config({}, model=model))
         names = model.pretrained_cfg.get("label_names") or default_class_names(model.num_classes)
     else:
