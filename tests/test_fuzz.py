@@ -278,8 +278,9 @@ def inputs_1d(request, generator):
     """The leaves (float64) and a function of them giving local_attention_1d's arguments."""
     B, H, L, D = request["shape"]
     G, window = request["num_global"], request["window"]
-    leaves = [torch.randn(B, L, 3, H, D, generator=generator, dtype=torch.float64)]
-    if not request["one_projection"]:
+    if request["one_projection"]:
+        leaves = [torch.randn(B, L, 3, H, D, generator=generator, dtype=torch.float64)]
+    else:
         leaves = [torch.randn(B, H, L, D, generator=generator, dtype=torch.float64) for _ in range(3)]
     names = []
     if G:

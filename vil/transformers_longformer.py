@@ -175,8 +175,8 @@ def accelerate_longformer(model, backend=None):
     model. Parameters, their names and the state dict stay as they are, so checkpoints load before or after and
     ``save_pretrained`` writes what transformers reads; a ``LongformerModel``'s ``config._attn_implementation``
     becomes :data:`MASK_IMPLEMENTATION` (not saved) where transformers builds its mask in L x L (transformers 5).
-    Raises ``ValueError`` where ``model`` is not a module, has no such layer (subclasses of
-    transformers' layers included: they may change its forward) or ``backend`` computes no 1D windows."""
+    Raises ``ValueError`` where ``model`` is not a module, has no such layer (subclasses of transformers' layers
+    included: they may change its forward) or ``backend`` computes no 1D windows."""
     if backend is not None and backend not in available_backends(1):
         what = "computes no Longformer (1D) windows" if backend in available_backends(2) else "is not a backend"
         raise ValueError(
