@@ -439,6 +439,19 @@ def test_a_padding_detection_backbone_exports_for_sizes_that_are_not_multiples_o
         export_program(backbone, 30, 64)
 
 
+def test_a_padding_model_whose_last_stage_has_patches_of_one_position_exports_for_any_size():
+    """A patch of one position never pads: padding the previous stage's map (a permuted view) by a symbolic zero left
+    torch.export a guard on its strides that it could not prove for every size, and the export failed whatever the
+    trace size."""
+    torch.manual_seed(0)
+    model = MsViT("l1,h1,d8,p2,f2_l2,h1,d8,p2,f2_l3,h1,d8,p1,f1,s1", img_size=32, num_classes=3, dynamic_img_pad=True)
+    program = export_program(model.eval(), 29, 44)
+    for size in ((29, 44), (32, 32), (35, 9)):
+        images = torch.randn(2, 3, *size)
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(images), model(images))
+
+
 def test_features_only_models_and_backbones_export_with_their_maps_named():
     """timm's features_only wrapper exports like the model it holds (it had no sizes of its own to read), and an
     ONNX file of maps names them map0, map1, ... (they were named logits and the graph's node names)."""

@@ -80,7 +80,9 @@ class PatchEmbed(nn.Module):
         self.pos_drop = nn.Dropout(drop)
 
     def forward(self, x):
-        if self.pad:
+        # A patch of one position never pads; F.pad by a symbolic zero of the previous stage's permuted map would
+        # leave torch.export a guard on its strides that it cannot prove for every size.
+        if self.pad and self.patch > 1:
             # Unconditional, by sizes rounded up with floor division: a branch on the remainder, or Python's %
             # of symbolic sizes, would fix the padding at the traced size under torch.export, ONNX and compile.
             rows, cols = x.shape[-2:]
