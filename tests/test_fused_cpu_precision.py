@@ -150,15 +150,11 @@ def test_1d_strided_inputs_in_their_dtype_match_the_reference(products, dilation
     assert_close_to_reference(*case_1d(products[1], dilation, causal, D, window), products)
 
 
-@pytest.mark.parametrize("products", [p for p in PATHS if p[1] != torch.float32], ids=path_ids, indirect=True)
-@pytest.mark.parametrize("case", ["1d", "2d"])
-def test_each_querys_score_gradients_sum_to_zero_in_half_precision(products, case):
+def assert_score_gradients_sum_to_zero(backend, dtype, case):
     """Adding one number to all of a query's scores changes nothing, so where every key has a bias (a relative one in
-    the window, a global one for the global keys) the bias gradients of a head sum to zero. The backward takes
-    delta = sum_j P_ij dP_ij from its rows, in float32; rowsum(dO * O) from the output rounded to the half type left
-    each row of dS summing to its rounding error, and the totals far from zero: up to 8% of the gradients' size
-    here, where the entries' own rounding allows 0.4% in bfloat16 and 0.05% in float16."""
-    dtype, gen = products[1], torch.Generator().manual_seed(0)
+    the window, a global one for the global keys) the bias gradients of a head sum to zero, within the rounding of
+    each entry to ``dtype``. Values far from 0 make the rounding of an output large against the score gradients."""
+    gen = torch.Generator().manual_seed(0)
     B, H, D, G = 3, 2, 33, 2
     if case == "2d":
         q, k, v = (torch.randn(B, H, 4, 16, D, generator=gen).to(dtype) for _ in range(3))
@@ -172,7 +168,7 @@ def test_each_querys_score_gradients_sum_to_zero_in_half_precision(products, cas
         options = dict(dilation=(1, 4), causal=True, key_padding_mask=padding)
         attend = local_attention_1d
     global_k, global_v = (torch.randn(B, H, G, D, generator=gen).to(dtype) for _ in range(2))
-    v, global_v = v + 16, global_v + 16  # values far from 0: an output's rounding is large against dS
+    v, global_v = v + 16, global_v + 16
     global_bias = torch.randn(H, G, generator=gen).requires_grad_()  # float32 tables, as under autocast
     out = attend(
         q,
@@ -183,13 +179,22 @@ def test_each_querys_score_gradients_sum_to_zero_in_half_precision(products, cas
         global_v=global_v,
         rel_bias=rel_bias,
         global_bias=global_bias,
-        backend="fused_cpu",
+        backend=backend,
         **options,
     )
     out.backward(torch.randn(out.shape, generator=gen).to(dtype))
     total = rel_bias.grad.sum(1) + global_bias.grad.sum(1)
     size = rel_bias.grad.abs().sum(1) + global_bias.grad.abs().sum(1)
-    assert (total.abs() <= torch.finfo(dtype).eps / 2 * size).all(), (total / size).tolist()  # each entry rounded
+    assert (total.abs() <= torch.finfo(dtype).eps / 2 * size).all(), (total / size).tolist()
+
+
+@pytest.mark.parametrize("products", [p for p in PATHS if p[1] != torch.float32], ids=path_ids, indirect=True)
+@pytest.mark.parametrize("case", ["1d", "2d"])
+def test_each_querys_score_gradients_sum_to_zero_in_half_precision(products, case):
+    """The backward takes delta = sum_j P_ij dP_ij from its rows, in float32; rowsum(dO * O) from the output rounded
+    to the half type left each row of dS summing to its rounding error, and the totals far from zero: up to 8% of
+    the gradients' size here, where the entries' own rounding allows 0.4% in bfloat16 and 0.05% in float16."""
+    assert_score_gradients_sum_to_zero("fused_cpu", products[1], case)
 
 
 @pytest.mark.parametrize("products", [p for p in PATHS if p[1] == torch.bfloat16], ids=path_ids, indirect=True)

@@ -9,6 +9,7 @@ import sysconfig
 
 import pytest
 import torch
+from test_fused_cpu_precision import assert_score_gradients_sum_to_zero
 
 from vil.ops import available_backends, check_backend, default_backend, local_attention_1d, local_attention_2d
 from vil.ops.backends import fused_cpu, reference
@@ -997,6 +998,17 @@ def test_float16_scores_beyond_its_range(dims, backend):
     for name, got, want in (("output", out, expected), ("v", grads[2], expected_grads[2])):
         scale = want.abs().max().item()
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-2 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "dims,backend", [(dims, b) for dims, names in FLOAT32_SCORES.items() for b in names if b != "fused_cpu"]
+)
+def test_half_precision_score_gradients_sum_to_zero(dims, backend, dtype):
+    """The softmax backward's row term in float32, as fused_cpu's (tests/test_fused_cpu_precision.py, on each of
+    its ways of multiplying): chunk_rows took it from the output rounded to the half type, and its bias gradients of a
+    head summed to 8% of their size in bfloat16."""
+    assert_score_gradients_sum_to_zero(backend, dtype, f"{dims}d")
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS + ["reference"])

@@ -3,10 +3,11 @@
 For chunk row ``r`` the keys and values of chunk rows ``r-1 .. r+1`` (zero padded, or wrapped around for
 SW_EXACT -1) are copied into a band and unfolded into the 3x3-chunk window of every chunk of the row
 (``torch.nn.functional.unfold``, kernel 3w, stride w); the row's scores, softmax and output follow. The forward
-saves only q, k, v, the output and the log-sum-exp; the backward recomputes one row's scores at a time and
-sends the window gradients back through the band with autograd (``F.fold``, the unfold's adjoint). So training
-memory is the inputs, outputs and gradients plus one row's windows: it grows with tokens x head_dim, not
-tokens x window. SW_EXACT 1 uses the same chunks (they hold every exact window) and masks by distance.
+saves only q, k, v and the log-sum-exp; the backward recomputes one row's scores at a time, takes the softmax's row
+term from them (in float32 or wider, not from the output rounded to q's dtype) and sends the window gradients back
+through the band with autograd (``F.fold``, the unfold's adjoint). So training memory is the inputs, outputs and
+gradients plus one row's windows: it grows with tokens x head_dim, not tokens x window. SW_EXACT 1 uses the same
+chunks (they hold every exact window) and masks by distance.
 """
 
 import torch
@@ -144,14 +145,14 @@ class _ChunkRows(torch.autograd.Function):
                 row_out += torch.matmul(probs[..., :G], global_v[b, h, None].to(dtype))
             geo.put_row(out[b, h], row_out, r)
             geo.put_row(lse[b, h], row_lse, r)
-        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, out, lse)
+        ctx.save_for_backward(q, k, v, global_k, global_v, rel_bias, global_bias, lse)
         ctx.geo, ctx.scale = geo, scale
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, global_k, global_v, rel_bias, global_bias, out, lse = ctx.saved_tensors
+        q, k, v, global_k, global_v, rel_bias, global_bias, lse = ctx.saved_tensors
         geo, scale = ctx.geo, ctx.scale
         B, H, X, Y, D = q.shape
         G = 0 if global_k is None else global_k.shape[2]
@@ -168,7 +169,6 @@ class _ChunkRows(torch.autograd.Function):
         for r, b, h in geo.blocks(B, H):
             queries, row_dout = geo.queries(q[b, h].to(dtype), r), geo.queries(grad_out[b, h].to(dtype), r)
             row_lse = geo.queries(lse[b, h], r)
-            row_delta = (row_dout * geo.queries(out[b, h].to(dtype), r)).sum(-1, keepdim=True)  # rowsum(dO * O)
             rows = geo.band_rows(r, q.device)[0]
             with torch.enable_grad():
                 # The band's masking, padding and unfold, recorded so that autograd folds window gradients back.
@@ -191,6 +191,9 @@ class _ChunkRows(torch.autograd.Function):
             if G:
                 head_global_v = global_v[b, h].to(dtype)
                 d_probs = torch.cat([torch.matmul(row_dout, head_global_v.transpose(-1, -2)[:, None]), d_probs], dim=-1)
+            # The softmax backward's row term sum_j P_ij dP_ij, from the rows in the compute dtype: rowsum(dO * O)
+            # from the output rounded to a half type leaves each row of dS summing to that rounding error.
+            row_delta = (probs * d_probs).sum(-1, keepdim=True)
             d_scores = probs * (d_probs - row_delta)
             local = d_scores[..., G:]
             row_dq = torch.matmul(local, keys.detach()) * scale
