@@ -254,6 +254,69 @@ def test_a_classifier_with_a_missing_or_foreign_part_is_refused_naming_it(tmp_pa
             )
 
 
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("module.head.weight", torch.zeros(()), r"a head.weight of shape \(\) and a head.bias of shape \(2,\)"),
+        ("module.head.weight", torch.zeros(32, 2), r"a head.weight of shape \(32, 2\) and a head.bias of shape \(2,\)"),
+        (
+            "module.layer3.0.y_pos_embed",
+            torch.zeros(()),
+            r"1 mis-shaped \(checkpoint vs model\): layer3.0.y_pos_embed \(\)",
+        ),
+        (
+            "module.layer2.0.proj.weight",
+            torch.zeros(32, 16, 2, 2, dtype=torch.int32),
+            r"1 of another kind of number \(checkpoint vs model\): layer2.0.proj.weight torch.int32 vs torch.float32",
+        ),
+        (
+            "module.layer1.0.proj.bias",
+            torch.zeros(16, dtype=torch.bool),
+            r"layer1.0.proj.bias torch.bool vs torch.float32",
+        ),
+        ("module.norm.weight", torch.zeros(32, dtype=torch.complex64), r"norm.weight torch.complex64 vs torch.float32"),
+    ],
+    ids=["scalar classifier", "transposed classifier", "scalar position table", "integers", "booleans", "complex"],
+)
+def test_tensors_that_are_not_the_models_are_refused_naming_them(tmp_path, key, value, named):
+    """Whether the run keeps the classifier or trains a new one, and at another image size (whose position tables
+    are resized first): a classifier that is not a linear layer's, a position table of another shape, and whole,
+    boolean or complex numbers where the model has real ones are one sentence naming them (the last were cast and
+    loaded, with a warning for the complex ones; the others stopped with an IndexError)."""
+    original_checkpoint(tmp_path / "tiny.pth", img_size=32, num_classes=2)
+    checkpoint = torch.load(tmp_path / "tiny.pth", weights_only=True)
+    checkpoint["net"][key] = value
+    torch.save(checkpoint, tmp_path / "changed.pth")
+    overrides = [
+        "MODEL.VIT.MSVIT.ARCH",
+        TINY_ARCH,
+        "DATA.NUM_CLASSES",
+        "2",
+        "MODEL.MODEL_PATH",
+        str(tmp_path / "changed.pth"),
+    ]
+    for new_classifier, size in ((False, 32), (True, 48)):
+        with pytest.raises(ValueError, match=rf"changed.pth (has|does not fit).*{named}") as refusal:
+            load_weights(
+                MsViT(TINY_ARCH, img_size=size, num_classes=2),
+                load_cfg(overrides=[*overrides, "INPUT.IMAGE_SIZE", str(size)]),
+                new_classifier=new_classifier,
+            )
+        assert "\n" not in str(refusal.value)
+
+
+def test_a_half_precision_checkpoint_loads_its_values(tmp_path):
+    source = original_checkpoint(tmp_path / "tiny.pth", img_size=32, num_classes=2)
+    checkpoint = torch.load(tmp_path / "tiny.pth", weights_only=True)
+    checkpoint["net"] = {k: v.to(torch.bfloat16) for k, v in checkpoint["net"].items()}
+    torch.save(checkpoint, tmp_path / "half.pth")
+    overrides = ["MODEL.VIT.MSVIT.ARCH", TINY_ARCH, "INPUT.IMAGE_SIZE", "32", "DATA.NUM_CLASSES", "2"]
+    model = MsViT(TINY_ARCH, img_size=32, num_classes=2)
+    load_weights(model, load_cfg(overrides=[*overrides, "MODEL.MODEL_PATH", str(tmp_path / "half.pth")]))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, source.state_dict()[key].to(torch.bfloat16).float()), key
+
+
 def test_evaluate_true_makes_train_py_evaluate_model_path(tmp_path):
     data = make_folder(tmp_path / "data", per_class=6)
     original_checkpoint(tmp_path / "tiny.pth", img_size=32, num_classes=2)

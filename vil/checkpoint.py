@@ -302,13 +302,19 @@ def check_fits(state, model, path, may_miss=()):
         for k, v in expected.items()
         if k in state and state[k].shape != v.shape
     ]
-    if missing or unexpected or mis_shaped:
+    # Loading casts floating tensors to the model's precision; integers, booleans or complex numbers where the model
+    # has real numbers (or the other way round) are not weights it was trained with.
+    of_another_kind = [
+        f"{k} {state[k].dtype} vs {v.dtype}" for k, v in expected.items() if k in state and _kind(state[k]) != _kind(v)
+    ]
+    if missing or unexpected or mis_shaped or of_another_kind:
         problems = [
             f"{len(items)} {what}: {_sample(items)}"
             for what, items in (
                 ("missing", missing),
                 ("unexpected", unexpected),
                 ("mis-shaped (checkpoint vs model)", mis_shaped),
+                ("of another kind of number (checkpoint vs model)", of_another_kind),
             )
             if items
         ]
@@ -355,6 +361,11 @@ def check_shared(state, model, path):
 
 def _unwrap(model):
     return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
+
+
+def _kind(tensor):
+    """What kind of numbers a tensor holds: complex, floating point, or whole numbers and booleans."""
+    return "complex" if tensor.is_complex() else "floating" if tensor.is_floating_point() else "whole"
 
 
 def _sample(items, limit=6):

@@ -87,6 +87,14 @@ def _check_classifier_parts(head, path):
             f"Checkpoint {path} has {found} a linear classifier (head.weight and head.bias) "
             f"{'does not have' if odd else 'needs'}; use a checkpoint of a ViL classification model."
         )
+    if head and (
+        len(head["head.weight"]) != 2 or len(head["head.bias"]) != 1 or head["head.weight"][0] != head["head.bias"][0]
+    ):
+        raise ValueError(
+            f"Checkpoint {path} has a head.weight of shape {tuple(head['head.weight'])} and a head.bias of shape "
+            f"{tuple(head['head.bias'])}, which are not a linear classifier's (classes x features and classes); use "
+            "a checkpoint of a ViL classification model."
+        )
 
 
 def _listed(differences):

@@ -48,11 +48,13 @@ def infer_image_size(state, specs):
     for spec in specs:
         stride *= spec.patch
         prefix = f"layer{spec.index}."
-        rows = state.get(prefix + "0.x_pos_embed")
-        if rows is not None:
-            return rows.shape[1] * stride, state[prefix + "0.y_pos_embed"].shape[1] * stride
+        rows, cols = state.get(prefix + "0.x_pos_embed"), state.get(prefix + "0.y_pos_embed")
+        if rows is not None and cols is not None:
+            if rows.dim() != 3 or cols.dim() != 3:  # not position tables: the shape check names them
+                return None
+            return rows.shape[1] * stride, cols.shape[1] * stride
         for key, value in state.items():
-            if key.startswith(prefix) and _is_full_table(key, state):
+            if key.startswith(prefix) and _is_full_table(key, state) and value.dim() == 2:
                 side = math.isqrt(value.shape[0])
                 if side * side == value.shape[0] and side % 2:
                     return (side + 1) // 2 * stride, (side + 1) // 2 * stride
@@ -66,12 +68,12 @@ def resize_tables(state, specs, old_size, new_size, pad=False):
     old_maps, new_maps = stage_map_sizes(specs, old_size, pad), stage_map_sizes(specs, new_size, pad)
     resized = {}
     for key, value in state.items():
-        i = _stage_position(key, specs)
-        if i is not None and key.endswith(".x_pos_embed"):
+        i = _stage_position(key, specs)  # tables of other shapes are left as they are, for the shape check to name
+        if i is not None and key.endswith(".x_pos_embed") and value.dim() == 3:
             value = resize_position_embedding(value, new_maps[i][0])
-        elif i is not None and key.endswith(".y_pos_embed"):
+        elif i is not None and key.endswith(".y_pos_embed") and value.dim() == 3:
             value = resize_position_embedding(value, new_maps[i][1])
-        elif i is not None and _is_full_table(key, state):
+        elif i is not None and _is_full_table(key, state) and value.dim() == 2:
             value = resize_full_bias_table(value, old_maps[i], new_maps[i])
         resized[key] = value
     return resized
