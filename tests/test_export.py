@@ -13,7 +13,7 @@ import vil.models.attention
 from vil.checkpoint import save_checkpoint
 from vil.config import load_cfg
 from vil.detection import ViLBackbone, build_fpn_backbone, export_state
-from vil.export import export_onnx, export_program, onnx_outputs
+from vil.export import export_onnx, export_program, onnx_model, onnx_outputs
 from vil.model_config import build_model
 from vil.models import PRESETS, MsViT, arch_string, parse_arch
 
@@ -452,6 +452,26 @@ def test_a_padding_model_whose_last_stage_has_patches_of_one_position_exports_fo
             torch.testing.assert_close(program.module()(images), model(images))
 
 
+def test_programs_of_standard_operators_take_sizes_whether_or_not_the_maps_fill_their_chunks():
+    """The decomposition sliced each chunked map out of its padded chunks: a view that is contiguous exactly where
+    the map fills them, which torch.export kept as a guard on the size. Traced at 32x24 the program of standard
+    operators refused every other size in that guard; traced at 32x16, where the last stage has one chunk per side,
+    the check of the sizes taken missed it, and the ONNX file stopped in onnxruntime's Reshape at 24x24. The map's
+    rows and columns are now gathered: the program takes every size at which each chunked stage has two chunks per
+    side (torch's decomposition of F.unfold guards against one), the ONNX file every size, and a trace at 32x16 is
+    refused in one sentence naming a size that works."""
+    torch.manual_seed(0)
+    arch = "l1,h1,d2,n1,s0,g1,p2,f2,a1_l2,h1,d6,n1,s1,g1,p2,f3,a0_l3,h1,d4,n2,s1,g2,p1,f5,a1_l4,h3,d12,n1,g0,p2,f2,a0"
+    model = MsViT(arch, img_size=32, num_classes=3).eval()
+    program = export_program(model, 32, 24, standard_operators=True)
+    for size in ((24, 24), (40, 48), (56, 40)):
+        images = torch.randn(2, 3, *size)
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(images), model(images), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"Traced at 32x16, .* one chunk per side.*export at 32x24 or larger"):
+        onnx_model(model, 32, 16)
+
+
 def test_features_only_models_and_backbones_export_with_their_maps_named():
     """timm's features_only wrapper exports like the model it holds (it had no sizes of its own to read), and an
     ONNX file of maps names them map0, map1, ... (they were named logits and the graph's node names)."""
@@ -519,7 +539,7 @@ def test_export_onnx_tool_writes_only_a_file_that_passes_its_check(tmp_path, mon
     error = failure(TINY, 20)
     assert re.search(r"INPUT.IMAGE_SIZE 20 .* at 16 .* stride 16.* at least 32; set INPUT.IMAGE_SIZE to 32", error)
     error = failure(ONE_CHUNK, 64)
-    assert re.search(r"Traced at 64x64.* at most 80x4096 .* export at 96x96 or larger", error), error
+    assert re.search(r"Traced at 64x64.* at most 80x80 .* export at 96x96 or larger", error), error
     monkeypatch.setattr(export_onnx_tool, "onnx_model", lambda *args, **kwargs: _file_of_one_input_shape())
     assert "onnxruntime cannot run the exported file at 32x32 (" in failure(TINY, 32)
 

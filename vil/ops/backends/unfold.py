@@ -32,8 +32,15 @@ def _pad_map(x, window, exact):
     if exact == 1:
         return F.pad(x, (w, w, w, w))
     X, Y = x.shape[-2:]
-    x = F.pad(x, (0, -Y % w, 0, -X % w))
+    x = F.pad(x, (0, _chunks(Y, w) * w - Y, 0, _chunks(X, w) * w - X))
     return F.pad(x, (w, w, w, w), mode="circular" if exact == -1 else "constant")
+
+
+def _chunks(side, window):
+    """The chunks of ``window`` positions along a side, the last one padded. Rounded up by floor division, never
+    Python's %: under torch.export the map, padded to this many chunks, then reshapes to them and back with sizes
+    torch knows to be equal, and no guard on the size of the kind that would hold only at the traced one."""
+    return (side + window - 1) // window
 
 
 def _tensor_unfold(x, size, step):
@@ -87,14 +94,15 @@ def unfolded_attention(unfold, q, k, v, hood, extras):
     real = unfold(_pad_map(ones, w, exact), size, step)[0, 0] > 0  # (n_rows, n_cols, K)
     allowed, bias_index = _window_tables(X, Y, w, exact, mode, q.device)
     keys, values = windows(k), windows(v)
-    n_rows, n_cols, K = real.shape
+    K = real.shape[-1]
+    n_rows, n_cols = (_chunks(X, w), _chunks(Y, w)) if exact != 1 else (X, Y)
 
     if exact == 1:
         queries = q.reshape(B * H, X, Y, 1, D)  # one query per unfolded window
         valid = real[:, :, None, :]
     else:
         S = w * w
-        grid = F.pad(q, (0, 0, 0, -Y % w, 0, -X % w))  # queries by chunk: (B*H, mx, my, S, D)
+        grid = F.pad(q, (0, 0, 0, n_cols * w - Y, 0, n_rows * w - X))  # queries by chunk: (B*H, mx, my, S, D)
         queries = (
             grid.reshape(B * H, n_rows, w, n_cols, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_rows, n_cols, S, D)
         )
@@ -118,7 +126,10 @@ def unfolded_attention(unfold, q, k, v, hood, extras):
     if exact == 1:
         return out.reshape(B, H, X, Y, D)
     out = out.reshape(B * H, n_rows, n_cols, w, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B, H, n_rows * w, n_cols * w, D)
-    return out[:, :, :X, :Y]
+    # The map's rows and columns out of the padded chunks, gathered: a slice would be contiguous exactly where the
+    # map fills its chunks, which torch.export would turn into a guard holding only at the traced size's kind.
+    rows, cols = torch.arange(X, device=q.device), torch.arange(Y, device=q.device)
+    return out.index_select(2, rows).index_select(3, cols)
 
 
 BACKEND = Backend("unfold", attention_2d=partial(unfolded_attention, _tensor_unfold), dilation_2d="split")
