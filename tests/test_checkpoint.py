@@ -97,6 +97,21 @@ def test_checkpoint_of_another_architecture_is_one_sentence(tmp_path):
     assert "\n" not in message
 
 
+def test_tensors_of_another_kind_of_number_are_named(tmp_path):
+    """Loading casts floating-point tensors to the model's precision; whole, boolean or complex numbers where the
+    model has real ones are named with both dtypes (they were cast and loaded)."""
+    state = model(0).state_dict()
+    state["layer1.0.proj.weight"] = state["layer1.0.proj.weight"].to(torch.int64)
+    state["norm.bias"] = state["norm.bias"] > 0
+    state["head.bias"] = state["head.bias"].half()  # loads, cast
+    torch.save(state, tmp_path / "mixed.pth")
+    with pytest.raises(ValueError, match=r"2 of another kind of number \(checkpoint vs model\): ") as refusal:
+        load_checkpoint(model(1), tmp_path / "mixed.pth")
+    assert {"layer1.0.proj.weight torch.int64 vs torch.float32", "norm.bias torch.bool vs torch.float32"} <= set(
+        re.split(r": |, |\)", str(refusal.value))
+    )
+
+
 def test_missing_and_unreadable_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_checkpoint(model(0), tmp_path / "nope.pth")

@@ -1,5 +1,6 @@
 """The backbone at any input size, its multi-scale features, and torchvision's detectors on top of it."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from vil.checkpoint import save_checkpoint
 from vil.config import load_cfg
 from vil.detection import BACKBONE_OPTIONS, ViLBackbone, build_fpn_backbone, export_state, load_backbone_checkpoint
 from vil.model_config import build_model, model_kwargs
-from vil.models import PRESETS, MsViT, stage_map_sizes
+from vil.models import PRESETS, MsViT, arch_string, parse_arch, stage_map_sizes
 from vil.models.convert import resize_tables
 from vil.models.tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
 
@@ -356,6 +357,29 @@ def test_a_classification_checkpoint_builds_the_backbone_with_its_trained_option
         build_fpn_backbone(default_cfg, checkpoint=tmp_path / "cls.pth")
     with pytest.raises(ValueError, match=r"share_w False \(MODEL.VIT.MSVIT.SHARE_W\), not True"):
         load_backbone_checkpoint(ViLBackbone(SMALL, img_size=64), tmp_path / "cls.pth", SMALL)
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("layer1.0.x_pos_embed", torch.zeros(1, 16, 8, dtype=torch.int32), r"layer1.0.x_pos_embed as torch.int32"),
+        ("layer3.1.attn.qkv.bias", torch.zeros(()), r"layer3.1.attn.qkv.bias as torch.float32 of shape \(\)"),
+        ("layer1.0.cls_token", torch.zeros(16), r"layer1.0.cls_token .* of shape \(16,\).* in 3 dimensions"),
+    ],
+    ids=["integer position table", "scalar projection", "flat global token"],
+)
+def test_tensors_the_conversions_cannot_take_are_one_sentence(tmp_path, key, value, named):
+    """A position table to resize, a projection to split or global tokens to repeat that are not a ViL model's: one
+    sentence naming the tensor (they stopped in the conversions with torch's errors)."""
+    small_checkpoint(tmp_path / "cls.pth")
+    checkpoint = torch.load(tmp_path / "cls.pth", weights_only=True)
+    checkpoint["net"][key] = value
+    torch.save(checkpoint, tmp_path / "changed.pth")
+    conversions = dict(full_attention_to_local=True, num_global=2)
+    body = ViLBackbone(arch_string([replace(s, local=True, num_global=2) for s in parse_arch(SMALL)]), img_size=48)
+    with pytest.raises(ValueError, match=rf"changed.pth holds {named}.*use a checkpoint of a ViL model") as refusal:
+        load_backbone_checkpoint(body, tmp_path / "changed.pth", SMALL, **conversions)
+    assert "\n" not in str(refusal.value)
 
 
 def test_a_backbone_of_fewer_stages_loads_the_stages_it_keeps(tmp_path):

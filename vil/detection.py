@@ -29,6 +29,7 @@ from .models import PRESETS, MsViT, arch_string, parse_arch, stage_map_sizes
 from .models.convert import (
     MODEL_DEFINING_KEYS,
     backbone_specs,
+    check_convertible,
     convert_classification_state,
     infer_image_size,
     option_name,
@@ -372,6 +373,7 @@ def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
     check_options(trained_options(checkpoint, path) or {}, body.model_options, path)
     specs = body.stage_specs
     state = backbone_state(checkpoint)
+    check_convertible(model_state(checkpoint, path) if state is None else state, path)
     if state is not None:  # exports hold tables for the maps of patch embeddings that pad
         info, built_arch = export_info(checkpoint), arch_string([*specs, *body.pruned_specs])
         if isinstance(info.get("arch"), str) and arch_string(parse_arch(info["arch"])) != built_arch:

@@ -175,11 +175,40 @@ MODEL_DEFINING_KEYS = {
 }
 
 
+# The number of dimensions of the tensors the conversions resize, split or repeat, by the ends of their names.
+_CONVERTED_DIMS = {
+    ".x_pos_embed": 3,
+    ".y_pos_embed": 3,
+    ".cls_token": 3,
+    ".cls_pos_embed": 3,
+    ".g2l_relative_position_bias": 3,
+    ".g2g_relative_position_bias": 3,
+    ".local_relative_position_bias_table": 2,
+    ".qkv.weight": 2,
+    ".qkv.bias": 1,
+}
+
+
+def check_convertible(state, path):
+    """Refuse, in one sentence naming it, a tensor the conversions cannot take: numbers other than floating-point
+    ones (a ViL model holds no others), or a table, token or projection with another number of dimensions than a
+    ViL model's. What else does not fit the model is named once the state is converted."""
+    for key, value in state.items():
+        dims = next((d for end, d in _CONVERTED_DIMS.items() if key.endswith(end)), None)
+        if not value.is_floating_point() or (dims is not None and value.dim() != dims):
+            wanted = "floating-point numbers" if dims is None else f"floating-point numbers in {dims} dimensions"
+            raise ValueError(
+                f"Checkpoint {path} holds {key} as {value.dtype} of shape {tuple(value.shape)}, where a ViL model "
+                f"holds {wanted}; use a checkpoint of a ViL model."
+            )
+
+
 def fit_to_model(state, model, path, adapted=()):
     """A model state dict for ``model`` (an :class:`~vil.models.MsViT`): position tables resized when the model
     was built for another image size than the state's (taken as square, as both releases train). A state of
     another architecture, or with different tensors under names that are one tensor in the model, is refused in
     one sentence naming the keys; the classifier, and the keys in ``adapted``, may differ."""
+    check_convertible(state, path)
     state, expected = with_shared_names(state, model), model.state_dict()
     if any(k in expected and expected[k].shape != v.shape for k, v in state.items()):
         source = infer_image_size(state, model.stage_specs)

@@ -94,7 +94,6 @@ def unfolded_attention(unfold, q, k, v, hood, extras):
     real = unfold(_pad_map(ones, w, exact), size, step)[0, 0] > 0  # (n_rows, n_cols, K)
     allowed, bias_index = _window_tables(X, Y, w, exact, mode, q.device)
     keys, values = windows(k), windows(v)
-    K = real.shape[-1]
     n_rows, n_cols = (_chunks(X, w), _chunks(Y, w)) if exact != 1 else (X, Y)
 
     if exact == 1:
