@@ -50,7 +50,8 @@ def infer_image_size(state, specs):
         prefix = f"layer{spec.index}."
         rows, cols = state.get(prefix + "0.x_pos_embed"), state.get(prefix + "0.y_pos_embed")
         if rows is not None and cols is not None:
-            if rows.dim() != 3 or cols.dim() != 3:  # not position tables: the shape check names them
+            # The export tool reads the size before the tables are checked: tables of another shape tell none.
+            if rows.dim() != 3 or cols.dim() != 3:
                 return None
             return rows.shape[1] * stride, cols.shape[1] * stride
         for key, value in state.items():
@@ -68,12 +69,12 @@ def resize_tables(state, specs, old_size, new_size, pad=False):
     old_maps, new_maps = stage_map_sizes(specs, old_size, pad), stage_map_sizes(specs, new_size, pad)
     resized = {}
     for key, value in state.items():
-        i = _stage_position(key, specs)  # tables of other shapes are left as they are, for the shape check to name
-        if i is not None and key.endswith(".x_pos_embed") and value.dim() == 3:
+        i = _stage_position(key, specs)
+        if i is not None and key.endswith(".x_pos_embed"):
             value = resize_position_embedding(value, new_maps[i][0])
-        elif i is not None and key.endswith(".y_pos_embed") and value.dim() == 3:
+        elif i is not None and key.endswith(".y_pos_embed"):
             value = resize_position_embedding(value, new_maps[i][1])
-        elif i is not None and _is_full_table(key, state) and value.dim() == 2:
+        elif i is not None and _is_full_table(key, state):
             value = resize_full_bias_table(value, old_maps[i], new_maps[i])
         resized[key] = value
     return resized
@@ -190,16 +191,15 @@ _CONVERTED_DIMS = {
 
 
 def check_convertible(state, path):
-    """Refuse, in one sentence naming it, a tensor the conversions cannot take: numbers other than floating-point
-    ones (a ViL model holds no others), or a table, token or projection with another number of dimensions than a
-    ViL model's. What else does not fit the model is named once the state is converted."""
+    """Refuse, in one sentence naming it, a table, token or projection that the conversions cannot take: one of
+    other numbers than floating-point ones, or with another number of dimensions than a ViL model's. What else does
+    not fit the model (other tensors of another kind of number included) is named once the state is converted."""
     for key, value in state.items():
         dims = next((d for end, d in _CONVERTED_DIMS.items() if key.endswith(end)), None)
-        if not value.is_floating_point() or (dims is not None and value.dim() != dims):
-            wanted = "floating-point numbers" if dims is None else f"floating-point numbers in {dims} dimensions"
+        if dims is not None and (not value.is_floating_point() or value.dim() != dims):
             raise ValueError(
                 f"Checkpoint {path} holds {key} as {value.dtype} of shape {tuple(value.shape)}, where a ViL model "
-                f"holds {wanted}; use a checkpoint of a ViL model."
+                f"holds floating-point numbers in {dims} dimensions; use a checkpoint of a ViL model."
             )
 
 
