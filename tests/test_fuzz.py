@@ -1,7 +1,8 @@
 """Fuzz tests (hypothesis, a fixed seed and a bounded number of examples, about a minute together): damaged
 image files and random config overrides end in a result or in one sentence, never in a traceback; random valid
-2D and 1D local-attention requests give every CPU backend the reference's result (1D: every gradient too), and
-random models the reference backend's logits and gradients.
+2D and 1D local-attention requests give every CPU backend the reference's result (1D: every gradient too),
+random models the reference backend's logits and gradients, and checkpoints altered in their structure load their
+own values or stop in one sentence.
 
 A longer profile, by hand: ``VIL_FUZZ_EXAMPLES=500 python -m pytest tests/test_fuzz.py``.
 """
@@ -386,3 +387,71 @@ def test_random_models_give_the_reference_backends_logits_and_gradients(
         assert (want.grad is None) == (got.grad is None), name
         if want.grad is not None:
             torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-10, msg=name)
+
+
+# Checkpoints altered in their structure: a key dropped, added or renamed, a tensor reshaped, made a scalar, cast to
+# another dtype or replaced by a number, the state put under another key. Loading gives the file's own values (cast
+# to the model's precision), or stops in one sentence; never other values, never a traceback.
+
+ALTERATIONS = ("drop", "add", "rename", "reshape", "scalar", "dtype", "number", "rehome")
+DTYPES = (torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.bool, torch.complex64)
+
+
+def altered(net, how, index, dtype):
+    """``net`` (a state dict with original-release names) with one alteration at its ``index``-th key."""
+    key = sorted(net)[index % len(net)]
+    value = net[key]
+    if how == "drop":
+        del net[key]
+    elif how == "add":
+        net[key + "_extra"] = torch.zeros(3)
+    elif how == "rename":
+        net[key.replace(".", "_", 1)] = net.pop(key)
+    elif how == "reshape":
+        net[key] = value.reshape(-1)[:-1].clone() if value.numel() > 1 else value.reshape(1, 1)
+    elif how == "scalar":
+        net[key] = torch.tensor(1.0)
+    elif how == "dtype":
+        net[key] = value.to(dtype)
+    elif how == "number":
+        net[key] = 3
+    else:  # the whole state under a key of its own, as no writer puts it
+        return {"weights": dict(net)}
+    return net
+
+
+@seed(20261128)
+@fuzz_settings(60)
+@example(alterations=[("dtype", 0, torch.int32)], new_classifier=False)  # head.bias: cast and loaded, once
+@example(alterations=[("scalar", 0, torch.float32)], new_classifier=True)  # an IndexError, once
+@given(
+    alterations=st.lists(
+        st.tuples(st.sampled_from(ALTERATIONS), st.integers(0, 500), st.sampled_from(DTYPES)), min_size=1, max_size=2
+    ),
+    new_classifier=st.booleans(),
+)
+def test_altered_checkpoints_load_their_own_values_or_stop_in_one_sentence(
+    tmp_path_factory, alterations, new_classifier
+):
+    from vil.config import load_cfg
+    from vil.weights import load_weights
+
+    arch = "l1,h1,d16,p4,f2,g1_l2,h1,d32,f2,a0_l3,h2,d32,s0"
+    root = tmp_path_factory.mktemp("altered")
+    torch.manual_seed(0)
+    net = {f"module.{k}": v for k, v in MsViT(arch, img_size=32, num_classes=5, share_w=False).state_dict().items()}
+    for how, index, dtype in alterations:
+        net = altered(net, how, index, dtype) if "weights" not in net else net
+    torch.save({"net": net, "arch": "msvit", "epoch": 300}, root / "altered.pth")
+    overrides = ["MODEL.VIT.MSVIT.ARCH", arch, "MODEL.VIT.MSVIT.SHARE_W", "False", "INPUT.IMAGE_SIZE", "32"]
+    overrides += ["DATA.NUM_CLASSES", "5", "MODEL.MODEL_PATH", str(root / "altered.pth")]
+    torch.manual_seed(1)
+    model = MsViT(arch, img_size=32, num_classes=5, share_w=False)
+    try:
+        load_weights(model, load_cfg(overrides=overrides), new_classifier=new_classifier)
+    except ValueError as error:
+        assert_one_sentence(error)
+        return
+    for key, value in model.state_dict().items():
+        stored = net[f"module.{key}"]
+        assert value.dtype == torch.float32 and torch.equal(value, stored.to(torch.float32)), key
