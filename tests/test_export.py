@@ -472,6 +472,19 @@ def test_programs_of_standard_operators_take_sizes_whether_or_not_the_maps_fill_
         onnx_model(model, 32, 16)
 
 
+def test_a_model_of_total_stride_one_exports_with_its_operators_and_refuses_standard_ones_in_one_sentence():
+    """Every stage with patch size 1: torch takes the sides as they are rather than narrowing them, and stopped the
+    standard operators' trace in its own UserError, on guards it cannot prove for every size."""
+    torch.manual_seed(0)
+    model = MsViT("l1,h1,d6,p1,f2,a0_l2,h1,d4,p1,f3,a0_l3,h1,d6,p1,f3", img_size=16, num_classes=3).eval()
+    with pytest.raises(ValueError, match=r"cannot prove .* traced at 16x16 .*--static.*without standard_operators"):
+        onnx_model(model, 16, 16)
+    program = export_program(model, 16, 16)
+    images = torch.randn(1, 3, 11, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(images), model(images))
+
+
 def test_features_only_models_and_backbones_export_with_their_maps_named():
     """timm's features_only wrapper exports like the model it holds (it had no sizes of its own to read), and an
     ONNX file of maps names them map0, map1, ... (they were named logits and the graph's node names)."""

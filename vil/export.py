@@ -98,11 +98,27 @@ def _traced(model, height, width, dynamic_size=True):
     try:
         with torch.no_grad():
             program = torch.export.export(model.eval(), (example,), dynamic_shapes=dims, strict=False)
+    except torch._dynamo.exc.UserError as error:
+        if error.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+            raise
+        raise ValueError(_unprovable(described, error, height, width)) from None
     finally:
         model.train(training)
     if 2 in dims[0]:
         _check_any_size(described, program, height, width)
     return example, program
+
+
+def _unprovable(model, error, height, width):
+    """One sentence for a trace whose guards on the image size torch cannot prove for every size declared (e.g. a
+    model of total stride 1, whose sides torch takes as they are rather than narrowing them)."""
+    reason = str(error).splitlines()[0].split(" For more information")[0].strip()
+    keep_operators = ", or keep the op's operators (vil.export.export_program without standard_operators)"
+    return (
+        f"torch.export cannot prove that the program traced at {height}x{width} takes every {_sides_taken(model)} "
+        f"it declares ({reason}); export at one image size (tools/export_onnx.py --static, "
+        f"vil.export.export_onnx(..., dynamic_size=False)){keep_operators if exporting_to_onnx() else ''}."
+    )
 
 
 def _vil_of(model):
