@@ -195,6 +195,18 @@ def test_bad_export_requests(tmp_path, capsys):
         export_backbone.main([str(tmp_path / "orig.pth"), str(tmp_path / "link.pth"), "--format", "mmdet"])
     assert f"{tmp_path / 'link.pth'} is the file it is made from, {tmp_path / 'orig.pth'}" in str(exit_info.value)
     assert (tmp_path / "orig.pth").read_bytes() == written
+    # A position table that is no table, in a checkpoint whose tables tell its image size: one line, not an IndexError.
+    damaged = original_release_checkpoint(source.state_dict())
+    damaged["net"]["module.layer1.0.x_pos_embed"] = torch.zeros(())
+    torch.save(damaged, tmp_path / "damaged.pth")
+    with pytest.raises(SystemExit) as exit_info:
+        export_backbone.main(
+            [str(tmp_path / "damaged.pth"), str(tmp_path / "out.pth"), "--format", "mmdet", "--arch", "vil_tiny"]
+        )
+    assert re.match(
+        r"error: Checkpoint .*damaged.pth holds layer1.0.x_pos_embed as torch.float32 of shape \(\),",
+        str(exit_info.value),
+    )
     with pytest.raises(ValueError, match=r"'onnx'.*torchvision, detectron2, mmdet"):
         export_state({}, "onnx", PRESETS["vil_tiny"], (224, 224))
 

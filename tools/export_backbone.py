@@ -34,7 +34,7 @@ from vil.detection import (
 from vil.files import atomic_write, check_writable_file
 from vil.model_config import model_kwargs
 from vil.models import PRESETS, MsViT, arch_string, parse_arch
-from vil.models.convert import GLOBAL_INITS, fit_to_model
+from vil.models.convert import GLOBAL_INITS, check_convertible, fit_to_model
 
 
 def _side(text):
@@ -141,6 +141,7 @@ def main(argv=None):
     try:
         check_writable_file(args.output, source=args.input)
         checkpoint = read_checkpoint(args.input)
+        check_convertible(model_state(checkpoint, args.input), args.input)  # before its tables tell the image size
         source = source_model(args, checkpoint)
         state, specs, new_size = classification_backbone_state(
             source_state(checkpoint, args.input, source),

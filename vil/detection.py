@@ -373,8 +373,8 @@ def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
     check_options(trained_options(checkpoint, path) or {}, body.model_options, path)
     specs = body.stage_specs
     state = backbone_state(checkpoint)
-    check_convertible(model_state(checkpoint, path) if state is None else state, path)
     if state is not None:  # exports hold tables for the maps of patch embeddings that pad
+        check_convertible(state, path)
         info, built_arch = export_info(checkpoint), arch_string([*specs, *body.pruned_specs])
         if isinstance(info.get("arch"), str) and arch_string(parse_arch(info["arch"])) != built_arch:
             raise ValueError(
@@ -387,6 +387,8 @@ def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
             new_maps = stage_map_sizes(specs, body.img_size, body.dynamic_img_pad)
             state = _resize_stage_tables(state, specs, stage_map_sizes(specs, size, True), new_maps)
     else:
+        classification = model_state(checkpoint, path)
+        check_convertible(classification, path)
         cfg = stored_config(checkpoint, path)
         source = dict(
             arch=source_arch,
@@ -394,7 +396,7 @@ def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
             dynamic_img_pad=cfg is not None and cfg.MODEL.VIT.DYNAMIC_IMG_PAD,
         )
         state, _, _ = classification_backbone_state(
-            model_state(checkpoint, path), source, body.dynamic_img_pad, body.img_size, **conversion
+            classification, source, body.dynamic_img_pad, body.img_size, **conversion
         )
     pruned = tuple(f"layer{spec.index}." for spec in body.pruned_specs)
     state = {k: v for k, v in state.items() if not k.startswith(pruned)}

@@ -50,12 +50,9 @@ def infer_image_size(state, specs):
         prefix = f"layer{spec.index}."
         rows, cols = state.get(prefix + "0.x_pos_embed"), state.get(prefix + "0.y_pos_embed")
         if rows is not None and cols is not None:
-            # The export tool reads the size before the tables are checked: tables of another shape tell none.
-            if rows.dim() != 3 or cols.dim() != 3:
-                return None
             return rows.shape[1] * stride, cols.shape[1] * stride
         for key, value in state.items():
-            if key.startswith(prefix) and _is_full_table(key, state) and value.dim() == 2:
+            if key.startswith(prefix) and _is_full_table(key, state):
                 side = math.isqrt(value.shape[0])
                 if side * side == value.shape[0] and side % 2:
                     return (side + 1) // 2 * stride, (side + 1) // 2 * stride

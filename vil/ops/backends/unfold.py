@@ -37,9 +37,8 @@ def _pad_map(x, window, exact):
 
 
 def _chunks(side, window):
-    """The chunks of ``window`` positions along a side, the last one padded. Rounded up by floor division, never
-    Python's %: under torch.export the map, padded to this many chunks, then reshapes to them and back with sizes
-    torch knows to be equal, and no guard on the size of the kind that would hold only at the traced one."""
+    """The chunks of ``window`` positions along a side, the last one padded: by floor division, so that under
+    torch.export the padded map and its reshapes into chunks have sizes torch knows to be equal."""
     return (side + window - 1) // window
 
 
@@ -94,13 +93,12 @@ def unfolded_attention(unfold, q, k, v, hood, extras):
     real = unfold(_pad_map(ones, w, exact), size, step)[0, 0] > 0  # (n_rows, n_cols, K)
     allowed, bias_index = _window_tables(X, Y, w, exact, mode, q.device)
     keys, values = windows(k), windows(v)
-    n_rows, n_cols = (_chunks(X, w), _chunks(Y, w)) if exact != 1 else (X, Y)
 
     if exact == 1:
         queries = q.reshape(B * H, X, Y, 1, D)  # one query per unfolded window
         valid = real[:, :, None, :]
     else:
-        S = w * w
+        S, n_rows, n_cols = w * w, _chunks(X, w), _chunks(Y, w)
         grid = F.pad(q, (0, 0, 0, n_cols * w - Y, 0, n_rows * w - X))  # queries by chunk: (B*H, mx, my, S, D)
         queries = (
             grid.reshape(B * H, n_rows, w, n_cols, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_rows, n_cols, S, D)
