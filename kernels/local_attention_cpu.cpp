@@ -92,12 +92,13 @@ void matmul(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a
   }
 }
 
-// Row-major c (m x n, float) = a b, a m x k row-major, b in pairs: k/2 rows of n pairs (b[2i][j], b[2i+1][j]), the
-// layout the CPU's half-precision dot-product instructions (and AMX tiles) read; k even.
+// Row-major c (m x n, float) = a b, a m x k row-major, b as the micro-kernel reads it (reads_pairs, below): in pairs,
+// k/2 rows of n pairs (b[2i][j], b[2i+1][j]), the layout of the CPU's half-precision dot-product instructions and of
+// AMX tiles; or plain, k rows; k even.
 template <typename S>
-void half_product(int m, int n, int k, const S* a, int lda, const S* b_pairs, int ldb, float* c, int ldc) {
+void half_product(int m, int n, int k, const S* a, int lda, const S* b, int ldb, float* c, int ldc) {
   if (m == 0 || n == 0) return;
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, false, a, b_pairs, c, true);
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, false, a, b, c, true);
 }
 
 // exp2 for t <= 0 (scores less their maximum or log-sum-exp): 2^round(t) times a degree-6 polynomial of the
@@ -1051,8 +1052,23 @@ void write_token_pairs(S* dst, const S* const* tokens, int n, int64_t D, int ldb
   }
 }
 
+// The same B operands as plain row-major matrices, k x ldb with zeros after n and in the rows up to the even k, for
+// the micro-kernels that read them so (float16 on AVX512-FP16, which widens rows to float): summing over the tokens'
+// elements, the tokens as columns (Dp x ldb); summing over the tokens, the tokens as rows (np x ldb).
+template <typename S>
+void write_element_columns(S* dst, const S* const* tokens, int n, int64_t D, int ldb) {
+  write_columns(dst, tokens, n, ldb, D);
+  if (D % 2) std::fill(dst + D * ldb, dst + (D + 1) * ldb, S(0));
+}
+
+template <typename S>
+void write_token_rows(S* dst, const S* const* tokens, int n, int64_t D, int ldb) {
+  write_rows(dst, tokens, n, D, ldb);
+  if (n % 2) std::fill(dst + static_cast<int64_t>(n) * ldb, dst + static_cast<int64_t>(n + 1) * ldb, S(0));
+}
+
 // A float matrix (n rows of length ld, row stride ld) rounded to S: as an A operand (rows of length lp), or as a B
-// operand summing over its rows (np/2 rows of ld pairs, in rows of ldb pairs).
+// operand summing over its rows (np/2 rows of ld pairs, in rows of ldb pairs; or, plain, np rows of ldb).
 template <typename S>
 void round_rows(S* dst, const float* m, int n, int ld, int lp) {
   for (int i = 0; i < n; ++i) {
@@ -1061,6 +1077,12 @@ void round_rows(S* dst, const float* m, int n, int ld, int lp) {
     for (int j = 0; j < ld; ++j) out[j] = narrow<S>(row[j]);
     std::fill(out + ld, out + lp, S(0));
   }
+}
+
+template <typename S>
+void round_even_rows(S* dst, const float* m, int n, int ld, int ldb) {
+  round_rows(dst, m, n, ld, ldb);
+  if (n % 2) std::fill(dst + static_cast<int64_t>(n) * ldb, dst + static_cast<int64_t>(n + 1) * ldb, S(0));
 }
 
 template <typename S>
@@ -1079,11 +1101,13 @@ void round_row_pairs(S* dst, const float* m, int n, int ld, int ldb) {
 }
 
 // Where the backward of the half-precision products writes the score gradients dS and the probabilities P rounded to
-// S, for the products that read them: dS as rows of lp, dS and P as row pairs in rows of ldb pairs.
+// S, for the products that read them: dS as rows of lp, dS and P as row pairs in rows of ldb pairs (or, where the
+// micro-kernel reads B operands plain, as rows of ldb).
 template <typename S>
 struct RoundedSoftmax {
   S *ds_rows, *ds_row_pairs, *p_row_pairs;
   int lp, ldb;
+  bool pairs;
 };
 
 // softmax_backward with delta from the rows (the outputs are in half precision), then the roundings (P is not needed in
@@ -1094,13 +1118,14 @@ void softmax_backward(int n, int ld, float* scores, float* grad_scores, const fl
   const float* from_rows = nullptr;  // typed, so that every overload of the float rows can take it
   softmax_backward(n, ld, scores, grad_scores, lse, from_rows, finish, grad_sum);
   round_rows(rounded.ds_rows, grad_scores, n, ld, rounded.lp);
-  round_row_pairs(rounded.ds_row_pairs, grad_scores, n, ld, rounded.ldb);
-  round_row_pairs(rounded.p_row_pairs, scores, n, ld, rounded.ldb);
+  const auto round_b = rounded.pairs ? round_row_pairs<S> : round_even_rows<S>;
+  round_b(rounded.ds_row_pairs, grad_scores, n, ld, rounded.ldb);
+  round_b(rounded.p_row_pairs, scores, n, ld, rounded.ldb);
 }
 
 #if VIL_AVX512
-// The same for bfloat16: a pass over each row for P (in place) and delta, then one over each pair of rows (a row pair
-// interleaves two rows) for dS and the roundings.
+// The same for bfloat16 (whose B operands are always pairs): a pass over each row for P (in place) and delta, then one
+// over each pair of rows (a row pair interleaves two rows) for dS and the roundings.
 inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, const float* lse,
                              const Finish<float>& finish, float* grad_sum,
                              const RoundedSoftmax<c10::BFloat16>& rounded) {
@@ -1179,10 +1204,22 @@ inline void transpose(float* dst, const float* src, int64_t rows, int64_t cols, 
   }
 }
 
+// Whether torch's micro-kernel reads the B operands of S in pairs: bfloat16 always (AVX512-BF16 dot products and AMX
+// tiles read pairs), float16 on AMX-FP16 tiles only; on AVX512-FP16 it reads them plain.
+template <typename S>
+bool reads_pairs() {
+  if constexpr (std::is_same_v<S, c10::Half>) {
+    static const bool amx_fp16 = at::native::cpublas::could_pack(at::kHalf);
+    return amx_fp16;
+  }
+  return true;
+}
+
 // The products of one chunk (block) in half precision S (bfloat16, half) with float sums, on the CPU's matrix
 // instructions (half_product). q, k, v, the output's gradient, the probabilities P and the score gradients dS go into
 // the layouts the products read: rows (A operands) or pairs (B operands, in rows of a multiple of 16 pairs, the
-// column blocks of AMX tiles), see the writers above.
+// column blocks of AMX tiles; plain rows of as many elements where the micro-kernel reads them so), see the writers
+// above. The names of the B buffers say the pairs layout.
 //   forward:  scores = q k^T       (q rows, k element pairs)     out = P v      (P rows, v token pairs)
 //   backward: dP = dO v^T          (dO rows, v element pairs)    dq = dS k      (dS rows, k token pairs)
 //             dk^T = q^T dS        (q columns, dS row pairs)     dv^T = dO^T P  (dO columns, P row pairs)
@@ -1198,6 +1235,7 @@ struct HalfProducts {
   int ld = 0, lp = 0;     // score row length (local keys + G), rounded up to even
   int lq = 0;             // pairs per row of the element and row pairs (ld rounded up to 16)
   float score_scale = 0;  // scale * log2(e)
+  bool pairs = reads_pairs<S>();
   std::vector<const S*> query_tokens, key_tokens, value_tokens, grad_out_tokens;
   std::vector<S> q_rows, q_columns, k_element_pairs, k_token_pairs, v_element_pairs, v_token_pairs;
   std::vector<S> grad_out_rows, grad_out_columns, p_rows, p_row_pairs, ds_rows, ds_row_pairs;
@@ -1226,14 +1264,22 @@ struct HalfProducts {
       value_tokens[j] = j < local ? v.at(win.keys[j]) : gv + (j - local) * D;
     }
     write_rows(q_rows.data(), query_tokens.data(), n, D, Dp);
-    write_element_pairs(k_element_pairs.data(), key_tokens.data(), ld, D, lq);
+    write_over_elements(k_element_pairs.data(), key_tokens.data());
     if (backward) {
       write_columns(q_columns.data(), query_tokens.data(), n, np, D);
-      write_token_pairs(k_token_pairs.data(), key_tokens.data(), ld, D, Dq);
-      write_element_pairs(v_element_pairs.data(), value_tokens.data(), ld, D, lq);
+      write_over_tokens(k_token_pairs.data(), key_tokens.data());
+      write_over_elements(v_element_pairs.data(), value_tokens.data());
     } else {
-      write_token_pairs(v_token_pairs.data(), value_tokens.data(), ld, D, Dq);
+      write_over_tokens(v_token_pairs.data(), value_tokens.data());
     }
+  }
+
+  // The ld keys or values as B operands: summed over their elements (D x ld), or over themselves (ld x D).
+  void write_over_elements(S* dst, const S* const* tokens) const {
+    (pairs ? write_element_pairs<S> : write_element_columns<S>)(dst, tokens, ld, D, lq);
+  }
+  void write_over_tokens(S* dst, const S* const* tokens) const {
+    (pairs ? write_token_pairs<S> : write_token_rows<S>)(dst, tokens, ld, D, Dq);
   }
 
   // The products of the queries and keys, to be multiplied by score_factor().
@@ -1265,7 +1311,7 @@ struct HalfProducts {
   void differentiate(int /*n*/, int64_t /*D*/, const float* lse, const Finish<float>& finish, float* grad_sum) {
     half_product(n, ld, Dp, grad_out_rows.data(), Dp, v_element_pairs.data(), lq, grad_scores.data(), ld);
     softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, finish, grad_sum,
-                     RoundedSoftmax<S>{ds_rows.data(), ds_row_pairs.data(), p_row_pairs.data(), lp, lq});
+                     RoundedSoftmax<S>{ds_rows.data(), ds_row_pairs.data(), p_row_pairs.data(), lp, lq, pairs});
   }
 
   const float* grad_queries(int /*n*/, int64_t /*D*/, double scale) {

@@ -16,7 +16,7 @@ from tool_runner import run_tool
 from torch.profiler import profile
 
 from vil.config import load_cfg
-from vil.cpu import cpu_flags, cpu_multiplies_natively
+from vil.cpu import cpu_flags
 from vil.ops import local_attention_1d, local_attention_2d
 from vil.ops.backends import fused_cpu
 from vil.training import setup
@@ -258,13 +258,15 @@ def test_nothing_as_large_as_q_is_copied_or_cast_around_the_kernel(dims, product
 def fresh_check(monkeypatch):
     """The once-per-process check of half-precision products, run again in this test (and after it)."""
     fused_cpu.half_products_missing.cache_clear()
+    fused_cpu.half_products_pay.cache_clear()
     yield
     fused_cpu.half_products_missing.cache_clear()
+    fused_cpu.half_products_pay.cache_clear()
 
 
 def test_the_variable_chooses_the_products(monkeypatch):
     able = not fused_cpu.half_products_missing(torch.bfloat16)
-    for choice, half in (("auto", able), ("float32", False)):
+    for choice, half in (("auto", able and fused_cpu.half_products_pay(torch.bfloat16)), ("float32", False)):
         monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, choice)
         assert fused_cpu.half_products(torch.bfloat16) == half
         assert not fused_cpu.half_products(torch.float32)  # float32 and float64 are always multiplied as they are
@@ -298,10 +300,40 @@ def test_products_that_disagree_with_float32_are_said_once_and_not_used(monkeypa
     assert all(torch.equal(out, local_attention_2d(q, k, v, 3, backend="fused_cpu")) for out in outs)
 
 
-def test_the_check_passes_where_the_cpu_multiplies_bfloat16():
-    if not fused_cpu.cpu_multiplies_natively(torch.bfloat16):
-        pytest.skip("this CPU has no bfloat16 matrix instructions (AVX512-BF16 or AMX)")
-    assert fused_cpu.half_products_fault(torch.bfloat16) == ""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_the_check_passes_where_the_cpu_multiplies_half_precision(dtype):
+    """float16 on AVX512-FP16 without AMX-FP16 reads its B operands plain, not in pairs: the layout is the CPU's."""
+    if not fused_cpu.cpu_multiplies_natively(dtype):
+        pytest.skip(f"this CPU has no {dtype} matrix instructions")
+    assert fused_cpu.half_products_fault(dtype) == ""
+
+
+@pytest.mark.parametrize("rate", [0.5, 2.0])
+def test_auto_multiplies_in_half_precision_where_the_cpu_does_it_faster(monkeypatch, fresh_check, caplog, rate):
+    monkeypatch.setattr(fused_cpu, "cpu_multiplies_natively", lambda dtype: True)
+    monkeypatch.setattr(fused_cpu, "half_products_fault", lambda dtype: "")
+    monkeypatch.setattr(fused_cpu, "half_precision_rate", lambda dtype: rate)
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "auto")
+    with caplog.at_level(logging.INFO, logger="vil"):
+        chosen = [fused_cpu.half_products(torch.bfloat16) for _ in range(2)]
+    assert chosen == [rate >= 1] * 2
+    assert caplog.text.count("bfloat16 at 0.50x the rate of float32") == (rate < 1)  # said once
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "half")
+    assert fused_cpu.half_products(torch.bfloat16)  # asked for, half precision however slow
+
+
+def test_the_half_precision_rate_is_the_ratio_of_the_best_times(monkeypatch):
+    from vil import cpu
+
+    clock, built = [0.0], set()
+
+    def product(x, y):  # float32 takes 2 units of time and bfloat16 0.5; the first product of each 10 more
+        clock[0] += (2.0 if x.dtype == torch.float32 else 0.5) + (0 if x.dtype in built else 10)
+        built.add(x.dtype)
+
+    monkeypatch.setattr(cpu.torch, "mm", product)
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: clock[0])
+    assert cpu.half_precision_rate.__wrapped__(torch.bfloat16) == 4.0
 
 
 # One fresh process per cap of oneDNN's instructions (read once, when oneDNN starts): the half-precision products on
@@ -354,8 +386,9 @@ def test_amp_runs_on_the_cpu_when_asked_and_says_so_where_its_products_are_slow(
         assert not torch.is_autocast_enabled("cpu")  # the presets' AMP is their GPU recipe's
     assert "this run is float32 on cpu" in caplog.text
     cfg = load_cfg(overrides=["AMP.ENABLED", "True", "AMP.ON_CPU", "True"])
-    for native in (True, False):
+    for native, rate in ((True, 2.0), (True, 0.5), (False, 2.0)):
         monkeypatch.setattr(setup, "cpu_multiplies_natively", lambda dtype, native=native: native)
+        monkeypatch.setattr(setup, "half_precision_rate", lambda dtype, rate=rate: rate)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="vil"):
             amp, scaler = setup.amp_context(cfg, torch.device("cpu"))
@@ -363,6 +396,7 @@ def test_amp_runs_on_the_cpu_when_asked_and_says_so_where_its_products_are_slow(
             assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
         assert not scaler.is_enabled() and "this run is float32" not in caplog.text
         assert ("bfloat16" in caplog.text and "AVX512-BF16" in caplog.text) != native
+        assert ("0.50x the rate of float32" in caplog.text and "AMP.ON_CPU" in caplog.text) == (native and rate < 1)
 
 
 def test_precision_benchmark_prints_both_tables(tmp_path):
@@ -396,11 +430,12 @@ def test_precision_benchmark_prints_both_tables(tmp_path):
     }
     products = {tuple(row[:2]) for row in rows if len(row) == 5}  # bfloat16 with half and float32 products
     expected = {(f"| {problem}", mode) for problem in ("2D 6x6", "1D 40 tokens") for mode in ("inference", "training")}
-    assert products == (expected if fused_cpu.half_products(torch.bfloat16) else set())
-    # The share of the matrix product's rate: a percentage, except for bfloat16 where this CPU lacks its instructions.
-    native = cpu_multiplies_natively(torch.bfloat16)
-    assert all(row[8].endswith("% |") for row in rows if len(row) == 9 and (row[1] == "float32" or native))
-    assert all(row[8] == "- |" for row in rows if len(row) == 9 and row[1] == "bfloat16" and not native)
+    assert products == (set() if fused_cpu.half_products_missing(torch.bfloat16) else expected)
+    # The share of the rate of the matrix product in the dtype the op multiplies in: bfloat16's, or float32's where
+    # the fused kernels multiply bfloat16 in float32 here.
+    rates = {row[1]: row[7] for row in rows if len(row) == 9}
+    assert (rates["bfloat16"] == rates["float32"]) == (not fused_cpu.half_products(torch.bfloat16))
+    assert all(row[8].endswith("% |") for row in rows if len(row) == 9)
     assert "half-precision matrix flags" in out.splitlines()[0]
     assert (tmp_path / "precision.md").read_text().strip() in out
 

@@ -15,10 +15,12 @@ The problems, each in inference (no gradients) and training (forward + backward)
 The tensors are in the dtype of the row (the bias table stays float32, as a parameter does under autocast).
 Contenders alternate in one process (``--rounds`` rounds, the median of each). GFLOP/s: the local op's products as
 torch's FLOP counter counts them (``vil.profiling.flop_counter``) over its time, next to the same run's
-``--matmul``-sided square matrix product in the same dtype ("-" for bfloat16 on a CPU without bfloat16 matrix
-instructions, where torch's product is plain loops). Where the CPU multiplies bfloat16 natively, a third table
-times the bfloat16 rows again with the fused kernels' float32 products (``VIL_FUSED_CPU_PRODUCTS=float32``): what
-its half-precision products gain.
+``--matmul``-sided square matrix product in the dtype the op multiplies in: the row's, or float32 for bfloat16 where
+the fused kernels multiply it in float32 (on a CPU without bfloat16 matrix instructions, whose bfloat16 product is
+plain loops, or whose instructions are slower than float32's). Where the CPU multiplies bfloat16 natively, a third table
+times the bfloat16 rows again with the fused kernels' other way of multiplying (``VIL_FUSED_CPU_PRODUCTS``: float32
+products where ``auto`` takes half-precision ones here, else half-precision ones): what half-precision products gain,
+or lose, on this CPU.
 """
 
 import argparse
@@ -32,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from vil.cli import check_outputs, positive_int
-from vil.cpu import cpu_description, cpu_multiplies_natively
+from vil.cpu import cpu_description
 from vil.files import atomic_write
 from vil.ops import default_backend, local_attention_1d, local_attention_2d
-from vil.ops.backends.fused_cpu import PRODUCTS_VARIABLE, half_products
+from vil.ops.backends.fused_cpu import PRODUCTS_VARIABLE, half_products, half_products_missing
 from vil.profiling import flop_counter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -145,25 +147,26 @@ def problems(args):
 
 
 def contenders(cases):
-    """{(problem, dtype, which): step(attend, training)}: the local op and SDPA, and where bfloat16 is multiplied in
-    half precision, the local op again with float32 products (which 2), its backward included."""
-    half = half_products(torch.bfloat16)
+    """{(problem, dtype, which): step(attend, training)}: the local op and SDPA, and where the CPU can multiply
+    bfloat16 in half precision, the local op again with the products ``auto`` does not take here (which 2), its
+    backward included."""
+    other = "float32" if half_products(torch.bfloat16) else "half"
 
-    def in_float32(attend, training):
-        with products("float32"):
+    def with_other_products(attend, training):
+        with products(other):
             step(attend, training)
 
     found = {}
     for key, (local, sdpa) in cases.items():
         found[(*key, 0)] = partial(step, local)
         found[(*key, 1)] = partial(step, sdpa)
-        if key[1] == "bfloat16" and half:
-            found[(*key, 2)] = partial(in_float32, local)
+        if key[1] == "bfloat16" and not half_products_missing(torch.bfloat16):
+            found[(*key, 2)] = partial(with_other_products, local)
     return found
 
 
 def measure(args):
-    """{(problem, dtype, mode): (local s, SDPA s, local FLOPs, local s with float32 products or None)} and {dtype:
+    """{(problem, dtype, mode): (local s, SDPA s, local FLOPs, local s with the other products or None)} and {dtype:
     matmul GFLOP/s}, the contenders alternating."""
     cases = problems(args)
     steps = contenders(cases)
@@ -190,28 +193,30 @@ def measure(args):
         for key in cases
         for mode, training in modes.items()
     }
-    return results, {name: matmul_gflops(args.matmul, DTYPES[name]) for name in args.dtypes}
+    products = {products_dtype(name) for name in args.dtypes}
+    return results, {name: matmul_gflops(args.matmul, DTYPES[name]) for name in products}
+
+
+def products_dtype(dtype_name):
+    """The dtype the local op multiplies ``dtype_name`` inputs in: their own, or float32 where the fused kernels
+    multiply half precision in float32."""
+    dtype = DTYPES[dtype_name]
+    return dtype_name if dtype == torch.float32 or half_products(dtype) else "float32"
 
 
 def table(results, matmul, matmul_side):
     lines = [
         f"| problem | dtype | mode | local (ms) | SDPA (ms) | local vs SDPA | local GFLOP/s "
-        f"| matmul {matmul_side}^2 GFLOP/s | of matmul |",
+        f"| matmul {matmul_side}^2 GFLOP/s, in the op's products' dtype | of matmul |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (problem, dtype, mode), (local, sdpa, flops, _) in results.items():
-        rate = flops / local / 1e9
+        rate, roof = flops / local / 1e9, matmul[products_dtype(dtype)]
         lines.append(
             f"| {problem} | {dtype} | {mode} | {local * 1e3:.1f} | {sdpa * 1e3:.1f} | {sdpa / local:.2f}x "
-            f"| {rate:.1f} | {matmul[dtype]:.1f} | {of_matmul(rate, matmul[dtype], DTYPES[dtype])} |"
+            f"| {rate:.1f} | {roof:.1f} | {rate / roof:.0%} |"
         )
     return "\n".join(lines)
-
-
-def of_matmul(rate, matmul_rate, dtype):
-    """The local op's rate as a share of the matrix product's; "-" for a half-precision dtype that this CPU has no
-    matrix instructions for, whose matrix product is plain loops and no roofline."""
-    return f"{rate / matmul_rate:.0%}" if dtype == torch.float32 or cpu_multiplies_natively(dtype) else "-"
 
 
 def dtype_ratios(results):
@@ -224,18 +229,23 @@ def dtype_ratios(results):
 
 
 def products_table(results):
-    """The bfloat16 rows with half-precision and with float32 products in the fused kernels."""
+    """The bfloat16 rows with half-precision and with float32 products in the fused kernels, and which ``auto`` takes
+    here (the local op's rows above)."""
+    half = half_products(torch.bfloat16)
     lines = [
-        "| problem | mode | bfloat16, half-precision products (ms) | bfloat16, float32 products (ms) | speed-up |",
+        f"The fused kernels' bfloat16 products (auto takes {'half-precision' if half else 'float32'} ones here):",
+        "",
+        "| problem | mode | bfloat16, half-precision products (ms) | bfloat16, float32 products (ms) | "
+        "half-precision products' speed-up |",
         "|---|---|---|---|---|",
     ]
-    for (problem, _, mode), (local, _, _, float32_products) in results.items():
-        if float32_products is not None:
+    for (problem, _, mode), (local, _, _, other) in results.items():
+        if other is not None:
+            in_half, in_float32 = (local, other) if half else (other, local)
             lines.append(
-                f"| {problem} | {mode} | {local * 1e3:.1f} | {float32_products * 1e3:.1f} "
-                f"| {float32_products / local:.2f}x |"
+                f"| {problem} | {mode} | {in_half * 1e3:.1f} | {in_float32 * 1e3:.1f} | {in_float32 / in_half:.2f}x |"
             )
-    return "\n".join(lines) if len(lines) > 2 else ""
+    return "\n".join(lines) if len(lines) > 4 else ""
 
 
 def main(argv=None):

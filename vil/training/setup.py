@@ -18,7 +18,7 @@ from torch.utils.tensorboard import SummaryWriter
 from yacs.config import CfgNode
 
 from ..config import warn_compatibility_keys
-from ..cpu import cpu_multiplies_natively
+from ..cpu import cpu_multiplies_natively, half_precision_rate
 from ..data import build_dataset, build_mixup, check_same_classes
 from ..files import FolderLock, atomic_write, check_writable_folder, remove_temporaries
 from ..loss import build_loss
@@ -98,6 +98,14 @@ def amp_context(cfg, device):
             cfg.AMP.DTYPE,
             "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AVX512-FP16 or AMX-FP16",
             cfg.AMP.DTYPE,
+        )
+    elif on and device.type == "cpu" and half_precision_rate(dtype) < 1:
+        log.warning(
+            "AMP.DTYPE %s: this CPU multiplies %s matrices at %.2fx the rate of float32, so training and evaluation "
+            "are faster without AMP.ON_CPU on it.",
+            cfg.AMP.DTYPE,
+            cfg.AMP.DTYPE,
+            half_precision_rate(dtype),
         )
     if on and device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
         log.warning(

@@ -18,7 +18,9 @@ run one of two ways:
   converted to float32 as the kernel copies a chunk into its buffers.
 
 ``VIL_FUSED_CPU_PRODUCTS`` chooses: ``auto`` (the default: half precision wherever the CPU has the instructions for
-the dtype), ``half`` (half precision, or one sentence saying why this CPU cannot) or ``float32``. Which instructions
+the dtype and multiplies it at least as fast as float32, which the instructions alone do not tell: an Intel Xeon whose
+hypervisor hides its AMX tiles multiplies bfloat16 on AVX512-BF16 at half float32's rate), ``half`` (half
+precision, or one sentence saying why this CPU cannot) or ``float32``. Which instructions
 oneDNN uses for the half-precision products can be capped with its own ``ONEDNN_MAX_CPU_ISA`` (e.g.
 ``AVX512_CORE_BF16`` on a CPU with AMX), set before the process starts. The first half-precision call of a process
 checks the products against float32 ones on a small problem; if they disagree, it says so once and computes in
@@ -35,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from ...cpu import cpu_multiplies_natively
+from ...cpu import cpu_multiplies_natively, half_precision_rate
 from ..base import LOG2E, Backend, Extras, FusedPasses, compute_dtype, kept_tables
 from ..geometry import neighbour_table
 from ..neighborhood import Neighborhood2d
@@ -196,7 +198,26 @@ def half_products(dtype: torch.dtype) -> bool:
     missing = half_products_missing(dtype)
     if missing and choice == "half":
         raise ValueError(f"{PRODUCTS_VARIABLE}=half asks for {_name(dtype)} products, but {missing}; unset it.")
-    return not missing
+    return not missing and (choice == "half" or half_products_pay(dtype))
+
+
+@cache
+def half_products_pay(dtype):
+    """Whether this CPU multiplies ``dtype`` at least as fast as float32 (``vil.cpu.half_precision_rate``), which
+    ``auto`` asks before it multiplies in half precision; where it does not, it says so once (as info: the float32
+    products it takes instead are the faster ones)."""
+    rate = half_precision_rate(dtype)
+    if rate < 1:
+        _log.info(
+            "fused_cpu: this CPU multiplies %s at %.2fx the rate of float32, so the kernels multiply %s inputs in "
+            "float32 (%s=half multiplies them in %s).",
+            _name(dtype),
+            rate,
+            _name(dtype),
+            PRODUCTS_VARIABLE,
+            _name(dtype),
+        )
+    return rate >= 1
 
 
 def _name(dtype):
