@@ -101,10 +101,10 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     # A run stopped before its last size (a time limit) leaves the rows it measured, not the earlier run's table.
     measured = tool.run_size
 
-    def stopped_at_128(args, backends, size):
+    def stopped_at_128(args, backends, size, report):
         if size == 128:
             raise KeyboardInterrupt
-        return measured(args, backends, size)
+        return measured(args, backends, size, report)
 
     monkeypatch.setattr(tool, "run_size", stopped_at_128)
     with pytest.raises(KeyboardInterrupt):
@@ -115,22 +115,36 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     assert "| 128 " not in (tmp_path / "study.md").read_text()
     capsys.readouterr()
 
-    # --profile: the worker's profiler tables reach the output, before the size's rows.
+    # --profile: the worker's profiler tables reach the output, after the size's rows.
     tool.main(argv[:-4] + ["--backends", "sliding_chunk", "--sizes", "64", "--profile"])
     out = capsys.readouterr().out
     assert "--profile" in workers[-1]
-    assert out.index("sliding_chunk at 64, one forward+backward:") < out.index("| 64 | sliding_chunk |")
+    assert out.index("| 64 | sliding_chunk |") < out.index("sliding_chunk at 64, one forward+backward:")
     assert "Self CPU" in out
+
+    # A worker stopped in its profiles (a time limit) has given its rows already: they are in the table.
+    class StoppedInItsProfiles(InProcess):
+        def wait(self):
+            return -9
+
+    monkeypatch.setattr(tool.subprocess, "Popen", StoppedInItsProfiles)
+    tool.main(argv[:-4] + ["--backends", "loop", "--sizes", "64", "--profile", "--markdown", str(tmp_path / "cut.md")])
+    rows = [line.split(" | ")[:3] for line in (tmp_path / "cut.md").read_text().splitlines() if line[:4] == "| 64"]
+    assert [row[:2] for row in rows] == [["| 64", tool.SDPA], ["| 64", "loop"]] and float(rows[1][2]) > 0
+    assert "The profiles at 64 stopped: killed by signal 9" in capsys.readouterr().out
+    monkeypatch.setattr(tool.subprocess, "Popen", InProcess)
 
     # The skipping rules answer without a worker; one size in a real fresh process, where a backend's failure is
     # its own row.
     args = tool.parse_args(argv[:-4] + ["--dilation", "2"])
     assert tool.skip_reason(args, "chunks", 64) is None  # chunks takes dilated bands (split by residue class)
-    assert tool.run_size(args, [tool.SDPA], 32768)[tool.SDPA].startswith("skipped")
-    assert tool.run_size(args, ["loop"], 32768)["loop"].startswith("skipped")
-    assert tool.run_size(args, ["reference"], 8192)["reference"].startswith("skipped")
+    reported = []
+    assert tool.run_size(args, [tool.SDPA], 32768, reported.append)[tool.SDPA].startswith("skipped")
+    assert tool.run_size(args, ["loop"], 32768, reported.append)["loop"].startswith("skipped")
+    assert tool.run_size(args, ["reference"], 8192, reported.append)["reference"].startswith("skipped")
     monkeypatch.setattr(tool.subprocess, "Popen", real_popen)
-    results = tool.run_size(args, ["loop", "unfold"], 64)
+    results = tool.run_size(args, ["loop", "unfold"], 64, reported.append)
+    assert reported[-1] == results and len(reported) == 4
     seconds, peak, ratio, working, first_call = results["loop"]
     assert seconds > 0 and peak > 0 and ratio >= 1 and working > 0 and first_call > 0
     assert results["unfold"].startswith("failed: The unfold backend does not compute 1D windows; 1D backends:")

@@ -21,8 +21,9 @@ yet (Triton's and Inductor's on-disk caches aside).
 The default backends are every backend of the registry (``vil/ops/registry.py``) that trains on the device,
 ``backend=None``'s choices first; on CUDA ``flex`` is compiled. ``--plot PREFIX`` also draws time and peak memory
 against the map size (log scales, one line per backend, as the original paper's implementation study):
-``PREFIX_time.png`` and ``PREFIX_memory.png``. ``--profile`` also prints, before each size's rows, torch.profiler's
-table of one forward+backward per backend: where its time goes, operator by operator (and kernel by kernel on CUDA).
+``PREFIX_time.png`` and ``PREFIX_memory.png``. ``--profile`` also prints, after each size's rows, torch.profiler's
+table of one forward+backward per backend: where its time goes, operator by operator (and kernel by kernel on CUDA);
+the rows are written first, so that a time limit that stops the profiles keeps them.
 ``--host-time`` (CUDA) also reports the host's time per call, with calls queued without waiting for the GPU, beside
 the time per call of the whole queue: where they are close, the host sets the pace.
 Each backend's first call is reported on stderr as it ends ("progress: triton at 28x28: first call 12.3 s"), so that
@@ -68,6 +69,7 @@ from vil.profiling import PeakMemory, time_table
 
 SDPA = "sdpa (full attention)"
 PROGRESS = "progress: "  # how a worker's lines on stderr that the study passes on begin
+ANSWER = "answer: "  # how the worker's line on stderr that holds its results (JSON) begins
 # Per --dim (1: sequences, 2: maps), the tokens above which a point is skipped:
 REFERENCE_MAX_TOKENS = {2: 56 * 56, 1: 4096}  # the naive masked reference needs tokens^2 memory
 SDPA_MAX_TOKENS = {2: 112 * 112, 1: 16384}  # on the CPU, full attention's time grows with tokens^2
@@ -214,10 +216,10 @@ def host_time(backend, run, point, calls=20):
 
 def measure(args, backends, size):
     """``{backend: (seconds, peak MiB, memory / (inputs, outputs, gradients), working MiB, first call's seconds)}``
-    at ``size``, here, or a string saying why a backend failed. Each backend is warmed up (compilation, tuning and
-    cached tables allocate memory of their own; the first call's time is kept) and its peak memory taken; then
-    ``--repeats`` rounds call the backends in turn, so that a swing in the machine's speed reaches every backend
-    alike, and the time is each one's best."""
+    at ``size``, here, or a string saying why a backend failed, and ``{backend: its call}`` for those that ran. Each
+    backend is warmed up (compilation, tuning and cached tables allocate memory of their own; the first call's time
+    is kept) and its peak memory taken; then ``--repeats`` rounds call the backends in turn, so that a swing in the
+    machine's speed reaches every backend alike, and the time is each one's best."""
     ready, results = {}, {}
     for backend in backends:
         try:
@@ -245,11 +247,14 @@ def measure(args, backends, size):
     if args.host_time and args.device == "cuda":
         for backend, run in ready.items():
             print(host_time(backend, run, point_name(size, args.dim)), file=sys.stderr)
-    if args.profile:
-        for backend, run in ready.items():
-            print(f"\n{backend} at {point_name(size, args.dim)}, one forward+backward:")
-            print(time_table(run, args.device))
-    return results
+    return results, ready
+
+
+def print_profiles(args, ready, size):
+    """``--profile``: torch.profiler's table of one forward+backward of each backend that ran."""
+    for backend, run in ready.items():
+        print(f"\n{backend} at {point_name(size, args.dim)}, one forward+backward:", flush=True)
+        print(time_table(run, args.device), flush=True)
 
 
 def skip_reason(args, backend, size):
@@ -269,11 +274,14 @@ def skip_reason(args, backend, size):
     return None
 
 
-def run_size(args, backends, size):
-    """Measure ``backends`` at one size in a fresh process: ``{backend: (seconds, MiB, ...) or why not}``."""
+def run_size(args, backends, size, report):
+    """Measure ``backends`` at one size in a fresh process: ``{backend: (seconds, MiB, ...) or why not}``, handed to
+    ``report`` as soon as the worker has measured them, before ``--profile``'s tables (so that a time limit that
+    stops the profiles keeps the rows), and returned."""
     results = {name: skip_reason(args, name, size) for name in backends}
     measured = [name for name, reason in results.items() if reason is None]
     if not measured:
+        report(results)
         return results
     options = {
         "--dim": args.dim,
@@ -297,23 +305,31 @@ def run_size(args, backends, size):
     argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([measured, size])]
     argv += [str(x) for item in options.items() for x in item] + flags
     env = dict(os.environ, **STEADY_MALLOC) if args.steady_malloc else None
-    with tempfile.TemporaryFile("w+") as stdout:  # stdout: --profile's tables, then the answer
+    answered = None
+    with tempfile.TemporaryFile("w+") as stdout:  # stdout: --profile's tables
         worker = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
         last = ""
-        for line in worker.stderr:  # the progress lines pass through as they come; the last other line is the error
-            if line.startswith(PROGRESS):
+        for line in worker.stderr:  # progress lines pass through as they come; the last other line is the error
+            if line.startswith(ANSWER):
+                answers = json.loads(line[len(ANSWER) :])
+                answered = dict(results, **{name: a if isinstance(a, str) else tuple(a) for name, a in answers.items()})
+                report(answered)
+            elif line.startswith(PROGRESS):
                 print(line.rstrip(), file=sys.stderr, flush=True)
             elif line.strip():
                 last = line.strip()
-        if code := worker.wait():
-            why = last or (f"killed by signal {-code}" if code < 0 else f"exit status {code}")
-            return dict(results, **{name: f"failed: {why[:80]}" for name in measured})
+        code = worker.wait()
         stdout.seek(0)
-        *printed, answer = stdout.read().strip().splitlines()
+        printed = stdout.read().strip()
     if printed:
-        print("\n".join(printed), flush=True)
-    answers = json.loads(answer)
-    return dict(results, **{name: a if isinstance(a, str) else tuple(a) for name, a in answers.items()})
+        print(printed, flush=True)
+    why = last or (f"killed by signal {-code}" if code < 0 else f"exit status {code}")
+    if answered is None:
+        answered = dict(results, **{name: f"failed: {why[:80]}" for name in measured})
+        report(answered)
+    elif code:
+        print(f"The profiles at {point_name(size, args.dim)} stopped: {why}", flush=True)
+    return answered
 
 
 def machine():
@@ -332,7 +348,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         backends, size = json.loads(args.worker)
-        print(json.dumps(measure(args, backends, size)))
+        results, ready = measure(args, backends, size)
+        print(ANSWER + json.dumps(results), file=sys.stderr, flush=True)
+        if args.profile:
+            print_profiles(args, ready, size)
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda was asked for, but torch sees no CUDA device here.")
@@ -368,9 +387,8 @@ def main(argv=None):
         if args.markdown:
             atomic_write(args.markdown, lambda f: f.write(("\n".join(lines + [""] + summary) + "\n").encode()))
 
-    write_table()
-    for size in args.sizes:
-        results = study[size] = run_size(args, [SDPA] + args.backends, size)
+    def report(size, results):
+        """The rows and summary lines of one size, printed and written as soon as its worker has measured it."""
         sdpa = results[SDPA]
         point = point_name(size, args.dim)
         best_local = None
@@ -412,6 +430,10 @@ def main(argv=None):
                 f"the inputs, outputs and gradients"
             )
         write_table()
+
+    write_table()
+    for size in args.sizes:
+        study[size] = run_size(args, [SDPA] + args.backends, size, partial(report, size))
     print("\n" + "\n".join(summary))
     if args.plot:
         plot_study(study, args.plot, lines[1], args.dim)

@@ -21,11 +21,14 @@
 # Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS, default
 # 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_6 seconds; steps
 # 3 to 6 share theirs out among their runs), so that a slow step cannot take the time of the next. The studies print
-# each size's rows as it ends, after the profiler's table of each backend (kernel by kernel) and, but for flex in 2D,
+# each size's rows as it ends, then the profiler's table of each backend (kernel by kernel) and, but for flex in 2D,
 # the host's time per call against the GPU's (--host-time); their last column is the first call's time (compilation
 # and tuning), and each backend's first call is reported as it ends; a study's table holds the sizes it measured
-# before its time ran out. The default limits of steps 1 to 4 add up to 520 s (130 + 90 + 140 + 160; at most 5 s
-# more per run to stop it, 560 s in all, within one 10-minute command); STEPS="1 2" and then STEPS="3 4" split them.
+# before its time ran out, a size whose profiles the limit stopped included. The shares go by what a run compiles:
+# in a fresh machine the first 1D run of each kind (causal or not) compiles its kernels (triton 14 s, flex 11 s on an
+# H200), the second finds them in the on-disk caches (2.5 s, 4 s). The default limits of steps 1 to 4 add up to 540 s
+# (140 + 100 + 140 + 160; at most 5 s more per run to stop it, 580 s in all, within one 10-minute command);
+# STEPS="1 2" and then STEPS="3 4" split them.
 # Step 6 takes 420 s (a third for each run; the Longformer run took 80 s on a 2-core AMD EPYC; the other two, in
 # bfloat16, end within theirs only on a CPU with bfloat16 matrix instructions, AVX512-BF16 or AMX).
 # Logs and tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
@@ -73,25 +76,27 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in $STEPS; do
   case $step in
-    1) limited "${LIMIT_1:-130}" "$OUT/tests_triton.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
+    1) limited "${LIMIT_1:-140}" "$OUT/tests_triton.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_triton_kernels.py tests/test_triton_kernels_1d.py ;;
-    2) limited "${LIMIT_2:-90}" "$OUT/tests_cuda.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
+    2) limited "${LIMIT_2:-100}" "$OUT/tests_cuda.log" env TRITON_INTERPRET=0 python -m pytest "${pytest_args[@]}" \
          tests/test_local_attention.py tests/test_local_attention_1d.py tests/test_models_on_gpu.py \
          -k "flex and cuda or models_on_gpu" ;;
     3) # flex in a run of its own, so that its compilation (minutes, before its window rule was in closed form) holds
        # back no other row; the host's time per call (--host-time) in the first run only: flex takes 0.7 s a call at
-       # 112x112
-       for run in "attention_gpu:triton sliding_chunk:--host-time" "attention_gpu_flex:flex:"; do
-         IFS=: read -r table backends host_time <<< "$run"
+       # 112x112. The first run, whose triton tunes its kernels at three sizes, gets 3/5 of the step's time.
+       for run in "attention_gpu:triton sliding_chunk:--host-time:3" "attention_gpu_flex:flex::2"; do
+         IFS=: read -r table backends host_time fifths <<< "$run"
          # shellcheck disable=SC2086  # a list of backends, and a switch or nothing
-         limited $((${LIMIT_3:-140} / 2)) "$OUT/studies.log" python tools/benchmark_attention.py --device cuda \
+         limited $((${LIMIT_3:-140} * fifths / 5)) "$OUT/studies.log" python tools/benchmark_attention.py --device cuda \
            --dtype bfloat16 --batch 64 --heads 3 --head-dim 32 --window 7 --num-global 1 --rel-bias --sizes 28 56 112 \
            --backends $backends --profile $host_time --markdown "$OUT/$table.md"
        done ;;
-    4) for causal in "" "--causal"; do
+    4) # Of each kind's share, the first run (dilation 1, which compiles the kernels) gets 3/5, the second 2/5.
+       for causal in "" "--causal"; do
          for dilation in 1 2; do
            # shellcheck disable=SC2086  # SIZES_1D is a list of lengths
-           limited $((${LIMIT_4:-160} / 4)) "$OUT/studies.log" python tools/benchmark_attention.py --dim 1 --device cuda \
+           limited $((${LIMIT_4:-160} * (4 - dilation) / 10)) "$OUT/studies.log" \
+             python tools/benchmark_attention.py --dim 1 --device cuda \
              --dtype bfloat16 --sizes $SIZES_1D --dilation "$dilation" $causal \
              --backends triton flex sliding_chunk chunks --profile --host-time \
              --markdown "$OUT/attention_gpu_1d_dilation${dilation}${causal:+_causal}.md"
