@@ -328,12 +328,14 @@ def test_the_half_precision_rate_is_the_ratio_of_the_best_times(monkeypatch):
     clock, built = [0.0], set()
 
     def product(x, y):  # float32 takes 2 units of time and bfloat16 0.5; the first product of each 10 more
+        assert not torch.is_autocast_enabled("cpu")  # which would multiply the float32 pair in bfloat16
         clock[0] += (2.0 if x.dtype == torch.float32 else 0.5) + (0 if x.dtype in built else 10)
         built.add(x.dtype)
 
     monkeypatch.setattr(cpu.torch, "mm", product)
     monkeypatch.setattr(cpu.time, "perf_counter", lambda: clock[0])
-    assert cpu.half_precision_rate.__wrapped__(torch.bfloat16) == 4.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a model's first call may measure it
+        assert cpu.half_precision_rate.__wrapped__(torch.bfloat16) == 4.0
 
 
 # One fresh process per cap of oneDNN's instructions (read once, when oneDNN starts): the half-precision products on

@@ -49,17 +49,19 @@ def half_precision_rate(dtype: torch.dtype) -> float:
     """How fast torch multiplies ``dtype`` matrices here against float32: the ratio of their rates on 512^3 products
     (best of 5, alternating, after one of each), measured once per process. The instructions alone do not say it: AMX
     multiplies bfloat16 several times faster than float32, AVX512-BF16 on an AMD EPYC (Zen 4) 2.2x faster, and on an
-    Intel Xeon whose hypervisor hides its AMX tiles, AVX512-BF16 half as fast."""
+    Intel Xeon whose hypervisor hides its AMX tiles, AVX512-BF16 half as fast. Autocast is off for the products (the
+    first call may come from a model under it, which would multiply the float32 pair in half precision too)."""
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(2, 512, 512, generator=generator)
     operands = {torch.float32: (a, b), dtype: (a.to(dtype), b.to(dtype))}
     best = dict.fromkeys(operands, math.inf)
-    for round_ in range(6):
-        for key, (x, y) in operands.items():
-            start = time.perf_counter()
-            torch.mm(x, y)
-            if round_:  # the first product of each builds its micro-kernel
-                best[key] = min(best[key], time.perf_counter() - start)
+    with torch.autocast("cpu", enabled=False):
+        for round_ in range(6):
+            for key, (x, y) in operands.items():
+                start = time.perf_counter()
+                torch.mm(x, y)
+                if round_:  # the first product of each builds its micro-kernel
+                    best[key] = min(best[key], time.perf_counter() - start)
     return best[torch.float32] / best[dtype]
 
 
