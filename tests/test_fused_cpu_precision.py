@@ -401,7 +401,7 @@ def test_amp_runs_on_the_cpu_when_asked_and_says_so_where_its_products_are_slow(
         assert ("0.50x the rate of float32" in caplog.text and "AMP.ON_CPU" in caplog.text) == (native and rate < 1)
 
 
-def test_precision_benchmark_prints_both_tables(tmp_path):
+def test_precision_benchmark_prints_its_tables(tmp_path):
     status, out, _ = run_tool(
         "benchmark_precision",
         "--sizes",
@@ -412,31 +412,33 @@ def test_precision_benchmark_prints_both_tables(tmp_path):
         "1",
         "--matmul",
         "32",
+        "--dtypes",
+        "float32",
+        "bfloat16",
+        "float16",
         "--markdown",
         tmp_path / "precision.md",
     )
     assert status == 0
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 2D") or line.startswith("| 1D")]
-    problems = {(row[0], row[1], row[2]) for row in rows if len(row) == 9}
-    assert problems == {
-        (f"| {problem}", dtype, mode)
-        for problem in ("2D 6x6", "1D 40 tokens")
-        for dtype in ("float32", "bfloat16")
-        for mode in ("inference", "training")
+    cases = [(f"| {problem}", mode) for problem in ("2D 6x6", "1D 40 tokens") for mode in ("inference", "training")]
+    halves = (torch.bfloat16, torch.float16)
+    names = {dtype: str(dtype).split(".")[-1] for dtype in halves}
+    assert {(row[0], row[2], row[1]) for row in rows if len(row) == 9} == {
+        (*case, dtype) for case in cases for dtype in ("float32", *names.values())
     }
-    assert {tuple(row[:2]) for row in rows if len(row) == 3} == {
-        ("| 2D 6x6", "inference"),
-        ("| 2D 6x6", "training"),
-        ("| 1D 40 tokens", "inference"),
-        ("| 1D 40 tokens", "training"),
+    # Each half-precision dtype against float32; then, where the CPU has its instructions, with both products.
+    assert {(row[0], row[1], row[2]) for row in rows if len(row) == 4} == {
+        (*case, name) for case in cases for name in names.values()
     }
-    products = {tuple(row[:2]) for row in rows if len(row) == 5}  # bfloat16 with half and float32 products
-    expected = {(f"| {problem}", mode) for problem in ("2D 6x6", "1D 40 tokens") for mode in ("inference", "training")}
-    assert products == (set() if fused_cpu.half_products_missing(torch.bfloat16) else expected)
-    # The share of the rate of the matrix product in the dtype the op multiplies in: bfloat16's, or float32's where
-    # the fused kernels multiply bfloat16 in float32 here.
+    assert {(row[0], row[2], row[1]) for row in rows if len(row) == 6} == {
+        (*case, names[dtype]) for case in cases for dtype in halves if not fused_cpu.half_products_missing(dtype)
+    }
+    # The share of the rate of the matrix product in the dtype the op multiplies in: the row's, or float32's where
+    # the fused kernels multiply that dtype in float32 here.
     rates = {row[1]: row[7] for row in rows if len(row) == 9}
-    assert (rates["bfloat16"] == rates["float32"]) == (not fused_cpu.half_products(torch.bfloat16))
+    for dtype in halves:
+        assert (rates[names[dtype]] == rates["float32"]) == (not fused_cpu.half_products(dtype))
     assert all(row[8].endswith("% |") for row in rows if len(row) == 9)
     assert "half-precision matrix flags" in out.splitlines()[0]
     assert (tmp_path / "precision.md").read_text().strip() in out

@@ -1,7 +1,8 @@
-"""Local attention in float32 and in bfloat16 on the CPU: against SDPA in the same dtype, and against the CPU's own
-matrix products in that dtype (the roofline).
+"""Local attention in float32 and in bfloat16 (and float16, ``--dtypes``) on the CPU: against SDPA in the same
+dtype, and against the CPU's own matrix products in the dtype it multiplies in (the roofline).
 
-    python tools/benchmark_precision.py [--sizes 56 84] [--tokens 4096] [--rounds 5] [--markdown FILE]
+    python tools/benchmark_precision.py [--sizes 56 84] [--tokens 4096] [--rounds 5] [--dtypes float32 bfloat16]
+                                        [--markdown FILE]
 
 The problems, each in inference (no gradients) and training (forward + backward):
 
@@ -15,12 +16,13 @@ The problems, each in inference (no gradients) and training (forward + backward)
 The tensors are in the dtype of the row (the bias table stays float32, as a parameter does under autocast).
 Contenders alternate in one process (``--rounds`` rounds, the median of each). GFLOP/s: the local op's products as
 torch's FLOP counter counts them (``vil.profiling.flop_counter``) over its time, next to the same run's
-``--matmul``-sided square matrix product in the dtype the op multiplies in: the row's, or float32 for bfloat16 where
-the fused kernels multiply it in float32 (on a CPU without bfloat16 matrix instructions, whose bfloat16 product is
-plain loops, or whose instructions are slower than float32's). Where the CPU multiplies bfloat16 natively, a third table
-times the bfloat16 rows again with the fused kernels' other way of multiplying (``VIL_FUSED_CPU_PRODUCTS``: float32
-products where ``auto`` takes half-precision ones here, else half-precision ones): what half-precision products gain,
-or lose, on this CPU.
+``--matmul``-sided square matrix product in the dtype the op multiplies in: the row's, or float32 for a
+half-precision dtype that the fused kernels multiply in float32 (on a CPU without matrix instructions for it, whose
+product is plain loops, or whose instructions are slower than float32's). A second table gives each half-precision
+dtype's speed against float32's. Where the CPU has the instructions for a half-precision dtype, a third table times
+its rows again with the fused kernels' other way of multiplying (``VIL_FUSED_CPU_PRODUCTS``: float32 products where
+``auto`` takes half-precision ones here, else half-precision ones): what half-precision products gain, or lose, on
+this CPU.
 """
 
 import argparse
@@ -40,7 +42,7 @@ from vil.ops import default_backend, local_attention_1d, local_attention_2d
 from vil.ops.backends.fused_cpu import PRODUCTS_VARIABLE, half_products, half_products_missing
 from vil.profiling import flop_counter
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYER_2D = dict(batch=4, heads=3, head_dim=32, window=7, num_global=1)
 LAYER_1D = dict(batch=1, heads=12, head_dim=64, window=256)
 
@@ -51,7 +53,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[56, 84], help="2D map sides")
     p.add_argument("--tokens", type=positive_int, nargs="+", default=[4096], help="1D sequence lengths")
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--matmul", type=positive_int, default=2048, help="side of the square matrix product (default 2048)")
     p.add_argument("--markdown", help="also write the table to this file")
@@ -147,21 +149,21 @@ def problems(args):
 
 
 def contenders(cases):
-    """{(problem, dtype, which): step(attend, training)}: the local op and SDPA, and where the CPU can multiply
-    bfloat16 in half precision, the local op again with the products ``auto`` does not take here (which 2), its
-    backward included."""
-    other = "float32" if half_products(torch.bfloat16) else "half"
+    """{(problem, dtype, which): step(attend, training)}: the local op and SDPA, and for a half-precision dtype that
+    the CPU can multiply in half precision, the local op again with the products ``auto`` does not take here (which
+    2), its backward included."""
 
-    def with_other_products(attend, training):
-        with products(other):
+    def with_other_products(dtype, attend, training):
+        with products("float32" if half_products(dtype) else "half"):
             step(attend, training)
 
     found = {}
     for key, (local, sdpa) in cases.items():
+        dtype = DTYPES[key[1]]
         found[(*key, 0)] = partial(step, local)
         found[(*key, 1)] = partial(step, sdpa)
-        if key[1] == "bfloat16" and not half_products_missing(torch.bfloat16):
-            found[(*key, 2)] = partial(with_other_products, local)
+        if dtype != torch.float32 and not half_products_missing(dtype):
+            found[(*key, 2)] = partial(with_other_products, dtype, local)
     return found
 
 
@@ -220,32 +222,40 @@ def table(results, matmul, matmul_side):
 
 
 def dtype_ratios(results):
-    """float32 time over bfloat16 time of the local op, per problem and mode: how much bfloat16 gains."""
-    lines = ["| problem | mode | bfloat16 vs float32 |", "|---|---|---|"]
+    """float32 time over a half-precision dtype's time of the local op, per problem and mode: how much the dtype
+    gains."""
+    lines = ["| problem | mode | dtype | vs float32 |", "|---|---|---|---|"]
     for (problem, dtype, mode), (local, *_) in results.items():
-        if dtype == "bfloat16" and (problem, "float32", mode) in results:
-            lines.append(f"| {problem} | {mode} | {results[problem, 'float32', mode][0] / local:.2f}x |")
+        if dtype != "float32" and (problem, "float32", mode) in results:
+            lines.append(f"| {problem} | {mode} | {dtype} | {results[problem, 'float32', mode][0] / local:.2f}x |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def products_table(results):
-    """The bfloat16 rows with half-precision and with float32 products in the fused kernels, and which ``auto`` takes
-    here (the local op's rows above)."""
-    half = half_products(torch.bfloat16)
-    lines = [
-        f"The fused kernels' bfloat16 products (auto takes {'half-precision' if half else 'float32'} ones here):",
-        "",
-        "| problem | mode | bfloat16, half-precision products (ms) | bfloat16, float32 products (ms) | "
-        "half-precision products' speed-up |",
-        "|---|---|---|---|---|",
-    ]
-    for (problem, _, mode), (local, _, _, other) in results.items():
+    """The half-precision rows with half-precision and with float32 products in the fused kernels, and which
+    ``auto`` takes here (the local op's rows above)."""
+    takes, lines = {}, []
+    for (problem, dtype, mode), (local, _, _, other) in results.items():
         if other is not None:
+            half = takes.setdefault(dtype, half_products(DTYPES[dtype]))
             in_half, in_float32 = (local, other) if half else (other, local)
             lines.append(
-                f"| {problem} | {mode} | {in_half * 1e3:.1f} | {in_float32 * 1e3:.1f} | {in_float32 / in_half:.2f}x |"
+                f"| {problem} | {dtype} | {mode} | {in_half * 1e3:.1f} | {in_float32 * 1e3:.1f} "
+                f"| {in_float32 / in_half:.2f}x |"
             )
-    return "\n".join(lines) if len(lines) > 4 else ""
+    if not lines:
+        return ""
+    choices = ", ".join(f"{'half-precision' if half else 'float32'} ones for {dtype}" for dtype, half in takes.items())
+    return "\n".join(
+        [
+            f"The fused kernels' products (auto takes {choices} here):",
+            "",
+            "| problem | dtype | mode | half-precision products (ms) | float32 products (ms) | "
+            "half-precision products' speed-up |",
+            "|---|---|---|---|---|---|",
+            *lines,
+        ]
+    )
 
 
 def main(argv=None):

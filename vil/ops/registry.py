@@ -76,10 +76,10 @@ def default_backend(
     """The backend ``backend=None`` uses for tensors on ``device`` with ``dtype``: the fastest measured that
     computes ``dims``-D windows there (see BENCHMARKS.md) and, given the request's neighbourhood ``hood`` and
     queries ``q``, takes them. On the CPU that is ``fused_cpu`` (every dtype; half precision in and out, multiplied
-    in half precision where the CPU has the instructions and they outrun float32's, else in float32), or ``sliding_chunk`` where its C++
-    kernel cannot be built; on CUDA ``triton`` (``sliding_chunk`` where its kernels cannot take the request, e.g. a
-    head_dim under 16); elsewhere ``sliding_chunk``. Each reason to pass over a faster backend is logged once, as a
-    warning."""
+    in half precision where the CPU has the instructions and they outrun float32's, else in float32), or
+    ``sliding_chunk`` where its C++ kernel cannot be built; on CUDA ``triton`` (``sliding_chunk`` where its kernels
+    cannot take the request, e.g. a head_dim under 16); elsewhere ``sliding_chunk``. Each reason to pass over a
+    faster backend is logged once, as a warning."""
     device = torch.device(device)
     passed_over = []
     for name in fastest(device.type, dims):
