@@ -66,6 +66,13 @@
 #else
 #define VIL_AVX512 0
 #endif
+// float16 rows are converted 8 at a time with F16C's instructions where the compiler targets them (x86-64-v3).
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define VIL_F16C 1
+#else
+#define VIL_F16C 0
+#endif
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
@@ -155,6 +162,77 @@ inline S narrow(T x) {
   } else {
     return static_cast<S>(x);
   }
+}
+
+// Rows of n values: out = widen(in) * factor, out = narrow(in * factor), and out = narrow(widen(out) + in). float16
+// goes through the CPU's conversion instructions, 16 (AVX-512) or 8 (F16C) at a time, where the compiler targets
+// them: c10's float16 conversions are scalar code that the loops do not vectorise (float16 inputs took 1.4x the
+// time of bfloat16 ones with float32 products); the other types through widen and narrow, which they do.
+#if VIL_AVX512 || VIL_F16C
+constexpr int kToNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // float to float16, ties to even
+#endif
+
+template <typename T, typename S>
+inline void widen_row(T* out, const S* in, int64_t n, T factor) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<S, c10::Half> && std::is_same_v<T, float>) {
+#if VIL_AVX512
+    const __m512 f = _mm512_set1_ps(factor);
+    for (; d + 16 <= n; d += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + d));
+      _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_cvtph_ps(h), f));
+    }
+#elif VIL_F16C
+    const __m256 f = _mm256_set1_ps(factor);
+    for (; d + 8 <= n; d += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + d));
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(h), f));
+    }
+#endif
+  }
+  for (; d < n; ++d) out[d] = widen<T>(in[d]) * factor;
+}
+
+template <typename S, typename T>
+inline void narrow_row(S* out, const T* in, int64_t n, T factor) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<S, c10::Half> && std::is_same_v<T, float>) {
+#if VIL_AVX512
+    const __m512 f = _mm512_set1_ps(factor);
+    for (; d + 16 <= n; d += 16) {
+      const __m256i h = _mm512_cvtps_ph(_mm512_mul_ps(_mm512_loadu_ps(in + d), f), kToNearest);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), h);
+    }
+#elif VIL_F16C
+    const __m256 f = _mm256_set1_ps(factor);
+    for (; d + 8 <= n; d += 8) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(in + d), f), kToNearest);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), h);
+    }
+#endif
+  }
+  for (; d < n; ++d) out[d] = narrow<S>(in[d] * factor);
+}
+
+template <typename S, typename T>
+inline void add_row(S* out, const T* in, int64_t n) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<S, c10::Half> && std::is_same_v<T, float>) {
+#if VIL_AVX512
+    for (; d + 16 <= n; d += 16) {
+      __m256i* at = reinterpret_cast<__m256i*>(out + d);
+      const __m512 sum = _mm512_add_ps(_mm512_cvtph_ps(_mm256_loadu_si256(at)), _mm512_loadu_ps(in + d));
+      _mm256_storeu_si256(at, _mm512_cvtps_ph(sum, kToNearest));
+    }
+#elif VIL_F16C
+    for (; d + 8 <= n; d += 8) {
+      __m128i* at = reinterpret_cast<__m128i*>(out + d);
+      const __m256 sum = _mm256_add_ps(_mm256_cvtph_ps(_mm_loadu_si128(at)), _mm256_loadu_ps(in + d));
+      _mm_storeu_si128(at, _mm256_cvtps_ph(sum, kToNearest));
+    }
+#endif
+  }
+  for (; d < n; ++d) out[d] = narrow<S>(widen<T>(out[d]) + in[d]);
 }
 
 // What turns the products of a chunk (block) into its base-2 scores, where the softmax applies it as it reads each
@@ -387,7 +465,7 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
 template <typename S, typename T>
 void store_output(S* out, T* lse, const T* o, int64_t D, T max, T sum) {
   const T inverse = sum > 0 ? T(1) / sum : T(0);
-  for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(o[d] * inverse);
+  narrow_row(out, o, D, inverse);
   *lse = sum > 0 ? max + std::log2(sum) : std::numeric_limits<T>::infinity();
 }
 
@@ -425,8 +503,7 @@ template <typename T, typename S>
 void gather(T* dst, Map<const S> src, const std::vector<Position>& at, int64_t D, T factor) {
   for (size_t i = 0; i < at.size(); ++i) {
     const S* in = src.at(at[i]);
-    T* out = dst + static_cast<int64_t>(i) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = widen<T>(in[d]) * factor;
+    widen_row(dst + static_cast<int64_t>(i) * D, in, D, factor);
   }
 }
 
@@ -437,9 +514,9 @@ void scatter(Map<S> dst, const std::vector<Position>& at, int64_t D, const T* sr
     S* out = dst.at(at[i]);
     const T* in = src + static_cast<int64_t>(i) * D;
     if (add) {
-      for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(widen<T>(out[d]) + in[d]);
+      add_row(out, in, D);
     } else {
-      for (int64_t d = 0; d < D; ++d) out[d] = narrow<S>(in[d]);
+      narrow_row(out, in, D, T(1));
     }
   }
 }
@@ -476,9 +553,7 @@ struct GradientSum {
     if constexpr (!std::is_same_v<S, T>) {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0; c < cols; ++c) {
-          const T* in = target.at(r, c);
-          S* to = out.at(r, c);
-          for (int64_t d = 0; d < D; ++d) to[d] = narrow<S>(in[d]);
+          narrow_row(out.at(r, c), target.at(r, c), D, T(1));
         }
       }
     }
