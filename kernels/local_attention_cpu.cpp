@@ -66,7 +66,7 @@
 #else
 #define VIL_AVX512 0
 #endif
-// float16 rows are converted 8 at a time with F16C's instructions where the compiler targets them (x86-64-v3).
+// float16 rows are converted 8 values at a time with F16C's instructions where the compiler targets them.
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
 #define VIL_F16C 1
@@ -164,75 +164,52 @@ inline S narrow(T x) {
   }
 }
 
-// Rows of n values: out = widen(in) * factor, out = narrow(in * factor), and out = narrow(widen(out) + in). float16
-// goes through the CPU's conversion instructions, 16 (AVX-512) or 8 (F16C) at a time, where the compiler targets
-// them: c10's float16 conversions are scalar code that the loops do not vectorise (float16 inputs took 1.4x the
-// time of bfloat16 ones with float32 products); the other types through widen and narrow, which they do.
-#if VIL_AVX512 || VIL_F16C
-constexpr int kToNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // float to float16, ties to even
+// Rows of n values: out = widen(in) * factor, and out = narrow(in * factor), or narrow(widen(out) + in * factor) to
+// add. float16 goes through F16C's conversion instructions, 8 values at a time, where the compiler targets them (the
+// x86-64-v3 and v4 builds; rounding to nearest even, as c10): c10's float16 conversions are scalar code that the
+// loops do not vectorise (float16 inputs took 1.4x the time of bfloat16 ones with float32 products). The other types
+// go through widen and narrow, which the loops vectorise.
+#if VIL_F16C
+struct HalfLanes {
+  static constexpr int kWidth = 8;
+  static __m256 widen(const c10::Half* at) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+  }
+  static void narrow(c10::Half* at, __m256 x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+template <typename S, typename T>
+constexpr bool kHalfLanes = std::is_same_v<S, c10::Half> && std::is_same_v<T, float>;
 #endif
 
 template <typename T, typename S>
 inline void widen_row(T* out, const S* in, int64_t n, T factor) {
   int64_t d = 0;
-  if constexpr (std::is_same_v<S, c10::Half> && std::is_same_v<T, float>) {
-#if VIL_AVX512
-    const __m512 f = _mm512_set1_ps(factor);
-    for (; d + 16 <= n; d += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + d));
-      _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_cvtph_ps(h), f));
+#if VIL_F16C
+  if constexpr (kHalfLanes<S, T>) {
+    for (; d + HalfLanes::kWidth <= n; d += HalfLanes::kWidth) {
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(HalfLanes::widen(in + d), _mm256_set1_ps(factor)));
     }
-#elif VIL_F16C
-    const __m256 f = _mm256_set1_ps(factor);
-    for (; d + 8 <= n; d += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + d));
-      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(h), f));
-    }
-#endif
   }
+#endif
   for (; d < n; ++d) out[d] = widen<T>(in[d]) * factor;
 }
 
 template <typename S, typename T>
-inline void narrow_row(S* out, const T* in, int64_t n, T factor) {
+inline void narrow_row(S* out, const T* in, int64_t n, T factor, bool add) {
   int64_t d = 0;
-  if constexpr (std::is_same_v<S, c10::Half> && std::is_same_v<T, float>) {
-#if VIL_AVX512
-    const __m512 f = _mm512_set1_ps(factor);
-    for (; d + 16 <= n; d += 16) {
-      const __m256i h = _mm512_cvtps_ph(_mm512_mul_ps(_mm512_loadu_ps(in + d), f), kToNearest);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), h);
+#if VIL_F16C
+  if constexpr (kHalfLanes<S, T>) {
+    for (; d + HalfLanes::kWidth <= n; d += HalfLanes::kWidth) {
+      __m256 x = _mm256_mul_ps(_mm256_loadu_ps(in + d), _mm256_set1_ps(factor));
+      if (add) x = _mm256_add_ps(HalfLanes::widen(out + d), x);
+      HalfLanes::narrow(out + d, x);
     }
-#elif VIL_F16C
-    const __m256 f = _mm256_set1_ps(factor);
-    for (; d + 8 <= n; d += 8) {
-      const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(in + d), f), kToNearest);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), h);
-    }
-#endif
   }
-  for (; d < n; ++d) out[d] = narrow<S>(in[d] * factor);
-}
-
-template <typename S, typename T>
-inline void add_row(S* out, const T* in, int64_t n) {
-  int64_t d = 0;
-  if constexpr (std::is_same_v<S, c10::Half> && std::is_same_v<T, float>) {
-#if VIL_AVX512
-    for (; d + 16 <= n; d += 16) {
-      __m256i* at = reinterpret_cast<__m256i*>(out + d);
-      const __m512 sum = _mm512_add_ps(_mm512_cvtph_ps(_mm256_loadu_si256(at)), _mm512_loadu_ps(in + d));
-      _mm256_storeu_si256(at, _mm512_cvtps_ph(sum, kToNearest));
-    }
-#elif VIL_F16C
-    for (; d + 8 <= n; d += 8) {
-      __m128i* at = reinterpret_cast<__m128i*>(out + d);
-      const __m256 sum = _mm256_add_ps(_mm256_cvtph_ps(_mm_loadu_si128(at)), _mm256_loadu_ps(in + d));
-      _mm_storeu_si128(at, _mm256_cvtps_ph(sum, kToNearest));
-    }
 #endif
-  }
-  for (; d < n; ++d) out[d] = narrow<S>(widen<T>(out[d]) + in[d]);
+  for (; d < n; ++d) out[d] = narrow<S>(add ? widen<T>(out[d]) + in[d] * factor : in[d] * factor);
 }
 
 // What turns the products of a chunk (block) into its base-2 scores, where the softmax applies it as it reads each
@@ -465,7 +442,7 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
 template <typename S, typename T>
 void store_output(S* out, T* lse, const T* o, int64_t D, T max, T sum) {
   const T inverse = sum > 0 ? T(1) / sum : T(0);
-  narrow_row(out, o, D, inverse);
+  narrow_row(out, o, D, inverse, false);
   *lse = sum > 0 ? max + std::log2(sum) : std::numeric_limits<T>::infinity();
 }
 
@@ -513,11 +490,7 @@ void scatter(Map<S> dst, const std::vector<Position>& at, int64_t D, const T* sr
   for (size_t i = 0; i < at.size(); ++i) {
     S* out = dst.at(at[i]);
     const T* in = src + static_cast<int64_t>(i) * D;
-    if (add) {
-      add_row(out, in, D);
-    } else {
-      narrow_row(out, in, D, T(1));
-    }
+    narrow_row(out, in, D, T(1), add);
   }
 }
 
@@ -553,7 +526,7 @@ struct GradientSum {
     if constexpr (!std::is_same_v<S, T>) {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0; c < cols; ++c) {
-          narrow_row(out.at(r, c), target.at(r, c), D, T(1));
+          narrow_row(out.at(r, c), target.at(r, c), D, T(1), false);
         }
       }
     }

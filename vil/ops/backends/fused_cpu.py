@@ -18,9 +18,9 @@ run one of two ways:
   converted to float32 as the kernel copies a chunk into its buffers.
 
 ``VIL_FUSED_CPU_PRODUCTS`` chooses: ``auto`` (the default: half precision wherever the CPU has the instructions for
-the dtype and multiplies it at least as fast as float32, which the instructions alone do not tell: an Intel Xeon whose
-hypervisor hides its AMX tiles multiplies bfloat16 on AVX512-BF16 at half float32's rate), ``half`` (half
-precision, or one sentence saying why this CPU cannot) or ``float32``. Which instructions
+the dtype and multiplies it at least ``HALF_RATE_THAT_PAYS`` times as fast as float32, which the instructions alone
+do not tell: an Intel Xeon whose hypervisor hides its AMX tiles multiplies bfloat16 on AVX512-BF16 at half float32's
+rate), ``half`` (half precision, or one sentence saying why this CPU cannot) or ``float32``. Which instructions
 oneDNN uses for the half-precision products can be capped with its own ``ONEDNN_MAX_CPU_ISA`` (e.g.
 ``AVX512_CORE_BF16`` on a CPU with AMX), set before the process starts. The first half-precision call of a process
 checks the products against float32 ones on a small problem; if they disagree, it says so once and computes in
@@ -49,6 +49,11 @@ _X86_LEVELS = {"AVX2": "x86-64-v3", "AVX512": "x86-64-v4"}
 COMPILER_FLAGS = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
 PRODUCTS_VARIABLE = "VIL_FUSED_CPU_PRODUCTS"
 PRODUCTS = ("auto", "half", "float32")
+# How much faster than float32 the CPU must multiply a half-precision dtype (vil.cpu.half_precision_rate) for the
+# kernels' half-precision products to win, which copy their operands into layouts of their own: at 2.2x (an AMD
+# EPYC's bfloat16) they took 0.56x-0.68x of the float32 products' time, at 1.0x (an Intel Xeon's float16) 1.3x-1.7x
+# and at 0.53x (its bfloat16) 1.3x-1.6x (BENCHMARKS.md). A rate near 1 is a coin toss between processes; 1.5 is not.
+HALF_RATE_THAT_PAYS = 1.5
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -203,21 +208,23 @@ def half_products(dtype: torch.dtype) -> bool:
 
 @cache
 def half_products_pay(dtype):
-    """Whether this CPU multiplies ``dtype`` at least as fast as float32 (``vil.cpu.half_precision_rate``), which
-    ``auto`` asks before it multiplies in half precision; where it does not, it says so once (as info: the float32
-    products it takes instead are the faster ones)."""
+    """Whether this CPU multiplies ``dtype`` at least ``HALF_RATE_THAT_PAYS`` times as fast as float32
+    (``vil.cpu.half_precision_rate``), which ``auto`` asks before it multiplies in half precision; where it does not,
+    it says so once (as info: the float32 products it takes instead are the faster ones)."""
     rate = half_precision_rate(dtype)
-    if rate < 1:
+    pays = rate >= HALF_RATE_THAT_PAYS
+    if not pays:
         _log.info(
-            "fused_cpu: this CPU multiplies %s at %.2fx the rate of float32, so the kernels multiply %s inputs in "
-            "float32 (%s=half multiplies them in %s).",
+            "fused_cpu: this CPU multiplies %s at %.2fx the rate of float32 (under %sx), so the kernels multiply %s "
+            "inputs in float32 (%s=half multiplies them in %s).",
             _name(dtype),
             rate,
+            HALF_RATE_THAT_PAYS,
             _name(dtype),
             PRODUCTS_VARIABLE,
             _name(dtype),
         )
-    return rate >= 1
+    return pays
 
 
 def _name(dtype):
