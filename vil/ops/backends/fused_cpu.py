@@ -14,8 +14,9 @@ run one of two ways:
 - **half precision** (bfloat16, and float16 where the CPU multiplies it): the products read the half-precision
   values and sum in float32 on the CPU's matrix instructions (torch's ``brgemm`` micro-kernel, oneDNN's: AMX tiles
   where the CPU has them, AVX512-BF16 dot products otherwise); scores, softmax and every sum stay float32;
-- **float32** (float64 for float64): everything else, and half precision on CPUs without such instructions,
-  converted to float32 as the kernel copies a chunk into its buffers.
+- **float32** (float64 for float64): everything else, and half precision on CPUs without such instructions or
+  whose instructions are not fast enough to pay (below), converted to float32 as the kernel copies a chunk into its
+  buffers.
 
 ``VIL_FUSED_CPU_PRODUCTS`` chooses: ``auto`` (the default: half precision wherever the CPU has the instructions for
 the dtype and multiplies it at least ``HALF_RATE_THAT_PAYS`` times as fast as float32, which the instructions alone
