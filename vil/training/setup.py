@@ -99,13 +99,13 @@ def amp_context(cfg, device):
             "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AVX512-FP16 or AMX-FP16",
             cfg.AMP.DTYPE,
         )
-    elif on and device.type == "cpu" and half_precision_rate(dtype) < 1:
+    elif on and device.type == "cpu" and (rate := half_precision_rate(dtype)) < 1:
         log.warning(
             "AMP.DTYPE %s: this CPU multiplies %s matrices at %.2fx the rate of float32, so training and evaluation "
             "are faster without AMP.ON_CPU on it.",
             cfg.AMP.DTYPE,
             cfg.AMP.DTYPE,
-            half_precision_rate(dtype),
+            rate,
         )
     if on and device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
         log.warning(
