@@ -30,7 +30,11 @@
 # (140 + 100 + 140 + 160; at most 5 s more per run to stop it, 580 s in all, within one 10-minute command);
 # STEPS="1 2" and then STEPS="3 4" split them.
 # Step 6 takes 420 s (a third for each run; the Longformer run took 80 s on a 2-core AMD EPYC; the other two, in
-# bfloat16, end within theirs only on a CPU with bfloat16 matrix instructions, AVX512-BF16 or AMX).
+# bfloat16, end within theirs only on a CPU with bfloat16 matrix instructions, AVX512-BF16 or AMX). Named with other
+# steps on a machine of at least 8 cores, it runs beside them, on cores 0 and 1 while they run on the others (its
+# lines on the terminal marked "[host CPU]"), so that STEPS="1 2 3 4 6" fits one 10-minute command. Its benchmarks
+# compare contenders alternating in one process, so their ratios hold beside the GPU steps; STEPS=6 alone gives the
+# absolute times with no neighbours.
 # Logs and tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
 # attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md, models_gpu.log, cpu_host.log. Each step goes
 # on after a failing one, and the script exits non-zero if any failed or ran out of time.
@@ -40,10 +44,22 @@
 #   STEPS=4 SIZES_1D="4096 32768" LIMIT_4=400 bash tools/gpu_checks.sh
 #   STEPS=5 bash tools/gpu_checks.sh             # the model study alone
 #   STEPS=6 bash tools/gpu_checks.sh             # the host CPU's figures alone
+#   STEPS="1 2 3 4 6" bash tools/gpu_checks.sh   # everything, the host CPU's figures beside the GPU steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs}
 STEPS=${STEPS:-"1 2 3 4"}
+gpu_steps=$(echo " $STEPS " | sed 's/ 6 / /g' | xargs)
+if [ "$gpu_steps" != "$(echo "$STEPS" | xargs)" ] && [ -n "$gpu_steps" ] && command -v taskset > /dev/null &&
+  [ "$(nproc)" -ge 8 ]; then
+  STEPS=6 bash tools/gpu_checks.sh 2>&1 | sed -u 's/^/[host CPU] /' &
+  host=$!
+  STEPS="$gpu_steps" taskset -c "2-$(($(nproc) - 1))" bash tools/gpu_checks.sh
+  gpu_rc=$?
+  wait "$host"
+  host_rc=$?
+  exit $((gpu_rc || host_rc))
+fi
 SIZES_1D=${SIZES_1D:-32768}
 failed=0
 mkdir -p "$OUT"
