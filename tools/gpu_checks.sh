@@ -15,9 +15,10 @@
 #      autocast and in float32, with tools/benchmark_model.py.
 #   6. (only when STEPS names it) the host CPU's figures on two of its cores (taskset, OMP_NUM_THREADS=2), as on the
 #      2-core machines of BENCHMARKS.md: the fused CPU kernels in float32 and bfloat16 against SDPA and the CPU's
-#      matrix products (tools/benchmark_precision.py; its CPU line says whether the OS grants AMX tiles), transformers'
-#      Longformer at 4096 tokens against the accelerated one (tools/benchmark_longformer.py), and ViL-Small against
-#      Swin-T under bfloat16 autocast (tools/benchmark_model.py).
+#      matrix products (tools/benchmark_precision.py; its CPU line says whether the OS grants AMX tiles), ViL-Small
+#      against Swin-T under bfloat16 autocast, with the profiler's table of two training steps of each, and in float32
+#      (tools/benchmark_model.py), and transformers' Longformer at 4096 tokens against the accelerated one
+#      (tools/benchmark_longformer.py).
 # Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS, default
 # 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_6 seconds; steps
 # 3 to 6 share theirs out among their runs), so that a slow step cannot take the time of the next. The studies print
@@ -29,8 +30,8 @@
 # H200), the second finds them in the on-disk caches (2.5 s, 4 s). The default limits of steps 1 to 4 add up to 540 s
 # (140 + 100 + 140 + 160; at most 5 s more per run to stop it, 580 s in all, within one 10-minute command);
 # STEPS="1 2" and then STEPS="3 4" split them.
-# Step 6 takes 420 s (a third for each run; the Longformer run took 80 s on a 2-core AMD EPYC; the other two, in
-# bfloat16, end within theirs only on a CPU with bfloat16 matrix instructions, AVX512-BF16 or AMX). Named with other
+# Step 6 takes 560 s (a quarter for each run; the Longformer run took 80 s on a 2-core AMD EPYC; the two in bfloat16
+# end within theirs only on a CPU with bfloat16 matrix instructions, AVX512-BF16 or AMX). Named with other
 # steps on a machine of at least 8 cores, it runs beside them, on cores 0 and 1 while they run on the others (its
 # lines on the terminal marked "[host CPU]"), so that STEPS="1 2 3 4 6" fits one 10-minute command. Its benchmarks
 # compare contenders alternating in one process, so their ratios hold beside the GPU steps; STEPS=6 alone gives the
@@ -125,11 +126,13 @@ for step in $STEPS; do
        done ;;
     6) pin=()
        if command -v taskset > /dev/null; then pin=(taskset -c 0,1); else echo "taskset is missing: all cores run."; fi
-       for run in "tools/benchmark_precision.py --rounds 3" "tools/benchmark_longformer.py --lengths 4096 --what model \
---rounds 3" "tools/benchmark_model.py --config-file configs/vil_small.yaml --batch 4 --steps 4 --rounds 3 --timm \
-swin_tiny_patch4_window7_224 MODEL.VIT.MSVIT.ATTN_TYPE fused_cpu AMP.ON_CPU True AMP.ENABLED True"; do
+       model="tools/benchmark_model.py --config-file configs/vil_small.yaml --batch 4 --steps 4 --rounds 3 --timm \
+swin_tiny_patch4_window7_224"  # then the config's overrides, which end the command line
+       cpu_fused="MODEL.VIT.MSVIT.ATTN_TYPE fused_cpu AMP.ON_CPU True"
+       for run in "tools/benchmark_precision.py --rounds 3" "$model --profile $cpu_fused AMP.ENABLED True" \
+         "$model $cpu_fused AMP.ENABLED False" "tools/benchmark_longformer.py --lengths 4096 --what model --rounds 3"; do
          # shellcheck disable=SC2086  # a command line of words
-         limited $((${LIMIT_6:-420} / 3)) "$OUT/cpu_host.log" "${pin[@]}" env OMP_NUM_THREADS=2 python $run
+         limited $((${LIMIT_6:-560} / 4)) "$OUT/cpu_host.log" "${pin[@]}" env OMP_NUM_THREADS=2 python $run
        done ;;
     *) echo "Unknown step $step; the steps are 1 2 3 4 5 6."; failed=1 ;;
   esac
