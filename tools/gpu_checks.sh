@@ -13,12 +13,12 @@
 #      same band as a block mask), sliding_chunk, chunks and SDPA (flash; causal for the causal rows).
 #   5. (only when STEPS names it) the model study: ViL-Small against timm's Swin-T, batch 64 at 224, in bfloat16
 #      autocast and in float32, with tools/benchmark_model.py.
-#   6. (only when STEPS names it) the host CPU's figures on two of its cores (taskset, OMP_NUM_THREADS=2), as on the
-#      2-core machines of BENCHMARKS.md: the fused CPU kernels in float32 and bfloat16 against SDPA and the CPU's
-#      matrix products (tools/benchmark_precision.py; its CPU line says whether the OS grants AMX tiles), ViL-Small
-#      against Swin-T under bfloat16 autocast, with the profiler's table of two training steps of each, and in float32
-#      (tools/benchmark_model.py), and transformers' Longformer at 4096 tokens against the accelerated one
-#      (tools/benchmark_longformer.py).
+#   6. (only when STEPS names it) the host CPU's figures on two cores (taskset: the first two of the CPUs the script
+#      may run on; OMP_NUM_THREADS=2), as on the 2-core machines of BENCHMARKS.md: the fused CPU kernels in float32
+#      and bfloat16 against SDPA and the CPU's matrix products (tools/benchmark_precision.py; its CPU line says
+#      whether the OS grants AMX tiles), ViL-Small against Swin-T under bfloat16 autocast, with the profiler's table
+#      of two training steps of each, and in float32 (tools/benchmark_model.py), and transformers' Longformer at 4096
+#      tokens against the accelerated one (tools/benchmark_longformer.py).
 # Tests print each result as it ends (pytest -v), with pytest-xdist's workers where it is installed (WORKERS, default
 # 8), and their failures' tracebacks at the end. Every step runs under a time limit (LIMIT_1 .. LIMIT_6 seconds; steps
 # 3 to 6 share theirs out among their runs), so that a slow step cannot take the time of the next. The studies print
@@ -32,7 +32,7 @@
 # STEPS="1 2" and then STEPS="3 4" split them.
 # Step 6 takes 560 s (a quarter for each run; the Longformer run took 80 s on a 2-core AMD EPYC; the two in bfloat16
 # end within theirs only on a CPU with bfloat16 matrix instructions, AVX512-BF16 or AMX). Named with other
-# steps on a machine of at least 8 cores, it runs beside them, on cores 0 and 1 while they run on the others (its
+# steps on a machine of at least 8 cores, it runs beside them, on its two cores while they run on the others (its
 # lines on the terminal marked "[host CPU]"), so that STEPS="1 2 3 4 6" fits one 10-minute command. Its benchmarks
 # compare contenders alternating in one process, so their ratios hold beside the GPU steps; STEPS=6 alone gives the
 # absolute times with no neighbours.
@@ -50,12 +50,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs}
 STEPS=${STEPS:-"1 2 3 4"}
+# The CPUs this process may run on: step 6 takes the first two, the GPU steps beside it the others.
+read -r -a cpus <<< "$(python -c "import os; print(*sorted(os.sched_getaffinity(0)))")"
 gpu_steps=$(echo " $STEPS " | sed 's/ 6 / /g' | xargs)
 if [ "$gpu_steps" != "$(echo "$STEPS" | xargs)" ] && [ -n "$gpu_steps" ] && command -v taskset > /dev/null &&
-  [ "$(nproc)" -ge 8 ]; then
+  [ "${#cpus[@]}" -ge 8 ]; then
   STEPS=6 bash tools/gpu_checks.sh 2>&1 | sed -u 's/^/[host CPU] /' &
   host=$!
-  STEPS="$gpu_steps" taskset -c "2-$(($(nproc) - 1))" bash tools/gpu_checks.sh
+  STEPS="$gpu_steps" taskset -c "$(IFS=,; echo "${cpus[*]:2}")" bash tools/gpu_checks.sh
   gpu_rc=$?
   wait "$host"
   host_rc=$?
@@ -125,7 +127,11 @@ for step in $STEPS; do
            --timm swin_tiny_patch4_window7_224 AMP.ENABLED "$precision"
        done ;;
     6) pin=()
-       if command -v taskset > /dev/null; then pin=(taskset -c 0,1); else echo "taskset is missing: all cores run."; fi
+       if command -v taskset > /dev/null && [ "${#cpus[@]}" -ge 2 ]; then
+         pin=(taskset -c "${cpus[0]},${cpus[1]}")
+       else
+         echo "taskset is missing, or fewer than two CPUs: all of them run."
+       fi
        model="tools/benchmark_model.py --config-file configs/vil_small.yaml --batch 4 --steps 4 --rounds 3 --timm \
 swin_tiny_patch4_window7_224"  # then the config's overrides, which end the command line
        cpu_fused="MODEL.VIT.MSVIT.ATTN_TYPE fused_cpu AMP.ON_CPU True"
