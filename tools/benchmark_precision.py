@@ -237,7 +237,7 @@ def products_table(results):
     takes, lines = {}, []
     for (problem, dtype, mode), (local, _, _, other) in results.items():
         if other is not None:
-            half = takes.setdefault(dtype, half_products(DTYPES[dtype]))
+            half = takes[dtype] = products_dtype(dtype) == dtype
             in_half, in_float32 = (local, other) if half else (other, local)
             lines.append(
                 f"| {problem} | {dtype} | {mode} | {in_half * 1e3:.1f} | {in_float32 * 1e3:.1f} "
