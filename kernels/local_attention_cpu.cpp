@@ -8,8 +8,9 @@
 // 1D: the positions r, r+d, r+2d, ... of a head with dilation d (one residue class r) form a sequence of their
 // own, on which the window is the undilated one. One block of consecutive queries of such a sequence at a
 // time: the keys their windows cover are one span of that sequence (at most block + 2w keys, block + w
-// causal), copied with the G global keys into the same buffers as in 2D; the band, the causal and padding
-// masks and the bias table are applied row by row.
+// causal, from an even position), copied with the G global keys into the same buffers as in 2D (the
+// half-precision products read the span from its class's layouts instead, written once per call: ClassLayouts);
+// the band, the causal and padding masks and the bias table are applied row by row.
 //
 // Forward: saves the output and the base-2 log-sum-exp of every query; chunks (blocks) run in parallel.
 // Backward: recomputes the probabilities from the log-sum-exp; the chunks of one (batch, head), or the blocks
@@ -39,6 +40,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -99,13 +101,13 @@ void matmul(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a
   }
 }
 
-// Row-major c (m x n, float) = a b, a m x k row-major, b as the micro-kernel reads it (reads_pairs, below): in pairs,
-// k/2 rows of n pairs (b[2i][j], b[2i+1][j]), the layout of the CPU's half-precision dot-product instructions and of
-// AMX tiles; or plain, k rows; k even.
+// Row-major c (m x n, float) = a b, or c += a b where `add`; a m x k row-major, b as the micro-kernel reads it
+// (reads_pairs, below): in pairs, k/2 rows of n pairs (b[2i][j], b[2i+1][j]), the layout of the CPU's half-precision
+// dot-product instructions and of AMX tiles; or plain, k rows; k even. k = 0 leaves c as it is.
 template <typename S>
-void half_product(int m, int n, int k, const S* a, int lda, const S* b, int ldb, float* c, int ldc) {
-  if (m == 0 || n == 0) return;
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, false, a, b, c, true);
+void half_product(int m, int n, int k, const S* a, int lda, const S* b, int ldb, float* c, int ldc, bool add = false) {
+  if (m == 0 || n == 0 || k == 0) return;
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, true);
 }
 
 // exp2 for t <= 0 (scores less their maximum or log-sum-exp): 2^round(t) times a degree-6 polynomial of the
@@ -617,17 +619,18 @@ struct Geometry1d {
   bool causal;
   std::vector<int64_t> dilations;  // one per head
   int64_t residues;                // the most residue classes of a head, min(d, L): partial sums per (batch, head)
-  // The most keys a block's windows cover.
-  int64_t span() const { return std::min<int64_t>(block + (causal ? 1 : 2) * w, L); }
+  // The most keys a block's windows cover, with the one before where that span would begin at an odd position.
+  int64_t span() const { return std::min<int64_t>(block + (causal ? 1 : 2) * w + 1, L); }
   int64_t max_queries() const { return block; }
   int64_t max_keys() const { return span() + G; }
   int64_t bias_rows() const { return 2 * w + 1; }  // offsets -w..w
 };
 
 // A block of queries t0 <= t < t0 + queries of residue class r of head h (positions r + d*t), and the span of
-// keys k0 <= t < k0 + keys that their windows cover.
+// keys k0 <= t < k0 + keys that their windows cover, from an even k0 (the half-precision products read a span's
+// keys in pairs from the class's layouts, see ClassLayouts); `run` numbers the (head, residue class).
 struct Block {
-  int64_t h, d, r, t0, k0;
+  int64_t h, d, r, t0, k0, run;
   int queries, keys;
 };
 
@@ -638,12 +641,12 @@ std::vector<Block> make_blocks(const Geometry1d& g, std::vector<int64_t>& runs) 
   for (int64_t h = 0; h < g.H; ++h) {
     const int64_t d = g.dilations[h];
     for (int64_t r = 0; r < std::min(d, g.L); ++r) {
+      const int64_t run = static_cast<int64_t>(runs.size()), n = (g.L - r + d - 1) / d;
       runs.push_back(static_cast<int64_t>(blocks.size()));
-      const int64_t n = (g.L - r + d - 1) / d;
       for (int64_t t0 = 0; t0 < n; t0 += g.block) {
-        const int64_t queries = std::min<int64_t>(g.block, n - t0), k0 = std::max<int64_t>(0, t0 - g.w);
+        const int64_t queries = std::min<int64_t>(g.block, n - t0), k0 = std::max<int64_t>(0, t0 - g.w) / 2 * 2;
         const int64_t k1 = std::min(n, t0 + queries + (g.causal ? 0 : g.w));
-        blocks.push_back({h, d, r, t0, k0, static_cast<int>(queries), static_cast<int>(k1 - k0)});
+        blocks.push_back({h, d, r, t0, k0, run, static_cast<int>(queries), static_cast<int>(k1 - k0)});
       }
     }
   }
@@ -871,6 +874,15 @@ void finish_scores(const Geometry1d& g, const Block& blk, T* scores, int ld, T f
   }
 }
 
+// The tensors of one call.
+struct Inputs {
+  const at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
+};
+
+struct Gradients {
+  at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
+};
+
 // The products of one chunk (block) in the compute type T with BLAS. Buffers: queries (times scale * log2(e)),
 // keys and values of the window (local keys, then the global ones), the output's gradient, scores and their
 // gradients, and the results the caller reads. Every method below is HalfProducts' too; see there.
@@ -885,6 +897,17 @@ struct FloatProducts {
   FloatProducts(int64_t S, int64_t L, int64_t D)
       : queries(S * D), keys(L * D), values(L * D), grad_out(S * D), scores(S * L), grad_scores(S * L),
         result(std::max(S, L) * D), row_max(S), total(S), delta(S) {}
+
+  // Nothing is written ahead of the 1D blocks: load_span gathers each block's span of keys and values.
+  struct Layouts {
+    Layouts(const Geometry1d&, const Inputs&, const std::vector<int64_t>&, const std::vector<Block>&, bool) {}
+  };
+
+  template <typename S>
+  void load_span(const Window& win, const Layouts& /*layouts*/, int64_t /*item*/, Map<const S> q, Map<const S> k,
+                 Map<const S> v, const T* gk, const T* gv, int64_t G, int64_t D, double scale, bool backward) {
+    load(win, q, k, v, gk, gv, G, D, scale, backward);
+  }
 
   template <typename S>
   void load(const Window& win, Map<const S> q, Map<const S> k, Map<const S> v, const T* gk, const T* gv, int64_t G,
@@ -1263,6 +1286,78 @@ bool reads_pairs() {
   return true;
 }
 
+// The keys and values of every residue class of one 1D call, written once into the layouts the half-precision
+// products read (B operands, see the writers above): a block's span of keys is then a range of its class's layouts
+// (columns 2 k0.. of the element pairs, or k0.. plain; rows k0/2.. of the token pairs, k0 even), where otherwise
+// each key would be written for every block whose span holds it, (block + 2w) / block times. The forward reads the
+// keys summed over their elements and the values summed over themselves; the backward those and the other two.
+template <typename S>
+struct ClassLayouts {
+  // A B operand: its first element, and its row length in pairs (in elements where plain).
+  struct Operand {
+    const S* data;
+    int ldb;
+  };
+  int64_t D, Dq, classes;
+  bool pairs = reads_pairs<S>();
+  std::vector<int64_t> lengths, element_offsets, token_offsets;  // per (batch entry, class)
+  at::Tensor key_elements, key_tokens, value_elements, value_tokens;
+
+  ClassLayouts(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
+               const std::vector<Block>& blocks, bool backward)
+      : D(g.D), Dq(pairs_per_row(g.D)), classes(static_cast<int64_t>(runs.size()) - 1) {
+    int64_t elements = 0, tokens = 0;
+    for (int64_t item = 0; item < g.B * classes; ++item) {
+      const Block& first = blocks[runs[item % classes]];
+      const int64_t n = (g.L - first.r + first.d - 1) / first.d;
+      lengths.push_back(n);
+      element_offsets.push_back(elements);
+      token_offsets.push_back(tokens);
+      elements += even(g.D) * pairs_per_row(n);
+      tokens += even(n) * Dq;
+    }
+    const auto options = in.q.options().memory_format(at::MemoryFormat::Contiguous);
+    key_elements = at::empty({elements}, options);
+    (backward ? value_elements : value_tokens) = at::empty({backward ? elements : tokens}, options);
+    if (backward) key_tokens = at::empty({tokens}, options);
+    at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
+      std::vector<const S*> k_tokens, v_tokens;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / classes, n = lengths[item];
+        const Block& first = blocks[runs[item % classes]];
+        const Map<const S> k = map_of<const S>(in.k, b, first.h).every(first.r, first.d),
+                           v = map_of<const S>(in.v, b, first.h).every(first.r, first.d);
+        k_tokens.resize(n);
+        v_tokens.resize(n);
+        for (int64_t t = 0; t < n; ++t) k_tokens[t] = k.at(t, 0), v_tokens[t] = v.at(t, 0);
+        const int count = static_cast<int>(n), ldb = pairs_per_row(n);
+        (pairs ? write_element_pairs<S> : write_element_columns<S>)(at_elements(key_elements, item), k_tokens.data(),
+                                                                     count, D, ldb);
+        const auto write_tokens = pairs ? write_token_pairs<S> : write_token_rows<S>;
+        if (backward) {
+          (pairs ? write_element_pairs<S> : write_element_columns<S>)(at_elements(value_elements, item),
+                                                                       v_tokens.data(), count, D, ldb);
+          write_tokens(at_tokens(key_tokens, item), k_tokens.data(), count, D, static_cast<int>(Dq));
+        } else {
+          write_tokens(at_tokens(value_tokens, item), v_tokens.data(), count, D, static_cast<int>(Dq));
+        }
+      }
+    });
+  }
+
+  S* at_elements(const at::Tensor& t, int64_t item) const {
+    return static_cast<S*>(t.data_ptr()) + element_offsets[item];
+  }
+  S* at_tokens(const at::Tensor& t, int64_t item) const { return static_cast<S*>(t.data_ptr()) + token_offsets[item]; }
+  // The span of keys from k0 of class `item` (batch entry * classes + run), in each layout.
+  Operand elements(const at::Tensor& t, int64_t item, int64_t k0) const {
+    return {at_elements(t, item) + (pairs ? 2 : 1) * k0, pairs_per_row(lengths[item])};
+  }
+  Operand tokens(const at::Tensor& t, int64_t item, int64_t k0) const {
+    return {at_tokens(t, item) + k0 * Dq, static_cast<int>(Dq)};
+  }
+};
+
 // The products of one chunk (block) in half precision S (bfloat16, half) with float sums, on the CPU's matrix
 // instructions (half_product). q, k, v, the output's gradient, the probabilities P and the score gradients dS go into
 // the layouts the products read: rows (A operands) or pairs (B operands, in rows of a multiple of 16 pairs, the
@@ -1277,62 +1372,129 @@ template <typename S>
 struct HalfProducts {
   using Compute = float;
   using Global = S;
+  using Layouts = ClassLayouts<S>;
+  using Operand = typename ClassLayouts<S>::Operand;
   int64_t D, Dp;          // head dim, rounded up to even
   int Dq;                 // pairs per row of the token pairs (D rounded up to 16)
   int n = 0, np = 0;      // queries, rounded up to even
-  int ld = 0, lp = 0;     // score row length (local keys + G), rounded up to even
+  int ld = 0, lp = 0;     // score row length (local keys + G); row length of P and dS as A operands (below)
   int lq = 0;             // pairs per row of the element and row pairs (ld rounded up to 16)
+  int local = 0, lg = 0;  // columns of the local keys' operands (below); where the global keys' begin in P and dS
   float score_scale = 0;  // scale * log2(e)
   bool pairs = reads_pairs<S>();
   std::vector<const S*> query_tokens, key_tokens, value_tokens, grad_out_tokens;
   std::vector<S> q_rows, q_columns, k_element_pairs, k_token_pairs, v_element_pairs, v_token_pairs;
   std::vector<S> grad_out_rows, grad_out_columns, p_rows, p_row_pairs, ds_rows, ds_row_pairs;
   std::vector<float> scores, grad_scores, result, transposed, row_max, total;
+  // The B operands of the keys and values that `local` columns of the scores read: in 2D all of the window's keys,
+  // the global ones included, from the buffers above; in 1D the block's span, from its class's layouts, and the G
+  // global keys from the buffers above, multiplied apart. P and dS rows (lp long) hold the local columns, a zero
+  // where their count is odd and global keys follow, then the global columns from lg.
+  Operand k_elements{}, k_tokens{}, v_elements{}, v_tokens{};
 
   HalfProducts(int64_t S_, int64_t L, int64_t D_)
       : D(D_), Dp(even(D_)), Dq(pairs_per_row(D_)), q_rows(S_ * Dp), q_columns(D_ * even(S_)),
         k_element_pairs(Dp * pairs_per_row(L)), k_token_pairs(even(L) * Dq), v_element_pairs(Dp * pairs_per_row(L)),
-        v_token_pairs(even(L) * Dq), grad_out_rows(S_ * Dp), grad_out_columns(D_ * even(S_)), p_rows(S_ * even(L)),
-        p_row_pairs(even(S_) * pairs_per_row(L)), ds_rows(S_ * even(L)), ds_row_pairs(even(S_) * pairs_per_row(L)),
-        scores(S_ * L), grad_scores(S_ * L), result(std::max(S_, L) * D_), transposed(L * D_), row_max(S_),
-        total(S_) {}
+        v_token_pairs(even(L) * Dq), grad_out_rows(S_ * Dp), grad_out_columns(D_ * even(S_)),
+        p_rows(S_ * (even(L) + 2)), p_row_pairs(even(S_) * pairs_per_row(L)), ds_rows(S_ * (even(L) + 2)),
+        ds_row_pairs(even(S_) * pairs_per_row(L)), scores(S_ * L), grad_scores(S_ * L), result(std::max(S_, L) * D_),
+        transposed(L * D_), row_max(S_), total(S_) {}
 
+  // 2D: the chunk's queries, and its keys and values (local, then global) into the buffers.
   void load(const Window& win, Map<const S> q, Map<const S> k, Map<const S> v, const S* gk, const S* gv, int64_t G,
             int64_t /*D*/, double scale, bool backward) {
-    const int local = static_cast<int>(win.keys.size());
-    n = static_cast<int>(win.queries.size()), np = static_cast<int>(even(n));
-    ld = local + static_cast<int>(G), lp = static_cast<int>(even(ld)), lq = pairs_per_row(ld);
-    score_scale = static_cast<float>(scale * kLog2e);
-    query_tokens.resize(n);
+    const int keys = static_cast<int>(win.keys.size());
+    load_queries(win, q, keys + static_cast<int>(G), keys + static_cast<int>(G), scale, backward);
     key_tokens.resize(ld);
     value_tokens.resize(ld);
-    for (int i = 0; i < n; ++i) query_tokens[i] = q.at(win.queries[i]);
     for (int j = 0; j < ld; ++j) {
-      key_tokens[j] = j < local ? k.at(win.keys[j]) : gk + (j - local) * D;
-      value_tokens[j] = j < local ? v.at(win.keys[j]) : gv + (j - local) * D;
+      key_tokens[j] = j < keys ? k.at(win.keys[j]) : gk + (j - keys) * D;
+      value_tokens[j] = j < keys ? v.at(win.keys[j]) : gv + (j - keys) * D;
     }
-    write_rows(q_rows.data(), query_tokens.data(), n, D, Dp);
-    write_over_elements(k_element_pairs.data(), key_tokens.data());
+    write_keys(backward);
+    k_elements = {k_element_pairs.data(), lq}, v_elements = {v_element_pairs.data(), lq};
+    k_tokens = {k_token_pairs.data(), Dq}, v_tokens = {v_token_pairs.data(), Dq};
+  }
+
+  // 1D: the block's queries and global keys and values into the buffers; its span of keys from `layouts` (class
+  // `item`: batch entry * classes + run). k and v are read there.
+  void load_span(const Window& win, const Layouts& layouts, int64_t item, Map<const S> q, Map<const S> /*k*/,
+                 Map<const S> /*v*/, const S* gk, const S* gv, int64_t G, int64_t /*D*/, double scale, bool backward) {
+    const int keys = static_cast<int>(win.keys.size());
+    load_queries(win, q, keys, keys + static_cast<int>(G), scale, backward);
+    key_tokens.resize(G);
+    value_tokens.resize(G);
+    for (int64_t j = 0; j < G; ++j) key_tokens[j] = gk + j * D, value_tokens[j] = gv + j * D;
+    write_keys(backward);
+    const int64_t k0 = win.keys.front().row;
+    k_elements = layouts.elements(layouts.key_elements, item, k0);
     if (backward) {
-      write_columns(q_columns.data(), query_tokens.data(), n, np, D);
-      write_over_tokens(k_token_pairs.data(), key_tokens.data());
-      write_over_elements(v_element_pairs.data(), value_tokens.data());
+      k_tokens = layouts.tokens(layouts.key_tokens, item, k0);
+      v_elements = layouts.elements(layouts.value_elements, item, k0);
     } else {
-      write_over_tokens(v_token_pairs.data(), value_tokens.data());
+      v_tokens = layouts.tokens(layouts.value_tokens, item, k0);
     }
   }
 
-  // The ld keys or values as B operands: summed over their elements (D x ld), or over themselves (ld x D).
-  void write_over_elements(S* dst, const S* const* tokens) const {
-    (pairs ? write_element_pairs<S> : write_element_columns<S>)(dst, tokens, ld, D, lq);
+  // The sizes of a chunk (block) of `ld` keys whose first `local` columns the local operands hold, and the queries'
+  // layouts.
+  void load_queries(const Window& win, Map<const S> q, int local_, int ld_, double scale, bool backward) {
+    n = static_cast<int>(win.queries.size()), np = static_cast<int>(even(n));
+    local = local_, ld = ld_, lq = pairs_per_row(ld);
+    lg = ld > local ? static_cast<int>(even(local)) : local;
+    lp = static_cast<int>(lg + even(ld - local));
+    score_scale = static_cast<float>(scale * kLog2e);
+    query_tokens.resize(n);
+    for (int i = 0; i < n; ++i) query_tokens[i] = q.at(win.queries[i]);
+    write_rows(q_rows.data(), query_tokens.data(), n, D, Dp);
+    if (backward) write_columns(q_columns.data(), query_tokens.data(), n, np, D);
   }
-  void write_over_tokens(S* dst, const S* const* tokens) const {
-    (pairs ? write_token_pairs<S> : write_token_rows<S>)(dst, tokens, ld, D, Dq);
+
+  // The keys and values of key_tokens and value_tokens (all ld of them in 2D, the G global ones in 1D) into the
+  // buffers the products read: summed over their elements (Dp x the keys), or over themselves (the keys x D).
+  void write_keys(bool backward) {
+    const int count = static_cast<int>(key_tokens.size()), ldb = pairs_per_row(count);
+    const auto over_elements = pairs ? write_element_pairs<S> : write_element_columns<S>;
+    const auto over_tokens = pairs ? write_token_pairs<S> : write_token_rows<S>;
+    over_elements(k_element_pairs.data(), key_tokens.data(), count, D, ldb);
+    if (backward) {
+      over_tokens(k_token_pairs.data(), key_tokens.data(), count, D, Dq);
+      over_elements(v_element_pairs.data(), value_tokens.data(), count, D, ldb);
+    } else {
+      over_tokens(v_token_pairs.data(), value_tokens.data(), count, D, Dq);
+    }
+  }
+
+  // out (n x ld) = rows (n x Dp: q or dO) times the keys' (or values') elements: the local operand, then the global
+  // keys' buffer.
+  void multiply_elements(const S* rows, Operand local_keys, const S* global_keys, float* out) const {
+    half_product(n, local, static_cast<int>(Dp), rows, static_cast<int>(Dp), local_keys.data, local_keys.ldb, out, ld);
+    half_product(n, ld - local, static_cast<int>(Dp), rows, static_cast<int>(Dp), global_keys,
+                 pairs_per_row(ld - local), out + local, ld);
+  }
+
+  // out (n x D) = rows (n x lp: P or dS) times the keys (or values): the local operand, then the global keys' buffer.
+  void multiply_tokens(const S* rows, Operand local_keys, const S* global_keys, float* out) const {
+    half_product(n, static_cast<int>(D), static_cast<int>(even(local)), rows, lp, local_keys.data, local_keys.ldb, out,
+                 static_cast<int>(D));
+    half_product(n, static_cast<int>(D), static_cast<int>(even(ld - local)), rows + lg, lp, global_keys, Dq, out,
+                 static_cast<int>(D), true);
+  }
+
+  // Moves the global columns of n rows of P or dS (written as ld columns of lp) to lg, after the zero that pads the
+  // local columns to even.
+  void place_global_columns(S* rows) const {
+    if (lg == local) return;
+    for (int i = 0; i < n; ++i) {
+      S* row = rows + static_cast<int64_t>(i) * lp;
+      std::memmove(row + lg, row + local, static_cast<size_t>(ld - local) * sizeof(S));
+      row[local] = S(0);
+    }
   }
 
   // The products of the queries and keys, to be multiplied by score_factor().
   float* multiply_scores(int /*n*/, int64_t /*D*/) {
-    half_product(n, ld, Dp, q_rows.data(), Dp, k_element_pairs.data(), lq, scores.data(), ld);
+    multiply_elements(q_rows.data(), k_elements, k_element_pairs.data(), scores.data());
     return scores.data();
   }
   float score_factor() const { return score_scale; }
@@ -1344,7 +1506,8 @@ struct HalfProducts {
       exponentiate_row(scores.data() + offset, ld, finish.offset(offset), rounded, row_max[i], total[i]);
       std::fill(rounded + ld, rounded + lp, S(0));
     }
-    half_product(n, D, lp, p_rows.data(), lp, v_token_pairs.data(), Dq, result.data(), D);
+    place_global_columns(p_rows.data());
+    multiply_tokens(p_rows.data(), v_tokens, v_token_pairs.data(), result.data());
     return result.data();
   }
 
@@ -1357,39 +1520,32 @@ struct HalfProducts {
   }
 
   void differentiate(int /*n*/, int64_t /*D*/, const float* lse, const Finish<float>& finish, float* grad_sum) {
-    half_product(n, ld, Dp, grad_out_rows.data(), Dp, v_element_pairs.data(), lq, grad_scores.data(), ld);
+    multiply_elements(grad_out_rows.data(), v_elements, v_element_pairs.data(), grad_scores.data());
     softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, finish, grad_sum,
                      RoundedSoftmax<S>{ds_rows.data(), ds_row_pairs.data(), p_row_pairs.data(), lp, lq, pairs});
+    place_global_columns(ds_rows.data());
   }
 
   const float* grad_queries(int /*n*/, int64_t /*D*/, double scale) {
-    half_product(n, D, lp, ds_rows.data(), lp, k_token_pairs.data(), Dq, result.data(), D);
+    multiply_tokens(ds_rows.data(), k_tokens, k_token_pairs.data(), result.data());
     const float factor = static_cast<float>(scale);
     for (int64_t i = 0; i < n * D; ++i) result[i] *= factor;
     return result.data();
   }
   const float* grad_keys(int /*n*/, int64_t /*D*/, double scale) {
-    half_product(D, ld, np, q_columns.data(), np, ds_row_pairs.data(), lq, transposed.data(), ld);
+    half_product(static_cast<int>(D), ld, np, q_columns.data(), np, ds_row_pairs.data(), lq, transposed.data(), ld);
     transpose(result.data(), transposed.data(), D, ld, static_cast<float>(scale));
     return result.data();
   }
   const float* grad_values(int /*n*/, int64_t /*D*/) {
-    half_product(D, ld, np, grad_out_columns.data(), np, p_row_pairs.data(), lq, transposed.data(), ld);
+    half_product(static_cast<int>(D), ld, np, grad_out_columns.data(), np, p_row_pairs.data(), lq, transposed.data(),
+                 ld);
     transpose(result.data(), transposed.data(), D, ld, 1.0f);
     return result.data();
   }
 
   // Gives back what the micro-kernel holds on this thread (AMX's tile configuration).
   static void release() { at::native::cpublas::brgemm_release(true); }
-};
-
-// The tensors of one call.
-struct Inputs {
-  const at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
-};
-
-struct Gradients {
-  at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
 };
 
 template <typename S, typename W>
@@ -1499,7 +1655,9 @@ void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& ke
   using Global = typename W::Global;
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
-  const int64_t n = static_cast<int64_t>(blocks.size()), bias_rows = g.bias_rows();
+  const int64_t n = static_cast<int64_t>(blocks.size()), bias_rows = g.bias_rows(),
+                classes = static_cast<int64_t>(runs.size()) - 1;
+  const typename W::Layouts layouts(g, in, runs, blocks, false);
   at::parallel_for(0, g.B * n, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
@@ -1509,10 +1667,10 @@ void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& ke
       const Block& blk = blocks[item % n];
       const int64_t bh = b * g.H + blk.h;
       set_window(blk, win);
-      ws.load(win, map_of<const S>(in.q, b, blk.h).every(blk.r, blk.d),
-              map_of<const S>(in.k, b, blk.h).every(blk.r, blk.d), map_of<const S>(in.v, b, blk.h).every(blk.r, blk.d),
-              head_of<Global>(in.global_k, bh, g.G * g.D), head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D,
-              scale, false);
+      ws.load_span(win, layouts, b * classes + blk.run, map_of<const S>(in.q, b, blk.h).every(blk.r, blk.d),
+                   map_of<const S>(in.k, b, blk.h).every(blk.r, blk.d),
+                   map_of<const S>(in.v, b, blk.h).every(blk.r, blk.d), head_of<Global>(in.global_k, bh, g.G * g.D),
+                   head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, false);
       finish_scores(g, blk, ws.multiply_scores(blk.queries, g.D), ws.ld, ws.score_factor(),
                     head_of<T>(in.rel_bias, blk.h, bias_rows), head_of<T>(in.global_bias, blk.h, g.G),
                     head_of<bool>(key_padding_mask, b, g.L), key_mask.data());
@@ -1538,6 +1696,7 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
   const int64_t classes = static_cast<int64_t>(runs.size()) - 1, bias_rows = g.bias_rows();
+  const typename W::Layouts layouts(g, in, runs, blocks, true);
   at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
@@ -1565,8 +1724,8 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
         const Block& blk = blocks[index];
         const int n = blk.queries;
         set_window(blk, win);
-        ws.load(win, q_class, k_class, v_class, head_of<Global>(in.global_k, bh, g.G * g.D),
-                head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
+        ws.load_span(win, layouts, item, q_class, k_class, v_class, head_of<Global>(in.global_k, bh, g.G * g.D),
+                     head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
         finish_scores(g, blk, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel, glob, key_padding,
                       key_mask.data());
         ws.load_grad_out(win, grad_out_class, out_class, g.D);

@@ -117,19 +117,23 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(fn, tuple(inputs.values()))
 
 
-def test_products_are_counted_by_the_flop_counter():
+# Blocks of 16 queries at 0, 16, 32 of 40 score the span of keys their windows cover, and the global key. w = 2: the
+# spans 0..17, 14..33 and 30..39; w = 3: 0..18, 12..34 and 28..39, each span from an even key (13 and 29 rounded down).
+@pytest.mark.parametrize(
+    "window,pairs",
+    [(2, 16 * (18 + 1) + 16 * (20 + 1) + 8 * (10 + 1)), (3, 16 * (19 + 1) + 16 * (23 + 1) + 8 * (12 + 1))],
+)
+def test_products_are_counted_by_the_flop_counter(window, pairs):
     from vil.ops.backends.fused_cpu import check_fused_cpu
 
     check_fused_cpu()  # the formulas are registered when the kernel loads, before the counter starts
-    inputs = make_inputs(40, 2, G=1, B=1, H=1, dtype=torch.float32)
-    # Blocks of 16 queries (w = 2) at 0, 16, 32 score the key spans 0..17, 14..33 and 30..39, and the global key.
-    pairs = 16 * (18 + 1) + 16 * (20 + 1) + 8 * (10 + 1)
+    inputs = make_inputs(40, window, G=1, B=1, H=1, dtype=torch.float32)
     assert_products_counted(
         lambda: local_attention_1d(
             inputs["q"],
             inputs["k"],
             inputs["v"],
-            2,
+            window,
             global_k=inputs["global_k"],
             global_v=inputs["global_v"],
             backend="fused_cpu",

@@ -141,16 +141,16 @@ def _scored_pairs(q, hood, num_global):
 
 def _scored_pairs_1d(q, hood, num_global):
     """The (query, key) scores the 1D kernel computes, per batch: every query of a block against the span of keys
-    its block's windows cover (the band and the masks apply afterwards) and the global keys."""
+    its block's windows cover, from an even position (the band and the masks apply afterwards), and the global keys."""
     H, L = q.shape[1:3]
-    window, causal, block = hood.window, hood.causal, _block_1d(hood.window)
+    window, causal, block = hood.window, hood.causal, _block_1d(hood.window, _multiplies_in_half(q))
     pairs = 0
     for d in hood.dilations(H):
         for r in range(min(d, L)):
             n = -(-(L - r) // d)  # the length of residue class r
             t0 = torch.arange(0, n, block)
             queries = (n - t0).clamp(max=block)
-            keys = (t0 + queries + (0 if causal else window)).clamp(max=n) - (t0 - window).clamp(min=0)
+            keys = (t0 + queries + (0 if causal else window)).clamp(max=n) - (t0 - window).clamp(min=0) // 2 * 2
             pairs += int((queries * (keys + num_global)).sum())
     return pairs
 
@@ -370,10 +370,12 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
     )
 
 
-def _block_1d(window):
+def _block_1d(window, half):
     """Queries per block of the 1D kernel. Larger blocks make larger products, but score more keys outside the
-    band: a block of n queries scores n + 2w keys per query, of which 2w + 1 are in its window."""
-    return min(64, max(16, window))
+    band: a block of n queries scores n + 2w keys per query, of which 2w + 1 are in its window. The float32 products
+    gather each block's keys, the half-precision ones read them from layouts written once per call, where smaller
+    blocks pay (BENCHMARKS.md, "The 1D kernel's keys written once")."""
+    return min(32 if half else 64, max(16, window))
 
 
 def _masks_1d(q, key_padding_mask):
@@ -397,7 +399,7 @@ def _forward_1d(q, k, v, hood, extras):
         hood.dilations(q.shape[1]),
         hood.window,
         hood.causal,
-        _block_1d(hood.window),
+        _block_1d(hood.window, half),
         extras.scale,
         half,
     )
@@ -437,7 +439,7 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
         dilations,
         hood.window,
         hood.causal,
-        _block_1d(hood.window),
+        _block_1d(hood.window, half),
         extras.scale,
         half,
     )
