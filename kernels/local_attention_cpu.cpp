@@ -883,47 +883,115 @@ struct Gradients {
   at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
 };
 
+// The keys and values of every residue class of one 1D call in the compute type T, written once (and converted from
+// a half type once): a block's span of keys is then rows k0.. of its class, which BLAS reads in place, where
+// otherwise each key would be gathered for every block whose span holds it, (block + 2w) / block times.
+template <typename S, typename T>
+struct FloatClassLayouts {
+  int64_t D, classes;
+  std::vector<int64_t> offsets;  // per (batch entry, class): the row of its first key
+  at::Tensor keys, values;
+
+  FloatClassLayouts(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
+                    const std::vector<Block>& blocks, bool /*backward*/)
+      : D(g.D), classes(static_cast<int64_t>(runs.size()) - 1) {
+    int64_t rows = 0;
+    std::vector<int64_t> lengths;
+    for (int64_t item = 0; item < g.B * classes; ++item) {
+      const Block& first = blocks[runs[item % classes]];
+      offsets.push_back(rows);
+      lengths.push_back((g.L - first.r + first.d - 1) / first.d);
+      rows += lengths.back();
+    }
+    const auto options = in.q.options().dtype(c10::CppTypeToScalarType<T>::value);
+    keys = at::empty({rows * D}, options);
+    values = at::empty({rows * D}, options);
+    at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const Block& first = blocks[runs[item % classes]];
+        const int64_t b = item / classes;
+        const Map<const S> k = map_of<const S>(in.k, b, first.h).every(first.r, first.d),
+                           v = map_of<const S>(in.v, b, first.h).every(first.r, first.d);
+        T* key_rows = keys.data_ptr<T>() + offsets[item] * D;
+        T* value_rows = values.data_ptr<T>() + offsets[item] * D;
+        for (int64_t t = 0; t < lengths[item]; ++t) {
+          widen_row(key_rows + t * D, k.at(t, 0), D, T(1));
+          widen_row(value_rows + t * D, v.at(t, 0), D, T(1));
+        }
+      }
+    });
+  }
+
+  // Keys (values) k0.. of class `item` (batch entry * classes + run).
+  const T* keys_at(int64_t item, int64_t k0) const { return keys.data_ptr<T>() + (offsets[item] + k0) * D; }
+  const T* values_at(int64_t item, int64_t k0) const { return values.data_ptr<T>() + (offsets[item] + k0) * D; }
+};
+
 // The products of one chunk (block) in the compute type T with BLAS. Buffers: queries (times scale * log2(e)),
-// keys and values of the window (local keys, then the global ones), the output's gradient, scores and their
+// keys and values of the window (local keys, then the global ones; 2D), the output's gradient, scores and their
 // gradients, and the results the caller reads. Every method below is HalfProducts' too; see there.
 template <typename T>
 struct FloatProducts {
   using Compute = T;
   using Global = T;  // the type of the global keys and values it reads
+  template <typename S>
+  using Layouts = FloatClassLayouts<S, T>;
   std::vector<T> queries, keys, values, grad_out, scores, grad_scores, result, row_max, total, delta;
   int ld = 0;                    // score row length: local keys + G
   bool delta_from_rows = false;  // the outputs are in a half type: delta from the rows (see softmax_backward)
+  // The keys and values (D elements a row) that the first `local` score columns read: in 2D all of the window's, the
+  // global ones included, from the buffers above; in 1D the block's span, from its class's layouts, and the G global
+  // keys and values from the inputs, multiplied apart.
+  int local = 0;
+  const T *key_rows = nullptr, *value_rows = nullptr, *global_keys = nullptr, *global_values = nullptr;
 
   FloatProducts(int64_t S, int64_t L, int64_t D)
       : queries(S * D), keys(L * D), values(L * D), grad_out(S * D), scores(S * L), grad_scores(S * L),
         result(std::max(S, L) * D), row_max(S), total(S), delta(S) {}
 
-  // Nothing is written ahead of the 1D blocks: load_span gathers each block's span of keys and values.
-  struct Layouts {
-    Layouts(const Geometry1d&, const Inputs&, const std::vector<int64_t>&, const std::vector<Block>&, bool) {}
-  };
-
-  template <typename S>
-  void load_span(const Window& win, const Layouts& /*layouts*/, int64_t /*item*/, Map<const S> q, Map<const S> k,
-                 Map<const S> v, const T* gk, const T* gv, int64_t G, int64_t D, double scale, bool backward) {
-    load(win, q, k, v, gk, gv, G, D, scale, backward);
-  }
-
+  // 2D: the chunk's queries, keys and values (local, then global) into the buffers.
   template <typename S>
   void load(const Window& win, Map<const S> q, Map<const S> k, Map<const S> v, const T* gk, const T* gv, int64_t G,
             int64_t D, double scale, bool /*backward*/) {
-    const int local = static_cast<int>(win.keys.size());
+    const int count = static_cast<int>(win.keys.size());
     gather(queries.data(), q, win.queries, D, T(scale * kLog2e));
     gather(keys.data(), k, win.keys, D, T(1));
     gather(values.data(), v, win.keys, D, T(1));
-    std::copy(gk, gk + G * D, keys.begin() + local * D);
-    std::copy(gv, gv + G * D, values.begin() + local * D);
-    ld = local + static_cast<int>(G);
+    std::copy(gk, gk + G * D, keys.begin() + count * D);
+    std::copy(gv, gv + G * D, values.begin() + count * D);
+    ld = local = count + static_cast<int>(G);
+    key_rows = keys.data(), value_rows = values.data();
+  }
+
+  // 1D: the block's queries into the buffers; its span of keys and values from `layouts` (class `item`: batch entry
+  // * classes + run), the global ones from the inputs. k and v are read there.
+  template <typename S>
+  void load_span(const Window& win, const Layouts<S>& layouts, int64_t item, Map<const S> q, Map<const S> /*k*/,
+                 Map<const S> /*v*/, const T* gk, const T* gv, int64_t G, int64_t D, double scale,
+                 bool /*backward*/) {
+    gather(queries.data(), q, win.queries, D, T(scale * kLog2e));
+    local = static_cast<int>(win.keys.size()), ld = local + static_cast<int>(G);
+    const int64_t k0 = win.keys.front().row;
+    key_rows = layouts.keys_at(item, k0), value_rows = layouts.values_at(item, k0);
+    global_keys = gk, global_values = gv;
+  }
+
+  // out (n x ld) = rows (n x D: queries or the output's gradient) times the keys' (or values') transposes: the local
+  // ones, then the global ones.
+  void multiply_transposed(int n, int64_t D, const T* rows, const T* local_keys, const T* global, T* out) const {
+    matmul<T>(false, true, n, local, D, T(1), rows, D, local_keys, D, T(0), out, ld);
+    if (ld > local) matmul<T>(false, true, n, ld - local, D, T(1), rows, D, global, D, T(0), out + local, ld);
+  }
+
+  // out (n x D) = factor * rows (n x ld: P or dS) times the keys (or values): the local ones, then the global ones.
+  void multiply(int n, int64_t D, T factor, const T* rows, const T* local_keys, const T* global, T* out) const {
+    matmul<T>(false, false, n, D, local, factor, rows, ld, local_keys, D, T(0), out, D);
+    if (ld > local) matmul<T>(false, false, n, D, ld - local, factor, rows + local, ld, global, D, T(1), out, D);
   }
 
   // The products of the queries and keys; the scale is in the queries already.
   T* multiply_scores(int n, int64_t D) {
-    matmul<T>(false, true, n, ld, D, T(1), queries.data(), D, keys.data(), D, T(0), scores.data(), ld);
+    multiply_transposed(n, D, queries.data(), key_rows, global_keys, scores.data());
     return scores.data();
   }
   T score_factor() const { return T(1); }
@@ -933,7 +1001,7 @@ struct FloatProducts {
       T* row = scores.data() + static_cast<int64_t>(i) * ld;
       exponentiate_row(row, ld, finish.offset(static_cast<int64_t>(i) * ld), row, row_max[i], total[i]);
     }
-    matmul<T>(false, false, n, D, ld, T(1), scores.data(), ld, values.data(), D, T(0), result.data(), D);
+    multiply(n, D, T(1), scores.data(), value_rows, global_values, result.data());
     return result.data();
   }
 
@@ -954,13 +1022,13 @@ struct FloatProducts {
 
   // The score gradients (also added to grad_sum where not null) from the products of the scores (see Finish).
   void differentiate(int n, int64_t D, const T* lse, const Finish<T>& finish, T* grad_sum) {
-    matmul<T>(false, true, n, ld, D, T(1), grad_out.data(), D, values.data(), D, T(0), grad_scores.data(), ld);
+    multiply_transposed(n, D, grad_out.data(), value_rows, global_values, grad_scores.data());
     softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, delta_from_rows ? nullptr : delta.data(), finish,
                      grad_sum);
   }
 
   const T* grad_queries(int n, int64_t D, double scale) {
-    matmul<T>(false, false, n, D, ld, T(scale), grad_scores.data(), ld, keys.data(), D, T(0), result.data(), D);
+    multiply(n, D, T(scale), grad_scores.data(), key_rows, global_keys, result.data());
     return result.data();
   }
   const T* grad_keys(int n, int64_t D, double /*scale: in the queries*/) {
@@ -1372,6 +1440,7 @@ template <typename S>
 struct HalfProducts {
   using Compute = float;
   using Global = S;
+  template <typename>
   using Layouts = ClassLayouts<S>;
   using Operand = typename ClassLayouts<S>::Operand;
   int64_t D, Dp;          // head dim, rounded up to even
@@ -1418,7 +1487,7 @@ struct HalfProducts {
 
   // 1D: the block's queries and global keys and values into the buffers; its span of keys from `layouts` (class
   // `item`: batch entry * classes + run). k and v are read there.
-  void load_span(const Window& win, const Layouts& layouts, int64_t item, Map<const S> q, Map<const S> /*k*/,
+  void load_span(const Window& win, const Layouts<S>& layouts, int64_t item, Map<const S> q, Map<const S> /*k*/,
                  Map<const S> /*v*/, const S* gk, const S* gv, int64_t G, int64_t /*D*/, double scale, bool backward) {
     const int keys = static_cast<int>(win.keys.size());
     load_queries(win, q, keys, keys + static_cast<int>(G), scale, backward);
@@ -1657,7 +1726,7 @@ void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& ke
   const std::vector<Block> blocks = make_blocks(g, runs);
   const int64_t n = static_cast<int64_t>(blocks.size()), bias_rows = g.bias_rows(),
                 classes = static_cast<int64_t>(runs.size()) - 1;
-  const typename W::Layouts layouts(g, in, runs, blocks, false);
+  const typename W::template Layouts<S> layouts(g, in, runs, blocks, false);
   at::parallel_for(0, g.B * n, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
@@ -1696,7 +1765,7 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
   const int64_t classes = static_cast<int64_t>(runs.size()) - 1, bias_rows = g.bias_rows();
-  const typename W::Layouts layouts(g, in, runs, blocks, true);
+  const typename W::template Layouts<S> layouts(g, in, runs, blocks, true);
   at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;

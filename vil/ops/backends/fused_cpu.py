@@ -5,7 +5,8 @@ The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (a C+
 package; the build is cached by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), for the
 x86-64 level of the CPU, and with AVX512-BF16 where it has it (one build name per target, see ``_builds``). The
 forward saves q, k, v, the output and the log-sum-exp; the backward recomputes the scores, so training memory
-grows with tokens x head_dim, as with ``chunk_rows``.
+grows with tokens x head_dim, as with ``chunk_rows``. The 1D kernels also write k and v once per call into the
+layouts their products read (as large as k and v, in the products' dtype), freed when the call returns.
 
 q, k and v go in as they come (strided views of the projections included, as long as the elements of a token are
 contiguous) and in their dtype, so nothing of q's size is cast or copied around the kernels. Their matrix products
@@ -143,7 +144,7 @@ def _scored_pairs_1d(q, hood, num_global):
     """The (query, key) scores the 1D kernel computes, per batch: every query of a block against the span of keys
     its block's windows cover, from an even position (the band and the masks apply afterwards), and the global keys."""
     H, L = q.shape[1:3]
-    window, causal, block = hood.window, hood.causal, _block_1d(hood.window, _multiplies_in_half(q))
+    window, causal, block = hood.window, hood.causal, _block_1d(hood.window)
     pairs = 0
     for d in hood.dilations(H):
         for r in range(min(d, L)):
@@ -370,12 +371,12 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
     )
 
 
-def _block_1d(window, half):
+def _block_1d(window):
     """Queries per block of the 1D kernel. Larger blocks make larger products, but score more keys outside the
-    band: a block of n queries scores n + 2w keys per query, of which 2w + 1 are in its window. The float32 products
-    gather each block's keys, the half-precision ones read them from layouts written once per call, where smaller
-    blocks pay (BENCHMARKS.md, "The 1D kernel's keys written once")."""
-    return min(32 if half else 64, max(16, window))
+    band: a block of n queries scores n + 2w keys per query, of which 2w + 1 are in its window. The kernel reads
+    each block's keys from layouts written once per call, so that smaller blocks copy nothing more (BENCHMARKS.md,
+    "The 1D kernel's keys written once")."""
+    return min(32, max(16, window))
 
 
 def _masks_1d(q, key_padding_mask):
@@ -399,7 +400,7 @@ def _forward_1d(q, k, v, hood, extras):
         hood.dilations(q.shape[1]),
         hood.window,
         hood.causal,
-        _block_1d(hood.window, half),
+        _block_1d(hood.window),
         extras.scale,
         half,
     )
@@ -439,7 +440,7 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
         dilations,
         hood.window,
         hood.causal,
-        _block_1d(hood.window, half),
+        _block_1d(hood.window),
         extras.scale,
         half,
     )
