@@ -1511,7 +1511,7 @@ struct HalfProducts {
     n = static_cast<int>(win.queries.size()), np = static_cast<int>(even(n));
     local = local_, ld = ld_, lq = pairs_per_row(ld);
     lg = ld > local ? static_cast<int>(even(local)) : local;
-    lp = static_cast<int>(lg + even(ld - local));
+    lp = static_cast<int>(even(lg + ld - local));
     score_scale = static_cast<float>(scale * kLog2e);
     query_tokens.resize(n);
     for (int i = 0; i < n; ++i) query_tokens[i] = q.at(win.queries[i]);
