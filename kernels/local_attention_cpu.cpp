@@ -8,9 +8,9 @@
 // 1D: the positions r, r+d, r+2d, ... of a head with dilation d (one residue class r) form a sequence of their
 // own, on which the window is the undilated one. One block of consecutive queries of such a sequence at a
 // time: the keys their windows cover are one span of that sequence (at most block + 2w keys, block + w
-// causal, from an even position), copied with the G global keys into the same buffers as in 2D (the
-// half-precision products read the span from its class's layouts instead, written once per call: ClassLayouts);
-// the band, the causal and padding masks and the bias table are applied row by row.
+// causal, from an even position), read in place from the keys and values of its residue class, written once per
+// call in the layouts the products read (FloatClassLayouts, ClassLayouts), and the G global keys; the band, the
+// causal and padding masks and the bias table are applied row by row.
 //
 // Forward: saves the output and the base-2 log-sum-exp of every query; chunks (blocks) run in parallel.
 // Backward: recomputes the probabilities from the log-sum-exp; the chunks of one (batch, head), or the blocks
@@ -624,6 +624,8 @@ struct Geometry1d {
   int64_t max_queries() const { return block; }
   int64_t max_keys() const { return span() + G; }
   int64_t bias_rows() const { return 2 * w + 1; }  // offsets -w..w
+  // The positions of residue class r of dilation d: r, r + d, ... below L.
+  int64_t class_length(int64_t r, int64_t d) const { return (L - r + d - 1) / d; }
 };
 
 // A block of queries t0 <= t < t0 + queries of residue class r of head h (positions r + d*t), and the span of
@@ -641,7 +643,7 @@ std::vector<Block> make_blocks(const Geometry1d& g, std::vector<int64_t>& runs) 
   for (int64_t h = 0; h < g.H; ++h) {
     const int64_t d = g.dilations[h];
     for (int64_t r = 0; r < std::min(d, g.L); ++r) {
-      const int64_t run = static_cast<int64_t>(runs.size()), n = (g.L - r + d - 1) / d;
+      const int64_t run = static_cast<int64_t>(runs.size()), n = g.class_length(r, d);
       runs.push_back(static_cast<int64_t>(blocks.size()));
       for (int64_t t0 = 0; t0 < n; t0 += g.block) {
         const int64_t queries = std::min<int64_t>(g.block, n - t0), k0 = std::max<int64_t>(0, t0 - g.w) / 2 * 2;
@@ -883,6 +885,23 @@ struct Gradients {
   at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
 };
 
+// The keys and values of residue class `item` (batch entry * classes + run, runs as make_blocks gives them) of a 1D
+// call, and its length.
+template <typename S>
+struct ClassTokens {
+  Map<const S> k, v;
+  int64_t length;
+};
+
+template <typename S>
+ClassTokens<S> class_tokens(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
+                            const std::vector<Block>& blocks, int64_t item) {
+  const int64_t classes = static_cast<int64_t>(runs.size()) - 1, b = item / classes;
+  const Block& first = blocks[runs[item % classes]];
+  return {map_of<const S>(in.k, b, first.h).every(first.r, first.d),
+          map_of<const S>(in.v, b, first.h).every(first.r, first.d), g.class_length(first.r, first.d)};
+}
+
 // The keys and values of every residue class of one 1D call in the compute type T, written once (and converted from
 // a half type once): a block's span of keys is then rows k0.. of its class, which BLAS reads in place, where
 // otherwise each key would be gathered for every block whose span holds it, (block + 2w) / block times.
@@ -896,27 +915,21 @@ struct FloatClassLayouts {
                     const std::vector<Block>& blocks, bool /*backward*/)
       : D(g.D), classes(static_cast<int64_t>(runs.size()) - 1) {
     int64_t rows = 0;
-    std::vector<int64_t> lengths;
     for (int64_t item = 0; item < g.B * classes; ++item) {
-      const Block& first = blocks[runs[item % classes]];
       offsets.push_back(rows);
-      lengths.push_back((g.L - first.r + first.d - 1) / first.d);
-      rows += lengths.back();
+      rows += class_tokens<S>(g, in, runs, blocks, item).length;
     }
     const auto options = in.q.options().dtype(c10::CppTypeToScalarType<T>::value);
     keys = at::empty({rows * D}, options);
     values = at::empty({rows * D}, options);
     at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const Block& first = blocks[runs[item % classes]];
-        const int64_t b = item / classes;
-        const Map<const S> k = map_of<const S>(in.k, b, first.h).every(first.r, first.d),
-                           v = map_of<const S>(in.v, b, first.h).every(first.r, first.d);
+        const ClassTokens<S> c = class_tokens<S>(g, in, runs, blocks, item);
         T* key_rows = keys.data_ptr<T>() + offsets[item] * D;
         T* value_rows = values.data_ptr<T>() + offsets[item] * D;
-        for (int64_t t = 0; t < lengths[item]; ++t) {
-          widen_row(key_rows + t * D, k.at(t, 0), D, T(1));
-          widen_row(value_rows + t * D, v.at(t, 0), D, T(1));
+        for (int64_t t = 0; t < c.length; ++t) {
+          widen_row(key_rows + t * D, c.k.at(t, 0), D, T(1));
+          widen_row(value_rows + t * D, c.v.at(t, 0), D, T(1));
         }
       }
     });
@@ -964,11 +977,10 @@ struct FloatProducts {
   }
 
   // 1D: the block's queries into the buffers; its span of keys and values from `layouts` (class `item`: batch entry
-  // * classes + run), the global ones from the inputs. k and v are read there.
+  // * classes + run), the global ones from the inputs.
   template <typename S>
-  void load_span(const Window& win, const Layouts<S>& layouts, int64_t item, Map<const S> q, Map<const S> /*k*/,
-                 Map<const S> /*v*/, const T* gk, const T* gv, int64_t G, int64_t D, double scale,
-                 bool /*backward*/) {
+  void load_span(const Window& win, const Layouts<S>& layouts, int64_t item, Map<const S> q, const T* gk, const T* gv,
+                 int64_t G, int64_t D, double scale, bool /*backward*/) {
     gather(queries.data(), q, win.queries, D, T(scale * kLog2e));
     local = static_cast<int>(win.keys.size()), ld = local + static_cast<int>(G);
     const int64_t k0 = win.keys.front().row;
@@ -1376,8 +1388,7 @@ struct ClassLayouts {
       : D(g.D), Dq(pairs_per_row(g.D)), classes(static_cast<int64_t>(runs.size()) - 1) {
     int64_t elements = 0, tokens = 0;
     for (int64_t item = 0; item < g.B * classes; ++item) {
-      const Block& first = blocks[runs[item % classes]];
-      const int64_t n = (g.L - first.r + first.d - 1) / first.d;
+      const int64_t n = class_tokens<S>(g, in, runs, blocks, item).length;
       lengths.push_back(n);
       element_offsets.push_back(elements);
       token_offsets.push_back(tokens);
@@ -1391,13 +1402,11 @@ struct ClassLayouts {
     at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
       std::vector<const S*> k_tokens, v_tokens;
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / classes, n = lengths[item];
-        const Block& first = blocks[runs[item % classes]];
-        const Map<const S> k = map_of<const S>(in.k, b, first.h).every(first.r, first.d),
-                           v = map_of<const S>(in.v, b, first.h).every(first.r, first.d);
+        const ClassTokens<S> c = class_tokens<S>(g, in, runs, blocks, item);
+        const int64_t n = c.length;
         k_tokens.resize(n);
         v_tokens.resize(n);
-        for (int64_t t = 0; t < n; ++t) k_tokens[t] = k.at(t, 0), v_tokens[t] = v.at(t, 0);
+        for (int64_t t = 0; t < n; ++t) k_tokens[t] = c.k.at(t, 0), v_tokens[t] = c.v.at(t, 0);
         const int count = static_cast<int>(n), ldb = pairs_per_row(n);
         (pairs ? write_element_pairs<S> : write_element_columns<S>)(at_elements(key_elements, item), k_tokens.data(),
                                                                      count, D, ldb);
@@ -1486,9 +1495,9 @@ struct HalfProducts {
   }
 
   // 1D: the block's queries and global keys and values into the buffers; its span of keys from `layouts` (class
-  // `item`: batch entry * classes + run). k and v are read there.
-  void load_span(const Window& win, const Layouts<S>& layouts, int64_t item, Map<const S> q, Map<const S> /*k*/,
-                 Map<const S> /*v*/, const S* gk, const S* gv, int64_t G, int64_t /*D*/, double scale, bool backward) {
+  // `item`: batch entry * classes + run).
+  void load_span(const Window& win, const Layouts<S>& layouts, int64_t item, Map<const S> q, const S* gk, const S* gv,
+                 int64_t G, int64_t /*D*/, double scale, bool backward) {
     const int keys = static_cast<int>(win.keys.size());
     load_queries(win, q, keys, keys + static_cast<int>(G), scale, backward);
     key_tokens.resize(G);
@@ -1737,9 +1746,8 @@ void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& ke
       const int64_t bh = b * g.H + blk.h;
       set_window(blk, win);
       ws.load_span(win, layouts, b * classes + blk.run, map_of<const S>(in.q, b, blk.h).every(blk.r, blk.d),
-                   map_of<const S>(in.k, b, blk.h).every(blk.r, blk.d),
-                   map_of<const S>(in.v, b, blk.h).every(blk.r, blk.d), head_of<Global>(in.global_k, bh, g.G * g.D),
-                   head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, false);
+                   head_of<Global>(in.global_k, bh, g.G * g.D), head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D,
+                   scale, false);
       finish_scores(g, blk, ws.multiply_scores(blk.queries, g.D), ws.ld, ws.score_factor(),
                     head_of<T>(in.rel_bias, blk.h, bias_rows), head_of<T>(in.global_bias, blk.h, g.G),
                     head_of<bool>(key_padding_mask, b, g.L), key_mask.data());
@@ -1776,8 +1784,6 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
       const Block& first = blocks[runs[run]];
       const int64_t h = first.h, r = first.r, d = first.d, bh = b * g.H + h, partial = bh * g.residues + r;
       const Map<const S> q_class = map_of<const S>(in.q, b, h).every(r, d),
-                         k_class = map_of<const S>(in.k, b, h).every(r, d),
-                         v_class = map_of<const S>(in.v, b, h).every(r, d),
                          out_class = map_of<const S>(out, b, h).every(r, d),
                          grad_out_class = map_of<const S>(grad_out, b, h).every(r, d);
       const T* rel = head_of<T>(in.rel_bias, h, bias_rows);
@@ -1786,14 +1792,14 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
       const bool* key_padding = head_of<bool>(key_padding_mask, b, g.L);
       T* grad_rel = grad_of<T>(grad.rel_bias, partial, bias_rows);
       T* grad_glob = grad_of<T>(grad.global_bias, partial, g.G);
-      const int64_t length = (g.L - r + d - 1) / d;  // of the residue class
+      const int64_t length = g.class_length(r, d);
       sum_k.start(map_of<S>(grad.k, b, h).every(r, d), length, 1, g.D);
       sum_v.start(map_of<S>(grad.v, b, h).every(r, d), length, 1, g.D);
       for (int64_t index = runs[run]; index < runs[run + 1]; ++index) {
         const Block& blk = blocks[index];
         const int n = blk.queries;
         set_window(blk, win);
-        ws.load_span(win, layouts, item, q_class, k_class, v_class, head_of<Global>(in.global_k, bh, g.G * g.D),
+        ws.load_span(win, layouts, item, q_class, head_of<Global>(in.global_k, bh, g.G * g.D),
                      head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
         finish_scores(g, blk, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel, glob, key_padding,
                       key_mask.data());
