@@ -15,7 +15,7 @@
 // Forward: saves the output and the base-2 log-sum-exp of every query; chunks (blocks) run in parallel.
 // Backward: recomputes the probabilities from the log-sum-exp; the chunks of one (batch, head), or the blocks
 // of one residue class of one (batch, head), run in order on one thread, so that the key, value and bias
-// gradients they share are added without races.
+// gradients they share are added without races (in 1D, by the products themselves, into the class's sums).
 //
 // The matrix products, two ways (the caller chooses; the rest is the same code):
 // - FloatProducts: in the compute type T (double for double, else float) with BLAS (sgemm_/dgemm_, which torch's
@@ -1043,6 +1043,35 @@ struct FloatProducts {
     multiply(n, D, T(scale), grad_scores.data(), key_rows, global_keys, result.data());
     return result.data();
   }
+  // 1D: the key and value gradients of one residue class, summed as rows (GradientSum), which the products add to
+  // in place.
+  template <typename S>
+  struct ClassGradients {
+    GradientSum<S, T> keys, values;
+    void start(Map<S> grad_k, Map<S> grad_v, int64_t length, int64_t D, double /*scale: in the queries*/) {
+      keys.start(grad_k, length, 1, D);
+      values.start(grad_v, length, 1, D);
+    }
+    void finish() {
+      keys.finish();
+      values.finish();
+    }
+  };
+
+  // 1D: adds the gradients of the block's span of keys and values (from key k0 of its class) to the class's sums,
+  // and those of the global keys and values to global_k and global_v (G x D).
+  template <typename S>
+  void add_key_value_gradients(int n, int64_t D, int64_t k0, ClassGradients<S>& sums, T* global_k, T* global_v) const {
+    const Map<T> dk = sums.keys.target, dv = sums.values.target;
+    const int ldk = static_cast<int>(dk.row), ldv = static_cast<int>(dv.row), G = ld - local;
+    const T key_factor = T(1 / kLog2e);  // the queries hold scale * log2(e)
+    matmul<T>(true, false, local, D, n, key_factor, grad_scores.data(), ld, queries.data(), D, T(1), dk.at(k0, 0), ldk);
+    matmul<T>(true, false, local, D, n, T(1), scores.data(), ld, grad_out.data(), D, T(1), dv.at(k0, 0), ldv);
+    if (G == 0) return;
+    matmul<T>(true, false, G, D, n, key_factor, grad_scores.data() + local, ld, queries.data(), D, T(1), global_k, D);
+    matmul<T>(true, false, G, D, n, T(1), scores.data() + local, ld, grad_out.data(), D, T(1), global_v, D);
+  }
+
   const T* grad_keys(int n, int64_t D, double /*scale: in the queries*/) {
     matmul<T>(true, false, ld, D, n, T(1 / kLog2e), grad_scores.data(), ld, queries.data(), D, T(0), result.data(),
               D);
@@ -1355,6 +1384,27 @@ inline void transpose(float* dst, const float* src, int64_t rows, int64_t cols, 
   }
 }
 
+// Where a 1D backward with half-precision products sums the key or value gradients of one residue class: transposed
+// (D x the class's length, in float), as those products give them (dk^T = q^T dS), so that each block adds its span's
+// columns in place; finish writes the sums, times `factor`, as the gradient's rows.
+template <typename S>
+struct TransposedGradientSum {
+  Map<S> out{};
+  std::vector<float> sums, rows;
+  int64_t length = 0, D = 0;
+  float factor = 1;
+
+  void start(Map<S> gradient, int64_t length_, int64_t D_, float factor_) {
+    out = gradient, length = length_, D = D_, factor = factor_;
+    sums.assign(D * length, 0.0f);
+  }
+  void finish() {
+    rows.resize(length * D);
+    transpose(rows.data(), sums.data(), D, length, factor);
+    for (int64_t t = 0; t < length; ++t) narrow_row(out.at(t, 0), rows.data() + t * D, D, 1.0f, false);
+  }
+};
+
 // Whether torch's micro-kernel reads the B operands of S in pairs: bfloat16 always (AVX512-BF16 dot products and AMX
 // tiles read pairs), float16 on AMX-FP16 tiles only; on AVX512-FP16 it reads them plain.
 template <typename S>
@@ -1443,8 +1493,9 @@ struct ClassLayouts {
 //   forward:  scores = q k^T       (q rows, k element pairs)     out = P v      (P rows, v token pairs)
 //   backward: dP = dO v^T          (dO rows, v element pairs)    dq = dS k      (dS rows, k token pairs)
 //             dk^T = q^T dS        (q columns, dS row pairs)     dv^T = dO^T P  (dO columns, P row pairs)
-// The key and value gradients come out transposed (D x keys) and are transposed back for the caller. The scale
-// multiplies the scores (and dq, dk) in float, so that q is read unrounded.
+// The key and value gradients come out transposed (D x keys): transposed back for the caller in 2D, added in place to
+// the residue class's transposed sums in 1D (TransposedGradientSum). The scale multiplies the scores (and dq, dk) in
+// float, so that q is read unrounded.
 template <typename S>
 struct HalfProducts {
   using Compute = float;
@@ -1622,6 +1673,41 @@ struct HalfProducts {
     return result.data();
   }
 
+  // 1D: the key and value gradients of one residue class, transposed as the products give them.
+  template <typename>
+  struct ClassGradients {
+    TransposedGradientSum<S> keys, values;
+    void start(Map<S> grad_k, Map<S> grad_v, int64_t length, int64_t D, double scale) {
+      keys.start(grad_k, length, D, static_cast<float>(scale));
+      values.start(grad_v, length, D, 1.0f);
+    }
+    void finish() {
+      keys.finish();
+      values.finish();
+    }
+  };
+
+  // 1D: adds the gradients of the block's span of keys and values (from key k0 of its class) to the class's sums,
+  // and those of the global keys and values to global_k and global_v (G x D, in float).
+  void add_key_value_gradients(int /*n*/, int64_t /*D*/, int64_t k0, ClassGradients<S>& sums, float* global_k,
+                               float* global_v) {
+    const int Di = static_cast<int>(D), G = ld - local;
+    half_product(Di, local, np, q_columns.data(), np, ds_row_pairs.data(), lq, sums.keys.sums.data() + k0,
+                 static_cast<int>(sums.keys.length), true);
+    half_product(Di, local, np, grad_out_columns.data(), np, p_row_pairs.data(), lq, sums.values.sums.data() + k0,
+                 static_cast<int>(sums.values.length), true);
+    if (G == 0) return;
+    const int64_t global_column = (pairs ? 2 : 1) * local;
+    auto add_global = [&](const S* columns, const S* row_pairs, float factor, float* global) {
+      half_product(Di, G, np, columns, np, row_pairs + global_column, lq, transposed.data(), G);
+      for (int j = 0; j < G; ++j) {
+        for (int64_t e = 0; e < D; ++e) global[j * D + e] += factor * transposed[e * G + j];
+      }
+    };
+    add_global(q_columns.data(), ds_row_pairs.data(), sums.keys.factor, global_k);
+    add_global(grad_out_columns.data(), p_row_pairs.data(), 1.0f, global_v);
+  }
+
   // Gives back what the micro-kernel holds on this thread (AMX's tile configuration).
   static void release() { at::native::cpublas::brgemm_release(true); }
 };
@@ -1778,7 +1864,7 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
     std::vector<T> lse_rows(g.block), key_mask(g.span());
-    GradientSum<S, T> sum_k, sum_v;
+    typename W::template ClassGradients<S> sums;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / classes, run = item % classes;
       const Block& first = blocks[runs[run]];
@@ -1793,8 +1879,7 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
       T* grad_rel = grad_of<T>(grad.rel_bias, partial, bias_rows);
       T* grad_glob = grad_of<T>(grad.global_bias, partial, g.G);
       const int64_t length = g.class_length(r, d);
-      sum_k.start(map_of<S>(grad.k, b, h).every(r, d), length, 1, g.D);
-      sum_v.start(map_of<S>(grad.v, b, h).every(r, d), length, 1, g.D);
+      sums.start(map_of<S>(grad.k, b, h).every(r, d), map_of<S>(grad.v, b, h).every(r, d), length, g.D, scale);
       for (int64_t index = runs[run]; index < runs[run + 1]; ++index) {
         const Block& blk = blocks[index];
         const int n = blk.queries;
@@ -1817,16 +1902,10 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
         }
         // Written in place: every query belongs to one block.
         scatter(map_of<S>(grad.q, b, h).every(r, d), win.queries, g.D, ws.grad_queries(n, g.D, scale), false);
-        // Gradients of the span's keys (or values), (keys + G) x D, into the sequence and the global partial sums.
-        auto add_window = [&](const T* block, const GradientSum<S, T>& sum, at::Tensor& grad_global) {
-          scatter(sum.target, win.keys, g.D, block, true);
-          add_into(grad_global.data_ptr<T>() + partial * g.G * g.D, block + blk.keys * g.D, g.G * g.D);
-        };
-        add_window(ws.grad_keys(n, g.D, scale), sum_k, grad.global_k);
-        add_window(ws.grad_values(n, g.D), sum_v, grad.global_v);
+        ws.add_key_value_gradients(n, g.D, blk.k0, sums, grad.global_k.data_ptr<T>() + partial * g.G * g.D,
+                                   grad.global_v.data_ptr<T>() + partial * g.G * g.D);
       }
-      sum_k.finish();
-      sum_v.finish();
+      sums.finish();
     }
     W::release();
   });

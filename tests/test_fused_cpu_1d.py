@@ -143,6 +143,34 @@ def test_products_are_counted_by_the_flop_counter(window, pairs):
     )
 
 
+# bfloat16, 40 tokens, w 20, one global key. Float32 products take blocks of 20 queries (at 0 and 20, each scoring keys
+# 0..39); half-precision ones blocks of 16 (at 0, 16 and 32, scoring keys 0..35, 0..39 and 12..39).
+@pytest.mark.parametrize(
+    "products,pairs", [("float32", 20 * (40 + 1) * 2), ("half", 16 * (36 + 1) + 16 * (40 + 1) + 8 * (28 + 1))]
+)
+def test_the_flop_counter_counts_the_blocks_each_way_of_multiplying_takes(monkeypatch, products, pairs):
+    from vil.ops.backends import fused_cpu
+
+    if products == "half" and fused_cpu.half_products_missing(torch.bfloat16):
+        pytest.skip(f"half-precision products: {fused_cpu.half_products_missing(torch.bfloat16)}")
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, products)
+    fused_cpu.check_fused_cpu()
+    inputs = make_inputs(40, 20, G=1, B=1, H=1, dtype=torch.bfloat16)
+    assert_products_counted(
+        lambda: local_attention_1d(
+            inputs["q"],
+            inputs["k"],
+            inputs["v"],
+            20,
+            global_k=inputs["global_k"],
+            global_v=inputs["global_v"],
+            backend="fused_cpu",
+        ),
+        pairs,
+        8,
+    )
+
+
 def test_refuses_other_devices():
     q, k, v = (torch.empty(1, 2, 8, 4, device="meta") for _ in range(3))
     with pytest.raises(ValueError, match=r"fused_cpu.*cpu tensors.*meta"):

@@ -103,10 +103,11 @@ def attend_2d(inputs, backend, grid, window, exact, dilation, dtype):
     return gradients(out, inputs, dtype)
 
 
-# head_dim 40: the layouts' 16 x 16 blocks and their tails; 17: odd, padded.
-CASES_2D = [(3, 0, 1, 40), (2, 1, 2, 17), (3, -1, 1, 40)]  # window, exact, dilation, head_dim
-# w 34: blocks of 32 queries, as many as the column layout moves at a time. Without global keys (the last case) the
-# spans of odd length end each P row the products read: its padding column must be zero, the next token is not.
+# head_dim 40: the layouts' 16 x 16 blocks and their tails; 17: odd, padded. Window 6: chunks of 36 queries, more than
+# the 32 tokens the column layout moves at a time.
+CASES_2D = [(3, 0, 1, 40), (2, 1, 2, 17), (3, -1, 1, 40), (6, 0, 1, 40)]  # window, exact, dilation, head_dim
+# w 34: blocks of 32 queries with float32 products, of 16 with half-precision ones. Without global keys (the last case)
+# the spans of odd length end each P row the products read: its padding column must be zero, the next token is not.
 CASES_1D = [  # dilation, causal, head_dim, window, global keys
     (1, False, 40, 34, 2),
     ((1, 2, 3), False, 17, 9, 2),

@@ -144,7 +144,7 @@ def _scored_pairs_1d(q, hood, num_global):
     """The (query, key) scores the 1D kernel computes, per batch: every query of a block against the span of keys
     its block's windows cover, from an even position (the band and the masks apply afterwards), and the global keys."""
     H, L = q.shape[1:3]
-    window, causal, block = hood.window, hood.causal, _block_1d(hood.window)
+    window, causal, block = hood.window, hood.causal, _block_1d(hood.window, _multiplies_in_half(q))
     pairs = 0
     for d in hood.dilations(H):
         for r in range(min(d, L)):
@@ -371,12 +371,14 @@ def _backward_2d(q, k, v, hood, extras, out, lse, grad_out):
     )
 
 
-def _block_1d(window):
-    """Queries per block of the 1D kernel. Larger blocks make larger products, but score more keys outside the
-    band: a block of n queries scores n + 2w keys per query, of which 2w + 1 are in its window. The kernel reads
-    each block's keys from layouts written once per call, so that smaller blocks copy nothing more (BENCHMARKS.md,
-    "The 1D kernel's keys written once")."""
-    return min(32, max(16, window))
+def _block_1d(window, half):
+    """Queries per block of the 1D kernel, with half-precision products (``half``) or float32 ones. Larger blocks
+    make larger products, but score more keys outside the band (a block of n queries scores n + 2w keys per query,
+    of which 2w + 1 are in its window) in a larger score matrix. The kernel reads each block's keys from layouts
+    written once per call and adds its key and value gradients in place, so that smaller blocks copy nothing more.
+    Half-precision products run fastest on blocks of 16, whose scores stay in the core's first-level cache; BLAS's
+    float32 products on blocks of 32 (BENCHMARKS.md, "The 1D backward's key and value gradients added in place")."""
+    return 16 if half else min(32, max(16, window))
 
 
 def _masks_1d(q, key_padding_mask):
@@ -400,7 +402,7 @@ def _forward_1d(q, k, v, hood, extras):
         hood.dilations(q.shape[1]),
         hood.window,
         hood.causal,
-        _block_1d(hood.window),
+        _block_1d(hood.window, half),
         extras.scale,
         half,
     )
@@ -440,7 +442,7 @@ def _backward_1d(q, k, v, hood, extras, out, lse, grad_out):
         dilations,
         hood.window,
         hood.causal,
-        _block_1d(hood.window),
+        _block_1d(hood.window, half),
         extras.scale,
         half,
     )
