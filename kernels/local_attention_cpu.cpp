@@ -503,34 +503,36 @@ void add_into(T* dst, const T* src, int64_t n) {
 }
 
 // Where a backward sums the key or value gradients of one (batch, head) map or residue class, from zero: the
-// gradient tensor itself when it holds the compute type; else a buffer in the compute type, written to the tensor
-// by finish (sums in half precision would lose the small terms). Either way the tensor needs no zeroing before.
+// gradient tensor itself when it holds the compute type (and its rows are close enough for the int strides of BLAS,
+// which adds the 1D products in place); else a buffer in the compute type, written to the tensor by finish (sums in
+// half precision would lose the small terms). Either way the tensor needs no zeroing before.
 template <typename S, typename T>
 struct GradientSum {
   Map<T> target{};
   Map<S> out{};
   std::vector<T> buffer;
   int64_t rows = 0, cols = 0, D = 0;
+  bool in_place = false;
 
   void start(Map<S> gradient, int64_t rows_, int64_t cols_, int64_t D_) {
     out = gradient, rows = rows_, cols = cols_, D = D_;
     if constexpr (std::is_same_v<S, T>) {
-      target = gradient;
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0; c < cols; ++c) std::fill(target.at(r, c), target.at(r, c) + D, T(0));
+      in_place = gradient.row <= std::numeric_limits<int>::max();
+      if (in_place) {
+        target = gradient;
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < cols; ++c) std::fill(target.at(r, c), target.at(r, c) + D, T(0));
+        }
+        return;
       }
-    } else {
-      buffer.assign(rows * cols * D, T(0));
-      target = {buffer.data(), cols * D, D};
     }
+    buffer.assign(rows * cols * D, T(0));
+    target = {buffer.data(), cols * D, D};
   }
   void finish() {
-    if constexpr (!std::is_same_v<S, T>) {
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0; c < cols; ++c) {
-          narrow_row(out.at(r, c), target.at(r, c), D, T(1), false);
-        }
-      }
+    if (in_place) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) narrow_row(out.at(r, c), target.at(r, c), D, T(1), false);
     }
   }
 };

@@ -86,6 +86,15 @@ def test_float32_with_more_batch_heads_than_threads():
     assert_matches_reference(inputs, 3, rtol=1e-4, atol=1e-4, dilation=(1, 2, 3), key_padding_mask=random_mask(5, 37))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_a_dilation_whose_rows_lie_beyond_blas_int_strides_matches_the_reference(dtype):
+    """The backward adds its key and value gradients in place with BLAS, whose strides are ints: here a residue
+    class's positions lie 2^29 x 8 elements apart in the gradients, beyond them, so the sums go through a buffer."""
+    inputs = make_inputs(8, 2, B=1, H=2, dtype=dtype)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
+    assert_matches_reference(inputs, 2, dilation=2**29, **tolerance)
+
+
 def test_bfloat16_is_computed_in_float32():
     inputs = make_inputs(29, 4, G=1, rel=True, glob_bias=True, dtype=torch.bfloat16)
     out, _ = run("fused_cpu", inputs, 4, dilation=2)
