@@ -8,7 +8,7 @@ forward saves q, k, v, the output and the log-sum-exp; the backward recomputes t
 grows with tokens x head_dim, as with ``chunk_rows``. The 1D kernels also write k and v once per call into the
 layouts their products read (as large as k and v, in the products' dtype), freed when the call returns; their
 backward sums the key and value gradients of one residue class at a time per thread in float32 (for half-precision
-inputs: as large as the class's keys and values, twice that with half-precision products).
+inputs, two of the class's length x head_dim; four with half-precision products).
 
 q, k and v go in as they come (strided views of the projections included, as long as the elements of a token are
 contiguous) and in their dtype, so nothing of q's size is cast or copied around the kernels. Their matrix products
