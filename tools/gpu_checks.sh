@@ -13,8 +13,10 @@
 #      same band as a block mask), sliding_chunk, chunks and SDPA (flash; causal for the causal rows).
 #   5. (only when STEPS names it) the model study: ViL-Small against timm's Swin-T, batch 64 at 224, in bfloat16
 #      autocast and in float32, with tools/benchmark_model.py.
-#   6. (only when STEPS names it) the host CPU's figures on two cores (taskset: the first two of the CPUs the script
-#      may run on; OMP_NUM_THREADS=2), as on the 2-core machines of BENCHMARKS.md: the fused CPU kernels in float32
+#   6. (only when STEPS names it) the host CPU's tests and figures on two cores (taskset: the first two of the CPUs the
+#      script may run on; OMP_NUM_THREADS=2), as on the 2-core machines of BENCHMARKS.md: the fused CPU kernels' tests
+#      (tests/test_fused_cpu_precision.py and tests/test_fused_cpu_1d.py: every way of multiplying that the CPU has,
+#      AMX tiles where the OS grants them, against float64), the fused CPU kernels in float32
 #      and bfloat16 against SDPA and the CPU's matrix products (tools/benchmark_precision.py; its CPU line says
 #      whether the OS grants AMX tiles), ViL-Small against Swin-T under bfloat16 autocast, with the profiler's table
 #      of two training steps of each, and in float32 (tools/benchmark_model.py), and transformers' Longformer at 4096
@@ -30,8 +32,9 @@
 # H200), the second finds them in the on-disk caches (2.5 s, 4 s). The default limits of steps 1 to 4 add up to 540 s
 # (140 + 100 + 140 + 160; at most 5 s more per run to stop it, 580 s in all, within one 10-minute command);
 # STEPS="1 2" and then STEPS="3 4" split them.
-# Step 6 takes 560 s (a quarter for each run; the Longformer run took 80 s on a 2-core AMD EPYC; the two in bfloat16
-# end within theirs only on a CPU with bfloat16 matrix instructions, AVX512-BF16 or AMX). Named with other
+# Step 6 takes 560 s (100 s for the tests, which took 45 s on a 2-core Intel Xeon without AMX, the kernels' build
+# included; 140 s for each run in bfloat16, which end within theirs only on a CPU with bfloat16 matrix instructions,
+# AVX512-BF16 or AMX; 90 s for the model in float32 and for the Longformer run, which took 80 s on a 2-core AMD EPYC). Named with other
 # steps on a machine of at least 8 cores, it runs beside them, on its two cores while they run on the others (its
 # lines on the terminal marked "[host CPU]"), so that STEPS="1 2 3 4 6" fits one 10-minute command. Its benchmarks
 # compare contenders alternating in one process, so their ratios hold beside the GPU steps; STEPS=6 alone gives the
@@ -135,10 +138,15 @@ for step in $STEPS; do
        model="tools/benchmark_model.py --config-file configs/vil_small.yaml --batch 4 --steps 4 --rounds 3 --timm \
 swin_tiny_patch4_window7_224"  # then the config's overrides, which end the command line
        cpu_fused="MODEL.VIT.MSVIT.ATTN_TYPE fused_cpu AMP.ON_CPU True"
-       for run in "tools/benchmark_precision.py --rounds 3" "$model --profile $cpu_fused AMP.ENABLED True" \
-         "$model $cpu_fused AMP.ENABLED False" "tools/benchmark_longformer.py --lengths 4096 --what model --rounds 3"; do
+       # Each run's share of the step's time (of 56 parts) and its command line. The fused CPU kernels' tests come
+       # first: they build the kernels, and they run every way of multiplying this CPU has (AMX tiles included).
+       for run in "10:-m pytest -q -p no:cacheprovider tests/test_fused_cpu_precision.py tests/test_fused_cpu_1d.py" \
+         "14:tools/benchmark_precision.py --rounds 3" "14:$model --profile $cpu_fused AMP.ENABLED True" \
+         "9:$model $cpu_fused AMP.ENABLED False" "9:tools/benchmark_longformer.py --lengths 4096 --what model --rounds 3"
+       do
          # shellcheck disable=SC2086  # a command line of words
-         limited $((${LIMIT_6:-560} / 4)) "$OUT/cpu_host.log" "${pin[@]}" env OMP_NUM_THREADS=2 python $run
+         limited $((${LIMIT_6:-560} * ${run%%:*} / 56)) "$OUT/cpu_host.log" "${pin[@]}" env OMP_NUM_THREADS=2 \
+           python ${run#*:}
        done ;;
     *) echo "Unknown step $step; the steps are 1 2 3 4 5 6."; failed=1 ;;
   esac
