@@ -32,13 +32,13 @@
 # H200), the second finds them in the on-disk caches (2.5 s, 4 s). The default limits of steps 1 to 4 add up to 540 s
 # (140 + 100 + 140 + 160; at most 5 s more per run to stop it, 580 s in all, within one 10-minute command);
 # STEPS="1 2" and then STEPS="3 4" split them.
-# Step 6 takes 560 s (100 s for the tests, which took 45 s on a 2-core Intel Xeon without AMX, the kernels' build
-# included; 140 s for each run in bfloat16, which end within theirs only on a CPU with bfloat16 matrix instructions,
-# AVX512-BF16 or AMX; 90 s for the model in float32 and for the Longformer run, which took 80 s on a 2-core AMD EPYC). Named with other
-# steps on a machine of at least 8 cores, it runs beside them, on its two cores while they run on the others (its
-# lines on the terminal marked "[host CPU]"), so that STEPS="1 2 3 4 6" fits one 10-minute command. Its benchmarks
-# compare contenders alternating in one process, so their ratios hold beside the GPU steps; STEPS=6 alone gives the
-# absolute times with no neighbours.
+# Step 6 takes 560 s: 80 s for the tests (45 s on a 2-core Intel Xeon without AMX, the kernels' build included);
+# 140 s for each run in bfloat16, which end within theirs only on a CPU with bfloat16 matrix instructions
+# (AVX512-BF16 or AMX); 90 s for the model in float32; 110 s for the Longformer run (80 s on a 2-core AMD EPYC).
+# Named with other steps on a machine of at least 8 cores, it runs beside them, on its two cores while they run on the
+# others (its lines on the terminal marked "[host CPU]"), so that STEPS="1 2 3 4 6" fits one 10-minute command. Its
+# benchmarks compare contenders alternating in one process, so their ratios hold beside the GPU steps; STEPS=6 alone
+# gives the absolute times with no neighbours.
 # Logs and tables go to OUT (default docs/): tests_triton.log, tests_cuda.log, studies.log, attention_gpu.md,
 # attention_gpu_flex.md, attention_gpu_1d_dilation{1,2}[_causal].md, models_gpu.log, cpu_host.log. Each step goes
 # on after a failing one, and the script exits non-zero if any failed or ran out of time.
@@ -140,10 +140,10 @@ swin_tiny_patch4_window7_224"  # then the config's overrides, which end the comm
        cpu_fused="MODEL.VIT.MSVIT.ATTN_TYPE fused_cpu AMP.ON_CPU True"
        # Each run's share of the step's time (of 56 parts) and its command line. The fused CPU kernels' tests come
        # first: they build the kernels, and they run every way of multiplying this CPU has (AMX tiles included).
-       for run in "10:-m pytest -q -p no:cacheprovider tests/test_fused_cpu_precision.py tests/test_fused_cpu_1d.py" \
+       for run in "8:-m pytest -q -p no:cacheprovider tests/test_fused_cpu_precision.py tests/test_fused_cpu_1d.py" \
          "14:tools/benchmark_precision.py --rounds 3" "14:$model --profile $cpu_fused AMP.ENABLED True" \
-         "9:$model $cpu_fused AMP.ENABLED False" "9:tools/benchmark_longformer.py --lengths 4096 --what model --rounds 3"
-       do
+         "9:$model $cpu_fused AMP.ENABLED False" \
+         "11:tools/benchmark_longformer.py --lengths 4096 --what model --rounds 3"; do
          # shellcheck disable=SC2086  # a command line of words
          limited $((${LIMIT_6:-560} * ${run%%:*} / 56)) "$OUT/cpu_host.log" "${pin[@]}" env OMP_NUM_THREADS=2 \
            python ${run#*:}
