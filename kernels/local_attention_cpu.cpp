@@ -471,8 +471,8 @@ Map<S> map_of(const at::Tensor& t, int64_t b, int64_t h) {
   return {head, t.stride(2), t.dim() == 5 ? t.stride(3) : 0};
 }
 
-// The tokens of one query chunk (2D) or block (1D): its queries, and the local keys of its window in the order of
-// the score columns (the G global keys come after them).
+// The tokens of one query chunk (2D) or block (1D): its queries, and in 2D the local keys of its window in the order
+// of the score columns (the G global keys come after them; a 1D block's keys are its span, Block::k0 and keys).
 struct Window {
   std::vector<Position> queries, keys;
 };
@@ -658,12 +658,10 @@ std::vector<Block> make_blocks(const Geometry1d& g, std::vector<int64_t>& runs) 
   return blocks;
 }
 
-// The positions of a block in its residue class: its queries, and its span of keys.
+// The positions of a block's queries in its residue class.
 void set_window(const Block& blk, Window& win) {
   win.queries.clear();
-  win.keys.clear();
   for (int i = 0; i < blk.queries; ++i) win.queries.push_back({blk.t0 + i, 0});
-  for (int j = 0; j < blk.keys; ++j) win.keys.push_back({blk.k0 + j, 0});
 }
 
 // The window of query i of a block, before the padding mask: columns lo <= j < hi of its span, and the bias row
@@ -981,12 +979,11 @@ struct FloatProducts {
   // 1D: the block's queries into the buffers; its span of keys and values from `layouts` (class `item`: batch entry
   // * classes + run), the global ones from the inputs.
   template <typename S>
-  void load_span(const Window& win, const Layouts<S>& layouts, int64_t item, Map<const S> q, const T* gk, const T* gv,
-                 int64_t G, int64_t D, double scale, bool /*backward*/) {
+  void load_span(const Window& win, const Block& blk, const Layouts<S>& layouts, int64_t item, Map<const S> q,
+                 const T* gk, const T* gv, int64_t G, int64_t D, double scale, bool /*backward*/) {
     gather(queries.data(), q, win.queries, D, T(scale * kLog2e));
-    local = static_cast<int>(win.keys.size()), ld = local + static_cast<int>(G);
-    const int64_t k0 = win.keys.front().row;
-    key_rows = layouts.keys_at(item, k0), value_rows = layouts.values_at(item, k0);
+    local = blk.keys, ld = local + static_cast<int>(G);
+    key_rows = layouts.keys_at(item, blk.k0), value_rows = layouts.values_at(item, blk.k0);
     global_keys = gk, global_values = gv;
   }
 
@@ -1549,15 +1546,14 @@ struct HalfProducts {
 
   // 1D: the block's queries and global keys and values into the buffers; its span of keys from `layouts` (class
   // `item`: batch entry * classes + run).
-  void load_span(const Window& win, const Layouts<S>& layouts, int64_t item, Map<const S> q, const S* gk, const S* gv,
-                 int64_t G, int64_t /*D*/, double scale, bool backward) {
-    const int keys = static_cast<int>(win.keys.size());
-    load_queries(win, q, keys, keys + static_cast<int>(G), scale, backward);
+  void load_span(const Window& win, const Block& blk, const Layouts<S>& layouts, int64_t item, Map<const S> q,
+                 const S* gk, const S* gv, int64_t G, int64_t /*D*/, double scale, bool backward) {
+    load_queries(win, q, blk.keys, blk.keys + static_cast<int>(G), scale, backward);
     key_tokens.resize(G);
     value_tokens.resize(G);
     for (int64_t j = 0; j < G; ++j) key_tokens[j] = gk + j * D, value_tokens[j] = gv + j * D;
     write_keys(backward);
-    const int64_t k0 = win.keys.front().row;
+    const int64_t k0 = blk.k0;
     k_elements = layouts.elements(layouts.key_elements, item, k0);
     if (backward) {
       k_tokens = layouts.tokens(layouts.key_tokens, item, k0);
@@ -1833,7 +1829,7 @@ void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& ke
       const Block& blk = blocks[item % n];
       const int64_t bh = b * g.H + blk.h;
       set_window(blk, win);
-      ws.load_span(win, layouts, b * classes + blk.run, map_of<const S>(in.q, b, blk.h).every(blk.r, blk.d),
+      ws.load_span(win, blk, layouts, b * classes + blk.run, map_of<const S>(in.q, b, blk.h).every(blk.r, blk.d),
                    head_of<Global>(in.global_k, bh, g.G * g.D), head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D,
                    scale, false);
       finish_scores(g, blk, ws.multiply_scores(blk.queries, g.D), ws.ld, ws.score_factor(),
@@ -1886,7 +1882,7 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
         const Block& blk = blocks[index];
         const int n = blk.queries;
         set_window(blk, win);
-        ws.load_span(win, layouts, item, q_class, head_of<Global>(in.global_k, bh, g.G * g.D),
+        ws.load_span(win, blk, layouts, item, q_class, head_of<Global>(in.global_k, bh, g.G * g.D),
                      head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
         finish_scores(g, blk, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel, glob, key_padding,
                       key_mask.data());
