@@ -1671,7 +1671,8 @@ struct HalfProducts {
     return result.data();
   }
 
-  // 1D: the key and value gradients of one residue class, transposed as the products give them.
+  // 1D: the key and value gradients of one residue class, transposed as the products give them (a template, as
+  // FloatProducts' is, which takes the storage type from the caller).
   template <typename>
   struct ClassGradients {
     TransposedGradientSum<S> keys, values;
