@@ -1071,14 +1071,18 @@ struct FloatProducts {
     matmul<T>(true, false, G, D, n, T(1), scores.data() + local, ld, grad_out.data(), D, T(1), global_v, D);
   }
 
-  const T* grad_keys(int n, int64_t D, double /*scale: in the queries*/) {
-    matmul<T>(true, false, ld, D, n, T(1 / kLog2e), grad_scores.data(), ld, queries.data(), D, T(0), result.data(),
-              D);
-    return result.data();
-  }
-  const T* grad_values(int n, int64_t D) {
-    matmul<T>(true, false, ld, D, n, T(1), scores.data(), ld, grad_out.data(), D, T(0), result.data(), D);
-    return result.data();
+  // 2D: adds the gradients of the window's keys and values to the map's sums (dk, dv: the local keys, at win.keys)
+  // and to global_k and global_v (G x D).
+  void add_window_gradients(int n, int64_t D, const Window& win, double /*scale: in the queries*/, Map<T> dk, Map<T> dv,
+                            T* global_k, T* global_v) {
+    const int64_t keys = static_cast<int64_t>(win.keys.size());
+    auto add = [&](T factor, const T* products, const T* rows, Map<T> sum, T* global) {
+      matmul<T>(true, false, ld, D, n, factor, products, ld, rows, D, T(0), result.data(), D);
+      scatter(sum, win.keys, D, result.data(), true);
+      add_into(global, result.data() + keys * D, (ld - keys) * D);
+    };
+    add(T(1 / kLog2e), grad_scores.data(), queries.data(), dk, global_k);
+    add(T(1), scores.data(), grad_out.data(), dv, global_v);
   }
 
   static void release() {}
@@ -1383,6 +1387,33 @@ inline void transpose(float* dst, const float* src, int64_t rows, int64_t cols, 
   }
 }
 
+// rows[j][0..D) += factor * column j of m (D x cols, row-major), for j < cols: the products' transposed key or value
+// gradients added to the keys' rows, 16 x 16 at a time where the compiler targets AVX-512.
+inline void add_columns(float* const* rows, const float* m, int cols, int64_t D, float factor) {
+  int j0 = 0;
+#if VIL_AVX512
+  const __m512 f = _mm512_set1_ps(factor);
+  for (; j0 + 16 <= cols; j0 += 16) {
+    int64_t e0 = 0;
+    for (; e0 + 16 <= D; e0 += 16) {
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(m + (e0 + t) * cols + j0);
+      transpose_16x16(r);
+      for (int t = 0; t < 16; ++t) {
+        float* row = rows[j0 + t] + e0;
+        _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_castsi512_ps(r[t]), f, _mm512_loadu_ps(row)));
+      }
+    }
+    for (int t = 0; t < 16; ++t) {
+      for (int64_t e = e0; e < D; ++e) rows[j0 + t][e] += factor * m[e * cols + j0 + t];
+    }
+  }
+#endif
+  for (int j = j0; j < cols; ++j) {
+    for (int64_t e = 0; e < D; ++e) rows[j][e] += factor * m[e * cols + j];
+  }
+}
+
 // Where a 1D backward with half-precision products sums the key or value gradients of one residue class: transposed
 // (D x the class's length, in float), as those products give them (dk^T = q^T dS), so that each block adds its span's
 // columns in place; finish writes the sums, times `factor`, as the gradient's rows.
@@ -1492,9 +1523,9 @@ struct ClassLayouts {
 //   forward:  scores = q k^T       (q rows, k element pairs)     out = P v      (P rows, v token pairs)
 //   backward: dP = dO v^T          (dO rows, v element pairs)    dq = dS k      (dS rows, k token pairs)
 //             dk^T = q^T dS        (q columns, dS row pairs)     dv^T = dO^T P  (dO columns, P row pairs)
-// The key and value gradients come out transposed (D x keys): transposed back for the caller in 2D, added in place to
-// the residue class's transposed sums in 1D (TransposedGradientSum). The scale multiplies the scores (and dq, dk) in
-// float, so that q is read unrounded.
+// The key and value gradients come out transposed (D x keys): added to the keys' rows column by column in 2D
+// (add_columns), in place to the residue class's transposed sums in 1D (TransposedGradientSum). The scale multiplies
+// the scores (and dq, dk) in float, so that q is read unrounded.
 template <typename S>
 struct HalfProducts {
   using Compute = float;
@@ -1514,6 +1545,7 @@ struct HalfProducts {
   std::vector<S> q_rows, q_columns, k_element_pairs, k_token_pairs, v_element_pairs, v_token_pairs;
   std::vector<S> grad_out_rows, grad_out_columns, p_rows, p_row_pairs, ds_rows, ds_row_pairs;
   std::vector<float> scores, grad_scores, result, transposed, row_max, total;
+  std::vector<float*> sum_rows;  // 2D: where each key's gradient is added (add_window_gradients)
   // The B operands of the keys and values that `local` columns of the scores read: in 2D all of the window's keys,
   // the global ones included, from the buffers above; in 1D the block's span, from its class's layouts, and the G
   // global keys from the buffers above, multiplied apart. P and dS rows (lp long) hold the local columns, a zero
@@ -1659,16 +1691,19 @@ struct HalfProducts {
     for (int64_t i = 0; i < n * D; ++i) result[i] *= factor;
     return result.data();
   }
-  const float* grad_keys(int /*n*/, int64_t /*D*/, double scale) {
-    half_product(static_cast<int>(D), ld, np, q_columns.data(), np, ds_row_pairs.data(), lq, transposed.data(), ld);
-    transpose(result.data(), transposed.data(), D, ld, static_cast<float>(scale));
-    return result.data();
-  }
-  const float* grad_values(int /*n*/, int64_t /*D*/) {
-    half_product(static_cast<int>(D), ld, np, grad_out_columns.data(), np, p_row_pairs.data(), lq, transposed.data(),
-                 ld);
-    transpose(result.data(), transposed.data(), D, ld, 1.0f);
-    return result.data();
+  // 2D: adds the gradients of the window's keys and values to the map's sums (dk, dv: the local keys, at win.keys)
+  // and to global_k and global_v (G x D), from the products' D x ld results as they are (add_columns).
+  void add_window_gradients(int /*n*/, int64_t /*D*/, const Window& win, double scale, Map<float> dk, Map<float> dv,
+                            float* global_k, float* global_v) {
+    const int keys = static_cast<int>(win.keys.size());
+    auto add = [&](float factor, const S* columns, const S* row_pairs, Map<float> sum, float* global) {
+      half_product(static_cast<int>(D), ld, np, columns, np, row_pairs, lq, transposed.data(), ld);
+      sum_rows.resize(ld);
+      for (int j = 0; j < ld; ++j) sum_rows[j] = j < keys ? sum.at(win.keys[j]) : global + (j - keys) * D;
+      add_columns(sum_rows.data(), transposed.data(), ld, D, factor);
+    };
+    add(static_cast<float>(scale), q_columns.data(), ds_row_pairs.data(), dk, global_k);
+    add(1.0f, grad_out_columns.data(), p_row_pairs.data(), dv, global_v);
   }
 
   // 1D: the key and value gradients of one residue class, transposed as the products give them (a template, as
@@ -1790,13 +1825,9 @@ void backward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_tabl
         if (bias_gradients && !kind_sums) add_bias_gradients(g, c, ws.grad_scores.data(), ws.ld, grad_rel, grad_glob);
         // Written in place: every query belongs to one chunk.
         scatter(map_of<S>(grad.q, b, h), win.queries, g.D, ws.grad_queries(n, g.D, scale), false);
-        // Gradients of the chunk's keys (or values), (L + G) x D, into the maps and the global ones.
-        auto add_window = [&](const T* block, const GradientSum<S, T>& sum, at::Tensor& grad_global) {
-          scatter(sum.target, win.keys, g.D, block, true);
-          add_into(grad_global.data_ptr<T>() + bh * g.G * g.D, block + c.keys * g.D, g.G * g.D);
-        };
-        add_window(ws.grad_keys(n, g.D, scale), sum_k, grad.global_k);
-        add_window(ws.grad_values(n, g.D), sum_v, grad.global_v);
+        T* global_k = grad.global_k.data_ptr<T>() + bh * g.G * g.D;
+        T* global_v = grad.global_v.data_ptr<T>() + bh * g.G * g.D;
+        ws.add_window_gradients(n, g.D, win, scale, sum_k.target, sum_v.target, global_k, global_v);
       }
       sum_k.finish();
       sum_v.finish();
