@@ -1362,34 +1362,9 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
 }
 #endif
 
-// dst (cols x rows) = factor * src (rows x cols), both row-major.
-inline void transpose(float* dst, const float* src, int64_t rows, int64_t cols, float factor) {
-  int64_t c0 = 0;
-#if VIL_AVX512
-  const __m512 f = _mm512_set1_ps(factor);
-  for (; c0 + 16 <= cols; c0 += 16) {
-    int64_t r0 = 0;
-    for (; r0 + 16 <= rows; r0 += 16) {
-      __m512i r[16];
-      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(src + (r0 + t) * cols + c0);
-      transpose_16x16(r);
-      for (int t = 0; t < 16; ++t) {
-        _mm512_storeu_ps(dst + (c0 + t) * rows + r0, _mm512_mul_ps(_mm512_castsi512_ps(r[t]), f));
-      }
-    }
-    for (int64_t c = c0; c < c0 + 16; ++c) {
-      for (int64_t r = r0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c] * factor;
-    }
-  }
-#endif
-  for (int64_t c = c0; c < cols; ++c) {
-    for (int64_t r = 0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c] * factor;
-  }
-}
-
-// rows[j][0..D) += factor * column j of m (D x cols, row-major), for j < cols: the products' transposed key or value
-// gradients added to the keys' rows, 16 x 16 at a time where the compiler targets AVX-512.
-inline void add_columns(float* const* rows, const float* m, int cols, int64_t D, float factor) {
+// rows[j][0..D) = factor * column j of m (D x cols, row-major), or += where `add`, for j < cols: the products'
+// transposed key or value gradients as the keys' rows, 16 x 16 at a time where the compiler targets AVX-512.
+inline void columns_to_rows(float* const* rows, const float* m, int cols, int64_t D, float factor, bool add) {
   int j0 = 0;
 #if VIL_AVX512
   const __m512 f = _mm512_set1_ps(factor);
@@ -1401,16 +1376,18 @@ inline void add_columns(float* const* rows, const float* m, int cols, int64_t D,
       transpose_16x16(r);
       for (int t = 0; t < 16; ++t) {
         float* row = rows[j0 + t] + e0;
-        _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_castsi512_ps(r[t]), f, _mm512_loadu_ps(row)));
+        const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(r[t]), f);
+        _mm512_storeu_ps(row, add ? _mm512_add_ps(x, _mm512_loadu_ps(row)) : x);
       }
     }
     for (int t = 0; t < 16; ++t) {
-      for (int64_t e = e0; e < D; ++e) rows[j0 + t][e] += factor * m[e * cols + j0 + t];
+      float* row = rows[j0 + t];
+      for (int64_t e = e0; e < D; ++e) row[e] = factor * m[e * cols + j0 + t] + (add ? row[e] : 0.0f);
     }
   }
 #endif
   for (int j = j0; j < cols; ++j) {
-    for (int64_t e = 0; e < D; ++e) rows[j][e] += factor * m[e * cols + j];
+    for (int64_t e = 0; e < D; ++e) rows[j][e] = factor * m[e * cols + j] + (add ? rows[j][e] : 0.0f);
   }
 }
 
@@ -1421,6 +1398,7 @@ template <typename S>
 struct TransposedGradientSum {
   Map<S> out{};
   std::vector<float> sums, rows;
+  std::vector<float*> row_of;
   int64_t length = 0, D = 0;
   float factor = 1;
 
@@ -1430,8 +1408,10 @@ struct TransposedGradientSum {
   }
   void finish() {
     rows.resize(length * D);
-    transpose(rows.data(), sums.data(), D, length, factor);
-    for (int64_t t = 0; t < length; ++t) narrow_row(out.at(t, 0), rows.data() + t * D, D, 1.0f, false);
+    row_of.resize(length);
+    for (int64_t t = 0; t < length; ++t) row_of[t] = rows.data() + t * D;
+    columns_to_rows(row_of.data(), sums.data(), static_cast<int>(length), D, factor, false);
+    for (int64_t t = 0; t < length; ++t) narrow_row(out.at(t, 0), row_of[t], D, 1.0f, false);
   }
 };
 
@@ -1524,7 +1504,7 @@ struct ClassLayouts {
 //   backward: dP = dO v^T          (dO rows, v element pairs)    dq = dS k      (dS rows, k token pairs)
 //             dk^T = q^T dS        (q columns, dS row pairs)     dv^T = dO^T P  (dO columns, P row pairs)
 // The key and value gradients come out transposed (D x keys): added to the keys' rows column by column in 2D
-// (add_columns), in place to the residue class's transposed sums in 1D (TransposedGradientSum). The scale multiplies
+// (columns_to_rows), in place to the residue class's transposed sums in 1D (TransposedGradientSum). The scale multiplies
 // the scores (and dq, dk) in float, so that q is read unrounded.
 template <typename S>
 struct HalfProducts {
@@ -1692,7 +1672,7 @@ struct HalfProducts {
     return result.data();
   }
   // 2D: adds the gradients of the window's keys and values to the map's sums (dk, dv: the local keys, at win.keys)
-  // and to global_k and global_v (G x D), from the products' D x ld results as they are (add_columns).
+  // and to global_k and global_v (G x D), from the products' D x ld results as they are (columns_to_rows).
   void add_window_gradients(int /*n*/, int64_t /*D*/, const Window& win, double scale, Map<float> dk, Map<float> dv,
                             float* global_k, float* global_v) {
     const int keys = static_cast<int>(win.keys.size());
@@ -1700,7 +1680,7 @@ struct HalfProducts {
       half_product(static_cast<int>(D), ld, np, columns, np, row_pairs, lq, transposed.data(), ld);
       sum_rows.resize(ld);
       for (int j = 0; j < ld; ++j) sum_rows[j] = j < keys ? sum.at(win.keys[j]) : global + (j - keys) * D;
-      add_columns(sum_rows.data(), transposed.data(), ld, D, factor);
+      columns_to_rows(sum_rows.data(), transposed.data(), ld, D, factor, true);
     };
     add(static_cast<float>(scale), q_columns.data(), ds_row_pairs.data(), dk, global_k);
     add(1.0f, grad_out_columns.data(), p_row_pairs.data(), dv, global_v);
