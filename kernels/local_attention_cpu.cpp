@@ -1504,8 +1504,8 @@ struct ClassLayouts {
 //   backward: dP = dO v^T          (dO rows, v element pairs)    dq = dS k      (dS rows, k token pairs)
 //             dk^T = q^T dS        (q columns, dS row pairs)     dv^T = dO^T P  (dO columns, P row pairs)
 // The key and value gradients come out transposed (D x keys): added to the keys' rows column by column in 2D
-// (columns_to_rows), in place to the residue class's transposed sums in 1D (TransposedGradientSum). The scale multiplies
-// the scores (and dq, dk) in float, so that q is read unrounded.
+// (columns_to_rows), in place to the residue class's transposed sums in 1D (TransposedGradientSum). The scale
+// multiplies the scores (and dq, dk) in float, so that q is read unrounded.
 template <typename S>
 struct HalfProducts {
   using Compute = float;
@@ -1525,7 +1525,7 @@ struct HalfProducts {
   std::vector<S> q_rows, q_columns, k_element_pairs, k_token_pairs, v_element_pairs, v_token_pairs;
   std::vector<S> grad_out_rows, grad_out_columns, p_rows, p_row_pairs, ds_rows, ds_row_pairs;
   std::vector<float> scores, grad_scores, result, transposed, row_max, total;
-  std::vector<float*> sum_rows;  // 2D: where each key's gradient is added (add_window_gradients)
+  std::vector<float*> sum_rows;  // where each key's gradient is added (add_window_gradients; 1D: the global keys')
   // The B operands of the keys and values that `local` columns of the scores read: in 2D all of the window's keys,
   // the global ones included, from the buffers above; in 1D the block's span, from its class's layouts, and the G
   // global keys from the buffers above, multiplied apart. P and dS rows (lp long) hold the local columns, a zero
@@ -1565,13 +1565,12 @@ struct HalfProducts {
     value_tokens.resize(G);
     for (int64_t j = 0; j < G; ++j) key_tokens[j] = gk + j * D, value_tokens[j] = gv + j * D;
     write_keys(backward);
-    const int64_t k0 = blk.k0;
-    k_elements = layouts.elements(layouts.key_elements, item, k0);
+    k_elements = layouts.elements(layouts.key_elements, item, blk.k0);
     if (backward) {
-      k_tokens = layouts.tokens(layouts.key_tokens, item, k0);
-      v_elements = layouts.elements(layouts.value_elements, item, k0);
+      k_tokens = layouts.tokens(layouts.key_tokens, item, blk.k0);
+      v_elements = layouts.elements(layouts.value_elements, item, blk.k0);
     } else {
-      v_tokens = layouts.tokens(layouts.value_tokens, item, k0);
+      v_tokens = layouts.tokens(layouts.value_tokens, item, blk.k0);
     }
   }
 
@@ -1714,9 +1713,9 @@ struct HalfProducts {
     const int64_t global_column = (pairs ? 2 : 1) * local;
     auto add_global = [&](const S* columns, const S* row_pairs, float factor, float* global) {
       half_product(Di, G, np, columns, np, row_pairs + global_column, lq, transposed.data(), G);
-      for (int j = 0; j < G; ++j) {
-        for (int64_t e = 0; e < D; ++e) global[j * D + e] += factor * transposed[e * G + j];
-      }
+      sum_rows.resize(G);
+      for (int j = 0; j < G; ++j) sum_rows[j] = global + j * D;
+      columns_to_rows(sum_rows.data(), transposed.data(), G, D, factor, true);
     };
     add_global(q_columns.data(), ds_row_pairs.data(), sums.keys.factor, global_k);
     add_global(grad_out_columns.data(), p_row_pairs.data(), 1.0f, global_v);
