@@ -61,8 +61,9 @@
 #include <utility>
 #include <vector>
 
-// The layouts of the half-precision products move 16 x 16 words at a time where the compiler targets AVX-512.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The softmax and the layouts of the half-precision products run on 16 floats (16 x 16 words) at a time where the
+// compiler targets AVX-512 (F, BW and DQ, as x86-64-v4).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define VIL_AVX512 1
 #else
@@ -110,21 +111,22 @@ void half_product(int m, int n, int k, const S* a, int lda, const S* b, int ldb,
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, true);
 }
 
-// exp2 for t <= 0 (scores less their maximum or log-sum-exp): 2^round(t) times a degree-6 polynomial of the
-// remainder, about 1 ulp. Written so that the compiler vectorises a loop over it; t <= -127 (and -inf) gives 0,
-// since 2^-127 has a zero exponent field. NaN stays NaN: n's bits are read without a conversion to int, which
-// would be undefined for NaN.
+// The polynomial of exp2_nonpositive: 2^f ~ the sum of kExp2[k] f^k for |f| <= 1/2.
+constexpr float kExp2[7] = {1.0f, 0.69314718f, 0.24022646f, 0.05550329f, 0.0096185198f, 0.001339986f, 0.00015337577f};
+
+// exp2 for t <= 0 (scores less their maximum or log-sum-exp): 2^n times 2^f, n the nearest integer and f = t - n,
+// |f| <= 1/2, by a polynomial of degree 6 fitted to 2^f there (least squares of the relative error at Chebyshev
+// nodes), within 1.5 ulp. The polynomial is evaluated in three levels of multiply-adds (Estrin's scheme) rather than
+// six (Horner's): a loop over a row of scores waits on each value's chain of latencies more than on its instructions.
+// Written so that the compiler vectorises a loop over it; t <= -127 (and -inf) gives 0, since 2^-127 has a zero
+// exponent field. NaN stays NaN: n's bits are read without a conversion to int, which would be undefined for NaN.
 inline float exp2_nonpositive(float t) {
   t = std::max(t, -127.0f);
   const float n = std::floor(t + 0.5f);
-  const float f = (t - n) * 0.6931471805599453f;  // 2^(t-n) = e^f, |f| <= ln(2)/2
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  const float f = t - n, f2 = f * f;
+  const float lower = (f * kExp2[1] + kExp2[0]) + f2 * (f * kExp2[3] + kExp2[2]);
+  const float upper = (f * kExp2[5] + kExp2[4]) + f2 * kExp2[6];
+  const float p = lower + (f2 * f2) * upper;
   // n + 1.5 * 2^23 holds the integer n in its low mantissa bits (0x4B400000 + n for -127 <= n <= 0); 2^n's exponent
   // field is n + 127.
   const float shifted = n + 12582912.0f;
@@ -303,16 +305,18 @@ inline __mmask16 tail_mask(int remaining) { return static_cast<__mmask16>((1u <<
 // The lanes of the 16 columns from j (< n) of a row of n: all, or the row's tail.
 inline __mmask16 lanes_at(int j, int n) { return j + 16 <= n ? __mmask16(0xffff) : tail_mask(n - j); }
 
-// As exp2_nonpositive: p(t - n) * 2^n; t <= -150 (and -inf) gives 0, NaN stays NaN.
+// As exp2_nonpositive: the same polynomial of f times 2^n; t < -150 (and -inf) gives 0, NaN stays NaN. f = t - n comes
+// from one instruction (VREDUCEPS) and n from f, beside the polynomial, which shortens each vector's chain again.
 inline __m512 exp2_nonpositive(__m512 t) {
-  t = _mm512_max_ps(_mm512_set1_ps(-150.0f), t);  // the second operand where either is NaN
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) {
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(p, n);
+  const __mmask16 seen = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-150.0f), _CMP_NLT_UQ);  // t >= -150, or NaN
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // t - n, |f| <= 1/2
+  const __m512 n = _mm512_sub_ps(t, f);
+  const auto c = [](int k) { return _mm512_set1_ps(kExp2[k]); };
+  const __m512 f2 = _mm512_mul_ps(f, f);
+  const __m512 lower = _mm512_fmadd_ps(f2, _mm512_fmadd_ps(f, c(3), c(2)), _mm512_fmadd_ps(f, c(1), c(0)));
+  const __m512 upper = _mm512_fmadd_ps(f2, c(6), _mm512_fmadd_ps(f, c(5), c(4)));
+  const __m512 p = _mm512_fmadd_ps(_mm512_mul_ps(f2, f2), upper, lower);
+  return _mm512_maskz_scalef_ps(seen, p, n);
 }
 
 // finish applied to 16 products (table: the same lanes of the finish's table row, or null).
