@@ -1674,16 +1674,23 @@ struct HalfProducts {
     for (int64_t i = 0; i < n * D; ++i) result[i] *= factor;
     return result.data();
   }
+  // Adds the key (or value) gradients of score columns first.. first + count, columns^T times those columns of
+  // row_pairs (D x count, one column per key), times `factor`, to the rows sum_rows[0..count) (columns_to_rows).
+  void add_transposed_gradients(const S* columns, const S* row_pairs, int first, int count, float factor) {
+    const int64_t column = (pairs ? 2 : 1) * static_cast<int64_t>(first);
+    half_product(static_cast<int>(D), count, np, columns, np, row_pairs + column, lq, transposed.data(), count);
+    columns_to_rows(sum_rows.data(), transposed.data(), count, D, factor, true);
+  }
+
   // 2D: adds the gradients of the window's keys and values to the map's sums (dk, dv: the local keys, at win.keys)
   // and to global_k and global_v (G x D), from the products' D x ld results as they are (columns_to_rows).
   void add_window_gradients(int /*n*/, int64_t /*D*/, const Window& win, double scale, Map<float> dk, Map<float> dv,
                             float* global_k, float* global_v) {
     const int keys = static_cast<int>(win.keys.size());
     auto add = [&](float factor, const S* columns, const S* row_pairs, Map<float> sum, float* global) {
-      half_product(static_cast<int>(D), ld, np, columns, np, row_pairs, lq, transposed.data(), ld);
       sum_rows.resize(ld);
       for (int j = 0; j < ld; ++j) sum_rows[j] = j < keys ? sum.at(win.keys[j]) : global + (j - keys) * D;
-      columns_to_rows(sum_rows.data(), transposed.data(), ld, D, factor, true);
+      add_transposed_gradients(columns, row_pairs, 0, ld, factor);
     };
     add(static_cast<float>(scale), q_columns.data(), ds_row_pairs.data(), dk, global_k);
     add(1.0f, grad_out_columns.data(), p_row_pairs.data(), dv, global_v);
@@ -1714,12 +1721,10 @@ struct HalfProducts {
     half_product(Di, local, np, grad_out_columns.data(), np, p_row_pairs.data(), lq, sums.values.sums.data() + k0,
                  static_cast<int>(sums.values.length), true);
     if (G == 0) return;
-    const int64_t global_column = (pairs ? 2 : 1) * local;
     auto add_global = [&](const S* columns, const S* row_pairs, float factor, float* global) {
-      half_product(Di, G, np, columns, np, row_pairs + global_column, lq, transposed.data(), G);
       sum_rows.resize(G);
       for (int j = 0; j < G; ++j) sum_rows[j] = global + j * D;
-      columns_to_rows(sum_rows.data(), transposed.data(), G, D, factor, true);
+      add_transposed_gradients(columns, row_pairs, local, G, factor);
     };
     add_global(q_columns.data(), ds_row_pairs.data(), sums.keys.factor, global_k);
     add_global(grad_out_columns.data(), p_row_pairs.data(), 1.0f, global_v);
