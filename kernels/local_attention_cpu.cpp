@@ -10,7 +10,8 @@
 // time: the keys their windows cover are one span of that sequence (at most block + 2w keys, block + w
 // causal, from an even position), read in place from the keys and values of its residue class, written once per
 // call in the layouts the products read (FloatClassLayouts, ClassLayouts), and the G global keys; the band, the
-// causal and padding masks and the bias table are applied row by row.
+// causal and padding masks and the bias table are applied row by row (without biases and padding, the scale is left
+// to the softmax, which applies it as it reads each row).
 //
 // Forward: saves the output and the base-2 log-sum-exp of every query; chunks (blocks) run in parallel.
 // Backward: recomputes the probabilities from the log-sum-exp; the chunks of one (batch, head), or the blocks
@@ -241,17 +242,19 @@ void finish_row(T* row, int64_t n, const Finish<T>& finish) {
 
 // Turns one row of products into base-2 scores (finish), then writes 2^(score - its maximum) to out (the row itself,
 // or a row of the half type the products read), and gives the maximum and the sum (of the unrounded values). A row
-// that sees no key (all -inf) gives zeros, with sum 0.
+// that sees no key (all -inf) gives zeros, with sum 0. A finish with a table is applied to the row in place first;
+// one without, a factor alone, as each pass reads the products, which saves a pass that writes the row.
 template <typename T, typename Out>
 void exponentiate_row(T* row, int n, const Finish<T>& finish, Out* out, T& max, T& sum) {
-  finish_row(row, n, finish);
-  T m = row[0], s = 0;
+  if (finish.table != nullptr) finish_row(row, n, finish);
+  const T factor = finish.table != nullptr ? T(1) : finish.factor;
+  T m = -std::numeric_limits<T>::infinity(), s = 0;
 #pragma omp simd reduction(max : m)
-  for (int j = 0; j < n; ++j) m = m > row[j] ? m : row[j];  // std::max does not vectorise
+  for (int j = 0; j < n; ++j) m = m > row[j] * factor ? m : row[j] * factor;  // std::max does not vectorise
   if (m == -std::numeric_limits<T>::infinity()) m = 0;
 #pragma omp simd reduction(+ : s)
   for (int j = 0; j < n; ++j) {
-    const T p = exp2_nonpositive(row[j] - m);
+    const T p = exp2_nonpositive(row[j] * factor - m);
     s += p;
     out[j] = narrow<Out>(p);
   }
@@ -363,15 +366,17 @@ inline void store_lanes(c10::Half* out, __mmask16 lanes, __m512 x) { store_words
 template <typename Out>
 void exponentiate_row(float* row, int n, const Finish<float>& finish, Out* out, float& max, float& sum) {
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 factor = _mm512_set1_ps(finish.factor);
-  const bool unfinished = finish.table != nullptr || finish.factor != 1.0f;
+  const bool tabled = finish.table != nullptr;  // else the factor is applied as each pass reads the products
+  const __m512 factor = _mm512_set1_ps(finish.factor), left = tabled ? _mm512_set1_ps(1.0f) : factor;
   __m512 m = lowest;
   for (int j = 0; j < n; j += 16) {  // the scores, and their maximum
     const __mmask16 lanes = lanes_at(j, n);
     __m512 s = _mm512_mask_loadu_ps(lowest, lanes, row + j);
-    if (unfinished) {
-      s = finish_lanes(s, factor, finish.offset(j).table, lanes);
+    if (tabled) {
+      s = finish_lanes(s, factor, finish.table + j, lanes);
       _mm512_mask_storeu_ps(row + j, lanes, s);
+    } else {
+      s = _mm512_mul_ps(s, factor);
     }
     m = _mm512_mask_max_ps(m, lanes, s, m);  // not the tail's lanes: -inf times a negative scale is +inf
   }
@@ -381,9 +386,9 @@ void exponentiate_row(float* row, int n, const Finish<float>& finish, Out* out, 
   __m512 s = _mm512_setzero_ps();
   for (int j = 0; j < n; j += 16) {
     const __mmask16 lanes = lanes_at(j, n);
-    const __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_mask_loadu_ps(lowest, lanes, row + j), shift));
+    const __m512 p = exp2_nonpositive(_mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row + j), left, shift));
     store_lanes(out + j, lanes, p);
-    s = _mm512_add_ps(s, p);
+    s = _mm512_mask_add_ps(s, lanes, s, p);
   }
   max = row_max;
   sum = _mm512_reduce_add_ps(s);
@@ -849,11 +854,13 @@ void add_bias_gradients(const Geometry& g, const Chunk& c, const T* grad_scores,
 
 // The scores of a block (row length ld), from the products: times `factor` (the scale, where the products did not
 // apply it), plus the biases, and -inf outside each query's band, after the query when causal, and at padded keys
-// (key_padding: the batch entry's mask, or null; key_mask: a buffer of the span's length).
+// (key_padding: the batch entry's mask, or null; key_mask: a buffer of the span's length). Without biases and
+// padding, a positive factor is left to the softmax (the Finish returned): only the -inf are written here.
 template <typename T>
-void finish_scores(const Geometry1d& g, const Block& blk, T* scores, int ld, T factor, const T* rel_bias,
-                   const T* global_bias, const bool* key_padding, T* key_mask) {
+Finish<T> finish_scores(const Geometry1d& g, const Block& blk, T* scores, int ld, T factor, const T* rel_bias,
+                        const T* global_bias, const bool* key_padding, T* key_mask) {
   const T masked = -std::numeric_limits<T>::infinity();
+  const bool band_only = rel_bias == nullptr && global_bias == nullptr && key_padding == nullptr && factor > T(0);
   if (key_padding != nullptr) {
     for (int j = 0; j < blk.keys; ++j) key_mask[j] = key_padding[blk.r + blk.d * (blk.k0 + j)] ? masked : T(0);
   }
@@ -862,6 +869,7 @@ void finish_scores(const Geometry1d& g, const Block& blk, T* scores, int ld, T f
     const Band band = band_of(g, blk, i);
     std::fill(row, row + band.lo, masked);
     std::fill(row + band.hi, row + blk.keys, masked);
+    if (band_only) continue;
     if (factor != T(1)) {
 #pragma omp simd
       for (int j = band.lo; j < band.hi; ++j) row[j] *= factor;
@@ -878,6 +886,7 @@ void finish_scores(const Geometry1d& g, const Block& blk, T* scores, int ld, T f
     }
     add_global_bias(row, blk.keys, global_bias, g.G);
   }
+  return band_only ? Finish<T>{factor} : Finish<T>{};
 }
 
 // The tensors of one call.
@@ -1852,10 +1861,11 @@ void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& ke
       ws.load_span(win, blk, layouts, b * classes + blk.run, map_of<const S>(in.q, b, blk.h).every(blk.r, blk.d),
                    head_of<Global>(in.global_k, bh, g.G * g.D), head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D,
                    scale, false);
-      finish_scores(g, blk, ws.multiply_scores(blk.queries, g.D), ws.ld, ws.score_factor(),
-                    head_of<T>(in.rel_bias, blk.h, bias_rows), head_of<T>(in.global_bias, blk.h, g.G),
-                    head_of<bool>(key_padding_mask, b, g.L), key_mask.data());
-      const T* o = ws.attend(blk.queries, g.D, Finish<T>{});
+      const Finish<T> finish = finish_scores(g, blk, ws.multiply_scores(blk.queries, g.D), ws.ld, ws.score_factor(),
+                                             head_of<T>(in.rel_bias, blk.h, bias_rows),
+                                             head_of<T>(in.global_bias, blk.h, g.G),
+                                             head_of<bool>(key_padding_mask, b, g.L), key_mask.data());
+      const T* o = ws.attend(blk.queries, g.D, finish);
       const Map<S> out_class = map_of<S>(out, b, blk.h).every(blk.r, blk.d);
       T* lse_seq = lse.data_ptr<T>() + bh * g.L;
       for (int i = 0; i < blk.queries; ++i) {
@@ -1904,11 +1914,11 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
         set_window(blk, win);
         ws.load_span(win, blk, layouts, item, q_class, head_of<Global>(in.global_k, bh, g.G * g.D),
                      head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
-        finish_scores(g, blk, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel, glob, key_padding,
-                      key_mask.data());
+        const Finish<T> finish = finish_scores(g, blk, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel,
+                                               glob, key_padding, key_mask.data());
         ws.load_grad_out(win, grad_out_class, out_class, g.D);
         for (int i = 0; i < n; ++i) lse_rows[i] = lse_seq[r + d * (blk.t0 + i)];
-        ws.differentiate(n, g.D, lse_rows.data(), Finish<T>{}, nullptr);
+        ws.differentiate(n, g.D, lse_rows.data(), finish, nullptr);
         for (int i = 0; i < n; ++i) {
           const T* row = ws.grad_scores.data() + static_cast<int64_t>(i) * ws.ld;
           if (grad_rel != nullptr) {

@@ -143,11 +143,14 @@ def attend_1d(inputs, backend, window, dilation, causal, padding, dtype):
     return gradients(out, inputs, dtype)
 
 
-def case_1d(dtype, dilation, causal, D, window, G):
-    """(fused_cpu's results, the reference's) on 75 tokens, padded keys, G global keys, the bias tables."""
+def case_1d(dtype, dilation, causal, D, window, G, plain=False):
+    """(fused_cpu's results, the reference's) on 75 tokens, padded keys, G global keys, the bias tables; where
+    ``plain``, with neither the bias tables nor padding."""
     length = 75
     inputs = leaves(2, length, 3, D, G, 2 * window + 1, dtype)
     padding = torch.rand(2, length, generator=torch.Generator().manual_seed(3)) < 0.2
+    if plain:
+        inputs[3] = inputs[4] = padding = None
     got = attend_1d(inputs, "fused_cpu", window, dilation, causal, padding, dtype)
     return got, attend_1d(in_float64(inputs), "reference", window, dilation, causal, padding, dtype)
 
@@ -156,6 +159,36 @@ def case_1d(dtype, dilation, causal, D, window, G):
 @pytest.mark.parametrize("dilation,causal,D,window,G", CASES_1D)
 def test_1d_strided_inputs_in_their_dtype_match_the_reference(products, dilation, causal, D, window, G):
     assert_close_to_reference(*case_1d(products[1], dilation, causal, D, window, G), products)
+
+
+# Longformer's own case: without biases and padding the 1D kernel leaves the scale to the softmax, which applies it as
+# it reads each score (in the forward and in the backward).
+@pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
+@pytest.mark.parametrize("dilation,causal,D,window,G", [(1, False, 40, 34, 2), ((1, 2, 3), True, 17, 9, 0)])
+def test_1d_without_biases_or_padding_matches_the_reference(products, dilation, causal, D, window, G):
+    assert_close_to_reference(*case_1d(products[1], dilation, causal, D, window, G, plain=True), products)
+
+
+def attend_with_scale(inputs, backend, dims, scale, dtype):
+    """A 9x11 map (window 3) or 99 tokens (w 9) with one global key and no biases, at ``scale``."""
+    q, k, v = split_qkv(inputs[0])
+    if dims == 2:
+        q, k, v = (t.reshape(t.shape[:2] + (9, 11) + t.shape[-1:]) for t in (q, k, v))
+    op, window = (local_attention_2d, 3) if dims == 2 else (local_attention_1d, 9)
+    out = op(q, k, v, window, global_k=inputs[1], global_v=inputs[2], scale=scale, backend=backend)
+    return gradients(out, inputs, dtype)
+
+
+# A negative scale is a number like any other: masked keys stay masked, and the lanes past the end of a row of scores
+# (rows whose length is no multiple of 16) stay out of its sums.
+@pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
+@pytest.mark.parametrize("dims", [1, 2])
+def test_a_negative_scale_matches_the_reference(products, dims):
+    dtype = products[1]
+    inputs = leaves(1, 99, 2, 17, 1, 1, dtype)[:3]
+    got = attend_with_scale(inputs, "fused_cpu", dims, -0.3, dtype)
+    want = attend_with_scale(in_float64(inputs), "reference", dims, -0.3, dtype)
+    assert_close_to_reference(got, want, products)
 
 
 def assert_score_gradients_sum_to_zero(backend, dtype, case):
