@@ -95,10 +95,10 @@ def optional_inputs(inputs):
     return dict(zip(("global_k", "global_v", "rel_bias", "global_bias"), inputs[1:]))
 
 
-def attend_2d(inputs, backend, grid, window, exact, dilation, dtype):
+def attend_2d(inputs, backend, grid, window, exact, dilation, dtype, scale=None):
     q, k, v = (t.reshape(t.shape[:2] + grid + t.shape[-1:]) for t in split_qkv(inputs[0]))
     out = local_attention_2d(
-        q, k, v, window, exact=exact, dilation=dilation, backend=backend, **optional_inputs(inputs)
+        q, k, v, window, exact=exact, dilation=dilation, scale=scale, backend=backend, **optional_inputs(inputs)
     )
     return gradients(out, inputs, dtype)
 
@@ -130,13 +130,14 @@ def test_2d_strided_inputs_in_their_dtype_match_the_reference(products, window, 
     assert_close_to_reference(*case_2d(products[1], window, exact, dilation, D), products)
 
 
-def attend_1d(inputs, backend, window, dilation, causal, padding, dtype):
+def attend_1d(inputs, backend, window, dilation, causal, padding, dtype, scale=None):
     out = local_attention_1d(
         *split_qkv(inputs[0]),
         window,
         dilation=dilation,
         causal=causal,
         key_padding_mask=padding,
+        scale=scale,
         backend=backend,
         **optional_inputs(inputs),
     )
@@ -169,26 +170,21 @@ def test_1d_without_biases_or_padding_matches_the_reference(products, dilation, 
     assert_close_to_reference(*case_1d(products[1], dilation, causal, D, window, G, plain=True), products)
 
 
-def attend_with_scale(inputs, backend, dims, scale, dtype):
-    """A 9x11 map (window 3) or 99 tokens (w 9) with one global key and no biases, at ``scale``."""
-    q, k, v = split_qkv(inputs[0])
-    if dims == 2:
-        q, k, v = (t.reshape(t.shape[:2] + (9, 11) + t.shape[-1:]) for t in (q, k, v))
-    op, window = (local_attention_2d, 3) if dims == 2 else (local_attention_1d, 9)
-    out = op(q, k, v, window, global_k=inputs[1], global_v=inputs[2], scale=scale, backend=backend)
-    return gradients(out, inputs, dtype)
-
-
 # A negative scale is a number like any other: masked keys stay masked, and the lanes past the end of a row of scores
 # (rows whose length is no multiple of 16) stay out of its sums.
 @pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
 @pytest.mark.parametrize("dims", [1, 2])
 def test_a_negative_scale_matches_the_reference(products, dims):
+    """A 9x11 map (window 3) or 99 tokens (w 9), one global key, no biases."""
     dtype = products[1]
     inputs = leaves(1, 99, 2, 17, 1, 1, dtype)[:3]
-    got = attend_with_scale(inputs, "fused_cpu", dims, -0.3, dtype)
-    want = attend_with_scale(in_float64(inputs), "reference", dims, -0.3, dtype)
-    assert_close_to_reference(got, want, products)
+
+    def attend(inputs, backend):
+        if dims == 2:
+            return attend_2d(inputs, backend, (9, 11), 3, 0, 1, dtype, scale=-0.3)
+        return attend_1d(inputs, backend, 9, 1, False, None, dtype, scale=-0.3)
+
+    assert_close_to_reference(attend(inputs, "fused_cpu"), attend(in_float64(inputs), "reference"), products)
 
 
 def assert_score_gradients_sum_to_zero(backend, dtype, case):
