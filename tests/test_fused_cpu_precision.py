@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, seed
+from hypothesis import strategies as st
+from test_fuzz import fuzz_settings, request_2d
 from tool_runner import run_tool
 from torch.profiler import profile
 
@@ -95,10 +98,19 @@ def optional_inputs(inputs):
     return dict(zip(("global_k", "global_v", "rel_bias", "global_bias"), inputs[1:]))
 
 
-def attend_2d(inputs, backend, grid, window, exact, dilation, dtype, scale=None):
+def attend_2d(inputs, backend, grid, window, exact, dilation, dtype, scale=None, mode=0):
     q, k, v = (t.reshape(t.shape[:2] + grid + t.shape[-1:]) for t in split_qkv(inputs[0]))
     out = local_attention_2d(
-        q, k, v, window, exact=exact, dilation=dilation, scale=scale, backend=backend, **optional_inputs(inputs)
+        q,
+        k,
+        v,
+        window,
+        exact=exact,
+        mode=mode,
+        dilation=dilation,
+        scale=scale,
+        backend=backend,
+        **optional_inputs(inputs),
     )
     return gradients(out, inputs, dtype)
 
@@ -185,6 +197,55 @@ def test_a_negative_scale_matches_the_reference(products, dims):
         return attend_1d(inputs, backend, 9, 1, False, None, dtype, scale=-0.3)
 
     assert_close_to_reference(attend(inputs, "fused_cpu"), attend(in_float64(inputs), "reference"), products)
+
+
+# Random requests in half precision: the fixed cases above, drawn instead. Maps and sequences smaller and larger than
+# the window; head sizes below, at and past the layouts' blocks of 16 and 32 elements (two blocks of 16 pairs from
+# 64); chunked and exact windows, every mode, dilation (per head in 1D), causal windows, padding, global keys and bias
+# tables, each on or off.
+
+HALF_PATHS = [path for path in PATHS if path[1] != torch.float32]
+
+
+@pytest.mark.parametrize("products", HALF_PATHS, ids=path_ids, indirect=True)
+@seed(20261128)
+@fuzz_settings(12)
+@given(**request_2d(side=12, head_dim=80, window=5))
+def test_random_2d_requests_in_half_precision_match_the_reference(
+    products, shape, window, options, num_global, with_bias
+):
+    B, H, X, Y, D = shape
+    exact, mode, dilation = options
+    dtype = products[1]
+    inputs = leaves(B, X * Y, H, D, num_global, (4 * window - 1) ** 2, dtype)
+    if not with_bias:
+        inputs[3] = inputs[4] = None
+
+    got = attend_2d(inputs, "fused_cpu", (X, Y), window, exact, dilation, dtype, mode=mode)
+    want = attend_2d(in_float64(inputs), "reference", (X, Y), window, exact, dilation, dtype, mode=mode)
+    assert_close_to_reference(got, want, products)
+
+
+@pytest.mark.parametrize("products", HALF_PATHS, ids=path_ids, indirect=True)
+@seed(20261128)
+@fuzz_settings(12)
+@given(data=st.data())
+def test_random_1d_requests_in_half_precision_match_the_reference(products, data):
+    heads = data.draw(st.integers(1, 3))
+    B, length, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 90)), data.draw(st.integers(1, 80))
+    window, G = data.draw(st.integers(1, 40)), data.draw(st.integers(0, 3))
+    dilation = data.draw(st.one_of(st.integers(1, 4), st.lists(st.integers(1, 4), min_size=heads, max_size=heads)))
+    causal, with_bias = data.draw(st.booleans()), data.draw(st.booleans())
+    padding = data.draw(st.sampled_from([None, 0.2, 0.7]))
+    dtype = products[1]
+    inputs = leaves(B, length, heads, D, G, 2 * window + 1, dtype)
+    if not with_bias:
+        inputs[3] = inputs[4] = None
+    if padding is not None:
+        padding = torch.rand(B, length, generator=torch.Generator().manual_seed(length)) < padding
+    got = attend_1d(inputs, "fused_cpu", window, dilation, causal, padding, dtype)
+    want = attend_1d(in_float64(inputs), "reference", window, dilation, causal, padding, dtype)
+    assert_close_to_reference(got, want, products)
 
 
 def assert_score_gradients_sum_to_zero(backend, dtype, case):

@@ -202,6 +202,19 @@ window_options = st.sampled_from([-1, 0, 1]).flatmap(
 )
 
 
+def request_2d(side, head_dim, window):
+    """The strategies of a random valid 2D request, by argument name: (B, H, X, Y, D) with sides up to ``side`` and
+    head sizes up to ``head_dim``, a window up to ``window`` and its options, 0 to 2 global keys, bias tables or not."""
+    sizes = (st.integers(1, 2), st.integers(1, 2), st.integers(1, side), st.integers(1, side), st.integers(1, head_dim))
+    return dict(
+        shape=st.tuples(*sizes),
+        window=st.integers(1, window),
+        options=window_options,
+        num_global=st.integers(0, 2),
+        with_bias=st.booleans(),
+    )
+
+
 def each_backend_on_three_kinds_of_window(test):
     """Besides the drawn requests, each backend on a cyclic chunked window with one neighbour, a zero-padded one
     with all nine chunks and a dilated exact window, with global keys and both bias tables: the draws alone leave
@@ -215,14 +228,7 @@ def each_backend_on_three_kinds_of_window(test):
 @seed(20261123)
 @fuzz_settings(150)
 @each_backend_on_three_kinds_of_window
-@given(
-    shape=st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(1, 7), st.integers(1, 7), st.integers(1, 6)),
-    window=st.integers(1, 9),
-    options=window_options,
-    num_global=st.integers(0, 2),
-    with_bias=st.booleans(),
-    backend=st.sampled_from(CPU_BACKENDS),
-)
+@given(**request_2d(side=7, head_dim=6, window=9), backend=st.sampled_from(CPU_BACKENDS))
 def test_random_local_attention_requests_match_the_reference(shape, window, options, num_global, with_bias, backend):
     B, H, X, Y, D = shape
     exact, mode, dilation = options
