@@ -3,7 +3,7 @@
 // 2D: one query chunk (w x w queries) of one (batch, head) at a time: its keys, the blocks of the chunks its
 // queries see (the "slots"), and the G global keys are copied into small buffers, and the whole softmax of
 // the chunk runs on an S x (L + G) score matrix that stays in the core's cache; the biases and masks are added from a
-// dense table per kind of chunk (ChunkBiases), the softmax runs one score row at a time.
+// dense table per kind of chunk (ChunkBiases), the softmax runs on score rows (two at a time in its vector form).
 //
 // 1D: the positions r, r+d, r+2d, ... of a head with dilation d (one residue class r) form a sequence of their
 // own, on which the window is the undilated one. One block of consecutive queries of such a sequence at a
@@ -262,6 +262,16 @@ void exponentiate_row(T* row, int n, const Finish<T>& finish, Out* out, T& max, 
   sum = s;
 }
 
+// exponentiate_row on each of n rows of `length` products, ld apart (their finish's table rows too), into outputs lo
+// apart.
+template <typename T, typename Out>
+void exponentiate_rows(T* rows, int n, int length, int64_t ld, const Finish<T>& finish, Out* out, int64_t lo, T* max,
+                       T* sum) {
+  for (int i = 0; i < n; ++i) {
+    exponentiate_row(rows + i * ld, length, finish.offset(i * ld), out + i * lo, max[i], sum[i]);
+  }
+}
+
 // The backward of the softmax of n rows of products (row length ld): the probabilities 2^(finish(s) - lse) in place of
 // the products, and the score gradients dS = P * (dP - delta) in place of dP, also added to grad_sum (a matrix of the
 // same shape) where it is not null. delta = rowsum(dO * O) as given, or, where delta is null, sum_j P_ij dP_ij from the
@@ -363,35 +373,61 @@ inline void store_lanes(c10::BFloat16* out, __mmask16 lanes, __m512 x) {
 }
 inline void store_lanes(c10::Half* out, __mmask16 lanes, __m512 x) { store_words(out, lanes, round_to_half(x)); }
 
+// exponentiate_row on two rows at once, each with its finish and output: two independent chains of instructions, so
+// that one row's run while the other's wait for their inputs. Each pass reads both rows' lanes before it writes either,
+// so the two may be one row.
 template <typename Out>
-void exponentiate_row(float* row, int n, const Finish<float>& finish, Out* out, float& max, float& sum) {
+void exponentiate_row_pair(int n, float* row0, float* row1, const Finish<float>& finish0, const Finish<float>& finish1,
+                           Out* out0, Out* out1, float* max, float* sum) {
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const bool tabled = finish.table != nullptr;  // else the factor is applied as each pass reads the products
-  const __m512 factor = _mm512_set1_ps(finish.factor), left = tabled ? _mm512_set1_ps(1.0f) : factor;
-  __m512 m = lowest;
-  for (int j = 0; j < n; j += 16) {  // the scores, and their maximum
+  const bool tabled = finish0.table != nullptr;  // else the factor is applied as each pass reads the products
+  const __m512 factor = _mm512_set1_ps(finish0.factor), left = tabled ? _mm512_set1_ps(1.0f) : factor;
+  __m512 m0 = lowest, m1 = lowest;
+  for (int j = 0; j < n; j += 16) {  // the scores, and their maxima
     const __mmask16 lanes = lanes_at(j, n);
-    __m512 s = _mm512_mask_loadu_ps(lowest, lanes, row + j);
+    __m512 s0 = _mm512_mask_loadu_ps(lowest, lanes, row0 + j), s1 = _mm512_mask_loadu_ps(lowest, lanes, row1 + j);
     if (tabled) {
-      s = finish_lanes(s, factor, finish.table + j, lanes);
-      _mm512_mask_storeu_ps(row + j, lanes, s);
+      s0 = finish_lanes(s0, factor, finish0.table + j, lanes);
+      s1 = finish_lanes(s1, factor, finish1.table + j, lanes);
+      _mm512_mask_storeu_ps(row0 + j, lanes, s0);
+      _mm512_mask_storeu_ps(row1 + j, lanes, s1);
     } else {
-      s = _mm512_mul_ps(s, factor);
+      s0 = _mm512_mul_ps(s0, factor);
+      s1 = _mm512_mul_ps(s1, factor);
     }
-    m = _mm512_mask_max_ps(m, lanes, s, m);  // not the tail's lanes: -inf times a negative scale is +inf
+    m0 = _mm512_mask_max_ps(m0, lanes, s0, m0);  // not the tail's lanes: -inf times a negative scale is +inf
+    m1 = _mm512_mask_max_ps(m1, lanes, s1, m1);
   }
-  float row_max = _mm512_reduce_max_ps(m);
-  if (row_max == -std::numeric_limits<float>::infinity()) row_max = 0;
-  const __m512 shift = _mm512_set1_ps(row_max);
-  __m512 s = _mm512_setzero_ps();
+  max[0] = _mm512_reduce_max_ps(m0), max[1] = _mm512_reduce_max_ps(m1);
+  for (int r = 0; r < 2; ++r) {
+    if (max[r] == -std::numeric_limits<float>::infinity()) max[r] = 0;
+  }
+  const __m512 shift0 = _mm512_set1_ps(max[0]), shift1 = _mm512_set1_ps(max[1]);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   for (int j = 0; j < n; j += 16) {
     const __mmask16 lanes = lanes_at(j, n);
-    const __m512 p = exp2_nonpositive(_mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row + j), left, shift));
-    store_lanes(out + j, lanes, p);
-    s = _mm512_mask_add_ps(s, lanes, s, p);
+    const __m512 p0 = exp2_nonpositive(_mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row0 + j), left, shift0));
+    const __m512 p1 = exp2_nonpositive(_mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row1 + j), left, shift1));
+    store_lanes(out0 + j, lanes, p0);
+    store_lanes(out1 + j, lanes, p1);
+    sum0 = _mm512_mask_add_ps(sum0, lanes, sum0, p0);
+    sum1 = _mm512_mask_add_ps(sum1, lanes, sum1, p1);
   }
-  max = row_max;
-  sum = _mm512_reduce_add_ps(s);
+  sum[0] = _mm512_reduce_add_ps(sum0), sum[1] = _mm512_reduce_add_ps(sum1);
+}
+
+// exponentiate_rows two rows at a time; of an odd number, the last row with itself.
+template <typename Out>
+void exponentiate_rows(float* rows, int n, int length, int64_t ld, const Finish<float>& finish, Out* out, int64_t lo,
+                       float* max, float* sum) {
+  for (int i = 0; i < n; i += 2) {
+    const int next = std::min(i + 1, n - 1);
+    float pair_max[2], pair_sum[2];
+    exponentiate_row_pair(length, rows + i * ld, rows + next * ld, finish.offset(i * ld), finish.offset(next * ld),
+                          out + i * lo, out + next * lo, pair_max, pair_sum);
+    max[i] = pair_max[0], sum[i] = pair_sum[0];
+    max[next] = pair_max[1], sum[next] = pair_sum[1];
+  }
 }
 
 // The probabilities and score gradients of 16 columns of one row (see softmax_backward).
@@ -1021,10 +1057,7 @@ struct FloatProducts {
   T score_factor() const { return T(1); }
 
   const T* attend(int n, int64_t D, const Finish<T>& finish) {
-    for (int i = 0; i < n; ++i) {
-      T* row = scores.data() + static_cast<int64_t>(i) * ld;
-      exponentiate_row(row, ld, finish.offset(static_cast<int64_t>(i) * ld), row, row_max[i], total[i]);
-    }
+    exponentiate_rows(scores.data(), n, ld, ld, finish, scores.data(), ld, row_max.data(), total.data());
     multiply(n, D, T(1), scores.data(), value_rows, global_values, result.data());
     return result.data();
   }
@@ -1651,12 +1684,8 @@ struct HalfProducts {
   float score_factor() const { return score_scale; }
 
   const float* attend(int /*n*/, int64_t /*D*/, const Finish<float>& finish) {
-    for (int i = 0; i < n; ++i) {
-      const int64_t offset = static_cast<int64_t>(i) * ld;
-      S* rounded = p_rows.data() + static_cast<int64_t>(i) * lp;
-      exponentiate_row(scores.data() + offset, ld, finish.offset(offset), rounded, row_max[i], total[i]);
-      std::fill(rounded + ld, rounded + lp, S(0));
-    }
+    exponentiate_rows(scores.data(), n, ld, ld, finish, p_rows.data(), lp, row_max.data(), total.data());
+    for (int i = 0; i < n; ++i) std::fill(p_rows.data() + i * lp + ld, p_rows.data() + (i + 1) * lp, S(0));
     place_global_columns(p_rows.data());
     multiply_tokens(p_rows.data(), v_tokens, v_token_pairs.data(), result.data());
     return result.data();
