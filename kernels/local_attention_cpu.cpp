@@ -373,9 +373,9 @@ inline void store_lanes(c10::BFloat16* out, __mmask16 lanes, __m512 x) {
 }
 inline void store_lanes(c10::Half* out, __mmask16 lanes, __m512 x) { store_words(out, lanes, round_to_half(x)); }
 
-// exponentiate_row on two rows at once, each with its finish and output: two independent chains of instructions, so
-// that one row's run while the other's wait for their inputs. Each pass reads both rows' lanes before it writes either,
-// so the two may be one row.
+// exponentiate_row on two rows at once, each with its output and its row of one finish (the same factor, a table row
+// each where it has a table): two independent chains of instructions, so that one row's instructions run while the
+// other's wait for their inputs. Each pass reads both rows' lanes before it writes either, so the two may be one row.
 template <typename Out>
 void exponentiate_row_pair(int n, float* row0, float* row1, const Finish<float>& finish0, const Finish<float>& finish1,
                            Out* out0, Out* out1, float* max, float* sum) {
