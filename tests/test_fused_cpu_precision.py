@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, seed
-from hypothesis import strategies as st
-from test_fuzz import fuzz_settings, request_2d
+from test_fuzz import fuzz_settings, padding_mask, request_2d, requests_1d
 from tool_runner import run_tool
 from torch.profiler import profile
 
@@ -202,7 +201,7 @@ def test_a_negative_scale_matches_the_reference(products, dims):
 # Random requests in half precision: the fixed cases above, drawn instead. Maps and sequences smaller and larger than
 # the window; head sizes below, at and past the layouts' blocks of 16 and 32 elements (two blocks of 16 pairs from
 # 64); chunked and exact windows, every mode, dilation (per head in 1D), causal windows, padding, global keys and bias
-# tables, each on or off.
+# tables, each on or off (the requests of tests/test_fuzz.py, larger).
 
 HALF_PATHS = [path for path in PATHS if path[1] != torch.float32]
 
@@ -229,23 +228,18 @@ def test_random_2d_requests_in_half_precision_match_the_reference(
 @pytest.mark.parametrize("products", HALF_PATHS, ids=path_ids, indirect=True)
 @seed(20261128)
 @fuzz_settings(12)
-@given(data=st.data())
-def test_random_1d_requests_in_half_precision_match_the_reference(products, data):
-    heads = data.draw(st.integers(1, 3))
-    B, length, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 90)), data.draw(st.integers(1, 80))
-    window, G = data.draw(st.integers(1, 40)), data.draw(st.integers(0, 3))
-    dilation = data.draw(st.one_of(st.integers(1, 4), st.lists(st.integers(1, 4), min_size=heads, max_size=heads)))
-    causal, with_bias = data.draw(st.booleans()), data.draw(st.booleans())
-    padding = data.draw(st.sampled_from([None, 0.2, 0.7]))
-    dtype = products[1]
-    inputs = leaves(B, length, heads, D, G, 2 * window + 1, dtype)
-    if not with_bias:
+@given(request=requests_1d(length=90, head_dim=80, window=40))
+def test_random_1d_requests_in_half_precision_match_the_reference(products, request):
+    """q, k and v views of one projection, whatever the request's one_projection says."""
+    B, H, L, D = request["shape"]
+    G, window, dtype = request["num_global"], request["window"], products[1]
+    inputs = leaves(B, L, H, D, G, 2 * window + 1, dtype)
+    if not request["with_bias"]:
         inputs[3] = inputs[4] = None
-    if padding is not None:
-        padding = torch.rand(B, length, generator=torch.Generator().manual_seed(length)) < padding
-    got = attend_1d(inputs, "fused_cpu", window, dilation, causal, padding, dtype)
-    want = attend_1d(in_float64(inputs), "reference", window, dilation, causal, padding, dtype)
-    assert_close_to_reference(got, want, products)
+    padding = padding_mask(request["padding"], B, L, torch.Generator().manual_seed(L))
+    options = (window, request["dilation"], request["causal"], padding, dtype)
+    got = attend_1d(inputs, "fused_cpu", *options)
+    assert_close_to_reference(got, attend_1d(in_float64(inputs), "reference", *options), products)
 
 
 def assert_score_gradients_sum_to_zero(backend, dtype, case):

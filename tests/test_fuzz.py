@@ -267,11 +267,12 @@ def test_every_cpu_backend_is_fuzzed_in_1d():
 
 
 @st.composite
-def requests_1d(draw):
+def requests_1d(draw, length=40, head_dim=9, window=12):
+    """A random valid 1D request: up to ``length`` tokens, heads up to ``head_dim`` wide, a window up to ``window``."""
     heads = draw(st.integers(1, 3))
     return dict(
-        shape=(draw(st.integers(1, 2)), heads, draw(st.integers(1, 40)), draw(st.integers(1, 9))),
-        window=draw(st.integers(1, 12)),
+        shape=(draw(st.integers(1, 2)), heads, draw(st.integers(1, length)), draw(st.integers(1, head_dim))),
+        window=draw(st.integers(1, window)),
         dilation=draw(st.one_of(st.integers(1, 5), st.lists(st.integers(1, 6), min_size=heads, max_size=heads))),
         causal=draw(st.booleans()),
         num_global=draw(st.integers(0, 3)),
@@ -279,6 +280,15 @@ def requests_1d(draw):
         padding=draw(st.sampled_from([None, "scattered", "at the end"])),
         one_projection=draw(st.booleans()),
     )
+
+
+def padding_mask(kind, B, L, generator):
+    """A drawn request's key padding mask (B, L): None, scattered keys (30%) or the last third of the keys."""
+    if kind == "scattered":
+        return torch.rand(B, L, generator=generator) < 0.3
+    if kind == "at the end":
+        return torch.arange(L).expand(B, L) >= L - L // 3
+    return None
 
 
 def inputs_1d(request, generator):
@@ -297,11 +307,7 @@ def inputs_1d(request, generator):
         names += ["rel_bias", *(["global_bias"] if G else [])]
         leaves += [torch.randn(H, 2 * window + 1, generator=generator, dtype=torch.float64)]
         leaves += [torch.randn(H, G, generator=generator, dtype=torch.float64)] if G else []
-    padding = None
-    if request["padding"] == "scattered":
-        padding = torch.rand(B, L, generator=generator) < 0.3
-    elif request["padding"] == "at the end":
-        padding = torch.arange(L).expand(B, L) >= L - L // 3
+    padding = padding_mask(request["padding"], B, L, generator)
 
     def arguments(tensors):
         if request["one_projection"]:
