@@ -934,6 +934,69 @@ struct Gradients {
   at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
 };
 
+// Memory that one call writes and a later one can use again: the layouts that a 1D call writes its keys and values
+// into, megabytes each. Memory freshly allocated at that size is mapped anew by the system, at a page fault per 4 KB
+// on first touch and an unmapping when freed: up to a quarter of the 1D forward's own work on a 2-core Xeon
+// (BENCHMARKS.md). A Scratch takes the smallest kept buffer that fits, or allocates one, and gives it back when it
+// goes; the buffers given back most recently are kept, up to kKeptScratchBytes (128 MB) in all.
+constexpr int64_t kKeptScratchBytes = int64_t(1) << 27;
+class Scratch {
+ public:
+  Scratch() = default;
+  explicit Scratch(int64_t bytes) : buffer_(take(bytes)) {}
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  Scratch& operator=(Scratch&& other) {
+    give_back(std::move(buffer_));
+    buffer_ = std::move(other.buffer_);
+    return *this;
+  }
+  ~Scratch() { give_back(std::move(buffer_)); }
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(buffer_.data_ptr());
+  }
+
+ private:
+  at::Tensor buffer_;
+  struct Kept {
+    std::mutex mutex;
+    std::list<at::Tensor> buffers;  // the latest given back first
+  };
+  static Kept& kept() {
+    static Kept* const kept = new Kept;  // never destroyed: no tensor is freed after torch's allocator at exit
+    return *kept;
+  }
+  static at::Tensor take(int64_t bytes) {
+    Kept& k = kept();
+    {
+      const std::lock_guard<std::mutex> lock(k.mutex);
+      auto best = k.buffers.end();
+      for (auto it = k.buffers.begin(); it != k.buffers.end(); ++it) {
+        const int64_t size = static_cast<int64_t>(it->nbytes());
+        if (size >= bytes && (best == k.buffers.end() || size < static_cast<int64_t>(best->nbytes()))) best = it;
+      }
+      if (best != k.buffers.end()) {
+        at::Tensor buffer = std::move(*best);
+        k.buffers.erase(best);
+        return buffer;
+      }
+    }
+    return at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  }
+  static void give_back(at::Tensor buffer) {
+    if (!buffer.defined()) return;
+    Kept& k = kept();
+    const std::lock_guard<std::mutex> lock(k.mutex);
+    k.buffers.push_front(std::move(buffer));
+    int64_t total = 0;
+    for (auto it = k.buffers.begin(); it != k.buffers.end();) {
+      total += static_cast<int64_t>(it->nbytes());
+      it = total > kKeptScratchBytes ? k.buffers.erase(it) : std::next(it);
+    }
+  }
+};
+
 // The keys and values of residue class `item` (batch entry * classes + run, runs as make_blocks gives them) of a 1D
 // call, and its length.
 template <typename S>
@@ -958,7 +1021,7 @@ template <typename S, typename T>
 struct FloatClassLayouts {
   int64_t D, classes;
   std::vector<int64_t> offsets;  // per (batch entry, class): the row of its first key
-  at::Tensor keys, values;
+  Scratch keys, values;
 
   FloatClassLayouts(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
                     const std::vector<Block>& blocks, bool /*backward*/)
@@ -968,14 +1031,13 @@ struct FloatClassLayouts {
       offsets.push_back(rows);
       rows += class_tokens<S>(g, in, runs, blocks, item).length;
     }
-    const auto options = in.q.options().dtype(c10::CppTypeToScalarType<T>::value);
-    keys = at::empty({rows * D}, options);
-    values = at::empty({rows * D}, options);
+    keys = Scratch(rows * D * static_cast<int64_t>(sizeof(T)));
+    values = Scratch(rows * D * static_cast<int64_t>(sizeof(T)));
     at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const ClassTokens<S> c = class_tokens<S>(g, in, runs, blocks, item);
-        T* key_rows = keys.data_ptr<T>() + offsets[item] * D;
-        T* value_rows = values.data_ptr<T>() + offsets[item] * D;
+        T* key_rows = keys.data<T>() + offsets[item] * D;
+        T* value_rows = values.data<T>() + offsets[item] * D;
         for (int64_t t = 0; t < c.length; ++t) {
           widen_row(key_rows + t * D, c.k.at(t, 0), D, T(1));
           widen_row(value_rows + t * D, c.v.at(t, 0), D, T(1));
@@ -985,8 +1047,8 @@ struct FloatClassLayouts {
   }
 
   // Keys (values) k0.. of class `item` (batch entry * classes + run).
-  const T* keys_at(int64_t item, int64_t k0) const { return keys.data_ptr<T>() + (offsets[item] + k0) * D; }
-  const T* values_at(int64_t item, int64_t k0) const { return values.data_ptr<T>() + (offsets[item] + k0) * D; }
+  const T* keys_at(int64_t item, int64_t k0) const { return keys.data<T>() + (offsets[item] + k0) * D; }
+  const T* values_at(int64_t item, int64_t k0) const { return values.data<T>() + (offsets[item] + k0) * D; }
 };
 
 // The products of one chunk (block) in the compute type T with BLAS. Buffers: queries (times scale * log2(e)),
@@ -1487,7 +1549,7 @@ struct ClassLayouts {
   int64_t D, Dq, classes;
   bool pairs = reads_pairs<S>();
   std::vector<int64_t> lengths, element_offsets, token_offsets;  // per (batch entry, class)
-  at::Tensor key_elements, key_tokens, value_elements, value_tokens;
+  Scratch key_elements, key_tokens, value_elements, value_tokens;
 
   ClassLayouts(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
                const std::vector<Block>& blocks, bool backward)
@@ -1501,10 +1563,10 @@ struct ClassLayouts {
       elements += even(g.D) * pairs_per_row(n);
       tokens += even(n) * Dq;
     }
-    const auto options = in.q.options().memory_format(at::MemoryFormat::Contiguous);
-    key_elements = at::empty({elements}, options);
-    (backward ? value_elements : value_tokens) = at::empty({backward ? elements : tokens}, options);
-    if (backward) key_tokens = at::empty({tokens}, options);
+    const int64_t size = static_cast<int64_t>(sizeof(S));
+    key_elements = Scratch(elements * size);
+    (backward ? value_elements : value_tokens) = Scratch((backward ? elements : tokens) * size);
+    if (backward) key_tokens = Scratch(tokens * size);
     at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
       std::vector<const S*> k_tokens, v_tokens;
       for (int64_t item = begin; item < end; ++item) {
@@ -1528,15 +1590,13 @@ struct ClassLayouts {
     });
   }
 
-  S* at_elements(const at::Tensor& t, int64_t item) const {
-    return static_cast<S*>(t.data_ptr()) + element_offsets[item];
-  }
-  S* at_tokens(const at::Tensor& t, int64_t item) const { return static_cast<S*>(t.data_ptr()) + token_offsets[item]; }
+  S* at_elements(const Scratch& t, int64_t item) const { return t.data<S>() + element_offsets[item]; }
+  S* at_tokens(const Scratch& t, int64_t item) const { return t.data<S>() + token_offsets[item]; }
   // The span of keys from k0 of class `item` (batch entry * classes + run), in each layout.
-  Operand elements(const at::Tensor& t, int64_t item, int64_t k0) const {
+  Operand elements(const Scratch& t, int64_t item, int64_t k0) const {
     return {at_elements(t, item) + (pairs ? 2 : 1) * k0, pairs_per_row(lengths[item])};
   }
-  Operand tokens(const at::Tensor& t, int64_t item, int64_t k0) const {
+  Operand tokens(const Scratch& t, int64_t item, int64_t k0) const {
     return {at_tokens(t, item) + k0 * Dq, static_cast<int>(Dq)};
   }
 };

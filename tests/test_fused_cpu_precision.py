@@ -181,6 +181,24 @@ def test_1d_without_biases_or_padding_matches_the_reference(products, dilation, 
     assert_close_to_reference(*case_1d(products[1], dilation, causal, D, window, G, plain=True), products)
 
 
+# The 1D kernel keeps the memory of its key and value layouts from one call to the next (megabytes, which the system
+# would otherwise map afresh at every call), and a call takes the buffers the latest one gave back. Nothing a call
+# reads there may be what an earlier call left: after a call of the same shapes on NaN keys and values, forward and
+# backward, every result matches the reference. Head size 17: the layouts' rows are padded (to 16 pairs, and to an
+# even number of keys).
+@pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
+def test_1d_calls_read_nothing_an_earlier_call_left_in_the_kept_layouts(products):
+    dtype = products[1]
+    poisoned = leaves(2, 75, 3, 17, 1, 19, dtype)
+    with torch.no_grad():
+        for t in poisoned[:3]:
+            t.fill_(float("nan"))
+    padding = torch.rand(2, 75, generator=torch.Generator().manual_seed(3)) < 0.2
+    out, grad_qkv, *_ = attend_1d(poisoned, "fused_cpu", 9, (1, 2, 3), False, padding, dtype)
+    assert out.isnan().any() and grad_qkv.isnan().any()  # the layouts held NaN
+    assert_close_to_reference(*case_1d(dtype, (1, 2, 3), False, 17, 9, 1), products)
+
+
 # A negative scale is a number like any other: masked keys stay masked, and the lanes past the end of a row of scores
 # (rows whose length is no multiple of 16) stay out of its sums.
 @pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
