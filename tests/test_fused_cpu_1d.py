@@ -1,5 +1,7 @@
 """The fused CPU kernel's 1D (Longformer) windows: blocks, spans, masks and partial sums against the reference."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from test_local_attention_1d import assert_products_counted
@@ -93,6 +95,23 @@ def test_a_dilation_whose_rows_lie_beyond_blas_int_strides_matches_the_reference
     inputs = make_inputs(8, 2, B=1, H=2, dtype=dtype)
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
     assert_matches_reference(inputs, 2, dilation=2**29, **tolerance)
+
+
+def test_calls_from_several_threads_at_once_keep_their_layouts_apart():
+    """The kernel keeps its key and value layouts' memory between calls; calls running at the same time, of two
+    sizes, each take buffers of their own."""
+    cases = [(make_inputs(L, 3, G=1, rel=True, D=D, seed=L), L) for L, D in ((40, 8), (90, 12))]
+    expected = [run("reference", inputs, 3)[0] for inputs, _ in cases]
+
+    def calls(case):
+        inputs, _ = cases[case]
+        return [run("fused_cpu", inputs, 3)[0] for _ in range(8)]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(calls, [0, 1, 0, 1]))
+    for case, outs in zip([0, 1, 0, 1], results):
+        for out in outs:
+            torch.testing.assert_close(out, expected[case], rtol=1e-7, atol=1e-9)
 
 
 def test_bfloat16_is_computed_in_float32():
