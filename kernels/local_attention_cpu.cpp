@@ -9,9 +9,9 @@
 // own, on which the window is the undilated one. One block of consecutive queries of such a sequence at a
 // time: the keys their windows cover are one span of that sequence (at most block + 2w keys, block + w
 // causal, from an even position), read in place from the keys and values of its residue class, written once per
-// call in the layouts the products read (FloatClassLayouts, ClassLayouts), and the G global keys; the band, the
-// causal and padding masks and the bias table are applied row by row (without biases and padding, the scale is left
-// to the softmax, which applies it as it reads each row).
+// call in the layouts the products read (FloatClassLayouts, ClassLayouts; their memory is kept for the next call,
+// Scratch), and the G global keys; the band, the causal and padding masks and the bias table are applied row by row
+// (without biases and padding, the scale is left to the softmax, which applies it as it reads each row).
 //
 // Forward: saves the output and the base-2 log-sum-exp of every query; chunks (blocks) run in parallel.
 // Backward: recomputes the probabilities from the log-sum-exp; the chunks of one (batch, head), or the blocks
