@@ -114,6 +114,10 @@ void half_product(int m, int n, int k, const S* a, int lda, const S* b, int ldb,
 
 // The polynomial of exp2_nonpositive: 2^f ~ the sum of kExp2[k] f^k for |f| <= 1/2.
 constexpr float kExp2[7] = {1.0f, 0.69314718f, 0.24022646f, 0.05550329f, 0.0096185198f, 0.001339986f, 0.00015337577f};
+// The same of degree 3, fitted alike, for the forward's probabilities where they are rounded to a half type before a
+// product reads them: within 7.7e-5 relative, a third of float16's half ulp and a fiftieth of bfloat16's, for half the
+// multiply-adds.
+constexpr float kExp2Rounded[4] = {0.99992895f, 0.69327623f, 0.24260405f, 0.055088684f};
 
 // exp2 for t <= 0 (scores less their maximum or log-sum-exp): 2^n times 2^f, n the nearest integer and f = t - n,
 // |f| <= 1/2, by a polynomial of degree 6 fitted to 2^f there (least squares of the relative error at Chebyshev
@@ -274,10 +278,11 @@ void exponentiate_rows(T* rows, int n, int length, int64_t ld, const Finish<T>& 
 
 // The backward of the softmax of n rows of products (row length ld): the probabilities 2^(finish(s) - lse) in place of
 // the products, and the score gradients dS = P * (dP - delta) in place of dP, also added to grad_sum (a matrix of the
-// same shape) where it is not null. delta = rowsum(dO * O) as given, or, where delta is null, sum_j P_ij dP_ij from the
-// rows themselves (each row holds all of its query's keys): the same number, but not off by the rounding of an output
-// stored in half precision, which would leave each row of dS summing to its rounding error rather than to zero (and
-// the bias gradients, sums of dS over many queries, off by far more than the dtype's precision).
+// same shape) where it is not null. delta = rowsum(dO * O) as given, or, where delta is null, sum_j P_ij dP_ij / sum_j
+// P_ij from the rows themselves (each row holds all of its query's keys): the same number, but not off by the rounding
+// of an output stored in half precision, nor by the forward's exp2 for rounded probabilities (kExp2Rounded, whose rows
+// sum to 1 within 1e-4), either of which would leave each row of dS summing to that error rather than to zero (and the
+// bias gradients, sums of dS over many queries, off by far more than the dtype's precision).
 template <typename T>
 void softmax_backward(int n, int ld, T* scores, T* grad_scores, const T* lse, const T* delta, const Finish<T>& finish,
                       T* grad_sum) {
@@ -294,12 +299,14 @@ void softmax_backward(int n, int ld, T* scores, T* grad_scores, const T* lse, co
         ds[j] = p[j] * (ds[j] - row_delta);
       }
     } else {
-      T row_delta = 0;
-#pragma omp simd reduction(+ : row_delta)
+      T row_delta = 0, row_total = 0;
+#pragma omp simd reduction(+ : row_delta, row_total)
       for (int j = 0; j < ld; ++j) {
         p[j] = exp2_nonpositive(p[j] - row_lse);
         row_delta += p[j] * ds[j];
+        row_total += p[j];
       }
+      row_delta = row_total > 0 ? row_delta / row_total : T(0);
 #pragma omp simd
       for (int j = 0; j < ld; ++j) ds[j] = p[j] * (ds[j] - row_delta);
     }
@@ -320,16 +327,22 @@ inline __mmask16 lanes_at(int j, int n) { return j + 16 <= n ? __mmask16(0xffff)
 
 // As exp2_nonpositive: the same polynomial of f times 2^n; t < -150 (and -inf) gives 0, NaN stays NaN. f = t - n comes
 // from one instruction (VREDUCEPS) and n from f, beside the polynomial, which shortens each vector's chain again.
+// Rounded: kExp2Rounded's polynomial instead.
+template <bool Rounded = false>
 inline __m512 exp2_nonpositive(__m512 t) {
   const __mmask16 seen = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-150.0f), _CMP_NLT_UQ);  // t >= -150, or NaN
   const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // t - n, |f| <= 1/2
   const __m512 n = _mm512_sub_ps(t, f);
-  const auto c = [](int k) { return _mm512_set1_ps(kExp2[k]); };
+  const auto c = [](int k) { return _mm512_set1_ps(Rounded ? kExp2Rounded[k] : kExp2[k]); };
   const __m512 f2 = _mm512_mul_ps(f, f);
   const __m512 lower = _mm512_fmadd_ps(f2, _mm512_fmadd_ps(f, c(3), c(2)), _mm512_fmadd_ps(f, c(1), c(0)));
-  const __m512 upper = _mm512_fmadd_ps(f2, c(6), _mm512_fmadd_ps(f, c(5), c(4)));
-  const __m512 p = _mm512_fmadd_ps(_mm512_mul_ps(f2, f2), upper, lower);
-  return _mm512_maskz_scalef_ps(seen, p, n);
+  if constexpr (Rounded) {
+    return _mm512_maskz_scalef_ps(seen, lower, n);
+  } else {
+    const __m512 upper = _mm512_fmadd_ps(f2, c(6), _mm512_fmadd_ps(f, c(5), c(4)));
+    const __m512 p = _mm512_fmadd_ps(_mm512_mul_ps(f2, f2), upper, lower);
+    return _mm512_maskz_scalef_ps(seen, p, n);
+  }
 }
 
 // finish applied to 16 products (table: the same lanes of the finish's table row, or null).
@@ -379,6 +392,7 @@ inline void store_lanes(c10::Half* out, __mmask16 lanes, __m512 x) { store_words
 template <typename Out>
 void exponentiate_row_pair(int n, float* row0, float* row1, const Finish<float>& finish0, const Finish<float>& finish1,
                            Out* out0, Out* out1, float* max, float* sum) {
+  constexpr bool rounded = !std::is_same_v<Out, float>;  // the probabilities are rounded to a half type as stored
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const bool tabled = finish0.table != nullptr;  // else the factor is applied as each pass reads the products
   const __m512 factor = _mm512_set1_ps(finish0.factor), left = tabled ? _mm512_set1_ps(1.0f) : factor;
@@ -406,8 +420,9 @@ void exponentiate_row_pair(int n, float* row0, float* row1, const Finish<float>&
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   for (int j = 0; j < n; j += 16) {
     const __mmask16 lanes = lanes_at(j, n);
-    const __m512 p0 = exp2_nonpositive(_mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row0 + j), left, shift0));
-    const __m512 p1 = exp2_nonpositive(_mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row1 + j), left, shift1));
+    const __m512 t0 = _mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row0 + j), left, shift0);
+    const __m512 t1 = _mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row1 + j), left, shift1);
+    const __m512 p0 = exp2_nonpositive<rounded>(t0), p1 = exp2_nonpositive<rounded>(t1);
     store_lanes(out0 + j, lanes, p0);
     store_lanes(out1 + j, lanes, p1);
     sum0 = _mm512_mask_add_ps(sum0, lanes, sum0, p0);
@@ -441,16 +456,19 @@ inline __m512 probability_lanes(const float* s, const Finish<float>& finish, __m
   return exp2_nonpositive(_mm512_sub_ps(finished, lse));
 }
 
-// The probabilities of one row of ld products in place, and delta from them: sum_j P_j dP_j (see softmax_backward).
+// The probabilities of one row of ld products in place, and delta from them: sum_j P_j dP_j / sum_j P_j (see
+// softmax_backward).
 inline float probabilities_and_delta(int ld, float* s, const float* dp, const Finish<float>& finish, float lse) {
-  __m512 delta = _mm512_setzero_ps();
+  __m512 delta = _mm512_setzero_ps(), total = _mm512_setzero_ps();
   for (int j = 0; j < ld; j += 16) {
     const __mmask16 lanes = lanes_at(j, ld);
     const __m512 prob = probability_lanes(s + j, finish.offset(j), _mm512_set1_ps(lse), lanes);
     _mm512_mask_storeu_ps(s + j, lanes, prob);
     delta = _mm512_fmadd_ps(prob, _mm512_maskz_loadu_ps(lanes, dp + j), delta);
+    total = _mm512_mask_add_ps(total, lanes, total, prob);
   }
-  return _mm512_reduce_add_ps(delta);
+  const float row_total = _mm512_reduce_add_ps(total);
+  return row_total > 0 ? _mm512_reduce_add_ps(delta) / row_total : 0.0f;
 }
 
 // P (computed, or read where the row holds it already) and dS = P * (dP - delta) of 16 columns.
