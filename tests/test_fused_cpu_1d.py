@@ -100,12 +100,11 @@ def test_a_dilation_whose_rows_lie_beyond_blas_int_strides_matches_the_reference
 def test_calls_from_several_threads_at_once_keep_their_layouts_apart():
     """The kernel keeps its key and value layouts' memory between calls; calls running at the same time, of two
     sizes, each take buffers of their own."""
-    cases = [(make_inputs(L, 3, G=1, rel=True, D=D, seed=L), L) for L, D in ((40, 8), (90, 12))]
-    expected = [run("reference", inputs, 3)[0] for inputs, _ in cases]
+    cases = [make_inputs(L, 3, G=1, rel=True, D=D, seed=L) for L, D in ((40, 8), (90, 12))]
+    expected = [run("reference", inputs, 3)[0] for inputs in cases]
 
     def calls(case):
-        inputs, _ = cases[case]
-        return [run("fused_cpu", inputs, 3)[0] for _ in range(8)]
+        return [run("fused_cpu", cases[case], 3)[0] for _ in range(8)]
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(calls, [0, 1, 0, 1]))
