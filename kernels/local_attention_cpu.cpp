@@ -1,17 +1,19 @@
 // Fused local attention on the CPU: ViL's 2D windows and Longformer's 1D sliding window.
 //
 // 2D: one query chunk (w x w queries) of one (batch, head) at a time: its keys, the blocks of the chunks its
-// queries see (the "slots"), and the G global keys are copied into small buffers, and the whole softmax of
-// the chunk runs on an S x (L + G) score matrix that stays in the core's cache; the biases and masks are added from a
-// dense table per kind of chunk (ChunkBiases), the softmax runs on score rows (two at a time in its vector form).
+// queries see (the "slots"), and the G global keys are copied into small buffers (the half-precision products read
+// the key blocks in place instead, from the map's keys written once per call chunk after chunk: MapLayouts), and the
+// whole softmax of the chunk runs on an S x (L + G) score matrix that stays in the core's cache; the biases and masks
+// are added from a dense table per kind of chunk (ChunkBiases), the softmax runs on score rows (two at a time in its
+// vector form).
 //
 // 1D: the positions r, r+d, r+2d, ... of a head with dilation d (one residue class r) form a sequence of their
 // own, on which the window is the undilated one. One block of consecutive queries of such a sequence at a
 // time: the keys their windows cover are one span of that sequence (at most block + 2w keys, block + w
 // causal, from an even position), read in place from the keys and values of its residue class, written once per
-// call in the layouts the products read (FloatClassLayouts, ClassLayouts; their memory is kept for the next call,
-// Scratch), and the G global keys; the band, the causal and padding masks and the bias table are applied row by row
-// (without biases and padding, the scale is left to the softmax, which applies it as it reads each row).
+// call in the layouts the products read (ClassLayouts; their memory is kept for the next call, Scratch), and the G
+// global keys; the band, the causal and padding masks and the bias table are applied row by row (without biases and
+// padding, the scale is left to the softmax, which applies it as it reads each row).
 //
 // Forward: saves the output and the base-2 log-sum-exp of every query; chunks (blocks) run in parallel.
 // Backward: recomputes the probabilities from the log-sum-exp; the chunks of one (batch, head), or the blocks
@@ -89,6 +91,8 @@ namespace {
 
 constexpr int kMaxSlots = 9;
 constexpr double kLog2e = 1.4426950408889634;
+
+inline int64_t even(int64_t n) { return n + (n & 1); }
 
 // Row-major c (m x n) = alpha * op(a) op(b) + beta * c; op(a) is m x k, op(b) k x n; trans_a: a is stored k x m.
 // BLAS is column-major: the row-major product is the column-major c^T = op(b)^T op(a)^T.
@@ -535,7 +539,8 @@ Map<S> map_of(const at::Tensor& t, int64_t b, int64_t h) {
 }
 
 // The tokens of one query chunk (2D) or block (1D): its queries, and in 2D the local keys of its window in the order
-// of the score columns (the G global keys come after them; a 1D block's keys are its span, Block::k0 and keys).
+// of the score columns where the products gather them or a backward adds their gradients (the G global keys come
+// after them; a 1D block's keys are its span, Block::k0 and keys).
 struct Window {
   std::vector<Position> queries, keys;
 };
@@ -603,57 +608,75 @@ struct GradientSum {
 struct Geometry {
   int64_t B, H, X, Y, D, G;
   int w, exact, chunk_cols, num_slots;
+  // Whether each key block takes an even number of score columns, the last one masked where the block has an odd
+  // number of keys: so that the half-precision products can read the keys of consecutive blocks in pairs, in place
+  // (MapLayouts).
+  bool even_blocks = false;
   int64_t chunks() const { return ((X + w - 1) / w) * chunk_cols; }
   // A chunk, and each key block it reads, is a w x w tile clipped to the map: a window wider than a thin map
   // needs no w x w buffers.
   int64_t max_queries() const { return std::min<int64_t>(w, X) * std::min<int64_t>(w, Y); }
-  int64_t max_keys() const { return num_slots * max_queries() + G; }
+  int64_t block_columns(int64_t keys) const { return even_blocks ? even(keys) : keys; }
+  int64_t max_keys() const { return num_slots * block_columns(max_queries()) + G; }
   int64_t bias_rows() const { return static_cast<int64_t>(4 * w - 1) * (4 * w - 1); }  // offsets -(2w-1)..2w-1
 };
 
-// One query chunk: its queries (rows q_r0.., columns q_c0..) and the key block of each slot it reads, laid out
-// slot after slot, row-major within a slot, from score column `start`.
+// One query chunk: its queries (rows q_r0.., columns q_c0..) and the key block of each slot it reads (the chunk
+// `read`), laid out slot after slot, row-major within a slot, from score column `start` (Geometry::even_blocks: an
+// odd block followed by a masked column); `keys` score columns in all.
 struct Chunk {
   int q_r0, q_c0, q_rows, q_cols;
   int slots = 0, keys = 0;
-  int k_r0[kMaxSlots], k_c0[kMaxSlots], k_rows[kMaxSlots], k_cols[kMaxSlots];
+  int read[kMaxSlots], k_r0[kMaxSlots], k_c0[kMaxSlots], k_rows[kMaxSlots], k_cols[kMaxSlots];
   int a[kMaxSlots], b[kMaxSlots], start[kMaxSlots];
   int queries() const { return q_rows * q_cols; }
 };
 
+// A chunk's tile of the map: rows r0.., columns c0.., a w x w square clipped to the map.
+struct Tile {
+  int r0, c0, rows, cols;
+};
+
+Tile tile_of(const Geometry& g, int64_t chunk) {
+  const int r0 = static_cast<int>(chunk / g.chunk_cols) * g.w, c0 = static_cast<int>(chunk % g.chunk_cols) * g.w;
+  return {r0, c0, static_cast<int>(std::min<int64_t>(g.w, g.X - r0)),
+          static_cast<int>(std::min<int64_t>(g.w, g.Y - c0))};
+}
+
 Chunk make_chunk(const Geometry& g, const int64_t* slot_table, int64_t chunk) {
   Chunk c;
-  const int w = g.w;
-  c.q_r0 = static_cast<int>(chunk / g.chunk_cols) * w;
-  c.q_c0 = static_cast<int>(chunk % g.chunk_cols) * w;
-  c.q_rows = std::min<int>(w, g.X - c.q_r0);
-  c.q_cols = std::min<int>(w, g.Y - c.q_c0);
+  const Tile queries = tile_of(g, chunk);
+  c.q_r0 = queries.r0, c.q_c0 = queries.c0, c.q_rows = queries.rows, c.q_cols = queries.cols;
   for (int s = 0; s < g.num_slots; ++s) {
     const int64_t* entry = slot_table + (chunk * g.num_slots + s) * 3;
     if (entry[0] < 0) continue;
     const int i = c.slots++;
-    c.k_r0[i] = static_cast<int>(entry[0] / g.chunk_cols) * w;
-    c.k_c0[i] = static_cast<int>(entry[0] % g.chunk_cols) * w;
-    c.k_rows[i] = std::min<int>(w, g.X - c.k_r0[i]);
-    c.k_cols[i] = std::min<int>(w, g.Y - c.k_c0[i]);
+    const Tile keys = tile_of(g, entry[0]);
+    c.read[i] = static_cast<int>(entry[0]);
+    c.k_r0[i] = keys.r0, c.k_c0[i] = keys.c0, c.k_rows[i] = keys.rows, c.k_cols[i] = keys.cols;
     c.a[i] = static_cast<int>(entry[1]);
     c.b[i] = static_cast<int>(entry[2]);
     c.start[i] = c.keys;
-    c.keys += c.k_rows[i] * c.k_cols[i];
+    c.keys += static_cast<int>(g.block_columns(c.k_rows[i] * c.k_cols[i]));
   }
   return c;
 }
 
-void set_window(const Chunk& c, Window& win) {
+// The chunk's queries, and its keys where `keys` (a masked column of even_blocks: kMaskedKey).
+constexpr Position kMaskedKey{-1, -1};
+void set_window(const Chunk& c, Window& win, bool keys) {
   win.queries.clear();
   win.keys.clear();
   for (int r = 0; r < c.q_rows; ++r) {
     for (int col = 0; col < c.q_cols; ++col) win.queries.push_back({c.q_r0 + r, c.q_c0 + col});
   }
+  if (!keys) return;
   for (int s = 0; s < c.slots; ++s) {
     for (int r = 0; r < c.k_rows[s]; ++r) {
       for (int col = 0; col < c.k_cols[s]; ++col) win.keys.push_back({c.k_r0[s] + r, c.k_c0[s] + col});
     }
+    const int end = s + 1 < c.slots ? c.start[s + 1] : c.keys;
+    win.keys.resize(end, kMaskedKey);
   }
 }
 
@@ -800,17 +823,21 @@ ChunkBiases<T> chunk_biases(const Geometry& g, const int64_t* slot_table, const 
                             const at::Tensor& global_bias) {
   ChunkBiases<T> cb;
   cb.H = g.H;
-  cb.none = rel_bias.numel() == 0 && global_bias.numel() == 0 && g.exact != 1;
-  if (cb.none) return cb;
   std::map<std::vector<int>, int> kinds;
+  bool masked_columns = false;  // of even_blocks
   for (int64_t chunk = 0; chunk < g.chunks(); ++chunk) {
     const Chunk c = make_chunk(g, slot_table, chunk);
     std::vector<int> shape{c.q_rows, c.q_cols};
-    for (int s = 0; s < c.slots; ++s) shape.insert(shape.end(), {c.a[s], c.b[s], c.k_rows[s], c.k_cols[s]});
+    for (int s = 0; s < c.slots; ++s) {
+      shape.insert(shape.end(), {c.a[s], c.b[s], c.k_rows[s], c.k_cols[s]});
+      masked_columns = masked_columns || c.k_rows[s] * c.k_cols[s] % 2 != 0;
+    }
     const auto found = kinds.emplace(shape, static_cast<int>(cb.sample.size()));
     if (found.second) cb.sample.push_back(chunk);
     cb.kind_of.push_back(found.first->second);
   }
+  cb.none = rel_bias.numel() == 0 && global_bias.numel() == 0 && g.exact != 1 && !(g.even_blocks && masked_columns);
+  if (cb.none) return cb;
   int64_t total = 0;
   for (const int64_t chunk : cb.sample) {
     const Chunk c = make_chunk(g, slot_table, chunk);
@@ -848,7 +875,8 @@ std::shared_ptr<const ChunkBiases<T>> recent_chunk_biases(const Geometry& g, con
   auto append = [&key](const void* data, int64_t bytes) {
     if (bytes > 0) key.append(static_cast<const char*>(data), static_cast<size_t>(bytes));
   };
-  const int64_t shape[] = {g.X, g.Y, g.w, g.exact, g.G, g.H, g.num_slots, rel_bias.numel(), global_bias.numel()};
+  const int64_t shape[] = {g.X, g.Y, g.w, g.exact, g.G, g.H, g.num_slots, g.even_blocks, rel_bias.numel(),
+                           global_bias.numel()};
   append(shape, sizeof(shape));
   append(slot_table, static_cast<int64_t>(sizeof(int64_t)) * g.chunks() * g.num_slots * 3);
   for (const at::Tensor* t : {&rel_bias, &global_bias}) {
@@ -952,11 +980,11 @@ struct Gradients {
   at::Tensor &q, &k, &v, &global_k, &global_v, &rel_bias, &global_bias;
 };
 
-// Memory that one call writes and a later one can use again: the layouts that a 1D call writes its keys and values
-// into, megabytes each. Memory freshly allocated at that size is mapped anew by the system, at a page fault per 4 KB
-// on first touch and an unmapping when freed: up to a quarter of the 1D forward's own work on a 2-core Xeon
-// (BENCHMARKS.md). A Scratch takes the smallest kept buffer that fits, or allocates one, and gives it back when it
-// goes; the buffers given back most recently are kept, up to kKeptScratchBytes (128 MB) in all.
+// Memory that one call writes and a later one can use again: the layouts that a call writes its keys and values into
+// (ClassLayouts, MapLayouts), megabytes each. Memory freshly allocated at that size is mapped anew by the system, at a
+// page fault per 4 KB on first touch and an unmapping when freed: up to a quarter of the 1D forward's own work on a
+// 2-core Xeon (BENCHMARKS.md). A Scratch takes the smallest kept buffer that fits, or allocates one, and gives it back
+// when it goes; the buffers given back most recently are kept, up to kKeptScratchBytes (128 MB) in all.
 constexpr int64_t kKeptScratchBytes = int64_t(1) << 27;
 class Scratch {
  public:
@@ -1032,41 +1060,76 @@ ClassTokens<S> class_tokens(const Geometry1d& g, const Inputs& in, const std::ve
           map_of<const S>(in.v, b, first.h).every(first.r, first.d), g.class_length(first.r, first.d)};
 }
 
-// The keys and values of every residue class of one 1D call in the compute type T, written once (and converted from
-// a half type once): a block's span of keys is then rows k0.. of its class, which BLAS reads in place, where
-// otherwise each key would be gathered for every block whose span holds it, (block + 2w) / block times.
+// The keys and values of a call in the compute type T, written once (and converted from a half type once), sequence by
+// sequence (`items` of them: ClassLayouts, MapLayouts): a run of consecutive keys of a sequence is then rows k0.. of
+// its layouts, which BLAS reads in place, where otherwise each key would be gathered for every block (chunk) that
+// reads it. The constructor's arguments are KeyLayouts'.
 template <typename S, typename T>
-struct FloatClassLayouts {
-  int64_t D, classes;
-  std::vector<int64_t> offsets;  // per (batch entry, class): the row of its first key
+struct FloatKeyLayouts {
+  using Storage = S;
+  int64_t D;
+  std::vector<int64_t> offsets;  // per sequence: the row of its first key
+  std::vector<S> zeros;          // a token of zeros
   Scratch keys, values;
 
-  FloatClassLayouts(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
-                    const std::vector<Block>& blocks, bool /*backward*/)
-      : D(g.D), classes(static_cast<int64_t>(runs.size()) - 1) {
+  template <typename F>
+  FloatKeyLayouts(const std::vector<int64_t>& lengths, int64_t D_, bool /*backward*/, F&& tokens)
+      : D(D_), zeros(D_, S(0)) {
     int64_t rows = 0;
-    for (int64_t item = 0; item < g.B * classes; ++item) {
+    for (const int64_t n : lengths) {
       offsets.push_back(rows);
-      rows += class_tokens<S>(g, in, runs, blocks, item).length;
+      rows += n;
     }
     keys = Scratch(rows * D * static_cast<int64_t>(sizeof(T)));
     values = Scratch(rows * D * static_cast<int64_t>(sizeof(T)));
-    at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, static_cast<int64_t>(lengths.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<const S*> k_tokens, v_tokens;
       for (int64_t item = begin; item < end; ++item) {
-        const ClassTokens<S> c = class_tokens<S>(g, in, runs, blocks, item);
+        tokens(item, k_tokens, v_tokens, zeros.data());
         T* key_rows = keys.data<T>() + offsets[item] * D;
         T* value_rows = values.data<T>() + offsets[item] * D;
-        for (int64_t t = 0; t < c.length; ++t) {
-          widen_row(key_rows + t * D, c.k.at(t, 0), D, T(1));
-          widen_row(value_rows + t * D, c.v.at(t, 0), D, T(1));
+        for (int64_t t = 0; t < lengths[item]; ++t) {
+          widen_row(key_rows + t * D, k_tokens[t], D, T(1));
+          widen_row(value_rows + t * D, v_tokens[t], D, T(1));
         }
       }
     });
   }
 
-  // Keys (values) k0.. of class `item` (batch entry * classes + run).
+  // Keys (values) k0.. of sequence `item`.
   const T* keys_at(int64_t item, int64_t k0) const { return keys.data<T>() + (offsets[item] + k0) * D; }
   const T* values_at(int64_t item, int64_t k0) const { return values.data<T>() + (offsets[item] + k0) * D; }
+};
+
+// 1D: the keys and values of each residue class (item: batch entry * classes + run) in Layouts (FloatKeyLayouts or
+// KeyLayouts), where a block's span of keys is read (block + 2w) / block times.
+template <typename Layouts>
+struct ClassLayouts : Layouts {
+  using S = typename Layouts::Storage;
+  ClassLayouts(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
+               const std::vector<Block>& blocks, bool backward)
+      : Layouts(class_lengths(g, in, runs, blocks), g.D, backward,
+                [&](int64_t item, std::vector<const S*>& k, std::vector<const S*>& v, const S* /*zeros*/) {
+                  const ClassTokens<S> c = class_tokens<S>(g, in, runs, blocks, item);
+                  k.resize(c.length);
+                  v.resize(c.length);
+                  for (int64_t t = 0; t < c.length; ++t) k[t] = c.k.at(t, 0), v[t] = c.v.at(t, 0);
+                }) {}
+  static std::vector<int64_t> class_lengths(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
+                                            const std::vector<Block>& blocks) {
+    std::vector<int64_t> lengths;
+    for (int64_t item = 0; item < g.B * (static_cast<int64_t>(runs.size()) - 1); ++item) {
+      lengths.push_back(class_tokens<S>(g, in, runs, blocks, item).length);
+    }
+    return lengths;
+  }
+};
+
+// 2D with FloatProducts: each chunk's keys are gathered (and converted to T) into its buffers. Reading them in place
+// from layouts written once per call (MapLayouts) instead takes three products where one does, which costs BLAS more
+// than the gathers save (BENCHMARKS.md).
+struct GatheredKeys {
+  GatheredKeys(const Geometry& /*g*/, const Inputs& /*in*/, bool /*backward*/) {}
 };
 
 // The products of one chunk (block) in the compute type T with BLAS. Buffers: queries (times scale * log2(e)),
@@ -1077,7 +1140,10 @@ struct FloatProducts {
   using Compute = T;
   using Global = T;  // the type of the global keys and values it reads
   template <typename S>
-  using Layouts = FloatClassLayouts<S, T>;
+  using ClassKeys = ClassLayouts<FloatKeyLayouts<S, T>>;
+  template <typename>
+  using MapKeys = GatheredKeys;
+  static constexpr bool kEvenBlocks = false;
   std::vector<T> queries, keys, values, grad_out, scores, grad_scores, result, row_max, total, delta;
   int ld = 0;                    // score row length: local keys + G
   bool delta_from_rows = false;  // the outputs are in a half type: delta from the rows (see softmax_backward)
@@ -1093,8 +1159,9 @@ struct FloatProducts {
 
   // 2D: the chunk's queries, keys and values (local, then global) into the buffers.
   template <typename S>
-  void load(const Window& win, Map<const S> q, Map<const S> k, Map<const S> v, const T* gk, const T* gv, int64_t G,
-            int64_t D, double scale, bool /*backward*/) {
+  void load_chunk(const Window& win, const Chunk& /*c*/, const GatheredKeys& /*layouts*/, int64_t /*item*/,
+                  Map<const S> q, Map<const S> k, Map<const S> v, const T* gk, const T* gv, int64_t G, int64_t D,
+                  double scale, bool /*backward*/) {
     const int count = static_cast<int>(win.keys.size());
     gather(queries.data(), q, win.queries, D, T(scale * kLog2e));
     gather(keys.data(), k, win.keys, D, T(1));
@@ -1108,7 +1175,7 @@ struct FloatProducts {
   // 1D: the block's queries into the buffers; its span of keys and values from `layouts` (class `item`: batch entry
   // * classes + run), the global ones from the inputs.
   template <typename S>
-  void load_span(const Window& win, const Block& blk, const Layouts<S>& layouts, int64_t item, Map<const S> q,
+  void load_span(const Window& win, const Block& blk, const ClassKeys<S>& layouts, int64_t item, Map<const S> q,
                  const T* gk, const T* gv, int64_t G, int64_t D, double scale, bool /*backward*/) {
     gather(queries.data(), q, win.queries, D, T(scale * kLog2e));
     local = blk.keys, ld = local + static_cast<int>(G);
@@ -1213,8 +1280,6 @@ struct FloatProducts {
 
   static void release() {}
 };
-
-inline int64_t even(int64_t n) { return n + (n & 1); }
 
 // The half-precision operand layouts: each writes n tokens (pointers to D contiguous elements) or n rows of a
 // float matrix, with zeros where a layout is longer than its data.
@@ -1552,54 +1617,52 @@ bool reads_pairs() {
   return true;
 }
 
-// The keys and values of every residue class of one 1D call, written once into the layouts the half-precision
-// products read (B operands, see the writers above): a block's span of keys is then a range of its class's layouts
-// (columns 2 k0.. of the element pairs, or k0.. plain; rows k0/2.. of the token pairs, k0 even), where otherwise
-// each key would be written for every block whose span holds it, (block + 2w) / block times. The forward reads the
-// keys summed over their elements and the values summed over themselves; the backward those and the other two.
+// The keys and values of a call written once into the layouts the half-precision products read (B operands, see the
+// writers above), sequence by sequence (`items` of them: ClassLayouts, MapLayouts): a run of consecutive keys of a
+// sequence is then a range of its layouts (columns 2 k0.. of the element pairs, or k0.. plain; rows k0/2.. of the
+// token pairs, k0 even), which the products read in place, where otherwise each key would be written for every block
+// (chunk) that reads it. The forward reads the keys summed over their elements and the values summed over
+// themselves; the backward those and the other two.
 template <typename S>
-struct ClassLayouts {
+struct KeyLayouts {
   // A B operand: its first element, and its row length in pairs (in elements where plain).
   struct Operand {
     const S* data;
     int ldb;
   };
-  int64_t D, Dq, classes;
+  int64_t D, Dq;
   bool pairs = reads_pairs<S>();
-  std::vector<int64_t> lengths, element_offsets, token_offsets;  // per (batch entry, class)
+  using Storage = S;
+  std::vector<int64_t> lengths, element_offsets, token_offsets;  // per sequence
+  std::vector<S> zeros;                                          // a token of zeros
   Scratch key_elements, key_tokens, value_elements, value_tokens;
 
-  ClassLayouts(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
-               const std::vector<Block>& blocks, bool backward)
-      : D(g.D), Dq(pairs_per_row(g.D)), classes(static_cast<int64_t>(runs.size()) - 1) {
-    int64_t elements = 0, tokens = 0;
-    for (int64_t item = 0; item < g.B * classes; ++item) {
-      const int64_t n = class_tokens<S>(g, in, runs, blocks, item).length;
-      lengths.push_back(n);
+  // tokens(item, k, v, zeros): the keys and values of sequence `item` (lengths[item] of them), as pointers to D
+  // elements each into k and v; `zeros` (D of them) for a key and value of zeros.
+  template <typename F>
+  KeyLayouts(std::vector<int64_t> lengths_, int64_t D_, bool backward, F&& tokens)
+      : D(D_), Dq(pairs_per_row(D_)), lengths(std::move(lengths_)), zeros(D_, S(0)) {
+    int64_t elements = 0, all_tokens = 0;
+    for (const int64_t n : lengths) {
       element_offsets.push_back(elements);
-      token_offsets.push_back(tokens);
-      elements += even(g.D) * pairs_per_row(n);
-      tokens += even(n) * Dq;
+      token_offsets.push_back(all_tokens);
+      elements += even(D) * pairs_per_row(n);
+      all_tokens += even(n) * Dq;
     }
     const int64_t size = static_cast<int64_t>(sizeof(S));
     key_elements = Scratch(elements * size);
-    (backward ? value_elements : value_tokens) = Scratch((backward ? elements : tokens) * size);
-    if (backward) key_tokens = Scratch(tokens * size);
-    at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
+    (backward ? value_elements : value_tokens) = Scratch((backward ? elements : all_tokens) * size);
+    if (backward) key_tokens = Scratch(all_tokens * size);
+    at::parallel_for(0, static_cast<int64_t>(lengths.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<const S*> k_tokens, v_tokens;
       for (int64_t item = begin; item < end; ++item) {
-        const ClassTokens<S> c = class_tokens<S>(g, in, runs, blocks, item);
-        const int64_t n = c.length;
-        k_tokens.resize(n);
-        v_tokens.resize(n);
-        for (int64_t t = 0; t < n; ++t) k_tokens[t] = c.k.at(t, 0), v_tokens[t] = c.v.at(t, 0);
-        const int count = static_cast<int>(n), ldb = pairs_per_row(n);
-        (pairs ? write_element_pairs<S> : write_element_columns<S>)(at_elements(key_elements, item), k_tokens.data(),
-                                                                     count, D, ldb);
+        tokens(item, k_tokens, v_tokens, zeros.data());
+        const int count = static_cast<int>(lengths[item]), ldb = pairs_per_row(count);
+        const auto write_elements = pairs ? write_element_pairs<S> : write_element_columns<S>;
         const auto write_tokens = pairs ? write_token_pairs<S> : write_token_rows<S>;
+        write_elements(at_elements(key_elements, item), k_tokens.data(), count, D, ldb);
         if (backward) {
-          (pairs ? write_element_pairs<S> : write_element_columns<S>)(at_elements(value_elements, item),
-                                                                       v_tokens.data(), count, D, ldb);
+          write_elements(at_elements(value_elements, item), v_tokens.data(), count, D, ldb);
           write_tokens(at_tokens(key_tokens, item), k_tokens.data(), count, D, static_cast<int>(Dq));
         } else {
           write_tokens(at_tokens(value_tokens, item), v_tokens.data(), count, D, static_cast<int>(Dq));
@@ -1610,12 +1673,70 @@ struct ClassLayouts {
 
   S* at_elements(const Scratch& t, int64_t item) const { return t.data<S>() + element_offsets[item]; }
   S* at_tokens(const Scratch& t, int64_t item) const { return t.data<S>() + token_offsets[item]; }
-  // The span of keys from k0 of class `item` (batch entry * classes + run), in each layout.
+  // The keys from k0 of sequence `item`, in each layout.
   Operand elements(const Scratch& t, int64_t item, int64_t k0) const {
     return {at_elements(t, item) + (pairs ? 2 : 1) * k0, pairs_per_row(lengths[item])};
   }
   Operand tokens(const Scratch& t, int64_t item, int64_t k0) const {
     return {at_tokens(t, item) + k0 * Dq, static_cast<int>(Dq)};
+  }
+};
+
+// 2D: the keys and values of each map (item: batch entry * H + head) in the layouts of the half-precision products,
+// chunk after chunk, row-major within a chunk, and a key of zeros after a chunk of odd size where
+// Geometry::even_blocks (whose score columns are so laid out): the key blocks of the slots of a chunk that read
+// consecutive chunks are one run of keys, which the products read in place, where each key is read by up to 9
+// chunks.
+template <typename S>
+struct MapLayouts : KeyLayouts<S> {
+  std::vector<int64_t> chunk_starts;  // per chunk: its first key
+
+  MapLayouts(const Geometry& g, const Inputs& in, bool backward)
+      : KeyLayouts<S>(std::vector<int64_t>(g.B * g.H, map_length(g)), g.D, backward,
+                [&](int64_t item, std::vector<const S*>& k, std::vector<const S*>& v, const S* zeros) {
+                  const Map<const S> keys = map_of<const S>(in.k, item / g.H, item % g.H),
+                                     values = map_of<const S>(in.v, item / g.H, item % g.H);
+                  k.clear();
+                  v.clear();
+                  for (int64_t chunk = 0; chunk < g.chunks(); ++chunk) {
+                    const Tile t = tile_of(g, chunk);
+                    const size_t first = k.size();
+                    for (int64_t r = t.r0; r < t.r0 + t.rows; ++r) {
+                      for (int64_t c = t.c0; c < t.c0 + t.cols; ++c) {
+                        k.push_back(keys.at(r, c));
+                        v.push_back(values.at(r, c));
+                      }
+                    }
+                    k.resize(first + g.block_columns(t.rows * t.cols), zeros);
+                    v.resize(k.size(), zeros);
+                  }
+                }) {
+    for (int64_t chunk = 0, start = 0; chunk < g.chunks(); ++chunk) {
+      chunk_starts.push_back(start);
+      const Tile t = tile_of(g, chunk);
+      start += g.block_columns(t.rows * t.cols);
+    }
+  }
+
+  static int64_t map_length(const Geometry& g) {
+    int64_t length = 0;
+    for (int64_t chunk = 0; chunk < g.chunks(); ++chunk) {
+      const Tile t = tile_of(g, chunk);
+      length += g.block_columns(t.rows * t.cols);
+    }
+    return length;
+  }
+
+  // Calls fn(first score column, columns, first key) for each run of chunk c's slots that read consecutive chunks.
+  template <typename F>
+  void for_each_run(const Chunk& c, F&& fn) const {
+    for (int s = 0; s < c.slots;) {
+      int next = s + 1;
+      while (next < c.slots && c.read[next] == c.read[next - 1] + 1) ++next;
+      const int end = next < c.slots ? c.start[next] : c.keys;
+      fn(c.start[s], end - c.start[s], chunk_starts[c.read[s]]);
+      s = next;
+    }
   }
 };
 
@@ -1635,8 +1756,11 @@ struct HalfProducts {
   using Compute = float;
   using Global = S;
   template <typename>
-  using Layouts = ClassLayouts<S>;
-  using Operand = typename ClassLayouts<S>::Operand;
+  using ClassKeys = ClassLayouts<KeyLayouts<S>>;
+  template <typename>
+  using MapKeys = MapLayouts<S>;
+  static constexpr bool kEvenBlocks = true;
+  using Operand = typename KeyLayouts<S>::Operand;
   int64_t D, Dp;          // head dim, rounded up to even
   int Dq;                 // pairs per row of the token pairs (D rounded up to 16)
   int n = 0, np = 0;      // queries, rounded up to even
@@ -1650,11 +1774,17 @@ struct HalfProducts {
   std::vector<S> grad_out_rows, grad_out_columns, p_rows, p_row_pairs, ds_rows, ds_row_pairs;
   std::vector<float> scores, grad_scores, result, transposed, row_max, total;
   std::vector<float*> sum_rows;  // where each key's gradient is added (add_window_gradients; 1D: the global keys')
-  // The B operands of the keys and values that `local` columns of the scores read: in 2D all of the window's keys,
-  // the global ones included, from the buffers above; in 1D the block's span, from its class's layouts, and the G
-  // global keys from the buffers above, multiplied apart. P and dS rows (lp long) hold the local columns, a zero
-  // where their count is odd and global keys follow, then the global columns from lg.
-  Operand k_elements{}, k_tokens{}, v_elements{}, v_tokens{};
+  std::vector<float> masked_sums;  // where the gradients of the masked columns of even_blocks are added (zeros)
+  // The first `local` score columns read the keys and values of the layouts (2D: MapLayouts, 1D: ClassLayouts), in
+  // runs of columns whose keys are consecutive there (2D: the key blocks of slots that read consecutive chunks; 1D:
+  // the block's span), and the G global keys after them are read from the buffers above, multiplied apart. P and dS
+  // rows (lp long) hold the local columns, a zero where their count is odd and global keys follow, then the global
+  // columns from lg.
+  struct Run {
+    int column, length;
+    Operand k_elements, k_tokens, v_elements, v_tokens;  // B operands
+  };
+  std::vector<Run> runs;
 
   HalfProducts(int64_t S_, int64_t L, int64_t D_)
       : D(D_), Dp(even(D_)), Dq(pairs_per_row(D_)), q_rows(S_ * Dp), q_columns(D_ * even(S_)),
@@ -1662,40 +1792,48 @@ struct HalfProducts {
         v_token_pairs(even(L) * Dq), grad_out_rows(S_ * Dp), grad_out_columns(D_ * even(S_)),
         p_rows(S_ * (even(L) + 2)), p_row_pairs(even(S_) * pairs_per_row(L)), ds_rows(S_ * (even(L) + 2)),
         ds_row_pairs(even(S_) * pairs_per_row(L)), scores(S_ * L), grad_scores(S_ * L), result(std::max(S_, L) * D_),
-        transposed(L * D_), row_max(S_), total(S_) {}
+        transposed(L * D_), row_max(S_), total(S_), masked_sums(D_) {}
 
-  // 2D: the chunk's queries, and its keys and values (local, then global) into the buffers.
-  void load(const Window& win, Map<const S> q, Map<const S> k, Map<const S> v, const S* gk, const S* gv, int64_t G,
-            int64_t /*D*/, double scale, bool backward) {
-    const int keys = static_cast<int>(win.keys.size());
-    load_queries(win, q, keys + static_cast<int>(G), keys + static_cast<int>(G), scale, backward);
-    key_tokens.resize(ld);
-    value_tokens.resize(ld);
-    for (int j = 0; j < ld; ++j) {
-      key_tokens[j] = j < keys ? k.at(win.keys[j]) : gk + (j - keys) * D;
-      value_tokens[j] = j < keys ? v.at(win.keys[j]) : gv + (j - keys) * D;
-    }
-    write_keys(backward);
-    k_elements = {k_element_pairs.data(), lq}, v_elements = {v_element_pairs.data(), lq};
-    k_tokens = {k_token_pairs.data(), Dq}, v_tokens = {v_token_pairs.data(), Dq};
+  // 2D: the chunk's queries and global keys and values into the buffers; the key blocks of its slots from `layouts`
+  // (map `item`: batch entry * H + head), a run for each set of slots that read consecutive chunks.
+  void load_chunk(const Window& win, const Chunk& c, const MapKeys<S>& layouts, int64_t item, Map<const S> q,
+                  Map<const S> /*k*/, Map<const S> /*v*/, const S* gk, const S* gv, int64_t G, int64_t /*D*/,
+                  double scale, bool backward) {
+    load_queries(win, q, c.keys, c.keys + static_cast<int>(G), scale, backward);
+    load_globals(gk, gv, G, backward);
+    runs.clear();
+    layouts.for_each_run(c, [&](int column, int length, int64_t k0) {
+      runs.push_back(run_of(layouts, item, column, length, k0, backward));
+    });
   }
 
   // 1D: the block's queries and global keys and values into the buffers; its span of keys from `layouts` (class
   // `item`: batch entry * classes + run).
-  void load_span(const Window& win, const Block& blk, const Layouts<S>& layouts, int64_t item, Map<const S> q,
+  void load_span(const Window& win, const Block& blk, const ClassKeys<S>& layouts, int64_t item, Map<const S> q,
                  const S* gk, const S* gv, int64_t G, int64_t /*D*/, double scale, bool backward) {
     load_queries(win, q, blk.keys, blk.keys + static_cast<int>(G), scale, backward);
+    load_globals(gk, gv, G, backward);
+    runs.assign(1, run_of(layouts, item, 0, blk.keys, blk.k0, backward));
+  }
+
+  // The run of `length` score columns from `column` that read keys k0.. of sequence `item` of `layouts` (k0 even).
+  static Run run_of(const KeyLayouts<S>& layouts, int64_t item, int column, int length, int64_t k0, bool backward) {
+    Run run{column, length, layouts.elements(layouts.key_elements, item, k0), {}, {}, {}};
+    if (backward) {
+      run.k_tokens = layouts.tokens(layouts.key_tokens, item, k0);
+      run.v_elements = layouts.elements(layouts.value_elements, item, k0);
+    } else {
+      run.v_tokens = layouts.tokens(layouts.value_tokens, item, k0);
+    }
+    return run;
+  }
+
+  // The G global keys and values into the buffers.
+  void load_globals(const S* gk, const S* gv, int64_t G, bool backward) {
     key_tokens.resize(G);
     value_tokens.resize(G);
     for (int64_t j = 0; j < G; ++j) key_tokens[j] = gk + j * D, value_tokens[j] = gv + j * D;
     write_keys(backward);
-    k_elements = layouts.elements(layouts.key_elements, item, blk.k0);
-    if (backward) {
-      k_tokens = layouts.tokens(layouts.key_tokens, item, blk.k0);
-      v_elements = layouts.elements(layouts.value_elements, item, blk.k0);
-    } else {
-      v_tokens = layouts.tokens(layouts.value_tokens, item, blk.k0);
-    }
   }
 
   // The sizes of a chunk (block) of `ld` keys whose first `local` columns the local operands hold, and the queries'
@@ -1712,8 +1850,8 @@ struct HalfProducts {
     if (backward) write_columns(q_columns.data(), query_tokens.data(), n, np, D);
   }
 
-  // The keys and values of key_tokens and value_tokens (all ld of them in 2D, the G global ones in 1D) into the
-  // buffers the products read: summed over their elements (Dp x the keys), or over themselves (the keys x D).
+  // The keys and values of key_tokens and value_tokens (the G global ones) into the buffers the products read: summed
+  // over their elements (Dp x the keys), or over themselves (the keys x D).
   void write_keys(bool backward) {
     const int count = static_cast<int>(key_tokens.size()), ldb = pairs_per_row(count);
     const auto over_elements = pairs ? write_element_pairs<S> : write_element_columns<S>;
@@ -1727,20 +1865,28 @@ struct HalfProducts {
     }
   }
 
-  // out (n x ld) = rows (n x Dp: q or dO) times the keys' (or values') elements: the local operand, then the global
-  // keys' buffer.
-  void multiply_elements(const S* rows, Operand local_keys, const S* global_keys, float* out) const {
-    half_product(n, local, static_cast<int>(Dp), rows, static_cast<int>(Dp), local_keys.data, local_keys.ldb, out, ld);
-    half_product(n, ld - local, static_cast<int>(Dp), rows, static_cast<int>(Dp), global_keys,
-                 pairs_per_row(ld - local), out + local, ld);
+  // out (n x ld) = rows (n x Dp: q or dO) times the keys' (or values') elements: each run's operand `local_keys`,
+  // then the global keys' buffer.
+  void multiply_elements(const S* rows, Operand Run::*local_keys, const S* global_keys, float* out) const {
+    const int Di = static_cast<int>(Dp);
+    for (const Run& run : runs) {
+      const Operand keys = run.*local_keys;
+      half_product(n, run.length, Di, rows, Di, keys.data, keys.ldb, out + run.column, ld);
+    }
+    half_product(n, ld - local, Di, rows, Di, global_keys, pairs_per_row(ld - local), out + local, ld);
   }
 
-  // out (n x D) = rows (n x lp: P or dS) times the keys (or values): the local operand, then the global keys' buffer.
-  void multiply_tokens(const S* rows, Operand local_keys, const S* global_keys, float* out) const {
-    half_product(n, static_cast<int>(D), static_cast<int>(even(local)), rows, lp, local_keys.data, local_keys.ldb, out,
-                 static_cast<int>(D));
-    half_product(n, static_cast<int>(D), static_cast<int>(even(ld - local)), rows + lg, lp, global_keys, Dq, out,
-                 static_cast<int>(D), true);
+  // out (n x D) = rows (n x lp: P or dS) times the keys (or values): each run's operand `local_keys`, then the global
+  // keys' buffer; zeros where there are no keys.
+  void multiply_tokens(const S* rows, Operand Run::*local_keys, const S* global_keys, float* out) const {
+    const int Di = static_cast<int>(D);
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const Operand keys = runs[i].*local_keys;
+      half_product(n, Di, static_cast<int>(even(runs[i].length)), rows + runs[i].column, lp, keys.data, keys.ldb, out,
+                   Di, i > 0);
+    }
+    half_product(n, Di, static_cast<int>(even(ld - local)), rows + lg, lp, global_keys, Dq, out, Di, !runs.empty());
+    if (runs.empty() && ld == local) std::fill(out, out + static_cast<int64_t>(n) * D, 0.0f);
   }
 
   // Moves the global columns of n rows of P or dS (written as ld columns of lp) to lg, after the zero that pads the
@@ -1756,7 +1902,7 @@ struct HalfProducts {
 
   // The products of the queries and keys, to be multiplied by score_factor().
   float* multiply_scores(int /*n*/, int64_t /*D*/) {
-    multiply_elements(q_rows.data(), k_elements, k_element_pairs.data(), scores.data());
+    multiply_elements(q_rows.data(), &Run::k_elements, k_element_pairs.data(), scores.data());
     return scores.data();
   }
   float score_factor() const { return score_scale; }
@@ -1765,7 +1911,7 @@ struct HalfProducts {
     exponentiate_rows(scores.data(), n, ld, ld, finish, p_rows.data(), lp, row_max.data(), total.data());
     for (int i = 0; i < n; ++i) std::fill(p_rows.data() + i * lp + ld, p_rows.data() + (i + 1) * lp, S(0));
     place_global_columns(p_rows.data());
-    multiply_tokens(p_rows.data(), v_tokens, v_token_pairs.data(), result.data());
+    multiply_tokens(p_rows.data(), &Run::v_tokens, v_token_pairs.data(), result.data());
     return result.data();
   }
 
@@ -1778,14 +1924,14 @@ struct HalfProducts {
   }
 
   void differentiate(int /*n*/, int64_t /*D*/, const float* lse, const Finish<float>& finish, float* grad_sum) {
-    multiply_elements(grad_out_rows.data(), v_elements, v_element_pairs.data(), grad_scores.data());
+    multiply_elements(grad_out_rows.data(), &Run::v_elements, v_element_pairs.data(), grad_scores.data());
     softmax_backward(n, ld, scores.data(), grad_scores.data(), lse, finish, grad_sum,
                      RoundedSoftmax<S>{ds_rows.data(), ds_row_pairs.data(), p_row_pairs.data(), lp, lq, pairs});
     place_global_columns(ds_rows.data());
   }
 
   const float* grad_queries(int /*n*/, int64_t /*D*/, double scale) {
-    multiply_tokens(ds_rows.data(), k_tokens, k_token_pairs.data(), result.data());
+    multiply_tokens(ds_rows.data(), &Run::k_tokens, k_token_pairs.data(), result.data());
     const float factor = static_cast<float>(scale);
     for (int64_t i = 0; i < n * D; ++i) result[i] *= factor;
     return result.data();
@@ -1805,7 +1951,10 @@ struct HalfProducts {
     const int keys = static_cast<int>(win.keys.size());
     auto add = [&](float factor, const S* columns, const S* row_pairs, Map<float> sum, float* global) {
       sum_rows.resize(ld);
-      for (int j = 0; j < ld; ++j) sum_rows[j] = j < keys ? sum.at(win.keys[j]) : global + (j - keys) * D;
+      for (int j = 0; j < ld; ++j) {
+        const bool masked = j < keys && win.keys[j].row == kMaskedKey.row;
+        sum_rows[j] = j >= keys ? global + (j - keys) * D : masked ? masked_sums.data() : sum.at(win.keys[j]);
+      }
       add_transposed_gradients(columns, row_pairs, 0, ld, factor);
     };
     add(static_cast<float>(scale), q_columns.data(), ds_row_pairs.data(), dk, global_k);
@@ -1850,24 +1999,33 @@ struct HalfProducts {
   static void release() { at::native::cpublas::brgemm_release(true); }
 };
 
+// The geometry as the products of W read the keys (Geometry::even_blocks).
+template <typename W>
+Geometry read_by(Geometry g) {
+  g.even_blocks = W::kEvenBlocks;
+  return g;
+}
+
 template <typename S, typename W>
-void forward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_table, at::Tensor& out, at::Tensor& lse,
+void forward_impl(const Geometry& map, const Inputs& in, const int64_t* slot_table, at::Tensor& out, at::Tensor& lse,
                   double scale) {
   using T = typename W::Compute;
   using Global = typename W::Global;
+  const Geometry g = read_by<W>(map);
   const int64_t C = g.chunks(), table = g.bias_rows();
   const auto recent = recent_chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
   const ChunkBiases<T>& biases = *recent;
+  const typename W::template MapKeys<S> layouts(g, in, false);
   at::parallel_for(0, g.B * g.H * C, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bh = item / C, b = bh / g.H, h = bh % g.H, chunk = item % C;
       const Chunk c = make_chunk(g, slot_table, chunk);
-      set_window(c, win);
-      ws.load(win, map_of<const S>(in.q, b, h), map_of<const S>(in.k, b, h), map_of<const S>(in.v, b, h),
-              head_of<Global>(in.global_k, bh, g.G * g.D), head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D,
-              scale, false);
+      set_window(c, win, !W::kEvenBlocks);
+      ws.load_chunk(win, c, layouts, bh, map_of<const S>(in.q, b, h), map_of<const S>(in.k, b, h),
+                    map_of<const S>(in.v, b, h), head_of<Global>(in.global_k, bh, g.G * g.D),
+                    head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, false);
       const Finish<T> finish =
           finish_scores(g, c, chunk, h, biases, ws.multiply_scores(c.queries(), g.D), ws.ld, ws.score_factor(),
                         head_of<T>(in.rel_bias, h, table), head_of<T>(in.global_bias, h, g.G));
@@ -1884,13 +2042,15 @@ void forward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_table
 }
 
 template <typename S, typename W>
-void backward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_table, const at::Tensor& out,
+void backward_impl(const Geometry& map, const Inputs& in, const int64_t* slot_table, const at::Tensor& out,
                    const at::Tensor& grad_out, const at::Tensor& lse, Gradients& grad, double scale) {
   using T = typename W::Compute;
   using Global = typename W::Global;
+  const Geometry g = read_by<W>(map);
   const int64_t C = g.chunks(), table = g.bias_rows();
   const auto recent = recent_chunk_biases<T>(g, slot_table, in.rel_bias, in.global_bias);
   const ChunkBiases<T>& biases = *recent;
+  const typename W::template MapKeys<S> layouts(g, in, true);
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
@@ -1916,9 +2076,9 @@ void backward_impl(const Geometry& g, const Inputs& in, const int64_t* slot_tabl
       for (int64_t chunk = 0; chunk < C; ++chunk) {
         const Chunk c = make_chunk(g, slot_table, chunk);
         const int n = c.queries();
-        set_window(c, win);
-        ws.load(win, q_map, k_map, v_map, head_of<Global>(in.global_k, bh, g.G * g.D),
-                head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
+        set_window(c, win, true);
+        ws.load_chunk(win, c, layouts, bh, q_map, k_map, v_map, head_of<Global>(in.global_k, bh, g.G * g.D),
+                      head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, true);
         const Finish<T> finish =
             finish_scores(g, c, chunk, h, biases, ws.multiply_scores(n, g.D), ws.ld, ws.score_factor(), rel, glob);
         ws.load_grad_out(win, grad_out_map, out_map, g.D);
@@ -1955,7 +2115,7 @@ void forward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& ke
   const std::vector<Block> blocks = make_blocks(g, runs);
   const int64_t n = static_cast<int64_t>(blocks.size()), bias_rows = g.bias_rows(),
                 classes = static_cast<int64_t>(runs.size()) - 1;
-  const typename W::template Layouts<S> layouts(g, in, runs, blocks, false);
+  const typename W::template ClassKeys<S> layouts(g, in, runs, blocks, false);
   at::parallel_for(0, g.B * n, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;
@@ -1994,7 +2154,7 @@ void backward_1d_impl(const Geometry1d& g, const Inputs& in, const at::Tensor& k
   std::vector<int64_t> runs;
   const std::vector<Block> blocks = make_blocks(g, runs);
   const int64_t classes = static_cast<int64_t>(runs.size()) - 1, bias_rows = g.bias_rows();
-  const typename W::template Layouts<S> layouts(g, in, runs, blocks, true);
+  const typename W::template ClassKeys<S> layouts(g, in, runs, blocks, true);
   at::parallel_for(0, g.B * classes, 1, [&](int64_t begin, int64_t end) {
     W ws(g.max_queries(), g.max_keys(), g.D);
     Window win;

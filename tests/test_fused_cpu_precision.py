@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -127,10 +128,13 @@ CASES_1D = [  # dilation, causal, head_dim, window, global keys
 ]
 
 
-def case_2d(dtype, window, exact, dilation, D):
-    """(fused_cpu's results, the reference's) on a 9x11 map with two global keys and both bias tables."""
+def case_2d(dtype, window, exact, dilation, D, G=2, biases=True):
+    """(fused_cpu's results, the reference's) on a 9x11 map with G global keys, and both bias tables where
+    ``biases``."""
     grid = (9, 11)
-    inputs = leaves(2, 99, 3, D, 2, (4 * window - 1) ** 2, dtype)
+    inputs = leaves(2, 99, 3, D, G, (4 * window - 1) ** 2, dtype)
+    if not biases:
+        inputs[3] = inputs[4] = None
     got = attend_2d(inputs, "fused_cpu", grid, window, exact, dilation, dtype)
     return got, attend_2d(in_float64(inputs), "reference", grid, window, exact, dilation, dtype)
 
@@ -181,21 +185,49 @@ def test_1d_without_biases_or_padding_matches_the_reference(products, dilation, 
     assert_close_to_reference(*case_1d(products[1], dilation, causal, D, window, G, plain=True), products)
 
 
-# The 1D kernel keeps the memory of its key and value layouts from one call to the next (megabytes, which the system
+# With neither biases nor a mask of the window's own, the 2D kernel has no table to add to the scores, except where the
+# half-precision products give each odd key block (window 3: blocks of 9 keys) a masked column after it.
+@pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
+@pytest.mark.parametrize("window,exact", [(3, 0), (2, -1)])
+def test_2d_without_biases_or_global_keys_matches_the_reference(products, window, exact):
+    assert_close_to_reference(*case_2d(products[1], window, exact, 1, 17, G=0, biases=False), products)
+
+
+# Seven global keys (an odd number, more than the other cases' two): the products of the global keys, multiplied apart
+# from the local ones, in every pass.
+@pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
+@pytest.mark.parametrize("dims", [1, 2])
+def test_many_global_keys_match_the_reference(products, dims):
+    if dims == 1:
+        got_and_want = case_1d(products[1], (1, 2, 3), False, 17, 9, 7)
+    else:
+        got_and_want = case_2d(products[1], 3, 0, 1, 17, G=7)
+    assert_close_to_reference(*got_and_want, products)
+
+
+# The kernel keeps the memory of its key and value layouts from one call to the next (megabytes, which the system
 # would otherwise map afresh at every call), and a call takes the buffers the latest one gave back. Nothing a call
 # reads there may be what an earlier call left: after a call of the same shapes on NaN keys and values, forward and
 # backward, every result matches the reference. Head size 17: the layouts' rows are padded (to 16 pairs, and to an
-# even number of keys).
+# even number of keys; in 2D, each block of 9 keys to 10).
 @pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
-def test_1d_calls_read_nothing_an_earlier_call_left_in_the_kept_layouts(products):
+@pytest.mark.parametrize("dims", [1, 2])
+def test_calls_read_nothing_an_earlier_call_left_in_the_kept_layouts(products, dims):
     dtype = products[1]
-    poisoned = leaves(2, 75, 3, 17, 1, 19, dtype)
+    if dims == 1:
+        poisoned = leaves(2, 75, 3, 17, 1, 19, dtype)
+        attend = partial(attend_1d, window=9, dilation=(1, 2, 3), causal=False, padding=None, dtype=dtype)
+        case = partial(case_1d, dtype, (1, 2, 3), False, 17, 9, 1)
+    else:
+        poisoned = leaves(2, 99, 3, 17, 1, 11**2, dtype)
+        attend = partial(attend_2d, grid=(9, 11), window=3, exact=0, dilation=1, dtype=dtype)
+        case = partial(case_2d, dtype, 3, 0, 1, 17)
     with torch.no_grad():
         for t in poisoned[:3]:
             t.fill_(float("nan"))
-    out, grad_qkv, *_ = attend_1d(poisoned, "fused_cpu", 9, (1, 2, 3), False, None, dtype)
+    out, grad_qkv, *_ = attend(poisoned, backend="fused_cpu")
     assert out.isnan().any() and grad_qkv.isnan().any()  # the layouts held NaN
-    assert_close_to_reference(*case_1d(dtype, (1, 2, 3), False, 17, 9, 1), products)
+    assert_close_to_reference(*case(), products)
 
 
 # A negative scale is a number like any other: masked keys stay masked, and the lanes past the end of a row of scores
