@@ -1630,9 +1630,9 @@ struct KeyLayouts {
     const S* data;
     int ldb;
   };
+  using Storage = S;
   int64_t D, Dq;
   bool pairs = reads_pairs<S>();
-  using Storage = S;
   std::vector<int64_t> lengths, element_offsets, token_offsets;  // per sequence
   std::vector<S> zeros;                                          // a token of zeros
   Scratch key_elements, key_tokens, value_elements, value_tokens;
@@ -1689,10 +1689,10 @@ struct KeyLayouts {
 // chunks.
 template <typename S>
 struct MapLayouts : KeyLayouts<S> {
-  std::vector<int64_t> chunk_starts;  // per chunk: its first key
+  std::vector<int64_t> chunk_starts;  // per chunk: its first key; then the map's length
 
   MapLayouts(const Geometry& g, const Inputs& in, bool backward)
-      : KeyLayouts<S>(std::vector<int64_t>(g.B * g.H, map_length(g)), g.D, backward,
+      : KeyLayouts<S>(std::vector<int64_t>(g.B * g.H, starts_of(g).back()), g.D, backward,
                 [&](int64_t item, std::vector<const S*>& k, std::vector<const S*>& v, const S* zeros) {
                   const Map<const S> keys = map_of<const S>(in.k, item / g.H, item % g.H),
                                      values = map_of<const S>(in.v, item / g.H, item % g.H);
@@ -1710,21 +1710,16 @@ struct MapLayouts : KeyLayouts<S> {
                     k.resize(first + g.block_columns(t.rows * t.cols), zeros);
                     v.resize(k.size(), zeros);
                   }
-                }) {
-    for (int64_t chunk = 0, start = 0; chunk < g.chunks(); ++chunk) {
-      chunk_starts.push_back(start);
-      const Tile t = tile_of(g, chunk);
-      start += g.block_columns(t.rows * t.cols);
-    }
-  }
+                }),
+        chunk_starts(starts_of(g)) {}
 
-  static int64_t map_length(const Geometry& g) {
-    int64_t length = 0;
+  static std::vector<int64_t> starts_of(const Geometry& g) {
+    std::vector<int64_t> starts{0};
     for (int64_t chunk = 0; chunk < g.chunks(); ++chunk) {
       const Tile t = tile_of(g, chunk);
-      length += g.block_columns(t.rows * t.cols);
+      starts.push_back(starts.back() + g.block_columns(t.rows * t.cols));
     }
-    return length;
+    return starts;
   }
 
   // Calls fn(first score column, columns, first key) for each run of chunk c's slots that read consecutive chunks.
