@@ -1061,9 +1061,9 @@ ClassTokens<S> class_tokens(const Geometry1d& g, const Inputs& in, const std::ve
 }
 
 // The keys and values of a call in the compute type T, written once (and converted from a half type once), sequence by
-// sequence (`items` of them: ClassLayouts, MapLayouts): a run of consecutive keys of a sequence is then rows k0.. of
-// its layouts, which BLAS reads in place, where otherwise each key would be gathered for every block (chunk) that
-// reads it. The constructor's arguments are KeyLayouts'.
+// sequence (the residue classes of ClassLayouts): a run of consecutive keys of a sequence is then rows k0.. of its
+// layouts, which BLAS reads in place, where otherwise each key would be gathered for every block that reads it. The
+// constructor's arguments are KeyLayouts'.
 template <typename S, typename T>
 struct FloatKeyLayouts {
   using Storage = S;
