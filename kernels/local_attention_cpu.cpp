@@ -1684,15 +1684,15 @@ struct KeyLayouts {
 
 // 2D: the keys and values of each map (item: batch entry * H + head) in the layouts of the half-precision products,
 // chunk after chunk, row-major within a chunk, and a key of zeros after a chunk of odd size where
-// Geometry::even_blocks (whose score columns are so laid out): the key blocks of the slots of a chunk that read
-// consecutive chunks are one run of keys, which the products read in place, where each key is read by up to 9
-// chunks.
+// Geometry::even_blocks (whose score columns are so laid out), then the G global keys: the key blocks of the slots of
+// a chunk that read consecutive chunks are one run of keys, which the products read in place, where each key is read
+// by up to 9 chunks (and the global keys by all).
 template <typename S>
 struct MapLayouts : KeyLayouts<S> {
-  std::vector<int64_t> chunk_starts;  // per chunk: its first key; then the map's length
+  std::vector<int64_t> chunk_starts;  // per chunk: its first key; then the first global key
 
   MapLayouts(const Geometry& g, const Inputs& in, bool backward)
-      : KeyLayouts<S>(std::vector<int64_t>(g.B * g.H, starts_of(g).back()), g.D, backward,
+      : KeyLayouts<S>(std::vector<int64_t>(g.B * g.H, starts_of(g).back() + g.G), g.D, backward,
                 [&](int64_t item, std::vector<const S*>& k, std::vector<const S*>& v, const S* zeros) {
                   const Map<const S> keys = map_of<const S>(in.k, item / g.H, item % g.H),
                                      values = map_of<const S>(in.v, item / g.H, item % g.H);
@@ -1710,6 +1710,9 @@ struct MapLayouts : KeyLayouts<S> {
                     k.resize(first + g.block_columns(t.rows * t.cols), zeros);
                     v.resize(k.size(), zeros);
                   }
+                  const S* gk = head_of<S>(in.global_k, item, g.G * g.D);
+                  const S* gv = head_of<S>(in.global_v, item, g.G * g.D);
+                  for (int64_t j = 0; j < g.G; ++j) k.push_back(gk + j * g.D), v.push_back(gv + j * g.D);
                 }),
         chunk_starts(starts_of(g)) {}
 
@@ -1722,9 +1725,10 @@ struct MapLayouts : KeyLayouts<S> {
     return starts;
   }
 
-  // Calls fn(first score column, columns, first key) for each run of chunk c's slots that read consecutive chunks.
+  // Calls fn(first score column, columns, first key) for each run of chunk c's slots that read consecutive chunks,
+  // then for the G global keys (the score columns after the local ones).
   template <typename F>
-  void for_each_run(const Chunk& c, F&& fn) const {
+  void for_each_run(const Chunk& c, int64_t G, F&& fn) const {
     for (int s = 0; s < c.slots;) {
       int next = s + 1;
       while (next < c.slots && c.read[next] == c.read[next - 1] + 1) ++next;
@@ -1732,6 +1736,7 @@ struct MapLayouts : KeyLayouts<S> {
       fn(c.start[s], end - c.start[s], chunk_starts[c.read[s]]);
       s = next;
     }
+    if (G > 0) fn(c.keys, static_cast<int>(G), chunk_starts.back());
   }
 };
 
@@ -1771,10 +1776,10 @@ struct HalfProducts {
   std::vector<float*> sum_rows;  // where each key's gradient is added (add_window_gradients; 1D: the global keys')
   std::vector<float> masked_sums;  // where the gradients of the masked columns of even_blocks are added (zeros)
   // The first `local` score columns read the keys and values of the layouts (2D: MapLayouts, 1D: ClassLayouts), in
-  // runs of columns whose keys are consecutive there (2D: the key blocks of slots that read consecutive chunks; 1D:
-  // the block's span), and the G global keys after them are read from the buffers above, multiplied apart. P and dS
-  // rows (lp long) hold the local columns, a zero where their count is odd and global keys follow, then the global
-  // columns from lg.
+  // runs of columns whose keys are consecutive there (2D: the key blocks of slots that read consecutive chunks, then
+  // the global keys: all ld columns; 1D: the block's span), and in 1D the G global keys after them are read from the
+  // buffers above, multiplied apart. P and dS rows (lp long) hold the local columns, a zero where their count is odd
+  // and global keys follow, then the global columns from lg.
   struct Run {
     int column, length;
     Operand k_elements, k_tokens, v_elements, v_tokens;  // B operands
@@ -1789,15 +1794,16 @@ struct HalfProducts {
         ds_row_pairs(even(S_) * pairs_per_row(L)), scores(S_ * L), grad_scores(S_ * L), result(std::max(S_, L) * D_),
         transposed(L * D_), row_max(S_), total(S_), masked_sums(D_) {}
 
-  // 2D: the chunk's queries and global keys and values into the buffers; the key blocks of its slots from `layouts`
-  // (map `item`: batch entry * H + head), a run for each set of slots that read consecutive chunks.
+  // 2D: the chunk's queries into the buffers; the key blocks of its slots and the global keys from `layouts` (map
+  // `item`: batch entry * H + head), a run for each set of slots that read consecutive chunks and one for the global
+  // keys.
   void load_chunk(const Window& win, const Chunk& c, const MapKeys<S>& layouts, int64_t item, Map<const S> q,
-                  Map<const S> /*k*/, Map<const S> /*v*/, const S* gk, const S* gv, int64_t G, int64_t /*D*/,
+                  Map<const S> /*k*/, Map<const S> /*v*/, const S* /*gk*/, const S* /*gv*/, int64_t G, int64_t /*D*/,
                   double scale, bool backward) {
-    load_queries(win, q, c.keys, c.keys + static_cast<int>(G), scale, backward);
-    load_globals(gk, gv, G, backward);
+    const int keys = c.keys + static_cast<int>(G);
+    load_queries(win, q, keys, keys, scale, backward);
     runs.clear();
-    layouts.for_each_run(c, [&](int column, int length, int64_t k0) {
+    layouts.for_each_run(c, G, [&](int column, int length, int64_t k0) {
       runs.push_back(run_of(layouts, item, column, length, k0, backward));
     });
   }
