@@ -1069,12 +1069,10 @@ struct FloatKeyLayouts {
   using Storage = S;
   int64_t D;
   std::vector<int64_t> offsets;  // per sequence: the row of its first key
-  std::vector<S> zeros;          // a token of zeros
   Scratch keys, values;
 
   template <typename F>
-  FloatKeyLayouts(const std::vector<int64_t>& lengths, int64_t D_, bool /*backward*/, F&& tokens)
-      : D(D_), zeros(D_, S(0)) {
+  FloatKeyLayouts(const std::vector<int64_t>& lengths, int64_t D_, bool /*backward*/, F&& tokens) : D(D_) {
     int64_t rows = 0;
     for (const int64_t n : lengths) {
       offsets.push_back(rows);
@@ -1085,7 +1083,7 @@ struct FloatKeyLayouts {
     at::parallel_for(0, static_cast<int64_t>(lengths.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<const S*> k_tokens, v_tokens;
       for (int64_t item = begin; item < end; ++item) {
-        tokens(item, k_tokens, v_tokens, zeros.data());
+        tokens(item, k_tokens, v_tokens);
         T* key_rows = keys.data<T>() + offsets[item] * D;
         T* value_rows = values.data<T>() + offsets[item] * D;
         for (int64_t t = 0; t < lengths[item]; ++t) {
@@ -1109,7 +1107,7 @@ struct ClassLayouts : Layouts {
   ClassLayouts(const Geometry1d& g, const Inputs& in, const std::vector<int64_t>& runs,
                const std::vector<Block>& blocks, bool backward)
       : Layouts(class_lengths(g, in, runs, blocks), g.D, backward,
-                [&](int64_t item, std::vector<const S*>& k, std::vector<const S*>& v, const S* /*zeros*/) {
+                [&](int64_t item, std::vector<const S*>& k, std::vector<const S*>& v) {
                   const ClassTokens<S> c = class_tokens<S>(g, in, runs, blocks, item);
                   k.resize(c.length);
                   v.resize(c.length);
@@ -1143,7 +1141,7 @@ struct FloatProducts {
   using ClassKeys = ClassLayouts<FloatKeyLayouts<S, T>>;
   template <typename>
   using MapKeys = GatheredKeys;
-  static constexpr bool kEvenBlocks = false;
+  static constexpr bool kReadsMapLayouts = false;
   std::vector<T> queries, keys, values, grad_out, scores, grad_scores, result, row_max, total, delta;
   int ld = 0;                    // score row length: local keys + G
   bool delta_from_rows = false;  // the outputs are in a half type: delta from the rows (see softmax_backward)
@@ -1634,14 +1632,13 @@ struct KeyLayouts {
   int64_t D, Dq;
   bool pairs = reads_pairs<S>();
   std::vector<int64_t> lengths, element_offsets, token_offsets;  // per sequence
-  std::vector<S> zeros;                                          // a token of zeros
   Scratch key_elements, key_tokens, value_elements, value_tokens;
 
-  // tokens(item, k, v, zeros): the keys and values of sequence `item` (lengths[item] of them), as pointers to D
-  // elements each into k and v; `zeros` (D of them) for a key and value of zeros.
+  // tokens(item, k, v): the keys and values of sequence `item` (lengths[item] of them), as pointers to D elements
+  // each, into k and v.
   template <typename F>
   KeyLayouts(std::vector<int64_t> lengths_, int64_t D_, bool backward, F&& tokens)
-      : D(D_), Dq(pairs_per_row(D_)), lengths(std::move(lengths_)), zeros(D_, S(0)) {
+      : D(D_), Dq(pairs_per_row(D_)), lengths(std::move(lengths_)) {
     int64_t elements = 0, all_tokens = 0;
     for (const int64_t n : lengths) {
       element_offsets.push_back(elements);
@@ -1656,7 +1653,7 @@ struct KeyLayouts {
     at::parallel_for(0, static_cast<int64_t>(lengths.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<const S*> k_tokens, v_tokens;
       for (int64_t item = begin; item < end; ++item) {
-        tokens(item, k_tokens, v_tokens, zeros.data());
+        tokens(item, k_tokens, v_tokens);
         const int count = static_cast<int>(lengths[item]), ldb = pairs_per_row(count);
         const auto write_elements = pairs ? write_element_pairs<S> : write_element_columns<S>;
         const auto write_tokens = pairs ? write_token_pairs<S> : write_token_rows<S>;
@@ -1693,7 +1690,8 @@ struct MapLayouts : KeyLayouts<S> {
 
   MapLayouts(const Geometry& g, const Inputs& in, bool backward)
       : KeyLayouts<S>(std::vector<int64_t>(g.B * g.H, starts_of(g).back() + g.G), g.D, backward,
-                [&](int64_t item, std::vector<const S*>& k, std::vector<const S*>& v, const S* zeros) {
+                [&, zeros = std::vector<S>(g.D, S(0))](int64_t item, std::vector<const S*>& k,
+                                                       std::vector<const S*>& v) {
                   const Map<const S> keys = map_of<const S>(in.k, item / g.H, item % g.H),
                                      values = map_of<const S>(in.v, item / g.H, item % g.H);
                   k.clear();
@@ -1707,8 +1705,8 @@ struct MapLayouts : KeyLayouts<S> {
                         v.push_back(values.at(r, c));
                       }
                     }
-                    k.resize(first + g.block_columns(t.rows * t.cols), zeros);
-                    v.resize(k.size(), zeros);
+                    k.resize(first + g.block_columns(t.rows * t.cols), zeros.data());
+                    v.resize(k.size(), zeros.data());
                   }
                   const S* gk = head_of<S>(in.global_k, item, g.G * g.D);
                   const S* gv = head_of<S>(in.global_v, item, g.G * g.D);
@@ -1759,7 +1757,7 @@ struct HalfProducts {
   using ClassKeys = ClassLayouts<KeyLayouts<S>>;
   template <typename>
   using MapKeys = MapLayouts<S>;
-  static constexpr bool kEvenBlocks = true;
+  static constexpr bool kReadsMapLayouts = true;
   using Operand = typename KeyLayouts<S>::Operand;
   int64_t D, Dp;          // head dim, rounded up to even
   int Dq;                 // pairs per row of the token pairs (D rounded up to 16)
@@ -1787,12 +1785,10 @@ struct HalfProducts {
   std::vector<Run> runs;
 
   HalfProducts(int64_t S_, int64_t L, int64_t D_)
-      : D(D_), Dp(even(D_)), Dq(pairs_per_row(D_)), q_rows(S_ * Dp), q_columns(D_ * even(S_)),
-        k_element_pairs(Dp * pairs_per_row(L)), k_token_pairs(even(L) * Dq), v_element_pairs(Dp * pairs_per_row(L)),
-        v_token_pairs(even(L) * Dq), grad_out_rows(S_ * Dp), grad_out_columns(D_ * even(S_)),
-        p_rows(S_ * (even(L) + 2)), p_row_pairs(even(S_) * pairs_per_row(L)), ds_rows(S_ * (even(L) + 2)),
-        ds_row_pairs(even(S_) * pairs_per_row(L)), scores(S_ * L), grad_scores(S_ * L), result(std::max(S_, L) * D_),
-        transposed(L * D_), row_max(S_), total(S_), masked_sums(D_) {}
+      : D(D_), Dp(even(D_)), Dq(pairs_per_row(D_)), q_rows(S_ * Dp), q_columns(D_ * even(S_)), grad_out_rows(S_ * Dp),
+        grad_out_columns(D_ * even(S_)), p_rows(S_ * (even(L) + 2)), p_row_pairs(even(S_) * pairs_per_row(L)),
+        ds_rows(S_ * (even(L) + 2)), ds_row_pairs(even(S_) * pairs_per_row(L)), scores(S_ * L), grad_scores(S_ * L),
+        result(std::max(S_, L) * D_), transposed(L * D_), row_max(S_), total(S_), masked_sums(D_) {}
 
   // 2D: the chunk's queries into the buffers; the key blocks of its slots and the global keys from `layouts` (map
   // `item`: batch entry * H + head), a run for each set of slots that read consecutive chunks and one for the global
@@ -1851,18 +1847,24 @@ struct HalfProducts {
     if (backward) write_columns(q_columns.data(), query_tokens.data(), n, np, D);
   }
 
-  // The keys and values of key_tokens and value_tokens (the G global ones) into the buffers the products read: summed
-  // over their elements (Dp x the keys), or over themselves (the keys x D).
+  // The keys and values of key_tokens and value_tokens (a 1D block's G global ones) into the buffers the products
+  // read, sized as they are written: summed over their elements (Dp x the keys), or over themselves (the keys x D).
   void write_keys(bool backward) {
     const int count = static_cast<int>(key_tokens.size()), ldb = pairs_per_row(count);
-    const auto over_elements = pairs ? write_element_pairs<S> : write_element_columns<S>;
-    const auto over_tokens = pairs ? write_token_pairs<S> : write_token_rows<S>;
-    over_elements(k_element_pairs.data(), key_tokens.data(), count, D, ldb);
+    const auto over_elements = [&](std::vector<S>& dst, const std::vector<const S*>& tokens) {
+      dst.resize(Dp * ldb);
+      (pairs ? write_element_pairs<S> : write_element_columns<S>)(dst.data(), tokens.data(), count, D, ldb);
+    };
+    const auto over_tokens = [&](std::vector<S>& dst, const std::vector<const S*>& tokens) {
+      dst.resize(even(count) * Dq);
+      (pairs ? write_token_pairs<S> : write_token_rows<S>)(dst.data(), tokens.data(), count, D, Dq);
+    };
+    over_elements(k_element_pairs, key_tokens);
     if (backward) {
-      over_tokens(k_token_pairs.data(), key_tokens.data(), count, D, Dq);
-      over_elements(v_element_pairs.data(), value_tokens.data(), count, D, ldb);
+      over_tokens(k_token_pairs, key_tokens);
+      over_elements(v_element_pairs, value_tokens);
     } else {
-      over_tokens(v_token_pairs.data(), value_tokens.data(), count, D, Dq);
+      over_tokens(v_token_pairs, value_tokens);
     }
   }
 
@@ -2000,10 +2002,10 @@ struct HalfProducts {
   static void release() { at::native::cpublas::brgemm_release(true); }
 };
 
-// The geometry as the products of W read the keys (Geometry::even_blocks).
+// The geometry as the products of W read the keys: Geometry::even_blocks where they read MapLayouts.
 template <typename W>
 Geometry read_by(Geometry g) {
-  g.even_blocks = W::kEvenBlocks;
+  g.even_blocks = W::kReadsMapLayouts;
   return g;
 }
 
@@ -2023,7 +2025,7 @@ void forward_impl(const Geometry& map, const Inputs& in, const int64_t* slot_tab
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bh = item / C, b = bh / g.H, h = bh % g.H, chunk = item % C;
       const Chunk c = make_chunk(g, slot_table, chunk);
-      set_window(c, win, !W::kEvenBlocks);
+      set_window(c, win, !W::kReadsMapLayouts);
       ws.load_chunk(win, c, layouts, bh, map_of<const S>(in.q, b, h), map_of<const S>(in.k, b, h),
                     map_of<const S>(in.v, b, h), head_of<Global>(in.global_k, bh, g.G * g.D),
                     head_of<Global>(in.global_v, bh, g.G * g.D), g.G, g.D, scale, false);

@@ -193,8 +193,8 @@ def test_2d_without_biases_or_global_keys_matches_the_reference(products, window
     assert_close_to_reference(*case_2d(products[1], window, exact, 1, 17, G=0, biases=False), products)
 
 
-# Seven global keys (an odd number, more than the other cases' two): the products of the global keys, multiplied apart
-# from the local ones, in every pass.
+# Seven global keys (an odd number, more than the other cases' two), in every pass: in 1D multiplied apart from the
+# local keys, in 2D one more run of the map's layouts with half-precision products.
 @pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
 @pytest.mark.parametrize("dims", [1, 2])
 def test_many_global_keys_match_the_reference(products, dims):
