@@ -326,8 +326,14 @@ void softmax_backward(int n, int ld, T* scores, T* grad_scores, const T* lse, co
 // The vector forms of the loops above for float: 16 scores at a time, the row's tail under a mask.
 inline __mmask16 tail_mask(int remaining) { return static_cast<__mmask16>((1u << remaining) - 1u); }
 
-// The lanes of the 16 columns from j (< n) of a row of n: all, or the row's tail.
-inline __mmask16 lanes_at(int j, int n) { return j + 16 <= n ? __mmask16(0xffff) : tail_mask(n - j); }
+// f(j, lanes) for the columns j = 0, 16, .. of a row of n: all 16 lanes, then the row's tail under a mask. The full
+// vectors' mask is a constant, which lets the compiler drop the masking from their loads, stores and arithmetic.
+template <typename F>
+inline void over_lanes(int n, F&& f) {
+  int j = 0;
+  for (; j + 16 <= n; j += 16) f(j, __mmask16(0xffff));
+  if (j < n) f(j, tail_mask(n - j));
+}
 
 // As exp2_nonpositive: the same polynomial of f times 2^n; t < -150 (and -inf) gives 0, NaN stays NaN. f = t - n comes
 // from one instruction (VREDUCEPS) and n from f, beside the polynomial, which shortens each vector's chain again.
@@ -354,7 +360,7 @@ inline __m512 finish_lanes(__m512 s, __m512 factor, const float* table, __mmask1
   if (table == nullptr) return _mm512_mul_ps(s, factor);
   const __m512 masked = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 t = _mm512_mask_loadu_ps(masked, lanes, table);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, masked, _CMP_EQ_OQ), _mm512_fmadd_ps(s, factor, t), masked);
+  return _mm512_mask3_fmadd_ps(s, factor, t, _mm512_cmp_ps_mask(t, masked, _CMP_NEQ_UQ));  // -inf where masked
 }
 
 // 16 floats rounded to bfloat16 (to nearest even, NaN kept), as narrow does one; where the build targets AVX512-BF16,
@@ -369,6 +375,15 @@ inline __m256i round_to_bfloat16(__m512 x) {
   const __mmask16 nan =
       _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)));
+#endif
+}
+
+// 32 floats (a's 16, then b's) rounded to bfloat16 as above: by one instruction where the build targets AVX512-BF16.
+inline __m512i round_to_bfloat16(__m512 a, __m512 b) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+#else
+  return _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bfloat16(a)), round_to_bfloat16(b), 1);
 #endif
 }
 
@@ -390,6 +405,16 @@ inline void store_lanes(c10::BFloat16* out, __mmask16 lanes, __m512 x) {
 }
 inline void store_lanes(c10::Half* out, __mmask16 lanes, __m512 x) { store_words(out, lanes, round_to_half(x)); }
 
+// Stores of 32 lanes (low, then high).
+template <typename Out>
+inline void store_lanes(Out* out, __m512 low, __m512 high) {
+  store_lanes(out, __mmask16(0xffff), low);
+  store_lanes(out + 16, __mmask16(0xffff), high);
+}
+inline void store_lanes(c10::BFloat16* out, __m512 low, __m512 high) {
+  _mm512_storeu_si512(out, round_to_bfloat16(low, high));
+}
+
 // exponentiate_row on two rows at once, each with its output and its row of one finish (the same factor, a table row
 // each where it has a table): two independent chains of instructions, so that one row's instructions run while the
 // other's wait for their inputs. Each pass reads both rows' lanes before it writes either, so the two may be one row.
@@ -401,8 +426,7 @@ void exponentiate_row_pair(int n, float* row0, float* row1, const Finish<float>&
   const bool tabled = finish0.table != nullptr;  // else the factor is applied as each pass reads the products
   const __m512 factor = _mm512_set1_ps(finish0.factor), left = tabled ? _mm512_set1_ps(1.0f) : factor;
   __m512 m0 = lowest, m1 = lowest;
-  for (int j = 0; j < n; j += 16) {  // the scores, and their maxima
-    const __mmask16 lanes = lanes_at(j, n);
+  over_lanes(n, [&](int j, __mmask16 lanes) {  // the scores, and their maxima
     __m512 s0 = _mm512_mask_loadu_ps(lowest, lanes, row0 + j), s1 = _mm512_mask_loadu_ps(lowest, lanes, row1 + j);
     if (tabled) {
       s0 = finish_lanes(s0, factor, finish0.table + j, lanes);
@@ -415,23 +439,33 @@ void exponentiate_row_pair(int n, float* row0, float* row1, const Finish<float>&
     }
     m0 = _mm512_mask_max_ps(m0, lanes, s0, m0);  // not the tail's lanes: -inf times a negative scale is +inf
     m1 = _mm512_mask_max_ps(m1, lanes, s1, m1);
-  }
+  });
   max[0] = _mm512_reduce_max_ps(m0), max[1] = _mm512_reduce_max_ps(m1);
   for (int r = 0; r < 2; ++r) {
     if (max[r] == -std::numeric_limits<float>::infinity()) max[r] = 0;
   }
   const __m512 shift0 = _mm512_set1_ps(max[0]), shift1 = _mm512_set1_ps(max[1]);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-  for (int j = 0; j < n; j += 16) {
-    const __mmask16 lanes = lanes_at(j, n);
-    const __m512 t0 = _mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row0 + j), left, shift0);
-    const __m512 t1 = _mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row1 + j), left, shift1);
-    const __m512 p0 = exp2_nonpositive<rounded>(t0), p1 = exp2_nonpositive<rounded>(t1);
-    store_lanes(out0 + j, lanes, p0);
-    store_lanes(out1 + j, lanes, p1);
+  auto exponentials = [&](int j, __mmask16 lanes, __m512& p0, __m512& p1) {  // of 16 columns, added to the sums
+    p0 = exp2_nonpositive<rounded>(_mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row0 + j), left, shift0));
+    p1 = exp2_nonpositive<rounded>(_mm512_fmsub_ps(_mm512_mask_loadu_ps(lowest, lanes, row1 + j), left, shift1));
     sum0 = _mm512_mask_add_ps(sum0, lanes, sum0, p0);
     sum1 = _mm512_mask_add_ps(sum1, lanes, sum1, p1);
+  };
+  int j0 = 0;
+  for (; j0 + 32 <= n; j0 += 32) {  // 32 columns at a time: stored by one conversion where the output is bfloat16
+    __m512 low0, low1, high0, high1;
+    exponentials(j0, 0xffff, low0, low1);
+    exponentials(j0 + 16, 0xffff, high0, high1);
+    store_lanes(out0 + j0, low0, high0);
+    store_lanes(out1 + j0, low1, high1);
   }
+  over_lanes(n - j0, [&](int j, __mmask16 lanes) {
+    __m512 p0, p1;
+    exponentials(j0 + j, lanes, p0, p1);
+    store_lanes(out0 + j0 + j, lanes, p0);
+    store_lanes(out1 + j0 + j, lanes, p1);
+  });
   sum[0] = _mm512_reduce_add_ps(sum0), sum[1] = _mm512_reduce_add_ps(sum1);
 }
 
@@ -464,13 +498,12 @@ inline __m512 probability_lanes(const float* s, const Finish<float>& finish, __m
 // softmax_backward).
 inline float probabilities_and_delta(int ld, float* s, const float* dp, const Finish<float>& finish, float lse) {
   __m512 delta = _mm512_setzero_ps(), total = _mm512_setzero_ps();
-  for (int j = 0; j < ld; j += 16) {
-    const __mmask16 lanes = lanes_at(j, ld);
+  over_lanes(ld, [&](int j, __mmask16 lanes) {
     const __m512 prob = probability_lanes(s + j, finish.offset(j), _mm512_set1_ps(lse), lanes);
     _mm512_mask_storeu_ps(s + j, lanes, prob);
     delta = _mm512_fmadd_ps(prob, _mm512_maskz_loadu_ps(lanes, dp + j), delta);
     total = _mm512_mask_add_ps(total, lanes, total, prob);
-  }
+  });
   const float row_total = _mm512_reduce_add_ps(total);
   return row_total > 0 ? _mm512_reduce_add_ps(delta) / row_total : 0.0f;
 }
@@ -490,8 +523,7 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
                                              : probabilities_and_delta(ld, scores + offset, grad_scores + offset,
                                                                        finish.offset(offset), lse[i]);
     const __m512 row_lse = _mm512_set1_ps(lse[i]), delta_lanes = _mm512_set1_ps(row_delta);
-    for (int j = 0; j < ld; j += 16) {
-      const __mmask16 lanes = lanes_at(j, ld);
+    over_lanes(ld, [&](int j, __mmask16 lanes) {
       const SoftmaxLanes x = softmax_backward_lanes(scores + offset + j, grad_scores + offset + j,
                                                     finish.offset(offset + j), row_lse, delta_lanes, lanes,
                                                     delta == nullptr);
@@ -501,7 +533,7 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
         float* sum = grad_sum + offset + j;
         _mm512_mask_storeu_ps(sum, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sum), x.grad));
       }
-    }
+    });
   }
 }
 #endif
@@ -1317,12 +1349,13 @@ inline void transpose_16x16(__m512i r[16]) {
   }
 }
 
-// The 16-bit lanes that interleave a (0..31) and b (32..63): the first 16 elements of each, or the last 16.
-inline __m512i interleave_index(int first) {
+// The 16-bit lanes that interleave 16 words from `first` with 16 from `second`: of a (0..31) and b (32..63) for a
+// permutex2var, or of one vector's halves (0 and 16) for a permutexvar.
+inline __m512i interleave_index(int first, int second) {
   alignas(64) uint16_t index[32];
   for (int k = 0; k < 16; ++k) {
     index[2 * k] = static_cast<uint16_t>(first + k);
-    index[2 * k + 1] = static_cast<uint16_t>(32 | (first + k));
+    index[2 * k + 1] = static_cast<uint16_t>(second + k);
   }
   return _mm512_load_si512(index);
 }
@@ -1335,23 +1368,22 @@ void write_columns(S* dst, const S* const* tokens, int n, int np, int64_t D) {
   int64_t d0 = 0;
 #if VIL_AVX512
   static_assert(sizeof(S) == 2, "the columns of 16-bit tokens");
-  const __m512i pairs = interleave_index(0), zero = _mm512_setzero_si512();
+  const __m512i pairs = interleave_index(0, 32), zero = _mm512_setzero_si512();
   const int words = np / 2;
   auto elements = [&](int token) {  // 16 elements from d0, zeros after the last token
     if (token >= n) return zero;
     return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tokens[token] + d0)));
   };
   for (; d0 + 16 <= D; d0 += 16) {
-    for (int i0 = 0; i0 < words; i0 += 16) {
+    over_lanes(words, [&](int i0, __mmask16 lanes) {
       __m512i r[16];
       for (int t = 0; t < 16; ++t) {
         const int j = 2 * (i0 + t);
         r[t] = _mm512_permutex2var_epi16(elements(j), pairs, elements(j + 1));
       }
       transpose_16x16(r);
-      const __mmask16 lanes = lanes_at(i0, words);
       for (int t = 0; t < 16; ++t) _mm512_mask_storeu_epi32(dst + (d0 + t) * np + 2 * i0, lanes, r[t]);
-    }
+    });
   }
 #endif
   for (int64_t d = d0; d < D; ++d) {
@@ -1401,7 +1433,7 @@ void write_element_pairs(S* dst, const S* const* tokens, int n, int64_t D, int l
 template <typename S>
 void write_token_pairs(S* dst, const S* const* tokens, int n, int64_t D, int ldb) {
 #if VIL_AVX512
-  const __m512i low = interleave_index(0), high = interleave_index(16);
+  const __m512i low = interleave_index(0, 32), high = interleave_index(16, 48);
 #endif
   const std::vector<S> zeros(n % 2 ? D : 0, S(0));
   for (int i = 0; i < n; i += 2) {
@@ -1502,10 +1534,7 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
                              const Finish<float>& finish, float* grad_sum,
                              const RoundedSoftmax<c10::BFloat16>& rounded) {
   const __m512 zero = _mm512_setzero_ps();
-  const __m512i order = interleave_index(0);
-  auto interleave = [&](__m256i a, __m256i b) {  // the words of a, each followed by b's
-    return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), order, _mm512_castsi256_si512(b));
-  };
+  const __m512i order = interleave_index(0, 16);  // the first row's words, each followed by the second's
   for (int i = 0; i < n; i += 2) {
     const bool pair = i + 1 < n;
     const int64_t offset = static_cast<int64_t>(i) * ld;
@@ -1518,8 +1547,7 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
     c10::BFloat16* ds_row = rounded.ds_rows + static_cast<int64_t>(i) * rounded.lp;
     c10::BFloat16* ds_pairs = rounded.ds_row_pairs + static_cast<int64_t>(i) * rounded.ldb;
     c10::BFloat16* p_pairs = rounded.p_row_pairs + static_cast<int64_t>(i) * rounded.ldb;
-    for (int j = 0; j < ld; j += 16) {
-      const __mmask16 lanes = lanes_at(j, ld);
+    over_lanes(ld, [&](int j, __mmask16 lanes) {
       const int64_t at_0 = offset + j, at_1 = offset + ld + j;
       const SoftmaxLanes first =
           softmax_backward_lanes(scores + at_0, grad_scores + at_0, finish, zero, delta_0, lanes, true);
@@ -1535,13 +1563,13 @@ inline void softmax_backward(int n, int ld, float* scores, float* grad_scores, c
           _mm512_mask_storeu_ps(sums[r], lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums[r]), grads[r]));
         }
       }
-      const __m256i ds_0 = round_to_bfloat16(first.grad), ds_1 = round_to_bfloat16(second.grad);
-      store_words(ds_row + j, lanes, ds_0);
-      if (pair) store_words(ds_row + rounded.lp + j, lanes, ds_1);
-      _mm512_mask_storeu_epi32(ds_pairs + 2 * j, lanes, interleave(ds_0, ds_1));
+      const __m512i ds = round_to_bfloat16(first.grad, second.grad);  // the first row's, then the second's
+      store_words(ds_row + j, lanes, _mm512_castsi512_si256(ds));
+      if (pair) store_words(ds_row + rounded.lp + j, lanes, _mm512_extracti64x4_epi64(ds, 1));
+      _mm512_mask_storeu_epi32(ds_pairs + 2 * j, lanes, _mm512_permutexvar_epi16(order, ds));
       _mm512_mask_storeu_epi32(p_pairs + 2 * j, lanes,
-                               interleave(round_to_bfloat16(first.prob), round_to_bfloat16(second.prob)));
-    }
+                               _mm512_permutexvar_epi16(order, round_to_bfloat16(first.prob, second.prob)));
+    });
     for (int r = 0; r < (pair ? 2 : 1); ++r) {
       std::fill(ds_row + r * rounded.lp + ld, ds_row + (r + 1) * rounded.lp, c10::BFloat16(0));
     }

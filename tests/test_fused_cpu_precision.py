@@ -247,6 +247,36 @@ def test_a_negative_scale_matches_the_reference(products, dims):
     assert_close_to_reference(attend(inputs, "fused_cpu"), attend(in_float64(inputs), "reference"), products)
 
 
+# A key holding NaN reaches only the queries that see it, on every path: the score columns of a chunk (block) that
+# read a key some of its queries do not see (a 2D exact window's, a 1D span's) are set to -inf for them, not summed
+# with the mask.
+@pytest.mark.parametrize("products", PATHS, ids=path_ids, indirect=True)
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("biases", [False, True])
+def test_a_nan_key_reaches_only_the_queries_that_see_it(products, dims, biases):
+    """A 9x11 map (exact windows of 5x5) or 99 tokens (w 9), the NaN in key 40."""
+    dtype = products[1]
+    window = 2 if dims == 2 else 9
+    qkv, *_, rel_bias, _ = leaves(1, 99, 2, 17, 0, (4 * window - 1) ** 2 if dims == 2 else 2 * window + 1, dtype)
+    q, k, v = (t.detach().clone() for t in split_qkv(qkv))
+    k[:, :, 40] = float("nan")
+
+    def attend(backend, converted):
+        q_, k_, v_, bias = (converted(t) for t in (q, k, v, rel_bias.detach()))
+        bias = bias if biases else None
+        if dims == 1:
+            return local_attention_1d(q_, k_, v_, window, rel_bias=bias, backend=backend)
+        q_, k_, v_ = (t.reshape(1, 2, 9, 11, 17) for t in (q_, k_, v_))
+        return local_attention_2d(q_, k_, v_, window, exact=1, rel_bias=bias, backend=backend).flatten(2, 3)
+
+    got, want = attend("fused_cpu", lambda t: t), attend("reference", torch.Tensor.double)
+    seeing = want.isnan().any(-1)
+    assert int(seeing.sum()) == 2 * (25 if dims == 2 else 2 * window + 1)  # both heads' queries around key 40
+    assert torch.equal(got.isnan().any(-1), seeing)
+    error = (got[~seeing].double() - want[~seeing]).abs().max() / want[~seeing].abs().max().clamp(min=1.0)
+    assert float(error) <= TOLERANCE[products]
+
+
 # Random requests in half precision: the fixed cases above, drawn instead. Maps and sequences smaller and larger than
 # the window; head sizes below, at and past the layouts' blocks of 16 and 32 elements (two blocks of 16 pairs from
 # 64); chunked and exact windows, every mode, dilation (per head in 1D), causal windows, padding, global keys and bias
