@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from vil.config import load_cfg
 from vil.data import DigitsDataset, build_dataset, build_mixup, build_transform, collate_skipping
+from vil.images import read_image
 from vil.loss import build_loss
 
 
@@ -64,6 +65,62 @@ def test_decompression_bombs_and_damaged_images_are_skipped_also_in_worker_proce
     names = sorted(name for _, _, unreadable in loader for name in unreadable)
     assert [os.path.basename(name.split(" (")[0]) for name in names] == ["bomb.png", "cut.JPEG", "flipped.JPEG"]
     assert "decompression bomb" in names[0] and all("Traceback" not in name for name in names)
+
+
+def deep_and_turned_images(folder):
+    """Two images a plain RGB conversion gets wrong, saved in ``folder``: 16-bit grey levels (8-bit level k is
+    16-bit level 257 k) and a photo whose EXIF orientation turns it on its side. Returns their paths."""
+    levels = np.arange(0, 65536, 257, dtype=np.uint16).reshape(16, 16)
+    Image.fromarray(levels).save(folder / "deep.png")
+    assert Image.open(folder / "deep.png").mode.startswith("I")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: turn 90 degrees clockwise to view
+    Image.new("RGB", (80, 40), (200, 10, 10)).save(folder / "phone.jpg", exif=exif)
+    return folder / "deep.png", folder / "phone.jpg"
+
+
+def test_images_are_read_as_a_viewer_shows_them(tmp_path):
+    """16-bit grey levels scaled to 8 bits (a plain conversion made 99% of a photo's pixels white), the EXIF
+    orientation applied (phone photos were classified on their side), floating-point pixels refused."""
+    deep, phone = deep_and_turned_images(tmp_path)
+    grey = np.asarray(read_image(deep))
+    assert grey.shape == (16, 16, 3) and np.array_equal(grey[..., 0], np.arange(256).reshape(16, 16))
+    assert read_image(phone).size == (40, 80)
+    Image.fromarray(np.ones((4, 4), dtype=np.float32)).save(tmp_path / "float.tif")
+    with pytest.raises(ValueError, match="floating-point pixels"):
+        read_image(tmp_path / "float.tif")
+    # 32-bit integers: 16-bit levels (as older Pillow opens 16-bit PNGs) are scaled, wider ones refused.
+    levels = np.arange(0, 65536, 257, dtype=np.int32).reshape(16, 16)
+    Image.fromarray(levels, "I").save(tmp_path / "wide.tif")
+    assert np.array_equal(np.asarray(read_image(tmp_path / "wide.tif"))[..., 0], np.arange(256).reshape(16, 16))
+    Image.fromarray(np.full((4, 4), 100000, np.int32), "I").save(tmp_path / "wider.tif")
+    with pytest.raises(ValueError, match=r"32-bit integer pixels \(mode I\) outside 16-bit levels \(up to 100000\)"):
+        read_image(tmp_path / "wider.tif")
+
+
+def test_image_folders_shards_and_predict_see_the_same_pixels(tmp_path):
+    """Training and evaluation read a folder's 16-bit and EXIF-turned images as predict does (torchvision's loader
+    turned the grey levels above 255 white and left the photo on its side), from shards too."""
+    import webdataset
+
+    from vil.data import SkippingImageFolder
+    from vil.predict import ImageFiles
+    from vil.shards import ShardDataset, write_index
+
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    paths = sorted(deep_and_turned_images(tmp_path / "images" / "cat"))
+    viewed = [np.asarray(read_image(path)) for path in paths]
+    folder = SkippingImageFolder(tmp_path / "images")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_index(shards, ["cat"], {"shard-000000.tar": len(paths)})
+    with webdataset.TarWriter(str(shards / "shard-000000.tar")) as tar:
+        for i, path in enumerate(paths):
+            tar.write({"__key__": str(i), path.suffix[1:]: path.read_bytes(), "cls": b"0"})
+    from_shards = [image for image, _ in ShardDataset(shards).evaluation_batches(0, 1, 1, 0, lambda batch: batch[0])]
+    for seen in ([image for image, _ in folder], [image for image, _ in ImageFiles(paths, None)], from_shards):
+        assert len(seen) == len(viewed) and all(np.array_equal(np.asarray(a), b) for a, b in zip(seen, viewed))
+    assert viewed[0].max() == 255 and len(np.unique(viewed[0])) == 256 and viewed[1].shape == (80, 40, 3)
 
 
 def test_eval_transform_resizes_and_center_crops(tmp_path):

@@ -364,34 +364,6 @@ def test_predict_names_the_classes_the_checkpoint_records(exported, tmp_path):
     assert status == 1 and "another order" in err and "label 0 is 'fish'" in err, err
 
 
-def test_predict_reads_images_as_a_viewer_shows_them(tmp_path):
-    """16-bit grey levels scaled to 8 bits (a plain conversion made 99% of a photo's pixels white), the EXIF
-    orientation applied (phone photos were classified on their side), floating-point pixels refused."""
-    import numpy as np
-    from PIL import Image
-
-    from vil.predict import photo
-
-    levels = np.arange(0, 65536, 257, dtype=np.uint16).reshape(16, 16)  # 8-bit level k is 16-bit level 257 k
-    Image.fromarray(levels).save(tmp_path / "deep.png")
-    assert Image.open(tmp_path / "deep.png").mode.startswith("I")
-    grey = np.asarray(photo(tmp_path / "deep.png"))
-    assert grey.shape == (16, 16, 3) and np.array_equal(grey[..., 0], np.arange(256).reshape(16, 16))
-    exif = Image.Exif()
-    exif[0x0112] = 6  # orientation: turn 90 degrees clockwise to view
-    Image.new("RGB", (80, 40), (200, 10, 10)).save(tmp_path / "phone.jpg", exif=exif)
-    assert photo(tmp_path / "phone.jpg").size == (40, 80)
-    Image.fromarray(np.ones((4, 4), dtype=np.float32)).save(tmp_path / "float.tif")
-    with pytest.raises(ValueError, match="floating-point pixels"):
-        photo(tmp_path / "float.tif")
-    # 32-bit integers: 16-bit levels (as older Pillow opens 16-bit PNGs) are scaled, wider ones refused.
-    Image.fromarray(levels.astype(np.int32), "I").save(tmp_path / "wide.tif")
-    assert np.array_equal(np.asarray(photo(tmp_path / "wide.tif"))[..., 0], np.arange(256).reshape(16, 16))
-    Image.fromarray(np.full((4, 4), 100000, np.int32), "I").save(tmp_path / "wider.tif")
-    with pytest.raises(ValueError, match=r"32-bit integer pixels \(mode I\) outside 16-bit levels \(up to 100000\)"):
-        photo(tmp_path / "wider.tif")
-
-
 def test_a_folder_gives_the_images_a_file_name_gives(tmp_path):
     """GIF files, read when named one by one, are a folder's images too; other files are not."""
     from vil.predict import image_paths

@@ -335,7 +335,7 @@ def test_a_foreign_last_checkpoint_is_refused(data, tmp_path):
 
 def test_a_config_file_in_the_output_dir_is_not_replaced(data, tmp_path):
     """OUTPUT_DIR/config.yaml that no run wrote (here the very file the run reads) is refused, not overwritten with
-    the resolved config; a run's own is replaced by the next run's."""
+    the resolved config, by a fresh run and by a resumed one; a run's own is replaced by the next run's."""
     from vil.config import load_cfg
 
     out = tmp_path / "myexp"
@@ -348,6 +348,10 @@ def test_a_config_file_in_the_output_dir_is_not_replaced(data, tmp_path):
     (out / "config.yaml").unlink()
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
     assert load_cfg(out / "config.yaml").OPTIM.EPOCHS == 1
+    (out / "config.yaml").write_text(mine)  # put there after the run started: its resume refuses it too
+    with pytest.raises(ValueError, match=r"config.yaml is not a config this project's training wrote"):
+        train(tiny_cfg(data, out, "OPTIM.EPOCHS", "2"))
+    assert (out / "config.yaml").read_text() == mine
 
 
 # 6. Two runs, one folder.

@@ -15,10 +15,11 @@ from timm.data import Mixup, auto_augment, create_transform
 from torch.utils.data import Dataset, default_collate
 from torchvision import transforms
 from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .config import config_value, get_cfg
 from .files import not_a_folder
+from .images import read_image
 from .shards import ShardDataset
 from .unreadable import Unreadable, skipped
 
@@ -43,7 +44,7 @@ class SkippingImageFolder(ImageFolder):
     def __init__(self, root, transform=None, classes=None):
         self.chosen = list(classes) if classes else None
         try:
-            super().__init__(root, transform)
+            super().__init__(root, transform, loader=read_image)
         except FileNotFoundError:  # torchvision's words for a folder without class folders, or a class without images
             if not os.path.isdir(root):
                 raise ValueError(f"{root} does not exist; give a folder of class folders, {EXPECTED_LAYOUT}.") from None
@@ -72,7 +73,7 @@ def _without_images(root, classes):
     return f"{root} holds no images of its classes; the data must be ImageNet-style folders, {EXPECTED_LAYOUT}."
 
 
-def loaded_or_skipped(path, target, transform, loader=default_loader):
+def loaded_or_skipped(path, target, transform, loader=read_image):
     """``(transform(image), target)`` of the image file at ``path``, or the :class:`Unreadable` that names it."""
     try:
         image = loader(path)

@@ -5,9 +5,7 @@ folders and globs, in batches with a progress bar. An image that cannot be read 
 import glob
 import os
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps
 from timm.data import ImageNetInfo
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -50,29 +48,9 @@ def readable_names(names: list) -> list:
     return imagenet.label_descriptions() if list(names) == list(imagenet.label_names()) else list(names)
 
 
-def photo(path) -> Image.Image:
-    """The image at ``path`` in RGB as a viewer shows it: turned as its EXIF orientation says (a phone's photos), and
-    16-bit grey levels scaled to 8 bits (a plain conversion clips every level above 255 to white). Floating-point
-    images, and 32-bit integer ones beyond 16-bit levels, whose range nothing states, are refused in one sentence."""
-    with Image.open(path) as image:
-        image = ImageOps.exif_transpose(image)
-        if image.mode == "F":
-            raise ValueError(
-                "it holds floating-point pixels (mode F), whose range is not known; save it as 8- or 16-bit"
-            )
-        if image.mode.startswith("I"):  # I;16, I;16B, and I (how older Pillow opens 16-bit PNGs): 16-bit levels
-            levels = np.asarray(image, dtype=np.float64)
-            if levels.size and (levels.min() < 0 or levels.max() > 65535):
-                raise ValueError(
-                    f"it holds 32-bit integer pixels (mode {image.mode}) outside 16-bit levels (up to "
-                    f"{levels.max():.0f}), whose range is not known; save it as 8- or 16-bit"
-                )
-            image = Image.fromarray(np.rint(levels * (255 / 65535)).astype(np.uint8))
-        return image.convert("RGB")
-
-
 class ImageFiles(Dataset):
-    """The images at ``paths`` (:func:`photo`), transformed; the target of each is its index in ``paths``."""
+    """The images at ``paths`` (read as image folders are: :func:`vil.images.read_image`), transformed; the target
+    of each is its index in ``paths``."""
 
     def __init__(self, paths, transform):
         self.paths, self.transform = paths, transform
@@ -81,7 +59,7 @@ class ImageFiles(Dataset):
         return len(self.paths)
 
     def __getitem__(self, index):
-        return loaded_or_skipped(self.paths[index], index, self.transform, photo)
+        return loaded_or_skipped(self.paths[index], index, self.transform)
 
 
 @torch.no_grad()

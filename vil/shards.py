@@ -24,11 +24,11 @@ from functools import partial
 from itertools import islice
 
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .files import atomic_write
+from .images import read_image
 from .seeding import sample_seed, seeded_call
 from .unreadable import skipped
 
@@ -158,8 +158,7 @@ class ShardDataset:
                     f"the shard cannot be read past this point, {sample[DAMAGED]}, so its later samples are lost; "
                     "copy it again or write the split again with tools/make_shards.py"
                 )
-            with Image.open(io.BytesIO(sample[image_member(sample)])) as image:
-                image = image.convert("RGB")
+            image = read_image(io.BytesIO(sample[image_member(sample)]))
             if "cls" not in sample:
                 raise ValueError("no cls member (the class index)")
             target = int(sample["cls"])

@@ -227,7 +227,7 @@ def set_up(cfg):
         else:
             check_fresh_folder(out)
         if runtime.is_main:
-            write_run_config(cfg, out, fresh=resume_point is None)
+            write_run_config(cfg, out)
         warn_compatibility_keys(cfg, log)
         _log_resolved_arch(cfg)
         if runtime.world > 1 and runtime.backend != cfg.DISTRIBUTED_BACKEND:
@@ -249,12 +249,12 @@ RUN_CONFIG_HEADER = (
 )
 
 
-def write_run_config(cfg, out, fresh):
-    """``out/config.yaml``: the run's resolved config, first of all. Where a ``fresh`` run (not a resumed one) finds
-    a ``config.yaml`` there that no run wrote (a config file of the user's, perhaps the one this run reads), it is
+def write_run_config(cfg, out):
+    """``out/config.yaml``: the run's resolved config, first of all. Where a run, fresh or resumed, finds a
+    ``config.yaml`` there that no run wrote (a config file of the user's, perhaps the one this run reads), it is
     refused in one sentence rather than replaced."""
     path = os.path.join(out, "config.yaml")
-    if fresh and os.path.isfile(path):
+    if os.path.isfile(path):
         with open(path, "rb") as f:
             if f.readline().decode(errors="replace") != RUN_CONFIG_HEADER:
                 raise ValueError(

@@ -1,0 +1,28 @@
+"""Image files as the models see them, read one way wherever images come from (image folders, shards, the files
+given to predict): training, evaluation and prediction then agree on every pixel."""
+
+import numpy as np
+from PIL import ExifTags, Image, ImageOps
+
+
+def read_image(source) -> Image.Image:
+    """The image at ``source`` (a path or a binary file object) in RGB as a viewer shows it: turned as its EXIF
+    orientation says (a phone's photos), and 16-bit grey levels scaled to 8 bits (a plain conversion clips every
+    level above 255 to white). Floating-point images, and 32-bit integer ones beyond 16-bit levels, whose range
+    nothing states, are refused in one sentence."""
+    with Image.open(source) as image:
+        if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:  # else exif_transpose would copy it
+            image = ImageOps.exif_transpose(image)
+        if image.mode == "F":
+            raise ValueError(
+                "it holds floating-point pixels (mode F), whose range is not known; save it as 8- or 16-bit"
+            )
+        if image.mode.startswith("I"):  # I;16, I;16B, and I (how older Pillow opens 16-bit PNGs): 16-bit levels
+            levels = np.asarray(image, dtype=np.float64)
+            if levels.size and (levels.min() < 0 or levels.max() > 65535):
+                raise ValueError(
+                    f"it holds 32-bit integer pixels (mode {image.mode}) outside 16-bit levels (up to "
+                    f"{levels.max():.0f}), whose range is not known; save it as 8- or 16-bit"
+                )
+            image = Image.fromarray(np.rint(levels * (255 / 65535)).astype(np.uint8))
+        return image.convert("RGB")
