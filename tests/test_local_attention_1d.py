@@ -287,6 +287,7 @@ def test_a_nan_key_reaches_only_the_queries_that_see_it(backend):
         (dict(k_shape=(2, 2, 9, 4)), r"k must have the shape of q.*\(2, 2, 9, 4\)"),
         (dict(dilation=0), r"dilation must be a positive integer.*got 0"),
         (dict(dilation=[1, 2, 3]), r"one int per head \(2\), got 3 values"),
+        (dict(dilation=torch.tensor([[1, 2]])), r"one int per head \(2\), got an array of shape \(1, 2\)"),
         (
             dict(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
             r"key_padding_mask.*\(2, 10\).*bool.*\(2, 9\)",

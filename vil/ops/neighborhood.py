@@ -144,6 +144,11 @@ class Neighborhood1d:
         """The band of ``heads`` heads whose ``dilation`` is one int or one per head, given as any sequence, numpy
         array or tensor of values."""
         if hasattr(dilation, "tolist"):  # a tensor, a numpy array or a numpy int, as Python values
+            if len(dilation.shape) > 1:
+                raise ValueError(
+                    f"dilation must be one int or one int per head ({heads}), got an array of shape "
+                    f"{tuple(dilation.shape)}; give it flat, of shape ({heads},)."
+                )
             dilation = dilation.tolist()
         if isinstance(dilation, Sequence) and not isinstance(dilation, str):
             if len(dilation) != heads:
