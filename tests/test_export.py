@@ -428,16 +428,22 @@ def test_an_export_below_twice_the_stride_is_refused():
         export_program(model, stride, 2 * stride)
 
 
-@pytest.mark.parametrize("last_stage", ["s0", "s0,a0"], ids=["position_embedding", "relative_bias"])
-def test_a_padding_detection_backbone_exports_for_sizes_that_are_not_multiples_of_its_stride(last_stage):
+@pytest.mark.parametrize(
+    "last_stage,global_tokens",
+    [("s0", "drop"), ("s0,a0", "drop"), ("s0", "average")],
+    ids=["position_embedding", "relative_bias", "global_tokens_averaged"],
+)
+def test_a_padding_detection_backbone_exports_for_sizes_that_are_not_multiples_of_its_stride(last_stage, global_tokens):
     """Its patch embeddings pad each image to a multiple of their patch size: the program takes any size from twice
     the stride, the padding computed from the size (declared as multiples of the stride, it had dropped out of the
     graph, and other sizes failed inside the program). Two heads in the first stage, as every preset has: the
     attention's q, k, v are then strided views whose layout torch had decided by a guard on the size. A last stage
     of full attention with relative bias (the _rpb presets'): its bias had been a view torch could not prove for
-    every padded size."""
+    every padded size. The global tokens' mean added to the maps: added to the permuted map, it left a guard on the
+    map's strides that torch could not prove."""
     torch.manual_seed(0)
-    backbone = ViLBackbone(f"l1,h2,d16,p4,f2_l2,h1,d32,f2_l3,h2,d32,{last_stage}", img_size=64).eval()
+    arch = f"l1,h2,d16,p4,f2_l2,h1,d32,f2_l3,h2,d32,{last_stage}"
+    backbone = ViLBackbone(arch, img_size=64, global_tokens=global_tokens).eval()
     program = export_program(backbone, 64, 64)
     for size in ((70, 70), (50, 33), (97, 131)):
         images = torch.randn(1, 3, *size)

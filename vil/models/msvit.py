@@ -522,9 +522,9 @@ class MsViT(nn.Module):
             if i in take:
                 G = self.stage_specs[i].num_global
                 normed = self.norm(tokens) if norm and i == last else tokens
+                if global_tokens == "average" and G:  # added to the tokens: torch.export then takes every map size
+                    normed = normed + normed[:, :G].mean(dim=1, keepdim=True)
                 stage_map = self.stage_maps[i](normed, nx, ny)
-                if global_tokens == "average" and G:
-                    stage_map = stage_map + normed[:, :G].mean(dim=1)[:, :, None, None]
                 maps.append(stage_map.permute(0, 2, 3, 1) if output_fmt == "NHWC" else stage_map)
             if intermediates_only and stop_early and i == take[-1]:
                 break
