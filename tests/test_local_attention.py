@@ -16,6 +16,7 @@ from vil.ops.backends import fused_cpu, reference
 from vil.ops.backends.reference import window_pairs
 from vil.ops.base import Extras
 from vil.ops.neighborhood import Neighborhood2d
+from vil.ops.registry import BACKENDS
 
 # The Triton kernels have their own tests (tests/test_triton_kernels.py: interpreter, smaller problems), and
 # so has FlexAttention (no backward on the CPU).
@@ -714,6 +715,50 @@ def _attend(backend, dims):
     return torch.randn(shape, generator=gen, dtype=torch.float64), lambda q: attention(q, k, v, 2, backend=backend)
 
 
+@pytest.mark.parametrize("dims", [1, 2])
+def test_the_lowest_finite_bias_masks_on_every_backend_as_in_the_reference(dims):
+    """torch.finfo(dtype).min as a bias, a common masking value: the backends that compute in base 2 multiplied it by
+    log2(e) into -inf and gave a query whose keys all had it zeros, where the reference, adding a finite value,
+    averages the values. Head 0 has it on every key (global key too): its outputs are compared (its gradients are
+    a documented limit); head 1 on some keys: its outputs and every gradient."""
+    gen = torch.Generator().manual_seed(7)
+    shape = (2, 2, 6, 5, 4) if dims == 2 else (2, 2, 9, 4)
+    q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
+    global_k, global_v = (torch.randn(2, 2, 1, 4, generator=gen) for _ in range(2))
+    lowest = torch.finfo(torch.float32).min
+    rel_bias = torch.randn(2, 49 if dims == 2 else 5, generator=gen)
+    rel_bias[0] = lowest
+    rel_bias[1, ::3] = lowest
+    global_bias = torch.tensor([[lowest], [0.5]])
+    inputs = (q, k, v, global_k, global_v, rel_bias, global_bias)
+    attention = local_attention_2d if dims == 2 else local_attention_1d
+
+    def outputs_and_gradients(backend):
+        """The output, then the gradients of head 1's outputs."""
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        q, k, v, global_k, global_v, rel_bias, global_bias = leaves
+        out = attention(
+            q,
+            k,
+            v,
+            2,
+            global_k=global_k,
+            global_v=global_v,
+            rel_bias=rel_bias,
+            global_bias=global_bias,
+            backend=backend,
+        )
+        head_1 = out[:, 1]
+        grads = torch.autograd.grad(head_1, leaves, upstream_gradient(head_1, 8), allow_unused=True)
+        return out, *(g[1] if g.dim() == 2 else g[:, 1] for g in grads)
+
+    want = outputs_and_gradients("reference")
+    assert want[0][:, 0].abs().max() < 3  # the head whose keys are all masked averages its values
+    for backend in (b for b in FAST_BACKENDS if BACKENDS[b].computes(dims)):
+        for got, expected in zip(outputs_and_gradients(backend), want):
+            torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=backend)
+
+
 @pytest.mark.parametrize("backend,dims", [("fused_cpu", 2), ("sliding_chunk", 2), ("chunk_rows", 2), ("chunks", 1)])
 def test_function_transforms_are_refused_by_backends_they_cannot_see_through(backend, dims):
     # Their passes or autograd functions would give forward-mode AD no tangent (a zero or missing derivative), and
@@ -737,6 +782,16 @@ def test_function_transforms_are_refused_by_backends_they_cannot_see_through(bac
     else:  # their autograd functions loop over the batch
         with pytest.raises(RuntimeError, match=f"^torch.func.vmap cannot map the {backend} backend.*reference"):
             torch.func.vmap(attend)(q.unsqueeze(1))
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_vmap_of_flex_is_refused_naming_the_backends_it_maps(dims):
+    """torch's FlexAttention failed inside torch.func.vmap (a fake tensor call), where the op refuses in one sentence
+    and names the backends that vmap maps."""
+    q, attend = _attend("flex", dims)
+    with pytest.raises(RuntimeError, match=r"^torch.func.vmap cannot map the flex backend.*fused_cpu") as err:
+        torch.func.vmap(attend)(q.unsqueeze(1))
+    assert "flex" not in str(err.value).split(":")[-1]
 
 
 @pytest.mark.parametrize("backend,dims", [("unfold", 2), ("sliding_chunk_autograd", 2), ("reference", 1)])

@@ -249,6 +249,22 @@ def test_empty_batch():
     assert local_attention_1d(q, q, q, 3, backend="sliding_chunk").shape == (0, 2, 10, 4)
 
 
+def test_an_empty_batch_of_long_sequences_computes_nothing_and_gives_zero_gradients():
+    """No backend runs for it: the reference, which took such requests, built its (query, key) pair tables for the
+    8192 positions whatever the batch, 40 s and 7 GB. The bias tables, which have elements, get zero gradients."""
+    q = torch.randn(0, 2, 8192, 4, requires_grad=True)
+    rel_bias = torch.randn(2, 7, requires_grad=True)
+    global_bias = torch.full((2, 1), float("-inf"), requires_grad=True)
+    global_kv = torch.randn(0, 2, 1, 4, requires_grad=True)
+    out = local_attention_1d(
+        q, q, q, 3, rel_bias=rel_bias, global_k=global_kv, global_v=global_kv, global_bias=global_bias
+    )
+    assert out.shape == (0, 2, 8192, 4)
+    grads = torch.autograd.grad(out, (q, rel_bias, global_kv, global_bias), torch.ones_like(out))
+    assert grads[0].shape == q.shape and grads[2].shape == global_kv.shape
+    assert torch.equal(grads[1], torch.zeros(2, 7)) and torch.equal(grads[3], torch.zeros(2, 1))
+
+
 def test_default_backend():
     assert default_backend(CPU, torch.float32, dims=1) == "fused_cpu"
     q = torch.randn(1, 2, 30, 4, dtype=torch.float64)
@@ -343,6 +359,18 @@ def test_an_enormous_window_or_dilation_covers_the_sequence():
     dense = torch.softmax(q @ k.transpose(-1, -2) * 4**-0.5, dim=-1) @ v
     torch.testing.assert_close(local_attention_1d(q, k, v, 10**9), dense, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(local_attention_1d(q, k, v, 1, dilation=50), v, rtol=1e-4, atol=1e-5)  # only itself
+
+
+@pytest.mark.parametrize("backend", TRAINING)
+def test_a_head_whose_dilation_is_beyond_any_length_sees_only_its_own_position(backend):
+    """Head 1's dilation of 10^9 leaves each query itself; head 0 the band. The loop backend padded the keys by the
+    dilation times the window, 8e9 positions (256 GB)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 4) for _ in range(3))
+    out = local_attention_1d(q, k, v, 4, dilation=[1, 10**9], backend=backend)
+    torch.testing.assert_close(out[:, 1], v[:, 1], rtol=1e-4, atol=1e-5)
+    want = local_attention_1d(q, k, v, 4, dilation=[1, 10**9], backend="reference")
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
 def assert_products_counted(attend, pairs, head_dim):

@@ -229,9 +229,9 @@ class Backend:
     ``torch.func.grad`` differentiate its functions (standard operators all through); False where passes, kernels or
     an autograd.Function of its own compute (they would see no tangent), so that such a call is refused in one
     sentence. ``vmap``: ``torch.func.vmap`` maps its calls (False where an autograd.Function of its own loops over
-    the batch, which vmap cannot batch: refused in one sentence). ``extras_in_float32``: it takes the global keys and
-    values and bias tables in float32 beside half-precision q (its passes compute them in float32), so that pieces
-    of a split request can share float32 copies.
+    the batch, which vmap cannot batch, or where torch's FlexAttention fails under it: refused in one sentence).
+    ``extras_in_float32``: it takes the global keys and values and bias tables in float32 beside half-precision q
+    (its passes compute them in float32), so that pieces of a split request can share float32 copies.
     """
 
     name: str

@@ -7,7 +7,7 @@ once, builds the neighbourhood (``vil/ops/neighborhood.py``) and the optional in
 :class:`~vil.ops.base.Extras`, picks or checks the backend from its declaration, and hands the request to
 ``vil/ops/operators.py``, which runs it.
 
-Two limits hold for every backend, as for torch's ``scaled_dot_product_attention``:
+Three limits hold for every backend, as for torch's ``scaled_dot_product_attention``:
 
 - Values must be finite at every position, padded ones and those outside every window included: a value a query does
   not attend to meets a probability of 0 there, and 0 x NaN is NaN. Which rows a NaN or inf in ``v`` reaches differs
@@ -17,6 +17,11 @@ Two limits hold for every backend, as for torch's ``scaled_dot_product_attention
   ``sliding_chunk_autograd``, ``loop``, ``reference``) compute them in float16, as the original release's unfold did,
   so that a scaled score beyond float16's largest value (65504) overflows and its query's row is NaN. bfloat16 has
   float32's range.
+- A finite bias so large that it outweighs the scores (``torch.finfo(dtype).min``, say) masks its keys as it does in
+  the reference, and a query whose keys all have it averages their values as the reference does; the gradients of
+  such a query's output are the reference's only from the backends whose backward keeps probabilities
+  (``unfold``, ``unfold_nnf``, ``sliding_chunk_autograd``, ``loop``, ``reference``): the others recompute them from
+  a log-sum-exp that so large a value leaves without its fractional part. Mask with -inf or ``key_padding_mask``.
 """
 
 import logging
@@ -28,7 +33,7 @@ from typing import Optional, Union
 import torch
 
 from . import operators, split
-from .base import Extras, exporting_to_onnx, listed, needs_grad, tracing
+from .base import LOG2E, Extras, exporting_to_onnx, listed, needs_grad, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import BACKENDS, available_backends, default_backend
 
@@ -196,10 +201,20 @@ def _extras(q, optional, scale, key_padding_mask=None):
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
         global_k=global_k,
         global_v=global_v,
-        rel_bias=None if rel_bias is None else rel_bias.to(q.dtype),
-        global_bias=None if global_bias is None else global_bias.to(q.dtype),
+        rel_bias=None if rel_bias is None else _within_base2_range(rel_bias.to(q.dtype)),
+        global_bias=None if global_bias is None else _within_base2_range(global_bias.to(q.dtype)),
         key_padding_mask=key_padding_mask,
     )
+
+
+def _within_base2_range(table):
+    """``table`` with its finite biases beyond the dtype's largest value over log2(e) brought to that bound, their
+    gradients passed on unchanged. The backends that compute in base 2 multiply the biases by log2(e), which would
+    turn such a bias (``torch.finfo(dtype).min``, a common masking value) into -inf, a key the query does not see,
+    where the others add a finite value; a bias at the bound outweighs any score just as much. -inf stays -inf."""
+    bound = torch.finfo(table.dtype).max / LOG2E
+    within = table + (table.clamp(-bound, bound) - table).detach()
+    return torch.where(table.isinf(), table, within)
 
 
 def _choose(backend, hood, q, trains):

@@ -159,7 +159,7 @@ def attention_1d(q, k, v, hood, extras):
     return attend(q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=extras.scale)
 
 
-# torch's FlexAttention has no CPU backward: forward only there.
+# torch's FlexAttention has no CPU backward: forward only there; torch.func.vmap fails inside it.
 BACKEND = Backend(
     "flex",
     attention_2d=attention_2d,
@@ -169,4 +169,5 @@ BACKEND = Backend(
     trains_on=("cuda",),
     traceable=True,
     function_transforms=False,
+    vmap=False,
 )

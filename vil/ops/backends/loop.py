@@ -14,9 +14,11 @@ from ..base import Backend, softmax_or_zeros
 from ..geometry import pair_in_band
 
 
-def _shifted(x, dilation, offset, window, length):
-    """The positions ``i + dilation * offset`` for every ``i``: a view of ``x`` padded by ``dilation * window``."""
-    start = dilation * (window + offset)
+def _shifted(x, dilation, offset, pad, length):
+    """The positions ``i + dilation * offset`` for every ``i``: a view of ``x`` padded by ``pad``, the smaller of
+    ``dilation * window`` and ``length``. A shift of ``length`` or more sees padding only, so it is taken as one of
+    ``pad``: padding by the whole shift took memory for up to ``2 * dilation * window`` positions."""
+    start = pad + max(-pad, min(pad, dilation * offset))
     return x[:, :, start : start + length]
 
 
@@ -36,7 +38,7 @@ def attention_1d(q, k, v, hood, extras):
     key_padding_mask = extras.key_padding_mask
     B, H, L, D = q.shape
     w, d = hood.window, hood.dilation
-    pad = d * w
+    pad = min(d * w, L)
     keys, values = F.pad(k, (0, 0, pad, pad)), F.pad(v, (0, 0, pad, pad))
     key_ok = torch.zeros(1 if key_padding_mask is None else B, L + 2 * pad, dtype=torch.bool, device=q.device)
     key_ok[:, pad : pad + L] = True if key_padding_mask is None else ~key_padding_mask
@@ -45,16 +47,16 @@ def attention_1d(q, k, v, hood, extras):
     diagonals = []
     for a in hood.offsets:
         allowed, row = pair_in_band(positions, positions + d * a, w, d, hood.causal)
-        scores = (queries * _shifted(keys, d, a, w, L)).sum(-1)
+        scores = (queries * _shifted(keys, d, a, pad, L)).sum(-1)
         if rel_bias is not None:
             scores = scores + rel_bias[:, row[0], None]
-        visible = _shifted(key_ok[:, None, :, None], d, a, w, L)[..., 0] & allowed
+        visible = _shifted(key_ok[:, None, :, None], d, a, pad, L)[..., 0] & allowed
         diagonals.append(scores.masked_fill(~visible, float("-inf")))
     probs = softmax_with_globals(torch.stack(diagonals, dim=-1), queries, global_k, global_bias)
     G = 0 if global_k is None else global_k.shape[2]
     out = torch.matmul(probs[..., :G], global_v) if G else torch.zeros_like(q)
     for n, a in enumerate(hood.offsets):
-        out = out + probs[..., G + n, None] * _shifted(values, d, a, w, L)
+        out = out + probs[..., G + n, None] * _shifted(values, d, a, pad, L)
     return out
 
 
