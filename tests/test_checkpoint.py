@@ -242,3 +242,20 @@ def test_compiled_model_prefix_is_stripped(tmp_path):
     load_checkpoint(target, tmp_path / "compiled.pth")
     x = torch.randn(1, 3, 64, 64)
     torch.testing.assert_close(target(x), source(x), rtol=0, atol=0)
+
+
+def test_data_sharing_a_class_with_the_checkpoint_under_another_label_is_refused(caplog):
+    """A checkpoint trained on digits 0 and 1, evaluated on 1 and 2: its class '1' (output 1) would be scored as the
+    data's label 0. Refused naming the class and both labels; classes that share no name are scored label by label,
+    said once."""
+    from vil.weights import check_trained_classes
+
+    checkpoint = {"classes": ["0", "1"]}
+    with pytest.raises(ValueError, match=r"class '1' as its label 1, but the data labels it 0.*DATA.CLASSES"):
+        check_trained_classes(checkpoint, "digits.pth", ["1", "2"])
+    with pytest.raises(ValueError, match=r"same classes in another order: its label 0 is '0', the data's '1'"):
+        check_trained_classes(checkpoint, "digits.pth", ["1", "0"])
+    check_trained_classes(checkpoint, "digits.pth", ["0", "2"])  # '0' keeps its label
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        check_trained_classes(checkpoint, "digits.pth", ["cat", "dog"])
+    assert "its label 0 is '0', the data's 'cat'" in caplog.text

@@ -471,6 +471,24 @@ def test_predict_tells_config_keys_from_image_names(tmp_path, monkeypatch):
     )
     assert args.overrides == ["MODEL.MODEL_PATH", "m.pth"]
     assert args.images == ["IMG_0001.JPG", "MODEL.JPG", "DSC_0002.JPG"]
+    # A near miss of a section is a key, which the config then names ("did you mean INPUT.CROP_PCT?").
+    args = load_tool("predict").parse_args(["--config-file", "vil_tiny", "INPT.CROP_PCT", "0.9", "IMG_0001.JPG"])
+    assert args.overrides == ["INPT.CROP_PCT", "0.9"] and args.images == ["IMG_0001.JPG"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--config-file", "vil_tiny", "MODEL.MODEL_PATH", "m.pth"], "give the images to label"),
+        (["--config-file", "", "a.png"], "--config-file is empty"),  # as from an unset $CFG: not the defaults
+    ],
+)
+def test_predict_refuses_no_images_and_an_empty_config_file_before_loading_anything(argv, message, capsys):
+    from tool_runner import load_tool
+
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("predict").parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_imagenet_models_show_imagenet_descriptions():

@@ -13,6 +13,7 @@ image that cannot be read is named in a warning and skipped.
 
 import argparse
 import csv
+import difflib
 import io
 import json
 import logging
@@ -28,7 +29,7 @@ from timm.models import parse_model_name
 
 from vil.checkpoint import SAFETENSORS_NAME, hub_record, recorded_classes
 from vil.cli import non_negative_int, positive_int
-from vil.config import get_cfg, load_cfg
+from vil.config import EMPTY_CONFIG_FILE, get_cfg, load_cfg
 from vil.data import build_transform
 from vil.files import atomic_write, check_writable_file, not_a_folder
 from vil.hub import class_names, data_class_names, default_class_names
@@ -41,8 +42,12 @@ CONFIG_KEY = re.compile(r"^[A-Z][A-Z0-9_]*(\.[A-Z0-9_]+)+$")  # MODEL.MODEL_PATH
 
 def is_override(token):
     """Whether ``token`` is a config key (``MODEL.MODEL_PATH``) rather than an image (``IMG_0001.JPG``): it has a
-    key's form, begins with a section of the config and is not an existing file."""
-    return bool(CONFIG_KEY.match(token)) and token.split(".")[0] in get_cfg() and not os.path.exists(token)
+    key's form, begins with a section of the config or a near miss of one (``INPT``: the config then names the
+    key it meant) and is not an existing file."""
+    sections = list(get_cfg())
+    section = token.split(".")[0]
+    near = section in sections or difflib.get_close_matches(section, sections, n=1, cutoff=0.75)
+    return bool(CONFIG_KEY.match(token)) and bool(near) and not os.path.exists(token)
 
 
 def parse_args(argv=None):
@@ -65,6 +70,10 @@ def parse_args(argv=None):
             args.overrides += [token, next(tokens, "")]
         else:
             args.images.append(token)
+    if args.config_file == "":  # as from an unset $CFG: not the defaults
+        p.error(EMPTY_CONFIG_FILE)
+    if not args.images:
+        p.error("give the images to label: image files, folders or globs.")
     if args.overrides and args.model:
         p.error(f"config overrides ({args.overrides[0]} ...) go with --config-file, not with --model.")
     if args.output and not args.output.endswith((".csv", ".json")):

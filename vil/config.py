@@ -580,6 +580,10 @@ def check_values(cfg, source=None):
         )
 
 
+# An empty --config-file (an unset variable, $CFG) is refused, not read as the defaults.
+EMPTY_CONFIG_FILE = "--config-file is empty; give a YAML file or a preset's name (vil_tiny, vil_small, ...)"
+
+
 def config_from_command_line(description, argv=None):
     """The tools' command line, ``--config-file F [KEY VALUE ...]``, as a config from :func:`load_cfg`."""
     import argparse
@@ -591,5 +595,5 @@ def config_from_command_line(description, argv=None):
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
     args = parser.parse_args(argv)
     if not args.config_file:
-        parser.error("--config-file is empty; give a YAML file or a preset's name (vil_tiny, vil_small, ...)")
+        parser.error(EMPTY_CONFIG_FILE)
     return load_cfg(args.config_file, args.opts)

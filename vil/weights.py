@@ -55,10 +55,11 @@ def read_model_checkpoint(cfg):
 
 
 def check_trained_classes(checkpoint, path, classes):
-    """Refuse data whose classes (names in label order) are the checkpoint's training classes in another order: its
-    labels would be scored against the wrong outputs. Classes named otherwise (another naming of the same labels,
-    say) are scored label by label, said once in the log. A checkpoint that records no classes is not checked, nor
-    one of another class count (its classifier is refused, or replaced when fine-tuning)."""
+    """Refuse data whose classes (names in label order) are the checkpoint's training classes in another order, or
+    share a class with them under another label: its labels would be scored against the wrong outputs. Classes named
+    otherwise (another naming of the same labels, say) are scored label by label, said once in the log. A checkpoint
+    that records no classes is not checked, nor one of another class count (its classifier is refused, or replaced
+    when fine-tuning)."""
     trained = recorded_classes(checkpoint)
     if trained is None or len(trained) != len(classes) or trained == list(classes):
         return
@@ -68,6 +69,13 @@ def check_trained_classes(checkpoint, path, classes):
         raise ValueError(
             f"Checkpoint {path} was trained with the same classes in another order: its label {first} is {theirs!r}, "
             f"the data's {ours!r}; set DATA.CLASSES to the checkpoint's order (its 'classes' entry)."
+        )
+    moved = next((name for label, name in enumerate(classes) if name in trained and trained.index(name) != label), None)
+    if moved is not None:
+        raise ValueError(
+            f"Checkpoint {path} was trained with class {moved!r} as its label {trained.index(moved)}, but the data "
+            f"labels it {list(classes).index(moved)}, so it would be scored against another class's output; set "
+            "DATA.CLASSES so that the classes both have keep the checkpoint's labels (its 'classes' entry)."
         )
     log.warning(
         f"Checkpoint {path} was trained on classes named otherwise than the data's (its label {first} is {theirs!r}, "
