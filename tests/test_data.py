@@ -195,8 +195,12 @@ def test_class_folders_that_are_links_are_read(tmp_path):
 
 
 def test_class_count_must_match(tmp_path):
-    with pytest.raises(ValueError, match="2 classes.*DATA.NUM_CLASSES is 5.*NUM_CLASSES 2"):
+    with pytest.raises(ValueError, match=r"2 classes.*DATA.NUM_CLASSES is 5.*NUM_CLASSES 2\.$"):
         build_dataset(cfg_for(make_folder(tmp_path), "DATA.NUM_CLASSES", "5"), train=True)
+    # More classes than the count: a subset of them (a checkpoint trained on some) is the other way.
+    folder = make_folder(tmp_path / "three", classes=("cat", "dog", "fox"))
+    with pytest.raises(ValueError, match=r"3 classes.*is 2; set DATA.NUM_CLASSES 3, or DATA.CLASSES to the 2 of them"):
+        build_dataset(cfg_for(folder), train=True)
 
 
 def test_digits_split_is_disjoint_stratified_and_fixed():

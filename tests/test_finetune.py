@@ -231,6 +231,14 @@ def test_model_path_is_looked_up_under_data_dir_and_other_architectures_are_refu
             MsViT(TINY_ARCH, img_size=32, num_classes=3),
             load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "tiny.pth")]),
         )
+    # One that records the classes it was trained on (some of the data's, say) names them, with DATA.CLASSES.
+    recorded = {**torch.load(tmp_path / "weights" / "tiny.pth", weights_only=True), "classes": ["cat", "dog"]}
+    torch.save(recorded, tmp_path / "weights" / "cats_and_dogs.pth")
+    with pytest.raises(ValueError, match=r"NUM_CLASSES to its count and DATA.CLASSES to .*\(\['cat', 'dog'\]\)"):
+        load_weights(
+            MsViT(TINY_ARCH, img_size=32, num_classes=3),
+            load_cfg(overrides=[*common, "MODEL.MODEL_PATH", str(tmp_path / "weights" / "cats_and_dogs.pth")]),
+        )
 
 
 @pytest.mark.parametrize("change, named", [("drop", "no head.bias"), ("add", "head.extra")])

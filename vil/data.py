@@ -289,9 +289,11 @@ def build_dataset(cfg, train):
         dataset = SkippingImageFolder(root, transform, classes=chosen)
     classes = len(dataset.classes)
     if classes != cfg.DATA.NUM_CLASSES:
+        wanted = cfg.DATA.NUM_CLASSES
+        subset = f", or DATA.CLASSES to the {wanted} of them to keep" if classes > wanted else ""
         raise ValueError(
             f"The {'training' if train else 'evaluation'} data has {classes} classes but DATA.NUM_CLASSES is "
-            f"{cfg.DATA.NUM_CLASSES}; set DATA.NUM_CLASSES {classes}."
+            f"{wanted}; set DATA.NUM_CLASSES {classes}{subset}."
         )
     return dataset
 

@@ -121,6 +121,16 @@ def _other_mechanism(stored, cfg):
     return {key: (then, now)} if differ else {}
 
 
+def _and_its_classes(checkpoint, head):
+    """For the refusal of a classifier of another class count: the classes the checkpoint records, where they are as
+    many as its classifier's outputs (trained on some of the data's classes, it is evaluated on those alone)."""
+    trained = recorded_classes(checkpoint)
+    if trained is None or "head.weight" not in head or len(trained) != head["head.weight"][0]:
+        return ""
+    shown = ", ".join(repr(name) for name in trained[:10]) + (", ..." if len(trained) > 10 else "")
+    return f" and DATA.CLASSES to the classes it was trained on ([{shown}])"
+
+
 def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
     """:func:`load_weights` of the checkpoint dict already read from ``path`` (its EMA weights with ``ema``)."""
     differences = trained_with(checkpoint, path, {key: config_value(cfg, key) for key in MODEL_DEFINING_KEYS})
@@ -152,8 +162,8 @@ def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
         if not new_classifier:
             raise ValueError(
                 f"Checkpoint {path} has {found}, not one for the DATA.NUM_CLASSES {model.num_classes} classes of "
-                "this model; set DATA.NUM_CLASSES to its count, or fine-tune it (tools/train.py with MODEL.MODEL_PATH) "
-                "for these classes."
+                f"this model; set DATA.NUM_CLASSES to its count{_and_its_classes(checkpoint, head)}, or fine-tune it "
+                "(tools/train.py with MODEL.MODEL_PATH) for these classes."
             )
         log.info(f"Checkpoint {path} has {found}: this run trains a new one for DATA.NUM_CLASSES {model.num_classes}.")
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
