@@ -59,7 +59,7 @@ class SkippingImageFolder(ImageFolder):
 
     def __getitem__(self, index):
         path, target = self.samples[index]
-        return loaded_or_skipped(path, target, self.transform, self.loader)
+        return loaded_or_skipped(path, target, self.transform)
 
 
 def _without_images(root, classes):
@@ -73,10 +73,11 @@ def _without_images(root, classes):
     return f"{root} holds no images of its classes; the data must be ImageNet-style folders, {EXPECTED_LAYOUT}."
 
 
-def loaded_or_skipped(path, target, transform, loader=read_image):
-    """``(transform(image), target)`` of the image file at ``path``, or the :class:`Unreadable` that names it."""
+def loaded_or_skipped(path, target, transform):
+    """``(transform(image), target)`` of the image file at ``path`` (:func:`vil.images.read_image`), or the
+    :class:`Unreadable` that names it."""
     try:
-        image = loader(path)
+        image = read_image(path)
         return (transform(image) if transform else image), target
     except Exception as e:  # a decoder can fail in many ways on crafted bytes; each is one skipped file
         return skipped(path, e)

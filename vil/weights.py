@@ -70,11 +70,12 @@ def check_trained_classes(checkpoint, path, classes):
             f"Checkpoint {path} was trained with the same classes in another order: its label {first} is {theirs!r}, "
             f"the data's {ours!r}; set DATA.CLASSES to the checkpoint's order (its 'classes' entry)."
         )
-    moved = next((name for label, name in enumerate(classes) if name in trained and trained.index(name) != label), None)
+    moved = next((i for i, name in enumerate(classes) if name in trained and trained.index(name) != i), None)
     if moved is not None:
+        name = classes[moved]
         raise ValueError(
-            f"Checkpoint {path} was trained with class {moved!r} as its label {trained.index(moved)}, but the data "
-            f"labels it {list(classes).index(moved)}, so it would be scored against another class's output; set "
+            f"Checkpoint {path} was trained with class {name!r} as its label {trained.index(name)}, but the data "
+            f"labels it {moved}, so it would be scored against another class's output; set "
             "DATA.CLASSES so that the classes both have keep the checkpoint's labels (its 'classes' entry)."
         )
     log.warning(
