@@ -283,6 +283,15 @@ def test_legacy_onnx_exporter_records_the_attention(tmp_path):
         assert not torch.allclose(model(x), want, atol=1e-3)
 
 
+def test_tracing_cyclic_windows_with_torchscript_names_the_exports_that_take_one_size():
+    """TorchScript's tracer records the map size as a variable, which cyclic windows (SW_EXACT -1) cannot take: the
+    refusal says so and names the one-size exports, where a plain export's refusal names SW_EXACT 0 or 1."""
+    q = torch.randn(1, 2, 14, 14, 8)
+    with pytest.raises(ValueError, match=r"SW_EXACT -1 .*torch\.jit\.trace.*dynamic_size=False") as refused:
+        torch.jit.trace(lambda q: local_attention_2d(q, q, q, 7, exact=-1), (q,))
+    assert "SW_EXACT 0 or 1" not in str(refused.value)
+
+
 class _DilatedWindows(torch.nn.Module):
     def forward(self, q, k, v):
         return local_attention_2d(q, k, v, 1, exact=1, dilation=2)

@@ -407,6 +407,19 @@ def test_a_program_of_standard_operators_holds_no_operator_of_the_op_layer():
             torch.testing.assert_close(program.module()(images), model(images))
 
 
+def test_a_program_of_standard_operators_with_cyclic_windows_takes_one_image_size():
+    """Cyclic windows (SW_EXACT -1) need a fixed map size: a program of standard operators for any size is refused
+    naming dynamic_size=False, and with it the program computes the model's logits for any batch."""
+    torch.manual_seed(0)
+    model = MsViT(TINY, img_size=32, num_classes=5, sw_exact=-1).eval()
+    with pytest.raises(ValueError, match=r"SW_EXACT -1 .*dynamic_size=False in vil.export.export_program"):
+        export_program(model, 32, 32, standard_operators=True)
+    program = export_program(model, 32, 32, standard_operators=True, dynamic_size=False)
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(images), model(images))
+
+
 def test_exporting_leaves_the_model_in_the_mode_it_was_in():
     """A model exported in the middle of training trains on afterwards (dropout, drop-path, MODE > 0 draws), and
     one refused by the export keeps its mode too."""

@@ -240,7 +240,7 @@ def test_val_drop_divides_the_schedule_for_the_rest_of_the_run():
     )
     optimizer = build_optimizer(cfg, torch.nn.Linear(2, 2))
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch=4)
-    drop_learning_rate(optimizer, 10.0)
+    drop_learning_rate(optimizer, [1.0] * len(optimizer.param_groups), 0.1)
     scheduler.step_update(20)
     for group in optimizer.param_groups:
         assert group["lr"] == pytest.approx(0.1 * 0.5 * 1e-3 * (1 + math.cos(math.pi * 20 / 40)))

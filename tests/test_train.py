@@ -159,6 +159,27 @@ def test_resume_after_one_epoch_gives_identical_weights(data, tmp_path):
     assert_same_weights(*ema)
 
 
+def test_a_run_resumed_after_an_optim_val_drop_keeps_the_rates_bits(data, tmp_path, monkeypatch):
+    """Every epoch after the first scores no better (evaluation held at 50%), so OPTIM.VAL divides the rates by 10
+    at the ends of epochs 2 and 3; under layer decay, a run resumed after the first drop ends with the
+    uninterrupted run's learning rates and weights, bit for bit."""
+    import vil.training.loop as loop
+
+    evaluate_epoch = loop.evaluate_epoch
+    monkeypatch.setattr(loop, "evaluate_epoch", lambda *args: [evaluate_epoch(*args), 50.0][1])
+    overrides = ("OPTIM.OPT", "sgd", "OPTIM.VAL", "1", "OPTIM.EPOCHS", "3", "OPTIM.LAYER_DECAY", "0.65")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(tiny_cfg(data, straight, *overrides))
+    resumed.mkdir()
+    (resumed / "checkpoint_last.pth").write_bytes((straight / "checkpoint_epoch2.pth").read_bytes())
+    train(tiny_cfg(data, resumed, *overrides))
+    ends = [read_checkpoint(str(d / "checkpoint_last.pth")) for d in (straight, resumed)]
+    assert ends[0]["lr_drop"] == ends[1]["lr_drop"] == 1 / 10 / 10
+    scales = [[group["lr_scale"] for group in end["optimizer"]["param_groups"]] for end in ends]
+    assert len(set(scales[0])) > 1 and scales[0] == scales[1]
+    assert_same_weights(ends[0]["net"], ends[1]["net"])
+
+
 @pytest.mark.parametrize("attention", [(), ("MODEL.VIT.MSVIT.ATTN_TYPE", "performer")], ids=["longformer", "performer"])
 def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, monkeypatch, attention):
     """Performer attention draws its features in the forward, between the step a checkpoint is due at and the one

@@ -13,7 +13,7 @@ import torch
 
 from .files import atomic_write
 from .models.attention import LongformerAttention
-from .ops.base import exporting_to_onnx, recording_for_onnx
+from .ops.base import ONE_SIZE_EXPORT, exporting_to_onnx, recording_for_onnx
 
 LARGEST_SIDE = 4096  # the largest image side the exports declare
 
@@ -116,8 +116,7 @@ def _unprovable(model, error, height, width):
     keep_operators = ", or keep the op's operators (vil.export.export_program without standard_operators)"
     return (
         f"torch.export cannot prove that the program traced at {height}x{width} takes every {_sides_taken(model)} "
-        f"it declares ({reason}); export at one image size (tools/export_onnx.py --static, "
-        f"vil.export.export_onnx(..., dynamic_size=False)){keep_operators if exporting_to_onnx() else ''}."
+        f"it declares ({reason}); {ONE_SIZE_EXPORT}{keep_operators if exporting_to_onnx() else ''}."
     )
 
 
@@ -138,18 +137,19 @@ def _sides_taken(model):
     return "size" if step == 1 else f"multiple of {step}"
 
 
-def export_program(model, height, width, standard_operators=False):
+def export_program(model, height, width, standard_operators=False, dynamic_size=True):
     """``torch.export`` of ``model`` in evaluation mode, traced at ``height x width``, for any batch and any
     height and width from twice the model's total stride that are multiples of it, or of any size for a model that
     pads its input (``dynamic_img_pad``); a trace size at which torch would narrow that is refused
-    (:func:`_check_any_size`).
+    (:func:`_check_any_size`). Without ``dynamic_size``, for ``height x width`` images only (what a model whose
+    attention needs one map size, SW_EXACT -1, exports at with ``standard_operators``).
 
     The program keeps the op layer's operators, which are Python custom operators: it runs, and so does an
     AOTInductor package of it, in a process that has imported ``vil``. With ``standard_operators`` it records their
     decomposition into standard operators instead, as an ONNX file does (and takes the sizes an ONNX file takes),
     so that it runs without ``vil``, e.g. as an AOTInductor package loaded from C++."""
     with recording_for_onnx() if standard_operators else contextlib.nullcontext():
-        return _traced(model, height, width)[1]
+        return _traced(model, height, width, dynamic_size)[1]
 
 
 def onnx_model(model, height, width, dynamic_size=True) -> bytes:

@@ -134,12 +134,15 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
     )
 
 
-def drop_learning_rate(optimizer, factor):
-    """Divide every group's learning rate by ``factor`` for the rest of the run (``OPTIM.VAL``): through the
-    groups' ``lr_scale``, which timm's schedulers apply at every step and the optimizer's state keeps."""
-    for group in optimizer.param_groups:
-        group["lr_scale"] = group.get("lr_scale", 1.0) / factor
-        group["lr"] /= factor
+def drop_learning_rate(optimizer, scales, lr_drop):
+    """Set every group's learning rate to ``lr_drop`` (the product of ``OPTIM.VAL``'s drops so far) times its
+    ``scales`` entry (its ``lr_scale`` before any drop: 1, or layer decay's), through the groups' ``lr_scale``,
+    which timm's schedulers apply at every step and the optimizer's state keeps. The run and its resume both set
+    it here, from the same numbers, so that a resumed run's rates have the uninterrupted run's bits."""
+    for group, scale in zip(optimizer.param_groups, scales, strict=True):
+        dropped = scale * lr_drop
+        group["lr"] *= dropped / group.get("lr_scale", 1.0)
+        group["lr_scale"] = dropped
 
 
 def model_ema(model, decay):

@@ -26,6 +26,7 @@ from .checkpoint import load_model_state, model_state, read_checkpoint, save_che
 from .config import config_items
 from .files import atomic_write
 from .model_config import mechanism_of
+from .optim import drop_learning_rate
 from .runtime import get_rng_state, set_rng_state
 
 log = logging.getLogger("vil")
@@ -253,8 +254,7 @@ def restore(checkpoint, path, model, optimizer, scaler, ema, rank):
             "choose another OUTPUT_DIR for a new run."
         ) from None
     lr_drop = float(checkpoint.get("lr_drop", 1.0))
-    for group, fresh in zip(optimizer.param_groups, settings):
-        group["lr_scale"] = fresh.get("lr_scale", 1.0) * lr_drop
+    drop_learning_rate(optimizer, [fresh.get("lr_scale", 1.0) for fresh in settings], lr_drop)
     if checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
     if ema is not None and checkpoint.get("ema"):

@@ -50,6 +50,13 @@ def recording_for_onnx():
         _recording_for_onnx = False
 
 
+# Where a program or file of one image size comes from, for refusals of exports that need one.
+ONE_SIZE_EXPORT = (
+    "export at one image size (dynamic_size=False in vil.export.export_program and vil.export.export_onnx, "
+    "--static in tools/export_onnx.py)"
+)
+
+
 def exporting_to_onnx() -> bool:
     """ONNX exports (either exporter, and :func:`recording_for_onnx`) and TorchScript's tracer record standard
     operators only."""

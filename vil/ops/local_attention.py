@@ -67,8 +67,8 @@ def local_attention_2d(
             -1 = the same, wrapping around cyclically; 1 = the exact ``(2w+1)^2`` window.
         mode: 0 = all 9 chunks, -1 = the own chunk only, 1..8 = the own chunk plus one neighbour
             (1:(-1,-1) 2:(-1,0) 3:(-1,+1) 4:(0,-1) 5:(0,+1) 6:(+1,-1) 7:(+1,0) 8:(+1,+1)); only with exact 0/-1.
-            Also a 0-dim integer tensor holding one of 1..8: a neighbour drawn at random in the same program, which
-            torch.compile and torch.export keep in their graph instead of fixing one value.
+            Also a 0-dim integer tensor holding one of these values, typically a neighbour 1..8 drawn at random in
+            the same program, which torch.compile and torch.export keep in their graph instead of fixing one value.
         global_k, global_v: ``(B, heads, G, head_dim)``: keys every query also attends to.
         rel_bias: ``(heads, (4w-1)**2)``: bias for query (qi, qj) and key (ki, kj) at row
             ``(qi-ki + 2w-1) * (4w-1) + (qj-kj + 2w-1)``, offsets taken as if neighbour chunks were adjacent.

@@ -47,8 +47,8 @@ def end_epoch(run, epoch, top1):
     improved = top1 > run.best
     run.best = max(run.best, top1)
     if not improved and cfg.OPTIM.VAL and cfg.OPTIM.OPT in PLATEAU_OPTIMIZERS:
-        drop_learning_rate(run.optimizer, cfg.OPTIM.DROP_FACTOR)
         run.lr_drop /= cfg.OPTIM.DROP_FACTOR
+        drop_learning_rate(run.optimizer, run.lr_scales, run.lr_drop)
         log.info(
             f"Epoch {epoch + 1} did not improve top-1 (OPTIM.VAL): "
             f"the learning rate is divided by {cfg.OPTIM.DROP_FACTOR:g}."

@@ -159,6 +159,7 @@ class Run:
     best: float = float("-inf")  # so that the first evaluation improves on it, whatever its top-1
     batch_in_epoch: int = 0
     lr_drop: float = 1.0  # the product of OPTIM.VAL's learning-rate drops so far
+    lr_scales: tuple[float, ...] = ()  # the optimizer groups' lr_scale before any drop (layer decay's)
     lr: float = 0.0  # the last optimizer step's learning rate: its largest group's (layer decay scales the others)
     kept: Optional[Snapshot] = None  # the one checkpoint_last.pth holds
     pending: Optional[Snapshot] = (
@@ -329,6 +330,7 @@ def _build_run(cfg, runtime, lock, starts_fresh):
         model=model,
         net=_training_net(model, cfg, runtime),
         optimizer=optimizer,
+        lr_scales=tuple(group.get("lr_scale", 1.0) for group in optimizer.param_groups),
         scheduler=build_scheduler(cfg, optimizer, steps),
         scaler=scaler,
         ema=model_ema(model, decay=cfg.MODEL.EMA_DECAY) if cfg.MODEL.EMA else None,

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..base import Backend, softmax_or_zeros, static_sizes
+from ..base import ONE_SIZE_EXPORT, Backend, softmax_or_zeros, static_sizes
 from ..geometry import (
     NEIGHBOURS,
     exact_window_bias_index,
@@ -59,9 +59,15 @@ def _window_tables(rows, cols, window, exact, mode, device):
     # Symbolic sizes (torch.export): with zero padding every chunk has the mode's slots, as the middle chunk of
     # a 3x3 grid does; which keys are padding is checked separately.
     if exact == -1:
+        if torch.jit.is_tracing():
+            raise ValueError(
+                "SW_EXACT -1 (windows wrapping around the map) needs a fixed map size, which torch.jit.trace (and "
+                f"torch.onnx.export with dynamo=False) records as a variable; trace with torch.export instead: "
+                f"{ONE_SIZE_EXPORT}."
+            )
         raise ValueError(
-            "SW_EXACT -1 (windows wrapping around the map) needs a fixed map size; export at one image size "
-            "(tools/export_onnx.py --static, vil.export.export_onnx(..., dynamic_size=False)), or use SW_EXACT 0 or 1."
+            f"SW_EXACT -1 (windows wrapping around the map) needs a fixed map size; {ONE_SIZE_EXPORT}, "
+            "or use SW_EXACT 0 or 1."
         )
     return _inner_chunk_tables(window, exact, mode, device)
 
