@@ -211,6 +211,14 @@ def test_a_folder_keeps_the_model_options_and_classes_it_records(exported, tmp_p
     plain = load_cfg("vil_tiny", [*TINY, "MODEL.MODEL_PATH", str(out)])
     with pytest.raises(ValueError, match=r"LN_EPS 0.1 \(now 1e-06\)"):
         load_weights(build_model(plain), plain)
+    # timm reads the folder's weights alone: the options its config.json records are checked all the same.
+    for built in (
+        dict(model_name="vil_arch", arch=TINY_ARCH, img_size=32, pretrained_cfg_overlay=dict(file=str(out))),
+        dict(model_name=f"local-dir:{out}", ln_eps=1e-6),
+    ):
+        with pytest.raises(ValueError, match=r"eps was trained with ln_eps=0.1 \(MODEL.VIT.MSVIT.LN_EPS\), not 1e-06"):
+            timm.create_model(pretrained=True, **built)
+    assert timm.create_model(f"local-dir:{out}", pretrained=True).norm.eps == 0.1
     body = build_fpn_backbone(TINY_ARCH, checkpoint=str(out), img_size=32).body
     assert body.model_options["ln_eps"] == 0.1
     status, stdout, err = run_tool("export_backbone", out, tmp_path / "body.pth", "--format", "torchvision")

@@ -147,6 +147,23 @@ def test_features_only(name):
         assert [m.shape[2:] for m in pruned(torch.randn(1, 3, 16, 24))] == [(4, 6), (2, 3)]
 
 
+def test_weights_without_a_classifier_and_timms_checkpoints_give_the_class_count_they_hold(tmp_path):
+    """A file without a classifier gives a model of num_classes=0, and one written by timm's train.py (its weights
+    under "state_dict") a model of its class count, each with the file's outputs."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    for classes in (0, 3):
+        source = timm.create_model("vil_tiny", img_size=64, num_classes=classes).eval()
+        state = source.state_dict()
+        path = tmp_path / f"{classes}.pth"
+        torch.save({"epoch": 3, "arch": "vil_tiny", "state_dict": state, "state_dict_ema": state}, path)
+        overlay = dict(file=str(path))
+        loaded = timm.create_model("vil_tiny", img_size=64, pretrained=True, pretrained_cfg_overlay=overlay).eval()
+        assert loaded.num_classes == classes
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), source(x), rtol=0, atol=0)
+
+
 def test_original_release_checkpoint_through_pretrained_cfg_overlay(tmp_path):
     """``pretrained_cfg_overlay=dict(file=...)`` loads the original release's checkpoint format; at another
     image size the position tables are resized as the model itself interpolates them."""
@@ -389,7 +406,7 @@ def test_bad_pooling_and_class_counts():
 # What timm's train.py does with --model NAME: it builds the model through the registry with its own keyword
 # arguments (None ones are dropped by create_model), resolves the data config from the pretrained_cfg, trains.
 TIMM_TRAIN_STAND_IN = """
-import argparse, sys, timm, torch
+import argparse, sys, timm, timm.utils, torch
 from timm.data import resolve_data_config
 parser = argparse.ArgumentParser()
 parser.add_argument("--model")
@@ -402,7 +419,17 @@ model = timm.create_model(args.model, pretrained=False, in_chans=3, num_classes=
 config = resolve_data_config({}, model=model)
 logits = model(torch.randn(2, *config["input_size"][:1], args.img_size, args.img_size))
 logits.sum().backward()
-print(sys.argv[0].endswith("train.py"), type(model).__name__, tuple(logits.shape), config["interpolation"])
+# --model-ema: each weight moves by (1 - decay) of the model's move, SHARE_W's shared ones too.
+ema = timm.utils.ModelEmaV3(model, decay=0.9)
+before = {name: p.detach().clone() for name, p in model.named_parameters()}
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+ema.update(model)
+averaged = dict(ema.module.named_parameters())
+ema_error = torch.cat([(averaged[name] - before[name] - 0.1).flatten() for name in before]).abs().max().item()
+print(sys.argv[0].endswith("train.py"), type(model).__name__, tuple(logits.shape), config["interpolation"],
+      ema_error < 1e-5)
 """
 
 
@@ -433,7 +460,7 @@ def test_timm_train_py_runs_with_vil_models(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[-2] == "True MsViT (2, 3) bicubic"
+    assert done.stdout.split("\n")[-2] == "True MsViT (2, 3) bicubic True"
     status, _, stderr = run_tool("timm_train", tmp_path / "missing" / "train.py", "--model", "vil_tiny")
     assert status == 1 and stderr.startswith(f"error: {tmp_path / 'missing' / 'train.py'} is not a file; give the path")
     status, _, stderr = run_tool("timm_train", "--model", "vil_tiny")
@@ -501,8 +528,19 @@ def test_vil_arch_pretrained_cfg_follows_the_arch_and_attention_it_is_built_with
     full = arch.replace("s1", "s0")  # no local stage: no linformer projection, any size
     unfixed = timm.create_model("vil_arch", arch=full, attention="linformer", img_size=64, num_classes=3)
     assert not unfixed.pretrained_cfg["fixed_input_size"] and not unfixed.fixed_input_size
-    # What timm's scripts resolve the input size from: the one size it takes.
+    # What timm's scripts resolve the input size from: the one size it takes; the registered linformer models too.
     assert timm.data.resolve_model_data_config(linformer)["input_size"] == (3, 64, 64)
+    for name in ("vil_small_linformer", "vil_small_linformer_partial"):
+        named = timm.create_model(name, img_size=64, num_classes=3).eval()
+        input_size = timm.data.resolve_model_data_config(named)["input_size"]
+        with torch.no_grad():
+            features = named.forward_features(torch.randn(1, *input_size))
+        assert input_size == (3, 64, 64) and named.pretrained_cfg["pool_size"] == tuple(features.shape[1:3])
+    # Patch embeddings that pad (stride 12 at 224): the last map has ceil(224 / 12) positions a side.
+    padding = timm.create_model("vil_arch", arch=arch.replace("p4", "p3"), dynamic_img_pad=True, num_classes=3)
+    with torch.no_grad():
+        features = padding.eval().forward_features(torch.randn(1, *padding.pretrained_cfg["input_size"]))
+    assert padding.pretrained_cfg["pool_size"] == tuple(features.shape[1:3]) == (19, 19)
     srformer = timm.create_model("vil_arch", arch=arch.replace("f2", "f8"), attention="srformer", img_size=256)
     side = srformer.pretrained_cfg["min_input_size"][-1]
     with torch.no_grad():

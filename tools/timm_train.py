@@ -4,13 +4,30 @@
 timm's ``train.py`` (in the pytorch-image-models repository, not in the pip package) builds models by name from
 timm's registry, and ViL's models are registered when ``vil`` is imported. This imports ``vil``, then runs the
 script as ``python path/to/timm/train.py ...`` would, with the rest of the command line as its arguments.
+
+With ``--model-ema``, the script's EMA (``timm.utils.ModelEmaV3``) averages a ViL model as ``tools/train.py``'s
+does (:func:`vil.optim.model_ema`): each parameter once, buffers copied.
 """
 
 import os
 import runpy
 import sys
 
+import timm.utils
+
 import vil  # noqa: F401  (registers vil_tiny, vil_small, ... with timm)
+from vil.models import MsViT
+
+
+class ModelEmaOfViL(timm.utils.ModelEmaV3):
+    """timm's ``ModelEmaV3``, with ``exclude_buffers`` for ViL models: by default it averages every state-dict
+    entry, and a shared weight (SHARE_W's ``query`` and ``query_global``) is two entries of one tensor, which would
+    then move as if at decay d^2. Other models are averaged as timm does."""
+
+    def __init__(self, model, *args, **kwargs):
+        if isinstance(model, MsViT):
+            kwargs["exclude_buffers"] = True
+        super().__init__(model, *args, **kwargs)
 
 
 def main(argv=None):
@@ -29,6 +46,7 @@ def main(argv=None):
             f"error: {script} is not a file; give the path of train.py in a clone of timm "
             "(github.com/huggingface/pytorch-image-models)."
         )
+    timm.utils.ModelEmaV3 = ModelEmaOfViL  # the name train.py builds its EMA by
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python would, for the script's own imports
     runpy.run_path(script, run_name="__main__")

@@ -52,14 +52,14 @@ def download_checkpoint(url, file_name):
 def read_checkpoint(path):
     """The checkpoint dict at ``path``, loaded with ``weights_only=True`` (checkpoints are untrusted input); the
     state dict of a ``.safetensors`` file; a Hub folder's ``model.safetensors`` with what its ``config.json``
-    records (:func:`_with_hub_config`)."""
+    records (:func:`with_hub_config`)."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, SAFETENSORS_NAME)):
             raise FileNotFoundError(
                 f"{path} is a folder without {SAFETENSORS_NAME}; give a checkpoint file, or a folder that "
                 "tools/export_hub.py wrote."
             )
-        return _with_hub_config(read_checkpoint(os.path.join(path, SAFETENSORS_NAME)), path)
+        return with_hub_config(read_checkpoint(os.path.join(path, SAFETENSORS_NAME)), path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if os.path.getsize(path) == 0:
@@ -154,7 +154,7 @@ def hub_record(folder):
     return record if isinstance(record, dict) and record.get("architecture") == "vil_arch" else None
 
 
-def _with_hub_config(state, folder):
+def with_hub_config(state, folder):
     """A Hub folder's weights as a checkpoint of this project's: ``{"net": state, "config": ..., "classes": ...}``,
     the config of the model's arguments and the class names that the folder's ``config.json`` records, so that the
     checks of a checkpoint's model options and classes apply to the folder too. A folder without such a record
@@ -179,16 +179,17 @@ def recorded_classes(checkpoint):
 
 def classifier_classes(path):
     """The class count of the classifier (``head.weight``) that the checkpoint, ``.safetensors`` file or Hub folder
-    at ``path`` holds, or None where it holds none; without reading its other tensors (a ``.safetensors`` header,
-    a memory-mapped ``.pth``) where the file allows."""
+    at ``path`` holds: 0 for weights without one (a model of ``num_classes=0``), None where the file holds no
+    weights this can read (the load that follows says what is wrong with it); without reading its other tensors
+    (a ``.safetensors`` header, a memory-mapped ``.pth``) where the file allows."""
     if os.path.isdir(path):
         path = os.path.join(path, SAFETENSORS_NAME)
     if str(path).endswith(".safetensors"):
         try:
             with safetensors.safe_open(path, framework="pt") as f:
-                return f.get_slice("head.weight").get_shape()[0] if "head.weight" in f.keys() else None
+                return f.get_slice("head.weight").get_shape()[0] if "head.weight" in f.keys() else 0
         except Exception:
-            return None  # the load that follows says what is wrong with the file
+            return None
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
@@ -197,7 +198,7 @@ def classifier_classes(path):
         head = model_state(checkpoint, path).get("head.weight")
     except (ValueError, AttributeError):
         return None
-    return None if head is None else head.shape[0]
+    return 0 if head is None else head.shape[0]
 
 
 def _saved_by_torch(path):
@@ -249,12 +250,20 @@ def ema_state(checkpoint, path="checkpoint"):
     return model_state(ema, path)
 
 
+# Where checkpoints keep the model weights: this project's trainer, timm's train.py, DeiT's and Swin's main.py.
+_MODEL_KEYS = ("net", "state_dict", "model")
+
+
 def model_state(checkpoint, path="checkpoint"):
-    """The model state dict inside a checkpoint dict: its ``"net"`` entry, or the dict itself; without ``module.``
-    prefixes and without the derived buffers of the original release."""
-    state = checkpoint.get("net", checkpoint)
+    """The model state dict inside a checkpoint dict: its ``"net"`` entry (timm's ``"state_dict"``, DeiT's
+    ``"model"``), or the dict itself; without ``module.`` prefixes and without the derived buffers of the original
+    release."""
+    state = next((checkpoint[k] for k in _MODEL_KEYS if isinstance(checkpoint.get(k), dict)), checkpoint)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path} has no model state dict: expected a dict of tensors, or one under the key 'net'.")
+        raise ValueError(
+            f"{path} has no model state dict: expected a dict of tensors, or one under the key 'net', 'state_dict' "
+            "or 'model'."
+        )
     for prefix in ("module.", "_orig_mod."):  # DistributedDataParallel, torch.compile
         if state and all(k.startswith(prefix) for k in state):
             state = {k[len(prefix) :]: v for k, v in state.items()}

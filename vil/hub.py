@@ -22,6 +22,7 @@ from .checkpoint import SAFETENSORS_NAME, hub_record, read_checkpoint, recorded_
 from .data import INTERPOLATIONS
 from .files import OutputError, atomic_write, check_writable_folder
 from .model_config import model_kwargs
+from .models import stage_map_sizes
 from .profiling import flop_counter
 from .shards import INDEX, ShardDataset
 from .weights import load_read_weights, resolve_model_path
@@ -125,8 +126,8 @@ def export_hub_folder(cfg, out: str) -> dict:
     )
     tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}  # no shared storage
     atomic_write(os.path.join(out, SAFETENSORS_NAME), lambda f: f.write(safetensors.torch.save(tensors)))
-    pool = size // model.total_stride
-    model.pretrained_cfg = dict(model.pretrained_cfg, **data_config, pool_size=(pool, pool))  # config.json's
+    pool = stage_map_sizes(model.stage_specs, (size, size), model.dynamic_img_pad)[-1]
+    model.pretrained_cfg = dict(model.pretrained_cfg, **data_config, pool_size=pool)  # config.json's
     with tempfile.TemporaryDirectory() as scratch:
         config_path = Path(scratch, "config.json")
         save_config_for_hf(model, config_path, model_config=dict(label_names=names), model_args=args)

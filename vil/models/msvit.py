@@ -39,11 +39,11 @@ from timm.models import (
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpoint import SAFETENSORS_NAME, classifier_classes, download_checkpoint
+from ..checkpoint import SAFETENSORS_NAME, classifier_classes, download_checkpoint, with_hub_config
 from ..ops import check_window_options
 from .arch import COMPARISONS, PRESETS, parse_arch, stage_map_sizes
 from .attention import FullAttention, LongformerAttention, LongformerOptions
-from .convert import checkpoint_filter_fn
+from .convert import check_trained_options, checkpoint_filter_fn
 from .efficient_attention import LinformerAttention, PerformerAttention, SpatialReductionAttention
 from .tables import resize_position_embedding
 
@@ -602,16 +602,16 @@ def _smallest_image(arch, attention):
     return -(-side // stride) * stride
 
 
-def _input_fields(arch, attention, size):
-    """The ``pretrained_cfg`` fields that follow from the architecture and the attention, for ``size`` images."""
+def _input_fields(arch, attention, input_size, pad=False):
+    """The ``pretrained_cfg`` fields that follow from the architecture and the attention, for images of
+    ``input_size`` (C, H, W); ``pad``: the patch embeddings pad their input (``dynamic_img_pad``)."""
     specs = parse_arch(arch)
-    stride = math.prod(spec.patch for spec in specs)
     smallest = _smallest_image(arch, attention)
     # Linformer's projections, in its local stages, are made for one map (MsViT.fixed_input_size).
     fixed = attention.get("attention") == "linformer" and any(spec.local for spec in specs)
     return {
         **({"min_input_size": (3, smallest, smallest)} if smallest else {}),
-        "pool_size": (size // stride, size // stride),
+        "pool_size": stage_map_sizes(specs, input_size[1:], pad)[-1],  # forward_features' map at input_size
         "fixed_input_size": fixed,
     }
 
@@ -619,7 +619,7 @@ def _input_fields(arch, attention, size):
 def _cfg(name, url="", size=224, num_classes=1000, description=None):
     arch, attention = VARIANTS[name]
     return {
-        **_input_fields(arch, attention, size),
+        **_input_fields(arch, attention, (3, size, size)),
         "url": url,
         "num_classes": num_classes,
         "input_size": (3, size, size),
@@ -796,8 +796,9 @@ def _create_vil(variant, pretrained=False, **kwargs):
             f"Checkpoint {overlay['file']} does not exist; give pretrained_cfg_overlay's file as a .pth or "
             ".safetensors file, or a Hub folder (tools/export_hub.py)."
         )
-    if os.path.isdir(overlay.get("file") or ""):
-        overlay = kwargs["pretrained_cfg_overlay"] = dict(overlay, file=os.path.join(overlay["file"], SAFETENSORS_NAME))
+    folder = overlay.get("file") if os.path.isdir(overlay.get("file") or "") else None
+    if folder:
+        overlay = kwargs["pretrained_cfg_overlay"] = dict(overlay, file=os.path.join(folder, SAFETENSORS_NAME))
     if pretrained and overlay.get("file") and "num_classes" not in overlay:
         # timm keeps a checkpoint's classifier only where the model has the pretrained config's class count
         classes = classifier_classes(overlay["file"])
@@ -824,6 +825,9 @@ def _create_vil(variant, pretrained=False, **kwargs):
     source = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") or cfg.file or cfg.hf_hub_id or variant
     defaults = {name: p.default for name, p in inspect.signature(MsViT).parameters.items()}
     options = {**defaults, **attention, **kwargs, "arch": arch}  # what the model is built with
+    folder = folder or (cfg.file if cfg.file and os.path.isdir(cfg.file) else None)  # also timm's local-dir:
+    if pretrained and folder:  # timm reads the folder's weights alone: its config.json's model options are checked here
+        check_trained_options(with_hub_config({}, folder), options, folder)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = build_model_with_cfg(
             MsViT,
@@ -836,13 +840,14 @@ def _create_vil(variant, pretrained=False, **kwargs):
         )
     if (device is not None and not on_meta) or dtype is not None:
         model.to(device=None if on_meta else device, dtype=dtype)
-    if arch != VARIANTS[variant][0] or "attention" in kwargs:  # vil_arch's own arch, or another attention
-        built = {k: v for k, v in {**attention, **kwargs}.items() if k == "attention"}
-        fields = _input_fields(arch, built, model.pretrained_cfg["input_size"][-1])
-        if fields["fixed_input_size"]:  # the one size it takes, which timm's data config resolves
-            fields["input_size"] = (model.in_chans, *model.img_size)
-        rest = {k: v for k, v in model.pretrained_cfg.items() if k != "min_input_size"}
-        model.pretrained_cfg = model.default_cfg = {**rest, **fields}
+    # The fields of the model as built: its arch, attention, padding and (where it takes one size only) image size.
+    built = {"attention": options["attention"]}
+    input_size = model.pretrained_cfg["input_size"]
+    if _input_fields(arch, built, input_size)["fixed_input_size"]:  # the one size, which timm's data config resolves
+        input_size = (options["in_chans"], *to_2tuple(options["img_size"]))
+    fields = _input_fields(arch, built, input_size, options["dynamic_img_pad"])
+    rest = {k: v for k, v in model.pretrained_cfg.items() if k != "min_input_size"}
+    model.pretrained_cfg = model.default_cfg = {**rest, **fields, "input_size": input_size}
     return model
 
 
