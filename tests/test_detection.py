@@ -359,6 +359,18 @@ def test_a_classification_checkpoint_builds_the_backbone_with_its_trained_option
         load_backbone_checkpoint(ViLBackbone(SMALL, img_size=64), tmp_path / "cls.pth", SMALL)
 
 
+def test_a_classification_checkpoint_of_another_arch_is_refused_naming_both(tmp_path):
+    """Another head count and window give weights of the same shapes: the arch the checkpoint's config stores tells
+    them apart."""
+    small_checkpoint(tmp_path / "cls.pth")
+    other = SMALL.replace("l1,h1,d16,p4,f2", "l1,h4,d16,p4,f3")
+    named = r"cls\.pth holds a model of arch l1,h1,d16,[^ ]* \(its stored config says so\), not l1,h4,d16,"
+    with pytest.raises(ValueError, match=named):
+        build_fpn_backbone(other, img_size=64, checkpoint=tmp_path / "cls.pth")
+    with pytest.raises(ValueError, match=named):
+        load_backbone_checkpoint(ViLBackbone(other, img_size=64), tmp_path / "cls.pth", other)
+
+
 @pytest.mark.parametrize(
     "key, value, named",
     [

@@ -57,6 +57,29 @@ def test_the_export_keeps_the_options_the_model_was_trained_with(tmp_path):
     assert not (tmp_path / "x.pth").exists()
 
 
+@pytest.mark.parametrize("attention", ["performer", "srformer"])
+def test_the_export_keeps_the_attention_mechanism_and_refuses_to_make_its_stages_local(tmp_path, attention):
+    """A model of another attention than ViL's: its export stores the mechanism, which the backbone builder takes
+    (the maps are the model's); turning full-attention stages into longformer ones, which would split its weights as
+    full attention's, is refused in one sentence and writes nothing."""
+    source, _ = small_checkpoint(tmp_path / "cls.pth", overrides=["MODEL.VIT.MSVIT.ATTN_TYPE", attention])
+    printed = export(tmp_path / "cls.pth", tmp_path / "tv.pth", "--format", "torchvision")
+    assert f"options attention '{attention}'" in printed
+    built = build_fpn_backbone(SMALL, img_size=64, level_norm=False, checkpoint=tmp_path / "tv.pth").body
+    assert built.model_options["attention"] == attention
+    assert_maps_of(built, source, torch.randn(1, 3, 64, 64))
+    with pytest.raises(ValueError, match=rf"tv\.pth was trained with attention '{attention}' .*, not 'longformer'"):
+        build_fpn_backbone(SMALL, img_size=64, attention="longformer", checkpoint=tmp_path / "tv.pth")
+    status, _, error = run_tool(
+        "export_backbone", tmp_path / "cls.pth", tmp_path / "local.pth", "--format", "torchvision",
+        "--full-attention-to-local",
+    )  # fmt: skip
+    assert status == 1 and f"this model's attention is {attention}" in error and "--full-attention-to-local" in error
+    assert not (tmp_path / "local.pth").exists()
+    with pytest.raises(ValueError, match=rf"attention is {attention}, whose weights are not full attention's"):
+        build_fpn_backbone(SMALL, img_size=64, full_attention_to_local=True, checkpoint=tmp_path / "cls.pth")
+
+
 @pytest.mark.parametrize("fmt", ["torchvision", "mmdet"])
 def test_an_export_for_another_image_size_loads_in_every_layout(tmp_path, fmt):
     """Exported for 96x128 (stage 3: a 6x8 map, an 11x15 table, which shows no square image size), built for 64x64

@@ -23,6 +23,7 @@ from vil.checkpoint import model_state, read_checkpoint
 from vil.config import load_cfg
 from vil.detection import (
     EXPORT_FORMATS,
+    backbone_attention,
     check_options,
     checkpoint_image_size,
     classification_backbone_state,
@@ -143,6 +144,7 @@ def main(argv=None):
         checkpoint = read_checkpoint(args.input)
         check_convertible(model_state(checkpoint, args.input), args.input)  # before its tables tell the image size
         source = source_model(args, checkpoint)
+        attention = backbone_attention(source.get("attention", "longformer"), args.full_attention_to_local)
         state, specs, new_size = classification_backbone_state(
             source_state(checkpoint, args.input, source),
             source,
@@ -153,7 +155,7 @@ def main(argv=None):
             global_init=args.global_init,
         )
         new_arch = arch_string(specs)
-        exported = export_state(state, args.format, new_arch, new_size, source)
+        exported = export_state(state, args.format, new_arch, new_size, dict(source, attention=attention))
         atomic_write(args.output, lambda f: torch.save(exported, f))
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")

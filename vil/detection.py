@@ -24,8 +24,8 @@ from yacs.config import CfgNode
 
 from .checkpoint import load_model_state, model_state, read_checkpoint, stored_config
 from .config import config_value
-from .model_config import model_kwargs
-from .models import PRESETS, MsViT, arch_string, parse_arch, stage_map_sizes
+from .model_config import mechanism_of, model_kwargs
+from .models import MECHANISMS, PRESETS, MsViT, arch_string, parse_arch, stage_map_sizes
 from .models.convert import (
     MODEL_DEFINING_KEYS,
     backbone_specs,
@@ -46,10 +46,14 @@ GLOBAL_TOKENS: tuple[str, ...] = ("drop", "average")
 # The MODEL_DEFINING_KEYS a backbone keeps from the classification model it is made from, by the MsViT argument each
 # sets (the key's last part in lower case). Not the arch (converted, and checked by the weights' shapes), the
 # classifier's pooling, nor the patch embeddings' padding (the backbone's own choice; its tables are converted).
+# And the attention mechanism, which ATTN_TYPE names beside a backend (every backend of one mechanism computes it).
 BACKBONE_OPTIONS: dict[str, str] = {
-    option_name(key): key
-    for key in MODEL_DEFINING_KEYS
-    if key not in ("MODEL.VIT.MSVIT.ARCH", "MODEL.VIT.AVG_POOL", "MODEL.VIT.DYNAMIC_IMG_PAD")
+    **{
+        option_name(key): key
+        for key in MODEL_DEFINING_KEYS
+        if key not in ("MODEL.VIT.MSVIT.ARCH", "MODEL.VIT.AVG_POOL", "MODEL.VIT.DYNAMIC_IMG_PAD")
+    },
+    "attention": "MODEL.VIT.MSVIT.ATTN_TYPE",
 }
 BACKBONE_DEFAULTS: dict[str, Any] = {
     name: inspect.signature(MsViT).parameters[name].default for name in BACKBONE_OPTIONS
@@ -209,8 +213,9 @@ def build_fpn_backbone(
         kwargs = {**trained, **kwargs}
     source_arch = kwargs.pop("arch")
     specs = backbone_specs(parse_arch(source_arch), full_attention_to_local, num_global)
-    if full_attention_to_local and kwargs.get("attention") == "full":
-        kwargs["attention"] = "longformer"
+    kwargs["attention"] = backbone_attention(
+        kwargs.get("attention", BACKBONE_DEFAULTS["attention"]), full_attention_to_local
+    )
     body = ViLBackbone(
         arch_string(specs), out_indices=out_indices, level_norm=level_norm, global_tokens=global_tokens, **kwargs
     )
@@ -276,8 +281,32 @@ def backbone_state(checkpoint: Mapping[str, Any]) -> Optional[dict[str, torch.Te
 
 
 def config_options(cfg: CfgNode) -> dict[str, Any]:
-    """The :data:`BACKBONE_OPTIONS` values of a config, by MsViT argument."""
-    return {name: config_value(cfg, key) for name, key in BACKBONE_OPTIONS.items()}
+    """The :data:`BACKBONE_OPTIONS` values of a config, by MsViT argument (the attention by its mechanism)."""
+    options = {name: config_value(cfg, key) for name, key in BACKBONE_OPTIONS.items()}
+    return dict(options, attention=mechanism_of(options["attention"]) or options["attention"])
+
+
+def backbone_attention(attention: str, full_attention_to_local: bool) -> str:
+    """The attention mechanism of a backbone made from a classification model of ``attention``: the same, or
+    with ``full_attention_to_local`` longformer (a model of full attention, or ViL's, whose full-attention stages
+    become longformer ones); a model of another mechanism is refused, its stages' weights being no full
+    attention's."""
+    if not full_attention_to_local:
+        return attention
+    if attention not in ("full", "longformer"):
+        raise ValueError(
+            f"full_attention_to_local (--full-attention-to-local) turns full-attention stages into longformer ones, "
+            f"but this model's attention is {attention}, whose weights are not full attention's; make its backbone "
+            "without it."
+        )
+    return "longformer"
+
+
+def _compared(name: str, value: Any) -> Any:
+    """A :data:`BACKBONE_OPTIONS` value as it acts on what the model computes."""
+    if name == "attention":
+        return mechanism_of(value) if isinstance(value, str) else value
+    return MODEL_DEFINING_KEYS[BACKBONE_OPTIONS[name]](value)
 
 
 def trained_options(checkpoint: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint") -> Optional[dict]:
@@ -290,11 +319,15 @@ def trained_options(checkpoint: Mapping[str, Any], path: Union[str, os.PathLike]
     options = export_info(checkpoint).get("options", {})
     if not (
         isinstance(options, Mapping)
-        and all(k in BACKBONE_OPTIONS and isinstance(v, (bool, int, float)) for k, v in options.items())
+        and all(
+            k in BACKBONE_OPTIONS and isinstance(v, (bool, int, float)) for k, v in options.items() if k != "attention"
+        )
+        and options.get("attention", "longformer") in MECHANISMS
     ):
         raise ValueError(
             f"{path} stores the backbone options {options!r}, which are not numbers or booleans by the names "
-            f"{', '.join(BACKBONE_OPTIONS)}; export the backbone again with tools/export_backbone.py."
+            f"{', '.join(BACKBONE_OPTIONS)} (the attention one of {', '.join(MECHANISMS)}); export the backbone "
+            "again with tools/export_backbone.py."
         )
     return {**BACKBONE_DEFAULTS, **options}
 
@@ -307,10 +340,7 @@ def check_options(
     differ = [
         f"{name} {trained[name]!r} ({BACKBONE_OPTIONS[name]}), not {asked[name]!r}"
         for name in BACKBONE_OPTIONS
-        if name in trained
-        and name in asked
-        and MODEL_DEFINING_KEYS[BACKBONE_OPTIONS[name]](trained[name])
-        != MODEL_DEFINING_KEYS[BACKBONE_OPTIONS[name]](asked[name])
+        if name in trained and name in asked and _compared(name, trained[name]) != _compared(name, asked[name])
     ]
     if differ:
         raise ValueError(
@@ -370,9 +400,12 @@ def load_backbone_checkpoint(
 
 def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
     """:func:`load_backbone_checkpoint` of the checkpoint dict already read from ``path``."""
-    check_options(trained_options(checkpoint, path) or {}, body.model_options, path)
-    specs = body.stage_specs
     state = backbone_state(checkpoint)
+    trained = trained_options(checkpoint, path) or {}
+    if state is None and "attention" in trained:  # what the conversion makes of the classification model's
+        trained["attention"] = backbone_attention(trained["attention"], conversion.get("full_attention_to_local"))
+    check_options(trained, body.model_options, path)
+    specs = body.stage_specs
     if state is not None:  # exports hold tables for the maps of patch embeddings that pad
         check_convertible(state, path)
         info, built_arch = export_info(checkpoint), arch_string([*specs, *body.pruned_specs])
@@ -390,6 +423,12 @@ def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
         classification = model_state(checkpoint, path)
         check_convertible(classification, path)
         cfg = stored_config(checkpoint, path)
+        trained_arch = cfg and arch_string(parse_arch(PRESETS.get(cfg.MODEL.VIT.MSVIT.ARCH, cfg.MODEL.VIT.MSVIT.ARCH)))
+        if trained_arch and trained_arch != arch_string(parse_arch(source_arch)):
+            raise ValueError(
+                f"{path} holds a model of arch {trained_arch} (its stored config says so), not "
+                f"{arch_string(parse_arch(source_arch))}; build the backbone with that arch string."
+            )
         source = dict(
             arch=source_arch,
             img_size=checkpoint_image_size(checkpoint, source_arch, path) or body.img_size,
@@ -421,6 +460,7 @@ __all__ = [
     "ViLWithFPN",
     "backbone_state",
     "build_fpn_backbone",
+    "backbone_attention",
     "check_options",
     "checkpoint_image_size",
     "classification_backbone_state",
