@@ -76,6 +76,8 @@ def test_the_export_keeps_the_attention_mechanism_and_refuses_to_make_its_stages
     )  # fmt: skip
     assert status == 1 and f"this model's attention is {attention}" in error and "--full-attention-to-local" in error
     assert not (tmp_path / "local.pth").exists()
+    status, _, error = run_tool("export_backbone", tmp_path / "tv.pth", tmp_path / "again.pth", "--format", "mmdet")
+    assert status == 1 and "tv.pth is a backbone export already" in error and not (tmp_path / "again.pth").exists()
     with pytest.raises(ValueError, match=rf"attention is {attention}, whose weights are not full attention's"):
         build_fpn_backbone(SMALL, img_size=64, full_attention_to_local=True, checkpoint=tmp_path / "cls.pth")
 

@@ -24,6 +24,7 @@ from vil.config import load_cfg
 from vil.detection import (
     EXPORT_FORMATS,
     backbone_attention,
+    backbone_state,
     check_options,
     checkpoint_image_size,
     classification_backbone_state,
@@ -142,6 +143,11 @@ def main(argv=None):
     try:
         check_writable_file(args.output, source=args.input)
         checkpoint = read_checkpoint(args.input)
+        if backbone_state(checkpoint) is not None:
+            raise ValueError(
+                f"{args.input} is a backbone export already (tools/export_backbone.py wrote it); give the "
+                "classification checkpoint it was made from, or load it as it is (build_fpn_backbone)."
+            )
         check_convertible(model_state(checkpoint, args.input), args.input)  # before its tables tell the image size
         source = source_model(args, checkpoint)
         attention = backbone_attention(source.get("attention", "longformer"), args.full_attention_to_local)
