@@ -696,6 +696,24 @@ def test_what_is_refused():
             vil.accelerate_longformer(accelerated, backend=name)
 
 
+def test_layers_left_computing_transformers_attention_are_said(caplog):
+    """Beside converted layers, a subclass of transformers' layer stays as it is, and a converted layer whose forward
+    is set on the instance (a wrapper that calls the forward it found, as accelerate's hooks do) keeps calling
+    transformers' attention: each is said in one warning, which counts them."""
+    model = transformers.LongformerModel(longformer_config(num_hidden_layers=3, attention_window=[4, 8, 4]))
+    layers = [layer.attention.self for layer in model.encoder.layer]
+    layers[0].__class__ = type(
+        "OwnAttention", (transformers.models.longformer.modeling_longformer.LongformerSelfAttention,), {}
+    )
+    found = layers[1].forward  # bound to transformers' forward when the wrapper is made
+    layers[1].forward = lambda *args, **kwargs: found(*args, **kwargs)
+    with caplog.at_level(logging.WARNING, logger="vil.transformers_longformer"):
+        vil.accelerate_longformer(model)
+    assert [type(layer).__name__ for layer in layers] == ["OwnAttention"] + ["AcceleratedLongformerSelfAttention"] * 2
+    assert "1 of the model's 3 Longformer self-attention layers (OwnAttention) subclass" in caplog.text
+    assert "1 of the 2 accelerated self-attention layers have a forward set on the instance" in caplog.text
+
+
 def test_without_transformers_the_call_says_how_to_install_it(monkeypatch):
     import sys
 

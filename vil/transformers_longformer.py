@@ -169,6 +169,34 @@ CONVERSIONS = {
 }
 
 
+def _say_unaccelerated(model, layers):
+    """Log the Longformer self-attention layers of ``model`` that still compute transformers' attention after the
+    conversion of ``layers``: subclasses of transformers' classes, left as they are, and converted layers whose
+    ``forward`` is set on the instance (as wrappers such as accelerate's hooks do), which calls transformers'."""
+    subclassed = [
+        type(m).__name__
+        for m in model.modules()
+        if isinstance(m, tuple(CONVERSIONS)) and not isinstance(m, _Accelerated) and type(m) not in CONVERSIONS
+    ]
+    if subclassed:
+        _log.warning(
+            "%d of the model's %d Longformer self-attention layers (%s) subclass transformers' classes, whose "
+            "forward they may change: they stay as they are and compute transformers' attention, not the op.",
+            len(subclassed),
+            len(subclassed) + len(layers),
+            ", ".join(sorted(set(subclassed))),
+        )
+    wrapped = sum("forward" in vars(m) for m in layers)
+    if wrapped:
+        _log.warning(
+            "%d of the %d accelerated self-attention layers have a forward set on the instance (as wrappers such "
+            "as accelerate's hooks do), which calls transformers' attention: those layers compute it, not the op. "
+            "Call vil.accelerate_longformer before wrapping the model.",
+            wrapped,
+            len(layers),
+        )
+
+
 def accelerate_longformer(model, backend=None):
     """Every Longformer-style self-attention of the transformers model ``model`` computed by
     ``vil.ops.local_attention_1d`` (``backend``: the op's backend, None for its default), in place; returns the
@@ -176,7 +204,8 @@ def accelerate_longformer(model, backend=None):
     ``save_pretrained`` writes what transformers reads; a ``LongformerModel``'s ``config._attn_implementation``
     becomes :data:`MASK_IMPLEMENTATION` (not saved) where transformers builds its mask in L x L (transformers 5).
     Raises ``ValueError`` where ``model`` is not a module, has no such layer (subclasses of transformers' layers
-    included: they may change its forward) or ``backend`` computes no 1D windows."""
+    included: they may change its forward) or ``backend`` computes no 1D windows; layers left computing
+    transformers' attention beside converted ones are logged (:func:`_say_unaccelerated`)."""
     if backend is not None and backend not in available_backends(1):
         what = "computes no Longformer (1D) windows" if backend in available_backends(2) else "is not a backend"
         raise ValueError(
@@ -206,6 +235,7 @@ def accelerate_longformer(model, backend=None):
     for module in layers:
         module.__class__ = CONVERSIONS.get(type(module), type(module))
         module.backend = backend
+    _say_unaccelerated(model, layers)
     for module in model.modules():
         if REPLACES_MASK and isinstance(module, LongformerModel):
             module.config._attn_implementation = MASK_IMPLEMENTATION
