@@ -44,7 +44,7 @@ EXPORT_FORMATS: dict[str, tuple[str, str]] = {
 }
 GLOBAL_TOKENS: tuple[str, ...] = ("drop", "average")
 # The MODEL_DEFINING_KEYS a backbone keeps from the classification model it is made from, by the MsViT argument each
-# sets (the key's last part in lower case). Not the arch (converted, and checked by the weights' shapes), the
+# sets (the key's last part in lower case). Not the arch (converted, and checked on its own), the
 # classifier's pooling, nor the patch embeddings' padding (the backbone's own choice; its tables are converted).
 # And the attention mechanism, which ATTN_TYPE names beside a backend (every backend of one mechanism computes it).
 BACKBONE_OPTIONS: dict[str, str] = {
@@ -458,9 +458,9 @@ __all__ = [
     "EXPORT_FORMATS",
     "ViLBackbone",
     "ViLWithFPN",
+    "backbone_attention",
     "backbone_state",
     "build_fpn_backbone",
-    "backbone_attention",
     "check_options",
     "checkpoint_image_size",
     "classification_backbone_state",
