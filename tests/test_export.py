@@ -532,10 +532,49 @@ def test_features_only_models_and_backbones_export_with_their_maps_named():
         for got, want in zip(program.module()(images), features(images), strict=True):
             torch.testing.assert_close(got, want)
     full_attention = "l1,h1,d16,p4,s0_l2,h1,d16,s0_l3,h1,d16,s0"  # a quicker export: no local attention to record
-    graph = load_from_string(onnx_model(ViLBackbone(full_attention, img_size=64).eval(), 64, 64)).graph
-    assert [output.name for output in graph.output] == ["map0", "map1", "map2"]
+    backbone = ViLBackbone(full_attention, img_size=64).eval()
+    data = onnx_model(backbone, 64, 64)
+    assert [output.name for output in load_from_string(data).graph.output] == ["map0", "map1", "map2"]
+    # onnx_outputs gives every map, in float32 from float64 images too, and empty ones for an empty batch.
+    for images in (torch.randn(2, 3, 64, 96, dtype=torch.float64), torch.randn(0, 3, 64, 64)):
+        with torch.no_grad():
+            want = list(backbone(images.float()).values())
+        got = onnx_outputs(data, images)
+        assert [m.shape for m in got] == [m.shape for m in want]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for images, named in (
+        (torch.randn(3, 64, 64), r"shape \(N, 3, H, W\), got \(3, 64, 64\)"),
+        (torch.randn(1, 1, 64, 64), r"shape \(N, 3, H, W\), got \(1, 1, 64, 64\)"),
+        (torch.zeros(1, 3, 64, 64, dtype=torch.uint8), r"floating-point images \(float32\), got torch.uint8"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            onnx_outputs(data, images)
     with pytest.raises(ValueError, match=r"takes a ViL model .*got Linear"):
         export_program(torch.nn.Linear(2, 2), 64, 64)
+
+
+def test_a_spatial_reduction_model_exports_from_the_least_size_it_takes():
+    """Stage 2 reduces its map by 4 (stride 8): images from 64 on give its instance norm 2x2 positions. The file
+    records 64 as its least side, and the program declares it, where both declared twice the stride (32), at which
+    the model refuses images and the file computed numbers all the same."""
+    from onnx import load_from_string
+
+    torch.manual_seed(0)
+    model = MsViT("l1,h1,d16,p4,f2_l2,h1,d32,f4_l3,h2,d32,s0", img_size=64, num_classes=3, attention="srformer").eval()
+    assert model.least_image_side == 64
+    data = onnx_model(model, 64, 64)
+    recorded = {p.key: p.value for p in load_from_string(data).metadata_props}
+    assert recorded["vil.image_side_least"] == "64" and recorded["vil.image_side_step"] == "16"
+    images = torch.randn(2, 3, 64, 80)
+    with torch.no_grad():
+        torch.testing.assert_close(onnx_outputs(data, images), model(images), atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match="needs at least 2 positions"):
+            model(torch.randn(1, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"multiples of 16 from 64 up, not 32x48"):
+        onnx_outputs(data, torch.randn(1, 3, 32, 48))
+    with pytest.raises(ValueError, match=r"at least 64 on each side, got 48x48"):
+        export_program(model, 48, 48)
 
 
 # A chunked local stage 3 (stride 16, chunks of 5): at 64x64 its 4x4 map is one chunk per side, from 96 two. (Full

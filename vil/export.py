@@ -25,10 +25,16 @@ def _size_step(model):
     return 1 if getattr(model, "dynamic_img_pad", False) and not exporting_to_onnx() else model.total_stride
 
 
+def _least_side(model):
+    """The least image side an export declares: twice the total stride (torch specialises a last map of one position
+    per side, broadcasting it), or the least the model takes where that is more (spatial-reduction stages)."""
+    return max(2 * model.total_stride, model.least_image_side)
+
+
 def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
     """An input of ``batch x C x height x width`` and the dynamic shapes of any batch and any height and width
-    from twice the model's total stride that are multiples of :func:`_size_step` (of any batch only, for a model of
-    fixed input size or without ``dynamic_size``)."""
+    from :func:`_least_side` that are multiples of :func:`_size_step` (of any batch only, for a model of fixed input
+    size or without ``dynamic_size``)."""
     example = torch.randn(batch, model.in_chans, height, width)
     any_batch = {0: torch.export.Dim("batch", min=1, max=1024)}
     if model.fixed_input_size and (height, width) != tuple(model.img_size):
@@ -38,14 +44,13 @@ def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
         )
     if model.fixed_input_size or not dynamic_size:
         return example, (any_batch,)
-    stride, step = model.total_stride, _size_step(model)
-    if height % step or width % step or min(height, width) < 2 * stride:
+    stride, step, least = model.total_stride, _size_step(model), _least_side(model)
+    if height % step or width % step or min(height, width) < least:
         multiple = f"a multiple of the model's total stride {stride} and " if step > 1 else ""
         raise ValueError(
-            f"Export at an image size that is {multiple}at least {2 * stride} on each side, got {height}x{width}."
+            f"Export at an image size that is {multiple}at least {least} on each side, got {height}x{width}."
         )
-    # At least two positions per side of the last map: torch specialises a size of 1 (broadcasting).
-    rows, cols = (torch.export.Dim(name, min=2 * stride // step, max=LARGEST_SIDE // step) for name in ("rows", "cols"))
+    rows, cols = (torch.export.Dim(name, min=-(-least // step), max=LARGEST_SIDE // step) for name in ("rows", "cols"))
     if step == 1:
         return example, ({**any_batch, 2: rows, 3: cols},)
     return example, ({**any_batch, 2: step * rows, 3: step * cols},)
@@ -177,7 +182,7 @@ def onnx_model(model, height, width, dynamic_size=True) -> bytes:
     else:
         taken = {
             SIZES_TAKEN["step"]: str(described.total_stride),
-            SIZES_TAKEN["least"]: str(2 * described.total_stride),
+            SIZES_TAKEN["least"]: str(_least_side(described)),
         }
     for key, value in taken.items():
         proto.metadata_props.add(key=key, value=value)
@@ -208,7 +213,9 @@ def export_onnx(model, path, height, width, dynamic_size=True):
 
 
 def onnx_outputs(onnx_file, images):
-    """The logits onnxruntime computes for ``images`` from an ONNX file: its path, or its bytes."""
+    """What onnxruntime computes for ``images`` (N, C, H, W) from an ONNX file (its path, or its bytes): a
+    classifier's logits, or a backbone's maps as a list in the file's order (``map0``, ``map1``, ...). Images of
+    another floating dtype are computed in float32, the file's; an empty batch gives empty outputs."""
     try:
         import onnxruntime
     except ImportError as error:
@@ -219,8 +226,17 @@ def onnx_outputs(onnx_file, images):
     options.log_severity_level = 4  # a failure is raised with its message; not logged to stderr besides
     source = onnx_file if isinstance(onnx_file, bytes) else str(onnx_file)
     session = onnxruntime.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    (taken,) = session.get_inputs()
+    channels = taken.shape[1]
+    if images.dim() != 4 or (isinstance(channels, int) and images.shape[1] != channels):
+        raise ValueError(f"This ONNX file takes images of shape (N, {channels}, H, W), got {tuple(images.shape)}.")
+    if not images.is_floating_point():
+        raise ValueError(f"This ONNX file takes floating-point images (float32), got {images.dtype}.")
     _check_sizes_taken(session.get_modelmeta().custom_metadata_map, tuple(images.shape[-2:]))
-    return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: images.numpy()})[0])
+    batch = images.detach().float().cpu()
+    run = batch if len(batch) else torch.zeros(1, *batch.shape[1:])  # onnxruntime's reshapes refuse a batch of 0
+    outputs = [torch.from_numpy(out)[: len(batch)] for out in session.run(None, {taken.name: run.numpy()})]
+    return outputs[0] if len(outputs) == 1 else outputs
 
 
 def _check_sizes_taken(recorded, size):

@@ -334,6 +334,13 @@ class MsViT(nn.Module):
         return PerformerAttention(dim, heads, f, drop=drop)
 
     @property
+    def least_image_side(self) -> int:
+        """The side of the smallest square image it takes: its total stride, or more for spatial-reduction stages,
+        whose maps must reduce to at least 2x2 positions."""
+        srformer = any(isinstance(m, SpatialReductionAttention) for m in self.modules())
+        return _smallest_image(self.stage_specs, {"attention": "srformer" if srformer else None}) or self.total_stride
+
+    @property
     def fixed_input_size(self) -> bool:
         """True when the model takes only images of ``img_size`` (linformer attention: its projections are made for
         one token count)."""
@@ -589,12 +596,13 @@ MECHANISMS: tuple[str, ...] = ("longformer", "full", "linformer", "srformer", "p
 # --- Registration with timm: timm.create_model("vil_small"), features_only, pretrained_cfg_overlay=dict(file=...) ---
 
 
-def _smallest_image(arch, attention):
-    """The side of the smallest square image an srformer model takes (a multiple of its total stride): each stage
-    reduces its map by its f to at least 2x2 positions for its instance norm. None for the other mechanisms."""
+def _smallest_image(specs, attention):
+    """The side of the smallest square image an srformer model of stage ``specs`` takes (a multiple of its total
+    stride): each stage reduces its map by its f to at least 2x2 positions for its instance norm. None for the other
+    mechanisms."""
     if attention.get("attention") != "srformer":
         return None
-    specs, stride, side = parse_arch(arch), 1, 1
+    stride, side = 1, 1
     for spec in specs:
         stride *= spec.patch
         if spec.local:
@@ -606,7 +614,7 @@ def _input_fields(arch, attention, input_size, pad=False):
     """The ``pretrained_cfg`` fields that follow from the architecture and the attention, for images of
     ``input_size`` (C, H, W); ``pad``: the patch embeddings pad their input (``dynamic_img_pad``)."""
     specs = parse_arch(arch)
-    smallest = _smallest_image(arch, attention)
+    smallest = _smallest_image(specs, attention)
     # Linformer's projections, in its local stages, are made for one map (MsViT.fixed_input_size).
     fixed = attention.get("attention") == "linformer" and any(spec.local for spec in specs)
     return {
