@@ -39,6 +39,10 @@ def not_a_folder(tmp_path):
         ("benchmark_loader", ["--workers", "-1"], r"--workers: must be an integer of at least 0, got -1"),
         ("benchmark_loader", ["--config-file", "vil_smal"], r"vil_smal"),
         ("benchmark_model", ["--config-file", "vil_tiny", "--timm", "no_such_net"], r"--timm no_such_net"),
+        ("benchmark_model", ["--config-file", "vil_tiny", "--profile"], r"give --compile or --timm with it"),
+        ("benchmark_attention", ["--host-time"], r"--host-time .* give --device cuda with it"),
+        ("benchmark_mechanisms", ["--max-step-seconds", "nan"], r"--max-step-seconds must be 0 .* got nan"),
+        ("benchmark_longformer", ["--lengths", "100", "--window", "16"], r"multiples of --window 16 .* got 100"),
     ],
 )
 def test_bad_arguments_are_one_sentence(tool, args, facts, not_a_folder):
@@ -60,3 +64,19 @@ def test_a_failed_step_of_the_digits_check_says_why():
     tool = load_tool("check_digits_demo")
     with pytest.raises(SystemExit, match=r"tools/train.py failed \(exit status \d\): .*SEED is 'x'.*integer"):
         tool.run_step(str(ROOT / "configs" / "vil_digits.yaml"), "/nonexistent/out", ["SEED", "x"])
+
+
+def test_the_timm_contender_is_built_for_the_models_images_or_refused_in_one_sentence():
+    """A timm model of one input size (a ViT) is built for INPUT.IMAGE_SIZE; one that cannot take that size says so,
+    where the comparison failed with the timm model's own assertion."""
+    import torch
+
+    from vil.models import MsViT
+
+    tool = load_tool("benchmark_model")
+    model = MsViT("l1,h1,d16,p2,s0_l2,h1,d32,p1,s0_l3,h1,d32,p1,s0", img_size=32, num_classes=3)
+    vit = tool._timm_model("vit_tiny_patch16_224", model, torch.device("cpu"))
+    assert vit(torch.randn(1, 3, 32, 32)).shape == (1, 3) and vit.training
+    model.img_size = (8, 8)
+    with pytest.raises(SystemExit, match=r"--timm vit_tiny_patch16_224 does not take 8x8 images \(INPUT.IMAGE_SIZE\)"):
+        tool._timm_model("vit_tiny_patch16_224", model, torch.device("cpu"))

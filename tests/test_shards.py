@@ -271,6 +271,9 @@ def test_bad_shard_requests_are_one_sentence(shards, tmp_path):
         ShardDataset(shards / "train")
     status, _, stderr = run_tool("make_shards", tmp_path / "folder", shards)
     assert status == 1 and stderr.startswith(f"error: {shards / 'train'} exists; remove it or choose another")
+    (tmp_path / "a_file").write_text("")
+    status, _, stderr = run_tool("make_shards", tmp_path / "folder", tmp_path / "a_file" / "new")
+    assert status == 1 and stderr.startswith(f"error: The output {tmp_path / 'a_file' / 'new'} cannot be written")
     status, _, stderr = run_tool("make_shards", tmp_path / "folder", tmp_path / "new", "--per-shard", "0")
     assert status == 1 and stderr.startswith("error: --per-shard must be a positive number of samples, got 0.")
     (tmp_path / "folder" / "val" / "empty").mkdir()  # a class of no images, found before anything is written

@@ -140,6 +140,8 @@ def parse_args(argv=None):
         p.error("--dilation and --causal are options of the 1D study (--dim 1)")
     if args.dim == 1 and args.exact is not None:
         p.error("--exact is an option of the 2D study (--dim 2)")
+    if args.host_time and args.device != "cuda":
+        p.error("--host-time times the calls queued for a GPU: give --device cuda with it")
     check_outputs(p, [args.markdown], args.plot, ("time", "memory"))
     for name, value in DEFAULTS[args.dim].items():
         if getattr(args, name) is None:

@@ -62,6 +62,12 @@ def parse_args(argv=None):
         p.error(f"--window must be even (transformers splits it into two sides), got {args.window}.")
     if args.hidden % 12:
         p.error(f"--hidden must be a multiple of the 12 heads, got {args.hidden}.")
+    uneven = [n for n in args.lengths if n % args.window]
+    if uneven and set(args.what) & {"layer", "autocast"}:
+        p.error(
+            f"--what layer and autocast time transformers' layer alone, which takes lengths that are multiples of "
+            f"--window {args.window} (the model pads to one), got {', '.join(map(str, uneven))}."
+        )
     if args.plot and args.what == ["autocast"]:
         p.error("--plot draws the timed studies (--what layer, model); --what autocast alone has none.")
     check_outputs(p, [args.markdown], args.plot, ("time", "memory"))

@@ -146,7 +146,7 @@ def parse_args(argv=None):
     p.add_argument("--plot", metavar="PREFIX", help="also draw PREFIX_time.png, PREFIX_memory.png and PREFIX_flops.png")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure some models at one size, print JSON
     args = p.parse_args(argv)
-    if args.max_step_seconds < 0:
+    if not args.max_step_seconds >= 0:  # NaN too
         p.error(f"--max-step-seconds must be 0 (no limit) or more, got {args.max_step_seconds:g}.")
     check_outputs(p, [args.markdown], args.plot, [name for name, _, _ in PLOTS])
     args.sizes = sorted(set(args.sizes))

@@ -52,6 +52,8 @@ def main():
     args = parser.parse_args()
     if args.timm and parse_model_name(args.timm)[0] is None and not timm.is_model(args.timm):
         parser.error(f"--timm {args.timm} is not a timm model; give one that timm.list_models() lists.")
+    if args.profile and not (args.compile or args.timm):
+        parser.error("--profile profiles the side-by-side comparison: give --compile or --timm with it.")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda was asked for, but torch sees no CUDA device here.")
@@ -126,6 +128,26 @@ def main():
         compare(args, model, steps, timed, device)
 
 
+def _timm_model(name, model, device):
+    """timm's ``name`` for ``model``'s images and classes: built for their size where it takes ``img_size``, and
+    refused in one sentence where it does not take them."""
+    size = model.img_size
+    try:
+        other = timm.create_model(name, num_classes=model.num_classes, img_size=size)
+    except TypeError:  # a model of any image size, without the argument
+        other = timm.create_model(name, num_classes=model.num_classes)
+    other = other.to(device).eval()
+    try:
+        with torch.no_grad():
+            other(torch.randn(1, model.in_chans, *size, device=device))
+    except (AssertionError, RuntimeError, ValueError) as e:
+        raise SystemExit(
+            f"error: --timm {name} does not take {size[0]}x{size[1]} images (INPUT.IMAGE_SIZE): "
+            f"{str(e).splitlines()[0]}; give an INPUT.IMAGE_SIZE it takes."
+        ) from None
+    return other.train()
+
+
 def compare(args, model, steps, timed, device):
     """The side-by-side table of the module docstring."""
     contenders = {"eager": steps(model)}
@@ -137,7 +159,7 @@ def compare(args, model, steps, timed, device):
         print(f"\ntorch.compile: {time.perf_counter() - start:.0f} s to compile training and inference")
         contenders["torch.compile"] = compiled
     if args.timm:
-        contenders[f"timm {args.timm}"] = steps(timm.create_model(args.timm, num_classes=model.num_classes).to(device))
+        contenders[f"timm {args.timm}"] = steps(_timm_model(args.timm, model, device))
     best = {name: [0.0, 0.0] for name in contenders}
     for _ in range(args.rounds):
         for name, pair in contenders.items():

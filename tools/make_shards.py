@@ -17,7 +17,7 @@ import shutil
 import sys
 
 from vil.data import SkippingImageFolder, check_same_classes
-from vil.files import not_a_folder
+from vil.files import check_writable_folder, not_a_folder
 from vil.shards import require_webdataset, write_index
 
 
@@ -82,6 +82,7 @@ def main(argv=None):
         folders = {split: image_folder(os.path.join(args.source, split)) for split in splits}
         if len(folders) == 2:
             check_same_classes(folders["train"], folders["val"])
+        check_writable_folder(args.output, "The output")  # before any shard is written
         for split, folder in folders.items():
             shards, samples = write_split(
                 folder, os.path.join(args.output, split), args.per_shard, args.seed if split == "train" else None
