@@ -157,12 +157,18 @@ def test_layer_decay_gives_each_transformer_layer_its_rate():
 def test_a_warmup_as_long_as_the_run_is_said(caplog):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     with caplog.at_level(logging.WARNING, logger="vil"):
-        build_scheduler(cfg_with("OPTIM.EPOCHS", "2", "SOLVER.WARMUP_EPOCHS", "5.0"), optimizer, 4)
+        build_scheduler(
+            cfg_with("OPTIM.EPOCHS", "2", "SOLVER.WARMUP_EPOCHS", "5.0", "SOLVER.LR_POLICY", "cosine"), optimizer, 4
+        )
     factor = load_cfg().SOLVER.WARMUP_FACTOR  # the warmup's start, as a fraction of OPTIM.LR
     assert f"ends at about {factor + (1 - factor) * 2 / 5:.0%} of OPTIM.LR" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="vil"):
         build_scheduler(cfg_with("SOLVER.WARMUP_EPOCHS", "5.0"), optimizer, 4)  # 10 epochs
+        # "" (no schedule) has no warmup to say anything of, whatever its length.
+        build_scheduler(
+            cfg_with("OPTIM.EPOCHS", "2", "SOLVER.WARMUP_EPOCHS", "5.0", "SOLVER.LR_POLICY", ""), optimizer, 4
+        )
     assert "WARMUP_EPOCHS" not in caplog.text
 
 
@@ -282,7 +288,7 @@ def test_unknown_optimizer_and_policy_are_one_sentence():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="OPTIM.OPT 'rmsprop'.*adamw, sgd, qhm, adam, lamb"):
         build_optimizer(cfg_with("OPTIM.OPT", "rmsprop"), model)
-    with pytest.raises(ValueError, match="SOLVER.LR_POLICY 'poly' is not supported"):
+    with pytest.raises(ValueError, match=r"SOLVER.LR_POLICY 'poly' is not supported; .*'step'.* or '' \(no schedule\)"):
         build_scheduler(cfg_with("SOLVER.LR_POLICY", "poly"), build_optimizer(cfg_with(), model), 3)
     with pytest.raises(ValueError, match="SOLVER.WARMUP_METHOD 'constant'.*'linear'"):
         build_scheduler(cfg_with("SOLVER.WARMUP_METHOD", "constant"), build_optimizer(cfg_with(), model), 3)

@@ -100,7 +100,7 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
     solver = cfg.SOLVER
     if solver.WARMUP_METHOD != "linear":
         raise ValueError(f"SOLVER.WARMUP_METHOD {solver.WARMUP_METHOD!r} is not supported; use 'linear'.")
-    if 0 < cfg.OPTIM.EPOCHS <= solver.WARMUP_EPOCHS:
+    if solver.LR_POLICY and 0 < cfg.OPTIM.EPOCHS <= solver.WARMUP_EPOCHS:  # "" has no warmup
         reached = solver.WARMUP_FACTOR + (1 - solver.WARMUP_FACTOR) * cfg.OPTIM.EPOCHS / solver.WARMUP_EPOCHS
         log.warning(
             f"SOLVER.WARMUP_EPOCHS {solver.WARMUP_EPOCHS:g} is not shorter than OPTIM.EPOCHS {cfg.OPTIM.EPOCHS}: the "
@@ -130,7 +130,8 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
         constant = dict(common, warmup_t=warmup if policy else 0)
         return StepLRScheduler(optimizer, decay_t=total + 1, decay_rate=1.0, **constant)
     raise ValueError(
-        f"SOLVER.LR_POLICY {policy!r} is not supported; use 'cosine', 'linear', 'multistep' or 'constant'."
+        f"SOLVER.LR_POLICY {policy!r} is not supported; use 'cosine', 'linear', 'multistep' (or 'step'), 'constant' "
+        "or '' (no schedule)."
     )
 
 
