@@ -483,7 +483,7 @@ _RULES = {
     "OPTIM.LR": (lambda v: math.isfinite(v) and v >= 0, "a finite learning rate >= 0"),
     "OPTIM.EPOCHS": (lambda v: v >= 1, "a positive number of epochs"),
     "OPTIM.ACCUM_STEPS": (lambda v: v >= 1, "a positive number of batches per optimizer step"),
-    "OPTIM.MOM": (lambda v: math.isfinite(v) and v >= 0, "a finite momentum >= 0"),
+    "OPTIM.MOM": (lambda v: 0 <= v < 1, "a momentum in [0, 1) (from 1 on, the steps grow without bound)"),
     "OPTIM.NU": (lambda v: 0 <= v <= 1, "a fraction in [0, 1] (qhm's nu)"),
     "OPTIM.WD": (lambda v: math.isfinite(v) and v >= 0, "a finite weight decay >= 0"),
     "OPTIM.WD0": (lambda v: math.isfinite(v) and v >= 0, "a finite weight decay >= 0"),
