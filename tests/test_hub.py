@@ -482,6 +482,9 @@ def test_predict_tells_config_keys_from_image_names(tmp_path, monkeypatch):
     # A near miss of a section is a key, which the config then names ("did you mean INPUT.CROP_PCT?").
     args = load_tool("predict").parse_args(["--config-file", "vil_tiny", "INPT.CROP_PCT", "0.9", "IMG_0001.JPG"])
     assert args.overrides == ["INPT.CROP_PCT", "0.9"] and args.images == ["IMG_0001.JPG"]
+    # So is a key of the config's top level.
+    args = load_tool("predict").parse_args(["--config-file", "vil_tiny", "IMG_0001.JPG", "SEED", "3"])
+    assert args.overrides == ["SEED", "3"] and args.images == ["IMG_0001.JPG"]
 
 
 @pytest.mark.parametrize(

@@ -41,13 +41,17 @@ CONFIG_KEY = re.compile(r"^[A-Z][A-Z0-9_]*(\.[A-Z0-9_]+)+$")  # MODEL.MODEL_PATH
 
 
 def is_override(token):
-    """Whether ``token`` is a config key (``MODEL.MODEL_PATH``) rather than an image (``IMG_0001.JPG``): it has a
-    key's form, begins with a section of the config or a near miss of one (``INPT``: the config then names the
-    key it meant) and is not an existing file."""
-    sections = list(get_cfg())
+    """Whether ``token`` is a config key (``MODEL.MODEL_PATH``, ``SEED``) rather than an image (``IMG_0001.JPG``):
+    not an existing file, and a key of the config's top level or of a key's form beginning with a section of the
+    config or a near miss of one (``INPT``: the config then names the key it meant)."""
+    cfg = get_cfg()
+    if os.path.exists(token):
+        return False
+    if token in cfg and not isinstance(cfg[token], dict):
+        return True
     section = token.split(".")[0]
-    near = section in sections or difflib.get_close_matches(section, sections, n=1, cutoff=0.75)
-    return bool(CONFIG_KEY.match(token)) and bool(near) and not os.path.exists(token)
+    near = section in cfg or difflib.get_close_matches(section, list(cfg), n=1, cutoff=0.75)
+    return bool(CONFIG_KEY.match(token)) and bool(near)
 
 
 def parse_args(argv=None):
