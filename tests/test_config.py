@@ -140,6 +140,13 @@ def test_integers_are_accepted_for_float_keys_and_lists_for_tuples():
     assert cfg.OPTIM.LR == 1.0 and isinstance(cfg.OPTIM.LR, float) and cfg.AUG.SCALE == (0.5, 1.0)
 
 
+def test_text_that_reads_as_a_number_stays_text_for_keys_of_text(tmp_path):
+    """A folder named 2024 on the command line, or quoted in YAML, is a path, not a number refused as one."""
+    (tmp_path / "c.yaml").write_text('OUTPUT_DIR: "2024"\nDATA: {PATH: "1e3"}\n')
+    cfg = load_cfg(tmp_path / "c.yaml", ["MODEL.MODEL_PATH", "7", "DATA.DATA_DIR", "'8'"])
+    assert (cfg.OUTPUT_DIR, cfg.DATA.PATH, cfg.MODEL.MODEL_PATH, cfg.DATA.DATA_DIR) == ("2024", "1e3", "7", "8")
+
+
 def test_a_leading_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "c.yaml").write_text("OUTPUT_DIR: ~/runs/a\nDATA:\n  PATH: ~/imagenet\n")

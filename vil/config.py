@@ -287,7 +287,7 @@ def load_cfg(config_file=None, overrides=()):
                 f"the last {overrides[-1]!r}); give each key its value."
             )
         for key, value in zip(overrides[0::2], overrides[1::2]):
-            _set(cfg, str(key), CN._decode_cfg_value(value), "the overrides")
+            _set(cfg, str(key), value, "the overrides")
     for key in PATH_KEYS:  # a leading ~ is the home folder, as a shell expands it on a command line
         _set(cfg, key, os.path.expanduser(config_value(cfg, key)), "the paths")
     check_values(cfg)
@@ -384,7 +384,7 @@ def merge_yaml(cfg, text, source):
             f"Expected a mapping of config keys (like 'MODEL: ...') in {source}, not a {type(tree).__name__}."
         )
     for key, value in _flatten(tree, cfg, source):
-        _set(cfg, key, CN._decode_cfg_value(value), source)
+        _set(cfg, key, value, source)
 
 
 def _flatten(tree, node, source, prefix=""):
@@ -415,7 +415,9 @@ def _dotted_keys(node, prefix=""):
 
 
 def _set(cfg, key, value, source):
-    """Set the dotted ``key`` to ``value`` when the key exists and the value has its default's type."""
+    """Set the dotted ``key`` to ``value`` (as given: text is read as a Python literal, as yacs reads it) when the
+    key exists and the value has its default's type. Text for a key of text that reads as another type (an
+    ``OUTPUT_DIR`` of ``2024``) stays text."""
     *sections, name = key.split(".")
     node = cfg
     for part in sections:
@@ -430,7 +432,10 @@ def _set(cfg, key, value, source):
         raise ValueError(
             f"In {source}, {key} is {_shown(value)}, but it is a section of keys; set its keys ({key}.KEY) instead."
         )
-    node[name] = _coerced(value, default, key, source)
+    decoded = CN._decode_cfg_value(value)
+    if isinstance(default, str) and isinstance(value, str) and not isinstance(decoded, str):
+        decoded = value
+    node[name] = _coerced(decoded, default, key, source)
 
 
 def _coerced(value, default, key, source):
