@@ -225,3 +225,11 @@ def test_an_empty_config_file_argument_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:  # as from an unset $CFG: not the defaults
         config_from_command_line("a tool", ["--config-file", ""])
     assert exit_info.value.code == 2 and "--config-file is empty" in capsys.readouterr().err
+
+
+def test_the_config_file_may_follow_the_overrides_and_negative_values_stay_values():
+    from vil.config import config_from_command_line
+
+    argv = ["OPTIM.LR", "0.1", "--config-file", "vil_tiny", "MODEL.VIT.MSVIT.SW_EXACT", "-1"]
+    cfg = config_from_command_line("a tool", argv)
+    assert cfg.OPTIM.LR == 0.1 and cfg.MODEL.VIT.MSVIT.SW_EXACT == -1 and cfg.MODEL.VIT.MSVIT.ARCH

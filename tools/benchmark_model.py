@@ -48,8 +48,8 @@ def main():
     parser.add_argument(
         "--profile", action="store_true", help="with --compile or --timm: profile two training steps of each"
     )
-    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
-    args = parser.parse_args()
+    parser.add_argument("opts", nargs="*", metavar="KEY VALUE", help="config overrides")
+    args = parser.parse_intermixed_args()  # options after the overrides too
     if args.timm and parse_model_name(args.timm)[0] is None and not timm.is_model(args.timm):
         parser.error(f"--timm {args.timm} is not a timm model; give one that timm.list_models() lists.")
     if args.profile and not (args.compile or args.timm):

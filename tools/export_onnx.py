@@ -71,8 +71,8 @@ def main(argv=None):
         help="export for images of INPUT.IMAGE_SIZE only (any batch), not any multiple of the total stride: "
         "needed for SW_EXACT -1, whose windows wrap around a map of one size",
     )
-    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
-    args = parser.parse_args(argv)
+    parser.add_argument("opts", nargs="*", metavar="KEY VALUE", help="config overrides")
+    args = parser.parse_intermixed_args(argv)  # options after the overrides too
     try:
         cfg = load_cfg(args.config_file, args.opts)
         check_writable_file(args.output, source=resolve_model_path(cfg) if cfg.MODEL.MODEL_PATH else None)

@@ -597,8 +597,8 @@ def config_from_command_line(description, argv=None):
     parser.add_argument(
         "--config-file", required=True, help="a YAML file, or a preset's name (vil_tiny, vil_small, ...)"
     )
-    parser.add_argument("opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ...")
-    args = parser.parse_args(argv)
+    parser.add_argument("opts", nargs="*", metavar="KEY VALUE", help="config overrides")
+    args = parser.parse_intermixed_args(argv)  # --config-file after the overrides too
     if not args.config_file:
         parser.error(EMPTY_CONFIG_FILE)
     return load_cfg(args.config_file, args.opts)
