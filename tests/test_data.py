@@ -299,6 +299,12 @@ def test_augmentation_keys_the_chosen_transform_does_not_read_are_named_once(cap
     assert "AUG.GRAY_SCALE is set" in line and "USE_TRANSFORM True) does not read it" in line
     (line,) = warnings("FINETUNE.FINETUNE", "True", "AUG.SCALE", "[0.5, 1.0]", "AUG.TIMM_AUG.HFLIP", "0.0")
     assert "AUG.SCALE is set" in line and "FINETUNE.USE_TRAIN_AUG True" in line and "HFLIP" not in line
+    # timm's transform comes before fine-tuning's; its color jitter is left out beside a policy.
+    timm_aug = ("AUG.TIMM_AUG.USE_TRANSFORM", "True", "AUG.TIMM_AUG.AUTO_AUGMENT", "rand-m9-mstd0.5")
+    first, second = warnings(*timm_aug, "FINETUNE.FINETUNE", "True", "AUG.TIMM_AUG.COLOR_JITTER", "0.8")
+    assert "FINETUNE.FINETUNE is set" in first and "set AUG.TIMM_AUG.USE_TRANSFORM False" in first
+    assert "AUG.TIMM_AUG.COLOR_JITTER is set" in second and "AUTO_AUGMENT" in second
+    assert not warnings(*timm_aug, "FINETUNE.FINETUNE", "True", "FINETUNE.USE_TRAIN_AUG", "True")
     for name in ("vil_small", "vil_digits", "vil_digits_finetune"):  # the presets set only what they use
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="vil"):

@@ -228,19 +228,38 @@ def build_transform(cfg, train):
 def _warn_unread_keys(cfg):
     """Say once which augmentation keys, set to other values than their defaults, the chosen training transform
     does not read, and what would make it read them (the original release ignored them without a word)."""
-    if cfg.AUG.TIMM_AUG.USE_TRANSFORM:
-        unread, why = _PLAIN_KEYS, "timm's transform (AUG.TIMM_AUG.USE_TRANSFORM True) does not read {}"
+    timm_aug = cfg.AUG.TIMM_AUG
+    if timm_aug.USE_TRANSFORM:
+        unread = [(_PLAIN_KEYS, "timm's transform (AUG.TIMM_AUG.USE_TRANSFORM True) does not read {}")]
+        if not cfg.FINETUNE.USE_TRAIN_AUG:
+            unread.append(
+                (
+                    ("FINETUNE.FINETUNE",),
+                    "timm's transform (AUG.TIMM_AUG.USE_TRANSFORM True) comes first, so fine-tuning's resize and "
+                    "random crop are not taken; set AUG.TIMM_AUG.USE_TRANSFORM False for them",
+                )
+            )
+        if timm_aug.AUTO_AUGMENT:
+            unread.append(
+                (
+                    ("AUG.TIMM_AUG.COLOR_JITTER",),
+                    "timm leaves color jitter out beside an AUG.TIMM_AUG.AUTO_AUGMENT policy; set AUTO_AUGMENT '' "
+                    "for it",
+                )
+            )
     elif cfg.FINETUNE.FINETUNE and not cfg.FINETUNE.USE_TRAIN_AUG:
-        unread = _TIMM_KEYS + _PLAIN_KEYS + _CROP_KEYS
         why = "fine-tuning's transform (a resize, a random crop, the flip) does not read {}; set FINETUNE.USE_TRAIN_AUG"
-        why += " True for the training transform"
+        unread = [(_TIMM_KEYS + _PLAIN_KEYS + _CROP_KEYS, why + " True for the training transform")]
     else:
-        unread, why = _TIMM_KEYS, "only timm's transform reads {}; set AUG.TIMM_AUG.USE_TRANSFORM True"
+        unread = [(_TIMM_KEYS, "only timm's transform reads {}; set AUG.TIMM_AUG.USE_TRANSFORM True")]
     defaults = get_cfg()
-    changed = [key for key in unread if config_value(cfg, key) != config_value(defaults, key)]
-    if changed:
-        one = len(changed) == 1
-        log.warning(f"{', '.join(changed)} {'is' if one else 'are'} set, but {why.format('it' if one else 'them')}.")
+    for keys, why in unread:
+        changed = [key for key in keys if config_value(cfg, key) != config_value(defaults, key)]
+        if changed:
+            one = len(changed) == 1
+            log.warning(
+                f"{', '.join(changed)} {'is' if one else 'are'} set, but {why.format('it' if one else 'them')}."
+            )
 
 
 def posterize(img, bits_to_keep, **kwargs):
