@@ -342,8 +342,9 @@ def test_random_1d_requests_match_the_reference_with_every_gradient(request, bac
 
 
 # Random models: arch strings of 3 or 4 stages (local or full attention, 0 to 2 global tokens, windows 1 to 5, either
-# position embedding), image sizes, SW_EXACT, SHARE_W, ONLY_GLOBAL and padding; each 2D CPU backend (flex: no CPU
-# backward) gives the logits and every gradient of the same weights with the reference backend, in float64.
+# position embedding), image sizes, SW_EXACT, SHARE_W and padding; each 2D CPU backend (flex: no CPU backward) gives
+# the logits and every gradient of the same weights with the reference backend, in float64. (ONLY_GLOBAL computes no
+# window, and takes no backend.)
 
 TRAINING_BACKENDS_2D = tuple(name for name in CPU_BACKENDS if name != "flex")
 
@@ -376,17 +377,14 @@ def arch_strings(draw):
     backend=st.sampled_from(TRAINING_BACKENDS_2D),
     exact=st.sampled_from([-1, 0, 1]),
     share_w=st.booleans(),
-    only_global=st.sampled_from([False, False, True]),
     padding=st.booleans(),
 )
-def test_random_models_give_the_reference_backends_logits_and_gradients(
-    arch, size, backend, exact, share_w, only_global, padding
-):
+def test_random_models_give_the_reference_backends_logits_and_gradients(arch, size, backend, exact, share_w, padding):
     options = dict(arch=arch, img_size=size, num_classes=3, drop_path_rate=0.0, sw_exact=exact, share_w=share_w)
-    options.update(only_global=only_global, dynamic_img_pad=padding)
+    options.update(dynamic_img_pad=padding)
     try:
         reference = MsViT(**options, attn_backend="reference").double()
-    except ValueError as error:  # e.g. an image smaller than the strides, ONLY_GLOBAL without global tokens
+    except ValueError as error:  # e.g. an image smaller than the strides
         assert_one_sentence(error)
         return
     model = MsViT(**options, attn_backend=backend).double()

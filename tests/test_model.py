@@ -371,6 +371,12 @@ def test_bad_arch_strings(arch, facts):
             r"MODE\) 3.*SW_EXACT 0 or -1",
         ),
         (("MODEL.VIT.MSVIT.SW_EXACT", "7"), r"SW_EXACT\).*1, 0 or -1.*7"),
+        # ONLY_GLOBAL computes no window: the options that shape one would change nothing.
+        (
+            ("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.SW_EXACT", "1"),
+            r"SW_EXACT \(sw_exact\) 1 .*ONLY_GLOBAL",
+        ),
+        (("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.MODE", "2"), r"MODE \(mode\) 2 .*leave it at 0"),
     ],
 )
 def test_bad_model_configs(overrides, facts):

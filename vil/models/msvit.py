@@ -290,6 +290,13 @@ class MsViT(nn.Module):
                 f"attn_backend {attn_backend!r} computes longformer attention, not {attention!r}: it would change "
                 "nothing; leave it None."
             )
+        if only_global:  # the local queries attend to the global keys only: no window to shape
+            for name, value in (("sw_exact", sw_exact), ("mode", mode)):
+                if value != 0:
+                    raise ValueError(
+                        f"{name.upper()} ({name}) {value!r} shapes the local windows, which ONLY_GLOBAL True "
+                        "(only_global) leaves out: it would change nothing; leave it at 0."
+                    )
         norm_layer = partial(nn.LayerNorm, eps=ln_eps)
         longformer = LongformerOptions(sw_exact, mode, share_w, only_global, attn_backend)
         rates = torch.linspace(0, drop_path_rate, sum(s.depth for s in self.stage_specs), device="cpu").tolist()
