@@ -75,6 +75,8 @@ def test_unknown_keys_name_the_key(tmp_path):
         ValueError, match=r"Unknown config key MODEL.VIT.DROPPATH \(did you mean MODEL.VIT.DROP_PATH\?\)"
     ):
         load_cfg(path)
+    with pytest.raises(ValueError, match=r"Unknown config key optim.lr \(did you mean OPTIM.LR\?\)"):
+        load_cfg(overrides=["optim.lr", "0.1"])
     with pytest.raises(ValueError, match=r"Unknown config key ZEBRA.STRIPES: "):  # nothing close: no guess
         load_cfg(overrides=["ZEBRA.STRIPES", "1"])
     with pytest.raises(ValueError, match=r"Unknown config key AUG.TIMM_AUG.RE_PROBABILITY"):
@@ -104,6 +106,7 @@ def test_unknown_keys_name_the_key(tmp_path):
         ("AMP:\n  DTYPE: fp8\n", r"AMP.DTYPE is 'fp8'.*'bfloat16' or 'float16'"),
         ("INPUT:\n  CROP_PCT: 0.0\n", r"INPUT.CROP_PCT is 0.0.*\(0, 1\]"),
         ("SEED: -1\n", r"SEED is -1.*\[0, 2\*\*31\)"),
+        ("OUTPUT_DIR: ''\n", r"OUTPUT_DIR is ''.*a folder to write the run into"),
         ("OPTIM:\n  WD: -0.1\n", r"OPTIM.WD is -0.1.*>= 0"),
         ("OPTIM:\n  MOM: -1.0\n", r"OPTIM.MOM is -1.0.*\[0, 1\)"),
         ("OPTIM:\n  MOM: 1.5\n", r"OPTIM.MOM is 1.5.*\[0, 1\)"),
@@ -217,6 +220,8 @@ def test_config_files_are_found_by_what_they_are(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "vil_digits").mkdir()  # an OUTPUT_DIR named as the preset: the preset is meant
     assert load_cfg("vil_digits").OPTIM.EPOCHS == 60
+    with pytest.raises(ValueError, match=r"vil_tiny.yaml \(No such file.*the preset vil_tiny is given by its name"):
+        load_cfg("vil_tiny.yaml")  # no such file here: the preset's name has no suffix
 
 
 def test_an_empty_config_file_argument_is_refused(capsys):

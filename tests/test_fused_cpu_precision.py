@@ -558,6 +558,12 @@ def test_amp_runs_on_the_cpu_when_asked_and_says_so_where_its_products_are_slow(
     with amp():
         assert not torch.is_autocast_enabled("cpu")  # the presets' AMP is their GPU recipe's
     assert "this run is float32 on cpu" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vil"):  # AMP.ON_CPU alone: AMP is not on
+        amp, _ = setup.amp_context(load_cfg(overrides=["AMP.ON_CPU", "True"]), torch.device("cpu"))
+    with amp():
+        assert not torch.is_autocast_enabled("cpu")
+    assert "AMP.ON_CPU True applies with AMP.ENABLED True; this run is float32 on cpu" in caplog.text
     cfg = load_cfg(overrides=["AMP.ENABLED", "True", "AMP.ON_CPU", "True"])
     for native, rate in ((True, 2.0), (True, 0.5), (False, 2.0)):
         monkeypatch.setattr(setup, "cpu_multiplies_natively", lambda dtype, native=native: native)

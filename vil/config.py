@@ -274,7 +274,11 @@ def load_cfg(config_file=None, overrides=()):
             with open(config_file, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
-            raise ValueError(f"Cannot read the config file {config_file} ({e.strerror or type(e).__name__}).") from None
+            stem = os.path.splitext(os.path.basename(str(config_file)))[0]
+            preset = f"; the preset {stem} is given by its name alone" if stem in preset_config_files() else ""
+            raise ValueError(
+                f"Cannot read the config file {config_file} ({e.strerror or type(e).__name__}){preset}."
+            ) from None
         except UnicodeDecodeError as e:
             raise ValueError(
                 f"The config file {config_file} is not UTF-8 text (byte {e.start}); save it as UTF-8 YAML."
@@ -404,9 +408,11 @@ def _flatten(tree, node, source, prefix=""):
 
 
 def did_you_mean(name: str, known) -> str:
-    """`` (did you mean X?)`` for the one of ``known`` closest to a misspelt ``name``, or "" where none is close."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]}?)" if close else ""
+    """`` (did you mean X?)`` for the one of ``known`` closest to a misspelt ``name`` (letter case aside), or ""
+    where none is close."""
+    by_case = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(name.lower(), list(by_case), n=1, cutoff=0.75)
+    return f" (did you mean {by_case[close[0]]}?)" if close else ""
 
 
 def _dotted_keys(node, prefix=""):
@@ -481,6 +487,7 @@ _RULES = {
     ),
     "AMP.DTYPE": (lambda v: v in ("bfloat16", "float16"), "'bfloat16' or 'float16'"),
     "AMP.MEMORY_FORMAT": (lambda v: v in ("nchw", "nhwc"), "'nchw' or 'nhwc'"),
+    "OUTPUT_DIR": (lambda v: v.strip() != "", "a folder to write the run into (./output by default)"),
     "DATA.NUM_CLASSES": (lambda v: v >= 1, "a positive number of classes"),
     "DATA.FORMAT": (lambda v: v in ("folder", "shards"), "'folder' (image folders) or 'shards' (tar shards)"),
     "DATALOADER.BSZ": (lambda v: v >= 1, "a positive batch size (the images of all processes together)"),

@@ -91,6 +91,8 @@ def amp_context(cfg, device):
     on = amp_enabled(cfg, device)
     if cfg.AMP.ENABLED and not on:
         log.info(f"AMP.ENABLED applies on CUDA, and on the CPU with AMP.ON_CPU True; this run is float32 on {device}.")
+    elif cfg.AMP.ON_CPU and not cfg.AMP.ENABLED:
+        log.info(f"AMP.ON_CPU True applies with AMP.ENABLED True; this run is float32 on {device}.")
     if on and device.type == "cpu" and not cpu_multiplies_natively(dtype):
         log.warning(
             "AMP.DTYPE %s: this CPU has no %s matrix instructions, so torch's %s matrix products run many times slower "
