@@ -22,6 +22,7 @@ import torch
 from vil.checkpoint import model_state, read_checkpoint
 from vil.config import load_cfg
 from vil.detection import (
+    BACKBONE_DEFAULTS,
     EXPORT_FORMATS,
     backbone_attention,
     backbone_state,
@@ -150,7 +151,9 @@ def main(argv=None):
             )
         check_convertible(model_state(checkpoint, args.input), args.input)  # before its tables tell the image size
         source = source_model(args, checkpoint)
-        attention = backbone_attention(source.get("attention", "longformer"), args.full_attention_to_local)
+        attention = backbone_attention(
+            source.get("attention", BACKBONE_DEFAULTS["attention"]), args.full_attention_to_local
+        )
         state, specs, new_size = classification_backbone_state(
             source_state(checkpoint, args.input, source),
             source,

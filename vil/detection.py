@@ -303,10 +303,9 @@ def backbone_attention(attention: str, full_attention_to_local: bool) -> str:
 
 
 def _compared(name: str, value: Any) -> Any:
-    """A :data:`BACKBONE_OPTIONS` value as it acts on what the model computes."""
-    if name == "attention":
-        return mechanism_of(value) if isinstance(value, str) else value
-    return MODEL_DEFINING_KEYS[BACKBONE_OPTIONS[name]](value)
+    """A :data:`BACKBONE_OPTIONS` value as it acts on what the model computes (the attention is a mechanism's name
+    already, :func:`config_options`)."""
+    return value if name == "attention" else MODEL_DEFINING_KEYS[BACKBONE_OPTIONS[name]](value)
 
 
 def trained_options(checkpoint: Mapping[str, Any], path: Union[str, os.PathLike] = "The checkpoint") -> Optional[dict]:
@@ -423,7 +422,7 @@ def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
         classification = model_state(checkpoint, path)
         check_convertible(classification, path)
         cfg = stored_config(checkpoint, path)
-        trained_arch = cfg and arch_string(parse_arch(PRESETS.get(cfg.MODEL.VIT.MSVIT.ARCH, cfg.MODEL.VIT.MSVIT.ARCH)))
+        trained_arch = cfg and arch_string(parse_arch(cfg.MODEL.VIT.MSVIT.ARCH))
         if trained_arch and trained_arch != arch_string(parse_arch(source_arch)):
             raise ValueError(
                 f"{path} holds a model of arch {trained_arch} (its stored config says so), not "
