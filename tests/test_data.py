@@ -4,6 +4,7 @@ import logging
 import os
 import random
 import re
+import shutil
 from functools import partial
 
 import numpy as np
@@ -192,6 +193,46 @@ def test_class_folders_that_are_links_are_read(tmp_path):
             (tmp_path / "data" / split / name).symlink_to(tmp_path / "store" / split / name)
     dataset = build_dataset(cfg_for(tmp_path / "data"), train=True)
     assert len(dataset) == 6 and dataset.classes == ["cat", "dog"]
+
+
+def test_evaluation_folders_lacking_some_of_the_models_classes_are_labelled_as_the_model(tmp_path, caplog):
+    """A val/ without one of the classes: labelled by the model's classes (the training data's, a checkpoint's, or
+    DATA.CLASSES), the missing one named once; without them, the refusal says how to give them."""
+    root = make_folder(tmp_path, classes=("ant", "bee", "cat"), per_class=2, corrupt=False)
+    shutil.rmtree(root / "val" / "bee")
+    cfg = cfg_for(root, "DATA.NUM_CLASSES", "3")
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        dataset = build_dataset(cfg, train=False, model_classes=["ant", "bee", "cat"])
+    assert dataset.classes == ["ant", "bee", "cat"]
+    assert (
+        sorted((path.split("/")[-2], label) for path, label in dataset.samples) == [("ant", 0)] * 2 + [("cat", 2)] * 2
+    )
+    assert "no images of 1 of the 3 classes, ['bee']" in caplog.text
+    with pytest.raises(ValueError, match=r"has 2 classes but DATA.NUM_CLASSES is 3;.*DATA.CLASSES to all 3 in label"):
+        build_dataset(cfg, train=False)
+    by_name = build_dataset(
+        cfg_for(root, "DATA.NUM_CLASSES", "3", "DATA.CLASSES", "['cat', 'bee', 'ant']"), train=False
+    )
+    assert (
+        sorted((path.split("/")[-2], label) for path, label in by_name.samples) == [("ant", 2)] * 2 + [("cat", 0)] * 2
+    )
+    shutil.rmtree(root / "train" / "bee")
+    with pytest.raises(ValueError, match=r"DATA.CLASSES names \['bee'\], which are not classes of"):  # training: all
+        build_dataset(cfg_for(root, "DATA.NUM_CLASSES", "3", "DATA.CLASSES", "['cat', 'bee', 'ant']"), train=True)
+    (root / "val" / "cat").rename(root / "val" / "cow")  # not the model's: its classes are not taken
+    with pytest.raises(ValueError, match=r"has 2 classes but DATA.NUM_CLASSES is 3"):
+        build_dataset(cfg, train=False, model_classes=["ant", "bee", "cat"])
+
+
+def test_class_names_alike_but_for_their_unicode_form_are_said_so(tmp_path):
+    from unicodedata import normalize
+
+    from vil.data import check_same_classes
+
+    composed, decomposed = normalize("NFC", "caf\u00e9"), normalize("NFD", "caf\u00e9")
+    train_set, test_set = (type("Split", (), {"classes": ["bee", name]}) for name in (composed, decomposed))
+    with pytest.raises(ValueError, match=r"same letters written as other Unicode characters"):
+        check_same_classes(train_set, test_set)
 
 
 def test_class_count_must_match(tmp_path):

@@ -82,6 +82,13 @@ def test_evaluate_counts_top1_top5_per_class_and_nonfinite_outputs_by_hand(caplo
     assert sum(bool(re.search(r"\bskipped 3 unreadable\b", m)) for m in caplog.messages) == 1, caplog.messages
 
 
+def test_evaluation_of_which_no_image_can_be_read_is_refused_not_scored_zero():
+    broken = Unreadable("broken.JPEG (cannot identify image file)")
+    loader = DataLoader([broken, broken, broken], batch_size=2, collate_fn=collate_skipping)
+    with pytest.raises(ValueError, match=r"No image of the evaluation data could be scored: all 3 were unreadable"):
+        evaluate(FixedLogits(LOGITS), loader, Runtime(), contextlib.nullcontext, num_classes=7)
+
+
 def test_evaluate_with_fewer_than_five_classes_counts_every_image_in_the_top_five():
     rows = [[2.0, 1, 0], [0.0, 2, 1], [1.0, 0, 2], [0.0, 1, 2]]
     targets = [0, 2, 1, 1]  # ranks 1, 2, 3 and 2

@@ -383,6 +383,23 @@ def test_a_folder_gives_the_images_a_file_name_gives(tmp_path):
     assert [Path(p).name for p in image_paths([folder / "a.gif"])] == ["a.gif"]
 
 
+def test_a_folder_gives_the_images_of_linked_folders_once(tmp_path):
+    """Links to folders are followed, as image folders' datasets follow them; one that leads back above itself, or a
+    second link to a folder already read, adds nothing again."""
+    from vil.predict import image_paths
+
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "c.jpg").write_bytes(b"")
+    top = tmp_path / "top"
+    (top / "plain").mkdir(parents=True)
+    (top / "plain" / "a.jpg").write_bytes(b"")
+    (top / "linked").symlink_to(tmp_path / "store")
+    (top / "linked_again").symlink_to(tmp_path / "store")
+    (top / "plain" / "up").symlink_to(top)  # a loop
+    found = [Path(p).relative_to(top).as_posix() for p in image_paths([top])]
+    assert found in (["linked/c.jpg", "plain/a.jpg"], ["linked_again/c.jpg", "plain/a.jpg"]), found
+
+
 def test_predict_writes_as_many_csv_columns_as_the_model_has_classes_below_top_k(exported, tmp_path):
     out, ema, data, cfg = exported["out"], exported["ema"], exported["data"], exported["cfg"]
     status, _, err = run_tool(

@@ -583,6 +583,18 @@ def test_fused_cpu_build_failure_is_one_sentence_and_not_retried(monkeypatch, fo
     assert len(attempts) == len(set(attempts))  # and nothing was built twice
 
 
+def test_a_compiler_that_fails_its_version_check_is_a_build_failure(monkeypatch, forget_fused_cpu_build):
+    """torch asks ``c++ --version`` before it builds; a broken compiler fails there, with a subprocess error."""
+    from torch.utils import cpp_extension
+
+    def compiler_fails(**kwargs):
+        raise subprocess.CalledProcessError(1, ["c++", "--version"])
+
+    monkeypatch.setattr(cpp_extension, "load", compiler_fails)
+    with pytest.raises(ValueError, match=r"fused_cpu.*could not build.*c\+\+', '--version'.*sliding_chunk"):
+        forget_fused_cpu_build.check_fused_cpu()
+
+
 @pytest.mark.parametrize("bf16", [True, False])
 def test_fused_cpu_builds_one_name_per_instruction_set(monkeypatch, bf16):
     # A build cache may be shared between CPUs: a build that uses AVX512-BF16 must never carry the name of one

@@ -2,6 +2,7 @@
 once an epoch, damaged samples skipped and counted."""
 
 import io
+import pickle
 import re
 
 import pytest
@@ -15,6 +16,7 @@ from vil.checkpoint import read_checkpoint
 from vil.data import collate_skipping
 from vil.shards import ShardDataset, write_index
 from vil.training.loop import train
+from vil.unreadable import warn_unreadable
 
 
 def identity(image_and_target):
@@ -124,7 +126,8 @@ def test_training_on_shards_skips_and_counts_a_damaged_sample(shards, tmp_path):
     train(tiny_cfg(shards, out, "DATA.FORMAT", "shards", "OPTIM.EPOCHS", "1", "DATALOADER.WORKERS", "1"))
     log = (out / "log.txt").read_text()
     assert "12 training and 12 evaluation images" in log
-    assert re.search(r"Skipped unreadable image \S*shard-000000\.tar:b \(cannot identify image file", log)
+    assert re.search(r"Skipped unreadable image \S*shard-000000\.tar:b \(cannot identify image file as any", log)
+    assert "BytesIO" not in log  # Pillow's own words name the bytes' file object by its address
     assert "epoch 1/1:" in log and "skipped 1 unreadable images" in log
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3  # 12 images, 4 a batch
 
@@ -221,11 +224,14 @@ def test_a_shard_ending_cleanly_before_its_index_count_names_itself_and_evaluati
     assert targets == [1, 1]
     (name,) = unreadable
     assert re.search(r"shard-000000\.tar:after b \(.*ends after 2 of the 4 samples its index\.json lists", name)
+    assert "(2 of those its index.json lists)" in name
+    # The marker stands for both lost samples, also as a worker process hands it over.
+    assert warn_unreadable([pickle.loads(pickle.dumps(name))]) == 2
     dataset = ShardDataset(tmp_path, Compose([Resize((8, 8)), ToTensor()]))
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 2))
     loader = dataset.evaluation_batches(0, 1, 2, 0, collate_skipping)
     result = evaluate(model, loader, Runtime(), contextlib.nullcontext, 2, expected=len(dataset))
-    assert (result["images"], result["skipped"]) == (2, 2)  # the marker, and the one lost sample it stood beside
+    assert (result["images"], result["skipped"]) == (2, 2)  # the two samples the marker stands for
 
 
 def test_a_process_without_an_evaluation_shard_evaluates_nothing(shards):
@@ -296,3 +302,22 @@ def test_bad_shard_requests_are_one_sentence(shards, tmp_path):
     ):
         status, _, stderr = run_tool("make_shards", source, output)
         assert status == 1 and fact in stderr and len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_a_split_of_no_samples_is_one_sentence(tmp_path):
+    write_index(tmp_path, ["cat", "dog"], {})
+    with pytest.raises(ValueError, match=r"index\.json lists no samples; write the split with tools/make_shards\.py"):
+        ShardDataset(tmp_path)
+
+
+def test_make_shards_names_a_file_it_cannot_read_and_leaves_it_out(tmp_path):
+    folder = make_folder(tmp_path / "folder", per_class=2, corrupt=False)
+    (folder / "train" / "dog" / "gone.JPEG").symlink_to(tmp_path / "nowhere.JPEG")  # a broken link
+    status, stdout, stderr = run_tool("make_shards", folder, tmp_path / "shards", "--per-shard", "2")
+    assert status == 0, stderr
+    assert re.search(r"Skipped unreadable image \S*dog/gone\.JPEG \(No such file or directory\)", stderr)
+    assert "train: 4 images in 3 shards" in stdout and "val: 4 images in 2 shards" in stdout
+    train_set = ShardDataset(tmp_path / "shards" / "train")
+    assert len(train_set) == 4
+    targets, unreadable = evaluated(tmp_path / "shards" / "train")
+    assert sorted(targets) == [0, 0, 1, 1] and unreadable == []

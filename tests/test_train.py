@@ -5,6 +5,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -690,6 +691,23 @@ def test_training_and_evaluation_data_must_name_the_same_classes(tmp_path):
         ValueError, match=r"only the training data has \['dog'\]; only the evaluation data has \['fox'\]"
     ):
         train(tiny_cfg(data, tmp_path / "out"))
+
+
+def test_evaluation_data_lacking_a_class_is_scored_as_the_models_classes(tmp_path):
+    """In training (the training data's classes) and in evaluating a checkpoint (the classes it records)."""
+    data = make_folder(tmp_path / "data", classes=("ant", "bee", "cat"), per_class=2, corrupt=False)
+    shutil.rmtree(data / "val" / "bee")
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "DATA.NUM_CLASSES", "3", "OPTIM.EPOCHS", "1"))
+    assert "no images of 1 of the 3 classes, ['bee']" in (out / "log.txt").read_text()
+    report = evaluate_checkpoint(
+        tiny_cfg(
+            data, tmp_path / "eval", "DATA.NUM_CLASSES", "3", "MODEL.MODEL_PATH", str(out / "model_best.pth"),
+            "OUTPUT_PERCLASS_ACC", "True",
+        )
+    )  # fmt: skip
+    assert report["images"] == 4 and report["per_class"]["bee"] == {"images": 0, "top1": None, "top5": None}
+    assert [report["per_class"][name]["images"] for name in ("ant", "cat")] == [2, 2]
 
 
 def test_processes_added_on_resume_keep_random_states_of_their_own():

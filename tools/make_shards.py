@@ -28,7 +28,8 @@ def image_folder(source):
 
 
 def write_split(folder, output, per_shard, shuffle_seed=None):
-    """Write one split (an :func:`image_folder`); returns (shards, samples)."""
+    """Write one split (an :func:`image_folder`); returns (shards, samples). A file that cannot be read (a broken
+    link, no permission) is named on stderr and left out, as the loaders skip it."""
     wds = require_webdataset()
     samples = list(folder.samples)
     if shuffle_seed is not None:
@@ -41,17 +42,23 @@ def write_split(folder, output, per_shard, shuffle_seed=None):
         name = f"shard-{start // per_shard:06d}.tar"
         with open(os.path.join(partial, name), "wb") as stream:
             with wds.TarWriter(stream) as tar:
+                written = 0
                 for number, (path, target) in enumerate(samples[start : start + per_shard], start):
-                    with open(path, "rb") as f:
-                        image = f.read()
+                    try:
+                        with open(path, "rb") as f:
+                            image = f.read()
+                    except OSError as error:
+                        print(f"Skipped unreadable image {path} ({error.strerror or error}).", file=sys.stderr)
+                        continue
                     suffix = os.path.splitext(path)[1].lstrip(".").lower() or "jpg"
                     tar.write({"__key__": f"{number:09d}", suffix: image, "cls": str(target).encode()})
+                    written += 1
             stream.flush()
             os.fsync(stream.fileno())  # on disk before index.json (written with fsync) lists it
-        counts[name] = len(samples[start : start + per_shard])
+        counts[name] = written
     write_index(partial, folder.classes, counts)
     os.rename(partial, output)
-    return len(counts), len(samples)
+    return len(counts), sum(counts.values())
 
 
 def main(argv=None):

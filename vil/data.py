@@ -7,6 +7,7 @@ folders under ``DATA.PATH``; ``('digits',)`` is the 1,797 handwritten digits tha
 
 import logging
 import os
+from unicodedata import normalize
 
 import numpy as np
 import torch
@@ -39,27 +40,42 @@ log = logging.getLogger("vil")
 class SkippingImageFolder(ImageFolder):
     """An ImageFolder whose images that cannot be decoded or transformed (corrupt, truncated, not images,
     decompression bombs, odd modes) come out as :class:`Unreadable`, which :func:`collate_skipping` drops,
-    counts and names. ``classes``: the class folders to keep, labelled in that order (None: all, sorted)."""
+    counts and names. ``classes``: the class folders to keep, labelled in that order (None: all, sorted).
+    ``may_lack``: evaluation data, which may have no images of some of ``classes`` (said once in the log)."""
 
-    def __init__(self, root, transform=None, classes=None):
+    def __init__(self, root, transform=None, classes=None, may_lack=False):
         self.chosen = list(classes) if classes else None
+        self.may_lack = may_lack and self.chosen is not None
         try:
-            super().__init__(root, transform, loader=read_image)
+            super().__init__(root, transform, loader=read_image, allow_empty=self.may_lack)
         except FileNotFoundError:  # torchvision's words for a folder without class folders, or a class without images
             if not os.path.isdir(root):
                 raise ValueError(f"{root} does not exist; give a folder of class folders, {EXPECTED_LAYOUT}.") from None
-            folders = self.chosen or sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+            folders = self.chosen or class_folders(root)
             raise ValueError(_without_images(root, folders)) from None
+        if self.may_lack:
+            lacking = sorted(set(self.classes) - {self.classes[target] for target in self.targets})
+            if lacking:
+                log.warning(
+                    f"{root} has no images of {len(lacking)} of the {len(self.classes)} classes, {lacking}: the "
+                    "evaluation scores the others, labelled as the model's classes."
+                )
 
     def find_classes(self, directory):
         found, _ = super().find_classes(directory)
         if self.chosen is None:
             return found, {name: i for i, name in enumerate(found)}
-        return self.chosen, {name: i for i, name in enumerate(_checked_subset(self.chosen, found, directory))}
+        kept = _checked_subset(self.chosen, self.chosen if self.may_lack else found, directory)
+        return kept, {name: i for i, name in enumerate(kept)}
 
     def __getitem__(self, index):
         path, target = self.samples[index]
         return loaded_or_skipped(path, target, self.transform)
+
+
+def class_folders(root):
+    """The class folders of ``root``, sorted (as ImageFolder finds them)."""
+    return sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
 
 
 def _without_images(root, classes):
@@ -142,7 +158,7 @@ def collate_skipping(batch, refill=False):
     batch keeps its size: in distributed training every process must take every step, and Mixup needs
     an even batch. Evaluation drops them instead, so that no sample counts twice. A batch of unreadable
     samples only comes out empty."""
-    unreadable = [str(sample) for sample in batch if isinstance(sample, Unreadable)]
+    unreadable = [sample for sample in batch if isinstance(sample, Unreadable)]
     kept = [sample for sample in batch if not isinstance(sample, Unreadable)]
     if not kept:  # nothing to refill from: the training loop stops (a worker process must not raise)
         return torch.empty(0), torch.empty(0, dtype=torch.long), unreadable
@@ -281,8 +297,11 @@ def _posterize_any_bits(transform):
     return transform
 
 
-def build_dataset(cfg, train):
-    """The training (``DATA.TRAIN``) or evaluation (``DATA.TEST``) dataset with its transform."""
+def build_dataset(cfg, train, model_classes=None):
+    """The training (``DATA.TRAIN``) or evaluation (``DATA.TEST``) dataset with its transform. ``model_classes``:
+    the classes the model labels, in label order (the training data's, or those a checkpoint records; taken where
+    they are ``DATA.NUM_CLASSES``); evaluation folders of some of them only are labelled as the model's (as are
+    folders lacking some of ``DATA.CLASSES``)."""
     name = (cfg.DATA.TRAIN if train else cfg.DATA.TEST)[0]
     transform = build_transform(cfg, train)
     chosen = list(cfg.DATA.CLASSES) or None
@@ -306,11 +325,23 @@ def build_dataset(cfg, train):
         )
         if not has_images:
             raise ValueError(f"No images found in {root}: the data must be ImageNet-style folders, {EXPECTED_LAYOUT}.")
-        dataset = SkippingImageFolder(root, transform, classes=chosen)
+        if (
+            not train
+            and not chosen
+            and len(model_classes or ()) == cfg.DATA.NUM_CLASSES
+            and set(class_folders(root)) < set(model_classes)
+        ):
+            chosen = list(model_classes)
+        dataset = SkippingImageFolder(root, transform, classes=chosen, may_lack=not train)
     classes = len(dataset.classes)
     if classes != cfg.DATA.NUM_CLASSES:
         wanted = cfg.DATA.NUM_CLASSES
-        subset = f", or DATA.CLASSES to the {wanted} of them to keep" if classes > wanted else ""
+        if classes > wanted:
+            subset = f", or DATA.CLASSES to the {wanted} of them to keep"
+        elif not train and isinstance(dataset, SkippingImageFolder):
+            subset = f", or where it lacks some of the model's classes, DATA.CLASSES to all {wanted} in label order"
+        else:
+            subset = ""
         raise ValueError(
             f"The {'training' if train else 'evaluation'} data has {classes} classes but DATA.NUM_CLASSES is "
             f"{wanted}; set DATA.NUM_CLASSES {classes}{subset}."
@@ -325,6 +356,12 @@ def check_same_classes(train_set, test_set):
         return
     pairs = (("training", train_set.classes, test_set.classes), ("evaluation", test_set.classes, train_set.classes))
     only = [f"only the {split} data has {sorted(set(a) - set(b))}" for split, a, b in pairs if set(a) - set(b)]
+    if [normalize("NFC", name) for name in train_set.classes] == [normalize("NFC", name) for name in test_set.classes]:
+        raise ValueError(
+            f"The training and evaluation data name their classes with the same letters written as other Unicode "
+            f"characters ({'; '.join(only)}: composed and decomposed accents, as some file systems write names); "
+            "rename the folders of one of them so that both write each name alike."
+        )
     raise ValueError(
         f"The training and evaluation data label their classes differently ({'; '.join(only) or 'in another order'}); "
         "give both the same classes, so that each index names the same class."

@@ -2,7 +2,7 @@
 given to predict): training, evaluation and prediction then agree on every pixel."""
 
 import numpy as np
-from PIL import ExifTags, Image, ImageOps
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 
 def read_image(source) -> Image.Image:
@@ -10,7 +10,11 @@ def read_image(source) -> Image.Image:
     orientation says (a phone's photos), and 16-bit grey levels scaled to 8 bits (a plain conversion clips every
     level above 255 to white). Floating-point images, and 32-bit integer ones beyond 16-bit levels, whose range
     nothing states, are refused in one sentence."""
-    with Image.open(source) as image:
+    try:
+        opened = Image.open(source)
+    except UnidentifiedImageError:  # its words name a file object by its address in memory
+        raise ValueError("cannot identify image file as any format Pillow reads") from None
+    with opened as image:
         if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:  # else exif_transpose would copy it
             image = ImageOps.exif_transpose(image)
         if image.mode == "F":

@@ -28,7 +28,7 @@ def image_paths(inputs) -> list:
         if os.path.isdir(item):
             found = sorted(
                 os.path.join(root, name)
-                for root, _, names in os.walk(item)
+                for root, names in _folders_once(item)
                 for name in names
                 if name.lower().endswith(FOLDER_IMAGE_EXTENSIONS)
             )
@@ -40,6 +40,19 @@ def image_paths(inputs) -> list:
             raise ValueError(f"{item} is not an image file, a folder with images or a glob that matches files.")
         paths += found
     return paths
+
+
+def _folders_once(top):
+    """``(folder, file names)`` of ``top`` and every folder below it, links to folders followed (as image folders'
+    datasets follow them), each folder read once however many links lead to it (a link to a folder above it too)."""
+    visited = set()
+    for root, folders, names in os.walk(top, followlinks=True):
+        real = os.path.realpath(root)
+        if real in visited:
+            folders[:] = []  # nor below it
+            continue
+        visited.add(real)
+        yield root, names
 
 
 def readable_names(names: list) -> list:

@@ -72,6 +72,11 @@ class ShardDataset:
                 f"{root} is not a folder of shards with its {INDEX} ({error}); write one with "
                 "python tools/make_shards.py."
             ) from None
+        if not sum(counts.values()):
+            raise ValueError(
+                f"{os.path.join(root, INDEX)} lists no samples; write the split with tools/make_shards.py from "
+                "image folders that hold images."
+            )
         missing = [name for name in counts if not os.path.isfile(os.path.join(root, name))]
         if missing:
             raise ValueError(
@@ -154,9 +159,12 @@ class ShardDataset:
         name = f"{sample.get('__url__', self.root)}:{sample['__key__']}"
         try:
             if DAMAGED in sample:
-                raise ValueError(
-                    f"the shard cannot be read past this point, {sample[DAMAGED]}, so its later samples are lost; "
-                    "copy it again or write the split again with tools/make_shards.py"
+                reason, lost = sample[DAMAGED]
+                return skipped(
+                    name,
+                    f"the shard cannot be read past this point, {reason}, so its later samples are lost ({lost} of "
+                    f"those its {INDEX} lists); copy it again or write the split again with tools/make_shards.py",
+                    images=lost,
                 )
             image = read_image(io.BytesIO(sample[image_member(sample)]))
             if "cls" not in sample:
@@ -184,9 +192,9 @@ def image_member(sample):
 def samples_of_shards(shards, counts):
     """webdataset's samples of each shard in turn. A shard that cannot be read to its end (damaged), or ends before
     the samples ``counts`` (``{path: samples}``, its index.json's) lists for it (cut at a member's boundary, which
-    reads as a clean end), gives, after the samples before the damage, one sample holding the reason under
-    ``DAMAGED``, which decoding skips and counts as an unreadable sample naming the shard; the next shard is read as
-    usual."""
+    reads as a clean end), gives, after the samples before the damage, one sample holding the reason and the number
+    of samples lost under ``DAMAGED``, which decoding skips as an unreadable sample naming the shard and standing
+    for the samples lost; the next shard is read as usual."""
     wds = require_webdataset()
     for shard in shards:
         key, read, reason = "start", 0, None
@@ -197,7 +205,8 @@ def samples_of_shards(shards, counts):
         except (tarfile.TarError, OSError) as error:
             # webdataset appends the stream and the URL to the exception's arguments and " @ <stream>" to the first
             reason = str(error.args[0]).split(" @ ")[0] if error.args else type(error).__name__
-        if reason is None and read < counts[shard["url"]]:
-            reason = f"it ends after {read} of the {counts[shard['url']]} samples its {INDEX} lists"
+        listed = counts[shard["url"]]
+        if reason is None and read < listed:
+            reason = f"it ends after {read} of the {listed} samples its {INDEX} lists"
         if reason is not None:
-            yield {"__key__": f"after {key}", "__url__": shard["url"], DAMAGED: reason}
+            yield {"__key__": f"after {key}", "__url__": shard["url"], DAMAGED: (reason, max(listed - read, 0))}

@@ -8,17 +8,25 @@ log = logging.getLogger("vil")
 
 class Unreadable(str):
     """What a dataset returns for an image that cannot be loaded: the file and the reason, as one string that
-    :func:`vil.data.collate_skipping` collects (it crosses from worker processes as a plain string)."""
+    :func:`vil.data.collate_skipping` collects. ``images``: how many images it stands for, 1 but for the rest of a
+    damaged shard (an attribute that pickling keeps, from worker processes too)."""
+
+    images = 1
 
 
-def skipped(name, error):
-    """The :class:`Unreadable` sample ``name``, with the first line of ``error`` as the reason."""
+def skipped(name, error, images=1):
+    """The :class:`Unreadable` sample ``name``, with the first line of ``error`` as the reason, standing for
+    ``images`` images."""
     reason = next(iter(str(error).splitlines()), "") or type(error).__name__
-    return Unreadable(f"{name} ({reason})")
+    unreadable = Unreadable(f"{name} ({reason})")
+    if images != 1:
+        unreadable.images = images
+    return unreadable
 
 
 def warn_unreadable(unreadable):
-    """Name each unreadable image of a batch in a warning; returns how many there were."""
+    """Name each unreadable sample of a batch (:class:`Unreadable`) in a warning; returns how many images they
+    stand for."""
     for name in unreadable:
         log.warning(f"Skipped unreadable image {name}.")
-    return len(unreadable)
+    return sum(sample.images for sample in unreadable)

@@ -33,17 +33,14 @@ def resolve_model_path(cfg):
     )
 
 
-def load_weights(model, cfg, new_classifier=False, classes=None):
+def load_weights(model, cfg, new_classifier=False):
     """Load the weights of ``MODEL.MODEL_PATH`` (this project's checkpoint, the original release's, a bare state
     dict; its EMA weights with ``MODEL.LOAD_EMA``) into ``model``, position tables resized to the model's image
     size. ``new_classifier``: a run starts from these weights (fine-tuning); a classifier of another class count
     stays the model's fresh one, and a checkpoint trained with other :data:`MODEL_DEFINING_KEYS` values is used
     with the config's, both said in the log. Otherwise (evaluating, predicting, exporting) both are refused in one
-    sentence, with the rest of a checkpoint that does not fit. ``classes``: the names of the data's classes in label
-    order, checked against the training data's that the checkpoint records (:func:`check_trained_classes`)."""
+    sentence, with the rest of a checkpoint that does not fit."""
     path, checkpoint = read_model_checkpoint(cfg)
-    if classes is not None:
-        check_trained_classes(checkpoint, path, classes)
     load_read_weights(model, cfg, path, checkpoint, cfg.MODEL.LOAD_EMA, new_classifier)
     return path
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from ..checkpoint import recorded_classes
 from ..config import warn_compatibility_keys
 from ..data import build_dataset, collate_skipping
 from ..files import atomic_write, check_writable_file
@@ -22,7 +23,7 @@ from ..progress import log_lines_above_bars
 from ..runtime import Runtime
 from ..shards import ShardDataset
 from ..unreadable import warn_unreadable
-from ..weights import load_weights
+from ..weights import check_trained_classes, load_read_weights, read_model_checkpoint
 from .epoch import stop_diverged
 from .setup import amp_context, memory_format, per_process_batch, setup_logging
 
@@ -62,6 +63,9 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
         skipped += lost
     if skipped:
         log.warning(f"Evaluation skipped {int(skipped)} unreadable images.")
+    if not images:  # an accuracy of 0 over no images would read as a model's
+        why = f"all {int(skipped)} were unreadable (the warnings above name them)" if skipped else "it holds none"
+        raise ValueError(f"No image of the evaluation data could be scored: {why}; check the evaluation data.")
     return {
         "top1": 100 * top1 / max(images, 1),
         "top5": 100 * top5 / max(images, 1),
@@ -162,8 +166,10 @@ def evaluate_checkpoint(cfg):
     setup_logging(cfg.OUTPUT_DIR, False)
     warn_compatibility_keys(cfg, log)
     model = build_model(cfg)
-    dataset = build_dataset(cfg, train=False)
-    path = load_weights(model, cfg, classes=dataset.classes)
+    path, checkpoint = read_model_checkpoint(cfg)
+    dataset = build_dataset(cfg, train=False, model_classes=recorded_classes(checkpoint))
+    check_trained_classes(checkpoint, path, dataset.classes)
+    load_read_weights(model, cfg, path, checkpoint, cfg.MODEL.LOAD_EMA)
     amp, _ = amp_context(cfg, runtime.device)
     layout = memory_format(cfg)
     loader = eval_loader(dataset, cfg, runtime)
@@ -181,7 +187,7 @@ def evaluate_checkpoint(cfg):
     report = {"checkpoint": path, "weights": "EMA" if cfg.MODEL.LOAD_EMA else "model", **report}
     if cfg.OUTPUT_PERCLASS_ACC:
         report["per_class"] = {
-            name: {"images": int(n), "top1": 100 * hit1 / max(n, 1), "top5": 100 * hit5 / max(n, 1)}
+            name: {"images": int(n), "top1": 100 * hit1 / n if n else None, "top5": 100 * hit5 / n if n else None}
             for name, (n, hit1, hit5) in zip(dataset.classes, result["per_class"].tolist())
         }
     return report

@@ -278,7 +278,8 @@ def _log_resolved_arch(cfg):
 
 
 def _build_run(cfg, runtime, lock, starts_fresh):
-    train_set, test_set = build_dataset(cfg, train=True), build_dataset(cfg, train=False)
+    train_set = build_dataset(cfg, train=True)
+    test_set = build_dataset(cfg, train=False, model_classes=train_set.classes)
     check_same_classes(train_set, test_set)
     model = build_model(cfg)
     if cfg.MODEL.MODEL_PATH and starts_fresh:

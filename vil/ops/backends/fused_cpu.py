@@ -34,6 +34,7 @@ float32.
 import logging
 import os
 import platform
+import subprocess
 from contextvars import ContextVar
 from functools import cache
 from pathlib import Path
@@ -97,8 +98,8 @@ def _build():
                 is_python_module=False,
             )
             return torch.ops.vil_local_attention_cpu
-        except (OSError, RuntimeError, ImportError) as error:
-            failure = error
+        except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as error:  # the last: a compiler
+            failure = error  # that fails torch's check of its version
             if following is not None:
                 _log.warning("fused_cpu: the build for %s failed; building for %s instead.", target, following[2])
     return _build_failure(failure)
