@@ -3,6 +3,7 @@ digits check says why."""
 
 import math
 import re
+import sys
 
 import pytest
 from tool_runner import ROOT, load_tool, run_tool
@@ -51,6 +52,14 @@ def test_bad_arguments_are_one_sentence(tool, args, facts, not_a_folder):
     assert re.search(facts.replace("{bad}", re.escape(str(not_a_folder))), err.strip().splitlines()[-1]), err
 
 
+@pytest.mark.parametrize("tool", ["benchmark_attention", "benchmark_mechanisms", "benchmark_longformer"])
+def test_plots_without_matplotlib_are_refused_before_measuring(tool, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: its import fails
+    status, out, err = run_tool(tool, "--plot", tmp_path / "study")
+    assert status == 2 and not out
+    assert re.search(r"Plots need matplotlib .*pip install 'vil\[plots\]'", err.strip().splitlines()[-1]), err
+
+
 def test_growth_between_sizes_of_one_token_count_is_left_blank():
     tool = load_tool("benchmark_mechanisms")
     name = next(iter(tool.MODELS))
@@ -80,3 +89,20 @@ def test_the_timm_contender_is_built_for_the_models_images_or_refused_in_one_sen
     model.img_size = (8, 8)
     with pytest.raises(SystemExit, match=r"--timm vit_tiny_patch16_224 does not take 8x8 images \(INPUT.IMAGE_SIZE\)"):
         tool._timm_model("vit_tiny_patch16_224", model, torch.device("cpu"))
+
+
+def test_a_timm_contender_that_cannot_be_built_is_one_sentence_before_measuring(monkeypatch):
+    """A Hub model that is neither reachable nor cached here (timm takes any hf-hub: name up front)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name = "hf-hub:no-such-owner/no-such-model"
+    status, out, err = run_tool("benchmark_model", "--config-file", "vil_tiny", "--timm", name, "--batch", "1")
+    assert status == 1 and not out  # no table measured before it
+    built = rf"error: --timm {re.escape(name)} could not be built \(\w+: .*\); give a model timm can create here\."
+    assert re.fullmatch(built, err.strip()), err
+
+
+def test_a_backend_that_does_not_train_on_the_device_is_refused_before_measuring(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    status, out, err = run_tool("benchmark_attention", "--sizes", "8", "--backends", "sliding_chunk", "triton")
+    assert status == 1 and not out
+    assert re.fullmatch(r"The triton backend does not train on cpu, .*: .*sliding_chunk.*\.", err.strip()), err

@@ -104,6 +104,8 @@ def test_unknown_keys_name_the_key(tmp_path):
         ("DATALOADER:\n  BSZ: 0\n", r"DATALOADER.BSZ is 0.*positive"),
         ("DATALOADER:\n  BSZ: -8\n", r"DATALOADER.BSZ is -8.*positive"),
         ("AMP:\n  DTYPE: fp8\n", r"AMP.DTYPE is 'fp8'.*'bfloat16' or 'float16'"),
+        ("DISTRIBUTED_BACKEND: foo\n", r"DISTRIBUTED_BACKEND is 'foo'.*'nccl', 'gloo'.*'cpu:gloo,cuda:nccl'"),
+        ("DISTRIBUTED_BACKEND: 'cpu:gloo,cuda:foo'\n", r"DISTRIBUTED_BACKEND is 'cpu:gloo,cuda:foo'"),
         ("INPUT:\n  CROP_PCT: 0.0\n", r"INPUT.CROP_PCT is 0.0.*\(0, 1\]"),
         ("SEED: -1\n", r"SEED is -1.*\[0, 2\*\*31\)"),
         ("OUTPUT_DIR: ''\n", r"OUTPUT_DIR is ''.*a folder to write the run into"),

@@ -4,6 +4,7 @@ once an epoch, damaged samples skipped and counted."""
 import io
 import pickle
 import re
+import sys
 
 import pytest
 from PIL import Image
@@ -321,3 +322,13 @@ def test_make_shards_names_a_file_it_cannot_read_and_leaves_it_out(tmp_path):
     assert len(train_set) == 4
     targets, unreadable = evaluated(tmp_path / "shards" / "train")
     assert sorted(targets) == [0, 0, 1, 1] and unreadable == []
+
+
+def test_make_shards_without_webdataset_says_so_before_making_anything(tmp_path, monkeypatch):
+    folder = make_folder(tmp_path / "folder", per_class=2, corrupt=False)
+    monkeypatch.setitem(sys.modules, "webdataset", None)  # as if not installed: its import fails
+    status, _, stderr = run_tool("make_shards", folder, tmp_path / "shards")
+    assert status == 1 and re.fullmatch(
+        r"error: make_shards\.py writes tar shards with webdataset .*pip install 'vil\[shards\]'\.", stderr.strip()
+    )
+    assert not (tmp_path / "shards").exists()

@@ -93,6 +93,31 @@ def test_the_logged_learning_rate_is_the_one_each_step_used(data, tmp_path, monk
     assert epoch_lines == pytest.approx([used[2], used[5]], rel=1e-3)
 
 
+def test_tensorboard_holds_each_step_once_after_a_run_killed_past_its_checkpoint(data, tmp_path, monkeypatch):
+    """Killed two steps after its checkpoint (the end of epoch 1, step 3): the resumed run's points replace those."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    real_add = SummaryWriter.add_scalar
+
+    def add_then_die(self, tag, value, step=None, *args, **kwargs):
+        real_add(self, tag, value, step, *args, **kwargs)
+        if tag == "train/loss" and step == 5:
+            self.flush()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", add_then_die)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_cfg(data, out, "LOG_FREQ", "1"))
+    assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3
+    monkeypatch.setattr(SummaryWriter, "add_scalar", real_add)
+    train(tiny_cfg(data, out, "LOG_FREQ", "1"))
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events.Scalars("top1")] == [1, 2]
+
+
 def test_a_second_run_in_one_process_closes_the_first_ones_log(tmp_path):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     training_setup.setup_logging(tmp_path / "a", True)

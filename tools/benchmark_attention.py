@@ -363,6 +363,11 @@ def main(argv=None):
     for backend in args.backends:
         if backend not in able:
             sys.exit(f"Unknown {args.dim}D backend {backend!r}; available: {', '.join(able)}.")
+        if not BACKENDS[backend].trains_on_device(args.device):
+            sys.exit(
+                f"The {backend} backend does not train on {args.device}, and this study times forward and backward; "
+                f"give backends that do: {', '.join(default_backends(args.dim, args.device))}."
+            )
     default = default_backend(torch.device(args.device), getattr(torch, args.dtype), dims=args.dim)
     if args.dim == 2:
         geometry = f"w={args.window}, {args.num_global} global, SW_EXACT {args.exact}, "

@@ -64,6 +64,7 @@ def main():
         raise SystemExit(f"error: {e}") from None
     size = cfg.INPUT.IMAGE_SIZE
     params = sum(p.numel() for p in model.parameters())
+    other = _timm_model(args.timm, model, device) if args.timm else None  # refused, if at all, before measuring
 
     model.eval()
     with torch.no_grad(), flop_counter() as counter:
@@ -125,7 +126,7 @@ def main():
         f"| {params / 1e6:.2f}M | {macs / 1e9:.2f} | {train_speed:.1f} | {infer_speed:.1f} | {peak.mib:.0f} |"
     )
     if args.compile or args.timm:
-        compare(args, model, steps, timed, device)
+        compare(args, model, other, steps, timed, device)
 
 
 def _timm_model(name, model, device):
@@ -133,9 +134,15 @@ def _timm_model(name, model, device):
     refused in one sentence where it does not take them."""
     size = model.img_size
     try:
-        other = timm.create_model(name, num_classes=model.num_classes, img_size=size)
-    except TypeError:  # a model of any image size, without the argument
-        other = timm.create_model(name, num_classes=model.num_classes)
+        try:
+            other = timm.create_model(name, num_classes=model.num_classes, img_size=size)
+        except TypeError:  # a model of any image size, without the argument
+            other = timm.create_model(name, num_classes=model.num_classes)
+    except Exception as e:  # a Hub model not reachable or not cached, a file that is not a model's, ...
+        why = next(iter(str(e).splitlines()), "")
+        raise SystemExit(
+            f"error: --timm {name} could not be built ({type(e).__name__}: {why}); give a model timm can create here."
+        ) from None
     other = other.to(device).eval()
     try:
         with torch.no_grad():
@@ -148,8 +155,8 @@ def _timm_model(name, model, device):
     return other.train()
 
 
-def compare(args, model, steps, timed, device):
-    """The side-by-side table of the module docstring."""
+def compare(args, model, other, steps, timed, device):
+    """The side-by-side table of the module docstring; ``other``: the ``--timm`` model, or None."""
     contenders = {"eager": steps(model)}
     if args.compile:
         compiled = steps(torch.compile(model), model)
@@ -158,8 +165,8 @@ def compare(args, model, steps, timed, device):
             step()
         print(f"\ntorch.compile: {time.perf_counter() - start:.0f} s to compile training and inference")
         contenders["torch.compile"] = compiled
-    if args.timm:
-        contenders[f"timm {args.timm}"] = steps(_timm_model(args.timm, model, device))
+    if other is not None:
+        contenders[f"timm {args.timm}"] = steps(other)
     best = {name: [0.0, 0.0] for name in contenders}
     for _ in range(args.rounds):
         for name, pair in contenders.items():

@@ -20,6 +20,8 @@ from vil.data import SkippingImageFolder, check_same_classes
 from vil.files import check_writable_folder, not_a_folder
 from vil.shards import require_webdataset, write_index
 
+WRITES = "make_shards.py writes"  # what needs webdataset, in its refusal
+
 
 def image_folder(source):
     """The image paths and classes of one split (nothing is decoded); an empty class or split is refused here, before
@@ -30,7 +32,7 @@ def image_folder(source):
 def write_split(folder, output, per_shard, shuffle_seed=None):
     """Write one split (an :func:`image_folder`); returns (shards, samples). A file that cannot be read (a broken
     link, no permission) is named on stderr and left out, as the loaders skip it."""
-    wds = require_webdataset()
+    wds = require_webdataset(WRITES)
     samples = list(folder.samples)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(samples)
@@ -69,6 +71,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the training images' order")
     args = parser.parse_args(argv)
     try:
+        require_webdataset(WRITES)  # before anything is made
         if args.per_shard < 1:
             raise ValueError(f"--per-shard must be a positive number of samples, got {args.per_shard}.")
         if what := not_a_folder(args.source):

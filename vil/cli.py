@@ -4,6 +4,7 @@ checked before the work that writes them starts."""
 import argparse
 
 from .files import OutputError, check_writable_file
+from .plots import agg_pyplot
 
 
 def positive_int(text):
@@ -28,10 +29,14 @@ def _int_from(text, least, what):
 
 def check_outputs(parser, files=(), plot_prefix=None, plot_names=()):
     """Refuse (``parser.error``, one sentence) before any measuring the ``files`` (None: not asked for) and the plots
-    ``PREFIX_NAME.png`` that cannot be written."""
+    ``PREFIX_NAME.png`` that cannot be written, and plots without matplotlib."""
     paths = [f for f in files if f]
     if plot_prefix:
         paths += [f"{plot_prefix}_{name}.png" for name in plot_names]
+        try:
+            agg_pyplot()
+        except ImportError as e:
+            parser.error(str(e))
     for path in paths:
         try:
             check_writable_file(path)

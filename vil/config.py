@@ -471,6 +471,7 @@ def _shown(value):
 
 
 _PROBABILITY = (lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+_DISTRIBUTED_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")  # torch.distributed.Backend's, less its placeholders
 
 # Keys whose values have a range: (test, what the value must be).
 _RULES = {
@@ -487,6 +488,11 @@ _RULES = {
     ),
     "AMP.DTYPE": (lambda v: v in ("bfloat16", "float16"), "'bfloat16' or 'float16'"),
     "AMP.MEMORY_FORMAT": (lambda v: v in ("nchw", "nhwc"), "'nchw' or 'nhwc'"),
+    "DISTRIBUTED_BACKEND": (
+        lambda v: all(part.split(":")[-1].strip() in _DISTRIBUTED_BACKENDS for part in v.split(",")),
+        "a torch.distributed backend, " + ", ".join(map(repr, _DISTRIBUTED_BACKENDS)) + " (or one per device, such "
+        "as 'cpu:gloo,cuda:nccl')",
+    ),
     "OUTPUT_DIR": (lambda v: v.strip() != "", "a folder to write the run into (./output by default)"),
     "DATA.NUM_CLASSES": (lambda v: v >= 1, "a positive number of classes"),
     "DATA.FORMAT": (lambda v: v in ("folder", "shards"), "'folder' (image folders) or 'shards' (tar shards)"),

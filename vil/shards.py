@@ -37,13 +37,14 @@ IMAGE_SUFFIXES = tuple(extension.lstrip(".") for extension in IMG_EXTENSIONS)
 DAMAGED = "__damaged__"  # the key of the sample that stands for the unreadable rest of a shard
 
 
-def require_webdataset():
-    """The webdataset module, or one sentence saying how to install it."""
+def require_webdataset(needed_by="DATA.FORMAT shards reads"):
+    """The webdataset module, or one sentence saying what needs it (``needed_by``, followed by "tar shards") and how
+    to install it."""
     try:
         import webdataset
     except ImportError as error:
         raise ValueError(
-            f"DATA.FORMAT shards reads tar shards with webdataset ({error}); install it with pip install 'vil[shards]'."
+            f"{needed_by} tar shards with webdataset ({error}); install it with pip install 'vil[shards]'."
         ) from None
     return webdataset
 

@@ -61,8 +61,8 @@ def end_epoch(run, epoch, top1):
 
 def _train_epochs(run):
     cfg, runtime, model, out = run.cfg, run.runtime, run.model, run.cfg.OUTPUT_DIR
-    if runtime.is_main:
-        run.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+    if runtime.is_main:  # a resumed run drops the points an interrupted one logged after its checkpoint
+        run.writer = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=run.step + 1 if run.step else None)
     log.info(
         f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(run.train_set)} training and "
         f"{len(run.test_set)} evaluation images, {runtime.world} process(es) on {runtime.device}."
