@@ -324,8 +324,8 @@ def test_mode_switch_happens_at_the_configured_epoch_also_after_resume(data, tmp
     assert_same_weights(final_weights(out), final_weights(resumed))
 
 
-def torchrun_two_processes(data, out, *overrides):
-    """One epoch of tools/train.py in two processes on the CPU (gloo)."""
+def torchrun_two_processes(data, out, *overrides, succeeds=True):
+    """One epoch of tools/train.py in two processes on the CPU (gloo); the finished process."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     overrides = [
         "MODEL.VIT.MSVIT.ARCH",
@@ -365,7 +365,17 @@ def torchrun_two_processes(data, out, *overrides):
         env=env,
         timeout=600,
     )
-    assert done.returncode == 0, done.stderr[-8000:]  # the ranks' own errors come before torchrun's summary
+    assert (done.returncode == 0) == succeeds, done.stderr[-8000:]  # the ranks' own errors come before torchrun's
+    return done
+
+
+def test_torchrun_a_refusal_of_the_main_process_alone_is_its_sentence_in_every_process(data, tmp_path):
+    """The run folder is checked in the main process only: the other must say the same, not fail in gloo's words
+    while it waits for the first."""
+    (tmp_path / "a_file").write_text("")
+    done = torchrun_two_processes(data, tmp_path / "a_file", succeeds=False)
+    assert f"error: OUTPUT_DIR {tmp_path / 'a_file'} cannot be written (it is a file" in done.stderr
+    assert "[rank1]" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-4000:]
 
 
 @pytest.mark.parametrize("attn_type", ["longformer", "performer"])  # performer: each process draws features

@@ -37,6 +37,25 @@ class Runtime:
         if self.world > 1:
             dist.barrier()
 
+    def in_main(self, action):
+        """``action()`` in the main process only (its result there, None in the others), every process waiting for
+        it. Its refusal (``ValueError``, ``OSError``) is raised in every process, in its words: the others would
+        otherwise fail at their next collective call, in torch's."""
+        result, failure = None, None
+        if self.is_main:
+            try:
+                result = action()
+            except (ValueError, OSError) as error:
+                failure = error
+        if self.world > 1:
+            said = [str(failure) if failure else None]
+            dist.broadcast_object_list(said, src=0)
+            if said[0] is not None and not self.is_main:
+                raise ValueError(said[0])
+        if failure:
+            raise failure
+        return result
+
 
 def seed_everything(seed):
     torch.manual_seed(seed)

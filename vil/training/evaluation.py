@@ -161,8 +161,7 @@ def evaluate_checkpoint(cfg):
     if not cfg.MODEL.MODEL_PATH:
         raise ValueError("Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth.")
     runtime = Runtime(cfg.DISTRIBUTED_BACKEND)
-    if runtime.is_main:
-        check_writable_file(eval_report_path(cfg), "The evaluation report")
+    runtime.in_main(lambda: check_writable_file(eval_report_path(cfg), "The evaluation report"))
     setup_logging(cfg.OUTPUT_DIR, False)
     warn_compatibility_keys(cfg, log)
     model = build_model(cfg)

@@ -211,12 +211,9 @@ def set_up(cfg):
     :class:`Run` and the ``(path, checkpoint)`` to resume from, or None."""
     runtime = Runtime(cfg.DISTRIBUTED_BACKEND)
     out = cfg.OUTPUT_DIR
-    lock, logging_here = None, False
-    if runtime.is_main:
-        check_writable_folder(out)
-        lock = FolderLock(out)
+    logging_here = False
+    lock = runtime.in_main(lambda: _claim_folder(out))
     try:
-        runtime.barrier()
         setup_logging(out, runtime.is_main)
         logging_here = True
         if runtime.is_main and (leftovers := remove_temporaries(out)):
@@ -229,8 +226,7 @@ def set_up(cfg):
             check_resumable(resume_point[1], resume_point[0], cfg, runtime.world)
         else:
             check_fresh_folder(out)
-        if runtime.is_main:
-            write_run_config(cfg, out)
+        runtime.in_main(lambda: write_run_config(cfg, out))
         warn_compatibility_keys(cfg, log)
         _log_resolved_arch(cfg)
         if runtime.world > 1 and runtime.backend != cfg.DISTRIBUTED_BACKEND:
@@ -245,6 +241,12 @@ def set_up(cfg):
         if lock:
             lock.release()
         raise
+
+
+def _claim_folder(out):
+    """The lock of the run folder ``out``, checked to be writable (the main process's)."""
+    check_writable_folder(out)
+    return FolderLock(out)
 
 
 RUN_CONFIG_HEADER = (
