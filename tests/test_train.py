@@ -231,6 +231,29 @@ def test_run_killed_mid_epoch_resumes_from_its_last_checkpoint(data, tmp_path, m
     assert_same_weights(final_weights(straight), final_weights(killed))
 
 
+def test_a_resume_whose_epochs_take_other_steps_goes_on_from_the_epochs_place_in_the_schedule(
+    data, tmp_path, monkeypatch
+):
+    """Shards read by another number of processes, or another OPTIM.EPOCHS, change the steps of every epoch: from
+    epoch 2 on, the learning rates are those of a run that took the new number from the start."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def rates(out):
+        return [e.value for e in EventAccumulator(str(out / "tensorboard")).Reload().Scalars("train/lr")]
+
+    resumed = tmp_path / "resumed"
+    train(tiny_cfg(data, resumed, "OPTIM.EPOCHS", "1", "LOG_FREQ", "1"))  # 13 images, 4 a batch: 3 steps
+    monkeypatch.setattr(training_setup, "steps_per_epoch", lambda *args: 2)
+    train(tiny_cfg(data, resumed, "OPTIM.EPOCHS", "3", "LOG_FREQ", "1"))
+    assert "the schedule goes on from step 2 of 6" in (resumed / "log.txt").read_text()
+    planned = tmp_path / "planned"
+    train(tiny_cfg(data, planned, "OPTIM.EPOCHS", "3", "LOG_FREQ", "1"))
+    # The image folders give 3 batches an epoch whatever the plan says: steps 4 to 9 (places 3 to 8) of the resumed
+    # run are steps 3 to 8 of the planned one.
+    assert rates(resumed)[3:] == pytest.approx(rates(planned)[2:8], rel=1e-6)
+    assert read_checkpoint(str(resumed / "checkpoint_last.pth"))["schedule_offset"] == -1
+
+
 def test_performer_features_are_redrawn_on_the_original_schedule(data, tmp_path, monkeypatch):
     """Every 1 + 5 * epoch training forwards (epochs counted from 0), set at the start of each epoch."""
     intervals, real_set = [], MsViT.set_feature_redraw_interval

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -85,6 +86,10 @@ class Snapshot:
     rng: list  # every process's random state, in rank order
     buffers: dict = field(default_factory=dict)  # the model's state-dict buffers, copied (empty: read when written)
     improved: bool = False  # an epoch's end whose evaluation improved top-1: model_best.pth holds this checkpoint
+    # The schedule's place is step + schedule_offset: a resume whose epochs take other steps than steps_per_epoch
+    # (shards read by another number of processes, another OPTIM.EPOCHS) goes on from the epoch's place in its plan.
+    steps_per_epoch: Optional[int] = None  # None: not recorded (an older checkpoint), taken as the run's
+    schedule_offset: int = 0
 
     def where(self):
         if self.batch_in_epoch:
@@ -115,6 +120,8 @@ def write_snapshot(cfg, snapshot, model, optimizer, scaler, ema, classes):
         best_acc=snapshot.best,
         lr_drop=snapshot.lr_drop,
         improved=snapshot.improved,
+        steps_per_epoch=snapshot.steps_per_epoch,
+        schedule_offset=snapshot.schedule_offset,
         optimizer=optimizer.state_dict(),
         scaler=scaler.state_dict(),
         ema=ema.module.state_dict() if ema else None,
@@ -262,7 +269,10 @@ def restore(checkpoint, path, model, optimizer, scaler, ema, rank):
     epoch, batch_in_epoch, step, best = (checkpoint[k] for k in ("epoch", "batch_in_epoch", "step", "best_acc"))
     restore_rng_state(checkpoint["rng"], rank)
     improved = bool(checkpoint.get("improved", False))
-    snapshot = Snapshot(epoch, batch_in_epoch, step, best, lr_drop, checkpoint["rng"], improved=improved)
+    schedule = dict(
+        steps_per_epoch=checkpoint.get("steps_per_epoch"), schedule_offset=checkpoint.get("schedule_offset", 0)
+    )
+    snapshot = Snapshot(epoch, batch_in_epoch, step, best, lr_drop, checkpoint["rng"], improved=improved, **schedule)
     log.info(f"Resumed from {path}: {snapshot.where()}.")
     return snapshot
 

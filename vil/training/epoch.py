@@ -60,7 +60,7 @@ def optimizer_step(run, where):
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    run.scheduler.step_update(run.step)
+    run.scheduler.step_update(run.schedule_step)
     if run.ema is not None:
         run.ema.update(run.model, step=run.step)
 

@@ -161,6 +161,7 @@ class Run:
     best: float = float("-inf")  # so that the first evaluation improves on it, whatever its top-1
     batch_in_epoch: int = 0
     lr_drop: float = 1.0  # the product of OPTIM.VAL's learning-rate drops so far
+    schedule_offset: int = 0  # the per-step schedule's place is step + schedule_offset (Snapshot says why)
     lr_scales: tuple[float, ...] = ()  # the optimizer groups' lr_scale before any drop (layer decay's)
     lr: float = 0.0  # the last optimizer step's learning rate: its largest group's (layer decay scales the others)
     kept: Optional[Snapshot] = None  # the one checkpoint_last.pth holds
@@ -176,7 +177,13 @@ class Run:
         state = self.model.state_dict()
         buffers = {name: state[name].clone() for name, _ in self.model.named_buffers() if name in state}
         rng = gather_rng_states(self.runtime)
-        return Snapshot(epoch, batch_in_epoch, self.step, self.best, self.lr_drop, rng, buffers, improved)
+        schedule = dict(steps_per_epoch=self.steps_per_epoch, schedule_offset=self.schedule_offset)
+        return Snapshot(epoch, batch_in_epoch, self.step, self.best, self.lr_drop, rng, buffers, improved, **schedule)
+
+    @property
+    def schedule_step(self):
+        """The per-step schedule's place: the optimizer steps taken, as the epochs of this run count them."""
+        return self.step + self.schedule_offset
 
     def write_checkpoint(self, snapshot):
         """Write ``checkpoint_last.pth`` from ``snapshot`` (main process); it becomes the one kept."""
@@ -191,7 +198,17 @@ class Run:
         kept = restore(checkpoint, path, self.model, self.optimizer, self.scaler, self.ema, self.runtime.rank)
         self.epoch, self.batch_in_epoch, self.step = kept.epoch, kept.batch_in_epoch, kept.step
         self.best, self.lr_drop, self.kept = kept.best, kept.lr_drop, kept
-        self.scheduler.step_update(self.step)
+        self.schedule_offset = kept.schedule_offset
+        if kept.steps_per_epoch not in (None, self.steps_per_epoch):
+            accum = self.cfg.OPTIM.ACCUM_STEPS
+            place = kept.epoch * self.steps_per_epoch + min(kept.batch_in_epoch // accum, self.steps_per_epoch)
+            self.schedule_offset = place - self.step
+            log.info(
+                f"Epochs take {self.steps_per_epoch} optimizer steps in this run, {kept.steps_per_epoch} in the one "
+                f"resumed (its processes read the shards otherwise): the schedule goes on from step {place} of "
+                f"{self.steps_per_epoch * self.cfg.OPTIM.EPOCHS}, this epoch's place in the new plan."
+            )
+        self.scheduler.step_update(self.schedule_step)
         # At an epoch's end, its copies again (the run may have stopped before making them), which are copies of
         # checkpoint_last.pth: not where the resume fell back to an epoch checkpoint because that one is unreadable.
         if self.runtime.is_main and kept.epoch and not kept.batch_in_epoch and os.path.basename(path) == LAST:
