@@ -392,6 +392,18 @@ def torchrun_two_processes(data, out, *overrides, succeeds=True):
     return done
 
 
+def test_torchrun_the_log_names_the_unreadable_images_every_process_met(tmp_path):
+    """The main process writes log.txt: the other's unreadable images are named there too, and each total once."""
+    data = make_folder(tmp_path / "data", corrupt=False)
+    (data / "val" / "cat" / "0_broken.JPEG").write_bytes(b"not a jpeg")  # the second image: process 1's share
+    out = tmp_path / "ddp"
+    done = torchrun_two_processes(data, out)
+    text = (out / "log.txt").read_text()
+    assert re.search(r"Skipped unreadable image \S*0_broken\.JPEG \(cannot identify .*\) \(process 1\)\.", text)
+    assert text.count("Evaluation skipped 1 unreadable images.") == 1
+    assert done.stderr.count("Evaluation skipped 1 unreadable images.") == 1
+
+
 def test_torchrun_a_refusal_of_the_main_process_alone_is_its_sentence_in_every_process(data, tmp_path):
     """The run folder is checked in the main process only: the other must say the same, not fail in gloo's words
     while it waits for the first."""

@@ -37,6 +37,14 @@ class Runtime:
         if self.world > 1:
             dist.barrier()
 
+    def gather_to_main(self, value):
+        """Every process's ``value``, in rank order, in the main process; None in the others."""
+        if self.world == 1:
+            return [value]
+        values = [None] * self.world if self.is_main else None
+        dist.gather_object(value, values, dst=0)
+        return values
+
     def in_main(self, action):
         """``action()`` in the main process only (its result there, None in the others), every process waiting for
         it. Its refusal (``ValueError``, ``OSError``) is raised in every process, in its words: the others would

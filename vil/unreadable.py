@@ -24,9 +24,20 @@ def skipped(name, error, images=1):
     return unreadable
 
 
-def warn_unreadable(unreadable):
-    """Name each unreadable sample of a batch (:class:`Unreadable`) in a warning; returns how many images they
-    stand for."""
-    for name in unreadable:
-        log.warning(f"Skipped unreadable image {name}.")
+def warn_unreadable(unreadable, held=None):
+    """Name each unreadable sample of a batch (:class:`Unreadable`) in a warning, or, given the list ``held`` (in a
+    process other than the main one, which writes the log file), add the names to it for the main process to name
+    (:func:`warn_held`); returns how many images they stand for."""
+    if held is None:
+        for name in unreadable:
+            log.warning(f"Skipped unreadable image {name}.")
+    else:
+        held.extend(str(name) for name in unreadable)
     return sum(sample.images for sample in unreadable)
+
+
+def warn_held(runtime, held):
+    """Every process hands the names it ``held`` to the main process, which names them in warnings."""
+    for rank, names in enumerate(runtime.gather_to_main(held) or []):
+        for name in names:
+            log.warning(f"Skipped unreadable image {name} (process {rank}).")

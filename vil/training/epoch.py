@@ -19,7 +19,7 @@ from ..profiling import peak_memory_mib
 from ..seeding import sample_seed, seeded_call
 from ..shards import ShardDataset
 from ..training_state import LAST
-from ..unreadable import warn_unreadable
+from ..unreadable import warn_held, warn_unreadable
 
 log = logging.getLogger("vil")
 
@@ -76,12 +76,15 @@ def train_one_epoch(run, epoch):
     bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}", disable=not runtime.is_main, leave=False)
     step_end = time.perf_counter()
     last_micro = True
+    held = None if runtime.is_main else []  # the names this process met, for the main process to log
     for i, (images, targets, unreadable) in enumerate(bar, start=run.batch_in_epoch):
         fetched = time.perf_counter()
         window["data_s"] += fetched - step_end
-        skipped += warn_unreadable(unreadable)
+        skipped += warn_unreadable(unreadable, held)
         where = f"epoch {epoch + 1}, batch {i + 1}"
         if not len(images):
+            if held is not None:  # no other process will take part in warn_held
+                warn_unreadable(unreadable)
             raise ValueError(
                 f"All {len(unreadable)} images of the training batch at {where} are unreadable; "
                 "check the data (the warnings above name them)."
@@ -121,6 +124,7 @@ def train_one_epoch(run, epoch):
             f"The gradients of the last {(i + 1) % accum} batch(es) of epoch {epoch + 1} make no step: dropped."
         )
     run.batch_in_epoch = 0
+    warn_held(runtime, held or [])
     seen, skipped = runtime.sum(seen, skipped)
     return seen, skipped, loss_sum / max(seen / runtime.world, 1)
 

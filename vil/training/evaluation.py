@@ -22,7 +22,7 @@ from ..profiling import peak_memory_mib
 from ..progress import log_lines_above_bars
 from ..runtime import Runtime
 from ..shards import ShardDataset
-from ..unreadable import warn_unreadable
+from ..unreadable import warn_held, warn_unreadable
 from ..weights import check_trained_classes, load_read_weights, read_model_checkpoint
 from .epoch import stop_diverged
 from .setup import amp_context, memory_format, per_process_batch, setup_logging
@@ -41,9 +41,10 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
     counts = torch.zeros(num_classes, 3, dtype=torch.float64, device=runtime.device)
     skipped, nonfinite = 0, torch.zeros((), dtype=torch.long, device=runtime.device)
     bar = tqdm(loader, desc="evaluation", disable=not runtime.is_main, leave=False)
+    held = None if runtime.is_main else []  # the names this process met, for the main process to log
     with log_lines_above_bars():
         for images, targets, unreadable in bar:
-            skipped += warn_unreadable(unreadable)
+            skipped += warn_unreadable(unreadable, held)
             if not len(images):
                 continue
             images, targets = images.to(runtime.device, memory_format=memory_format), targets.to(runtime.device)
@@ -53,15 +54,16 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
             ranks = logits.topk(min(5, num_classes), dim=1).indices.eq(targets[:, None])
             hits = torch.stack([torch.ones_like(ranks[:, 0]), ranks[:, 0], ranks.any(dim=1)], dim=1)
             counts.index_add_(0, targets, hits.double())
+    warn_held(runtime, held or [])
     if runtime.world > 1:
         dist.all_reduce(counts)
     skipped, nonfinite = runtime.sum(skipped, nonfinite.item())
     images, top1, top5 = counts.sum(dim=0).tolist()
     lost = expected - images - skipped if expected is not None else 0
-    if lost > 0:
+    if lost > 0 and runtime.is_main:
         log.warning(f"{int(lost)} of the {expected} evaluation images were never read (lost with damaged shards).")
-        skipped += lost
-    if skipped:
+    skipped += max(lost, 0)
+    if skipped and runtime.is_main:
         log.warning(f"Evaluation skipped {int(skipped)} unreadable images.")
     if not images:  # an accuracy of 0 over no images would read as a model's
         why = f"all {int(skipped)} were unreadable (the warnings above name them)" if skipped else "it holds none"
