@@ -6,7 +6,7 @@ import re
 import sys
 
 import pytest
-from tool_runner import ROOT, load_tool, run_tool
+from tool_runner import load_tool, run_tool
 
 
 @pytest.fixture
@@ -71,8 +71,8 @@ def test_growth_between_sizes_of_one_token_count_is_left_blank():
 
 def test_a_failed_step_of_the_digits_check_says_why():
     tool = load_tool("check_digits_demo")
-    with pytest.raises(SystemExit, match=r"tools/train.py failed \(exit status \d\): .*SEED is 'x'.*integer"):
-        tool.run_step(str(ROOT / "configs" / "vil_digits.yaml"), "/nonexistent/out", ["SEED", "x"])
+    with pytest.raises(SystemExit, match=r"python -m vil train failed \(exit status \d\): .*SEED is 'x'.*integer"):
+        tool.run_step("vil_digits", "/nonexistent/out", ["SEED", "x"])
 
 
 def test_the_timm_contender_is_built_for_the_models_images_or_refused_in_one_sentence():

@@ -9,8 +9,9 @@ for step 2), so that a machine whose arithmetic differs a little still keeps the
 
     python tools/check_digits_demo.py [--seeds 0 1 2]
 
-For each seed and step it runs ``tools/train.py`` in a fresh output folder, times it, evaluates the final
-checkpoint with ``tools/eval.py``, and prints one row; it exits non-zero when any row misses its bar.
+For each seed and step it runs ``python -m vil train`` (``tools/train.py``) with the step's preset in a fresh output
+folder, times it, evaluates the final checkpoint with ``python -m vil eval``, and prints one row; it exits non-zero
+when any row misses its bar. From an install: ``python -m vil_tools.check_digits_demo``.
 """
 
 import argparse
@@ -22,35 +23,34 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (config, top-1 bar, seconds bar)
+# (preset, top-1 bar, seconds bar); the tools run as `python -m vil`, from a checkout and from an install alike
 STEPS = {
-    "train": (os.path.join(ROOT, "configs", "vil_digits.yaml"), 95.0, 600.0),
-    "fine-tune": (os.path.join(ROOT, "configs", "vil_digits_finetune.yaml"), 98.0, 120.0),
+    "train": ("vil_digits", 95.0, 600.0),
+    "fine-tune": ("vil_digits_finetune", 98.0, 120.0),
 }
 
 
 def run_step(config, out, overrides):
     """Train, then evaluate the last checkpoint; returns (seconds, top-1, top-5, held-out images)."""
     start = time.perf_counter()
-    run_tool("train.py", "--config-file", config, "OUTPUT_DIR", out, *overrides)
+    run_tool("train", "--config-file", config, "OUTPUT_DIR", out, *overrides)
     seconds = time.perf_counter() - start
     checkpoint = os.path.join(out, "checkpoint_last.pth")
-    done = run_tool("eval.py", "--config-file", config, "MODEL.MODEL_PATH", checkpoint, "OUTPUT_DIR", out)
+    done = run_tool("eval", "--config-file", config, "MODEL.MODEL_PATH", checkpoint, "OUTPUT_DIR", out)
     _, top1, _, top5 = done.stdout.strip().splitlines()[-1].split()
     with open(os.path.join(out, "eval.json")) as f:
         images = json.load(f)["images"]
     return seconds, float(top1), float(top5), images
 
 
-def run_tool(name, *args):
-    """``tools/NAME args``, its output captured; a failure ends the check with the tool's last line of errors."""
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", name), *args], cwd=ROOT, capture_output=True, text=True
-    )
+def run_tool(command, *args):
+    """``python -m vil COMMAND args``, its output captured; a failure ends the check with the tool's last line of
+    errors."""
+    done = subprocess.run([sys.executable, "-m", "vil", command, *args], capture_output=True, text=True)
     if done.returncode:
         lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()]
-        raise SystemExit(f"tools/{name} failed (exit status {done.returncode}): {lines[-1] if lines else 'no message'}")
+        last = lines[-1] if lines else "no message"
+        raise SystemExit(f"python -m vil {command} failed (exit status {done.returncode}): {last}")
     return done
 
 
