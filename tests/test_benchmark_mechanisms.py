@@ -190,3 +190,14 @@ def test_skips_and_failures(tool, monkeypatch):
     monkeypatch.setattr(tool.subprocess, "run", lambda argv, **kwargs: subprocess.CompletedProcess(argv, -9, "", ""))
     killed = "failed: worker killed by signal SIGKILL (out of memory?)"
     assert tool.run_size(args, ["global/all"], 672, {}) == {"global/all": killed}
+
+
+def test_no_plots_where_no_model_was_measured(tool, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(
+        tool, "run_size", lambda args, names, size, study: {name: "refused: too small" for name in names}
+    )
+    tool.main(["--sizes", "8", "--repeats", "1", "--plot", str(tmp_path / "study")])
+    assert (
+        f"No model was measured at any size: no plots written to {tmp_path / 'study'}_*.png." in capsys.readouterr().out
+    )
+    assert not list(tmp_path.iterdir())

@@ -433,7 +433,9 @@ def main(argv=None):
     lines += rows + tail
     if args.markdown:
         atomic_write(args.markdown, lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    if args.plot:
+    if args.plot and not any(isinstance(result, tuple) for results in study.values() for result in results.values()):
+        print(f"No model was measured at any size: no plots written to {args.plot}_*.png.")
+    elif args.plot:
         plot_study(study, args.plot, lines[1])
 
 
