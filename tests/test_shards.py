@@ -244,7 +244,8 @@ def test_a_process_without_an_evaluation_shard_evaluates_nothing(shards):
 
 def test_fewer_shards_than_processes_is_one_sentence(shards, tmp_path, monkeypatch):
     """Each process reads shards of its own: a process left with none would end training with advice (a smaller
-    batch) that cannot help. (Only a barrier runs before the check: the other processes need not exist.)"""
+    batch) that cannot help. (Only the set-up's wait for the main process runs before the check: the other processes
+    need not exist.)"""
     from vil import runtime
 
     real_init = runtime.Runtime.__init__
@@ -254,7 +255,7 @@ def test_fewer_shards_than_processes_is_one_sentence(shards, tmp_path, monkeypat
         self.world = 8
 
     monkeypatch.setattr(runtime.Runtime, "__init__", eight_processes)
-    monkeypatch.setattr(runtime.Runtime, "barrier", lambda self: None)  # the output folder's set-up waits for all
+    monkeypatch.setattr(runtime.Runtime, "in_main", lambda self, action: action())  # the set-up's, as in process 0
     with pytest.raises(ValueError, match=r"4 shards for 8 processes.*at least one shard per process"):
         train(tiny_cfg(shards, tmp_path / "run", "DATA.FORMAT", "shards", "DATALOADER.BSZ", "8"))
 
