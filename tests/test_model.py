@@ -377,6 +377,20 @@ def test_bad_arch_strings(arch, facts):
             r"SW_EXACT \(sw_exact\) 1 .*ONLY_GLOBAL",
         ),
         (("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.MODE", "2"), r"MODE \(mode\) 2 .*leave it at 0"),
+        # Options of local stages where none is local (all s0: full attention), or of their global tokens where
+        # none has any.
+        (
+            ("MODEL.VIT.MSVIT.ONLY_GLOBAL", "True", "MODEL.VIT.MSVIT.ARCH", "l1,s0,d48,h1_l2,s0_l3,s0"),
+            r"ONLY_GLOBAL \(only_global\) True acts on a local stage \(s1\), which this architecture has none of",
+        ),
+        (
+            ("MODEL.VIT.MSVIT.SW_EXACT", "-1", "MODEL.VIT.MSVIT.ARCH", "l1,s0,d48,h1_l2,s0_l3,s0"),
+            r"SW_EXACT \(sw_exact\) -1 acts on a local stage \(s1\).*leave it at 0",
+        ),
+        (
+            ("MODEL.VIT.MSVIT.SHARE_W", "False", "MODEL.VIT.MSVIT.ARCH", "l1,g0,d48,h1_l2,g0_l3,g0"),
+            r"SHARE_W \(share_w\) False acts on a local stage \(s1\) with global tokens.*leave it at True",
+        ),
     ],
 )
 def test_bad_model_configs(overrides, facts):
@@ -394,6 +408,16 @@ def test_wrong_images_at_forward():
         model(torch.randn(1, 1, 96, 96))
     with pytest.raises(ValueError, match=r"31x96.*stride 32"):
         model(torch.randn(1, 3, 31, 96))
+    with pytest.raises(ValueError, match=r"floating-point images.*got torch.uint8 ones"):
+        model(torch.zeros(1, 3, 96, 96, dtype=torch.uint8))  # a decoded image's pixels
+    with pytest.raises(ValueError, match=r"images are torch.float64 and the model's weights torch.float32"):
+        model(torch.randn(1, 3, 96, 96, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"a tensor of images \(B, 3, H, W\), got a list"):
+        model([torch.randn(3, 96, 96)])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts the images as it casts the weights
+        assert model(torch.randn(1, 3, 96, 96, dtype=torch.float16)).shape == (1, model.num_classes)
+        with pytest.raises(ValueError, match=r"torch.float64 .*torch.autocast casts any floating dtype but float64"):
+            model(torch.randn(1, 3, 96, 96, dtype=torch.float64))
 
 
 @pytest.mark.parametrize(

@@ -176,8 +176,27 @@ def _check_num_classes(num_classes):
         raise ValueError(f"num_classes must be 0 (no classifier) or a positive number of classes, got {num_classes!r}.")
 
 
-@register_notrace_function  # a leaf for torch.fx: it checks sizes
-def check_images(x, in_chans, total_stride):
+@register_notrace_function  # a leaf for torch.fx: it checks sizes and types
+def check_images(x, in_chans, total_stride, dtype):
+    """Refuse, in one sentence, what the first convolution would refuse in torch's words, or take as images wrongly:
+    ``x`` must be ``(B, in_chans, H, W)`` floating-point images of the weights' ``dtype`` (any but float64 under
+    autocast, which casts them), of at least ``total_stride`` pixels a side."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"This model takes a tensor of images (B, {in_chans}, H, W), got a {type(x).__name__}.")
+    if not x.is_floating_point():
+        raise ValueError(
+            f"This model takes floating-point images, normalised as its transform does, got {x.dtype} ones; "
+            "give them through the model's transform (pixels / 255, then the mean and std of its config)."
+        )
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if x.dtype != dtype and not (autocast and x.dtype != torch.float64):  # autocast casts all but float64
+        tail = (
+            "; torch.autocast casts any floating dtype but float64" if autocast else ", or run it under torch.autocast"
+        )
+        raise ValueError(
+            f"The images are {x.dtype} and the model's weights {dtype}; give images of the weights' dtype "
+            f"(images.to({dtype})){tail}."
+        )
     if x.dim() != 4 or x.shape[1] != in_chans:
         raise ValueError(f"This model takes images of shape (B, {in_chans}, H, W); got {tuple(x.shape)}.")
     if min(x.shape[-2:]) < total_stride:
@@ -284,6 +303,20 @@ class MsViT(nn.Module):
                 raise ValueError(
                     f"{name.upper()} ({name}) {value!r} is an option of {owner} attention, not of {attention!r}: it "
                     f"would change nothing; leave it at {default!r}."
+                )
+        local = [spec for spec in self.stage_specs if spec.local]
+        with_global = "a local stage (s1) with global tokens (g1 or more)"
+        for name, value, default, needs, what in (
+            ("sw_exact", sw_exact, 0, local, "a local stage (s1)"),
+            ("mode", mode, 0, local, "a local stage (s1)"),
+            ("only_global", only_global, False, local, "a local stage (s1)"),
+            ("share_kv", share_kv, True, local, "a local stage (s1)"),
+            ("share_w", share_w, True, [spec for spec in local if spec.num_global], with_global),
+        ):
+            if value != default and not needs:
+                raise ValueError(
+                    f"{name.upper()} ({name}) {value!r} acts on {what}, which this architecture has none of: it would "
+                    f"change nothing; leave it at {default!r}."
                 )
         if attn_backend is not None and attention != "longformer":
             raise ValueError(
@@ -465,7 +498,7 @@ class MsViT(nn.Module):
     def _stages(self, x):
         """Yields every stage's tokens (B, G + nx*ny, C) and map size (nx, ny). Between stages the global tokens
         are dropped and the local ones, as an image, are the next stage's input."""
-        check_images(x, self.in_chans, self.total_stride)
+        check_images(x, self.in_chans, self.total_stride, self.layer1[0].proj.weight.dtype)
         if self.training and hasattr(self, "calls_since_last_redraw") and not is_fx_symbolic_tracing():
             self._count_training_forward()  # not while torch.fx traces symbolically; torch.export keeps the redraw
         for spec, to_map in zip(self.stage_specs, self.stage_maps):
