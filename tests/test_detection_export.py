@@ -117,3 +117,27 @@ def test_a_model_trained_at_a_size_that_is_not_a_multiple_of_the_stride_exports(
     assert_maps_of(built, source, torch.randn(1, 3, 64, 64))
     export(tmp_path / "cls.pth", tmp_path / "at72.pth", "--format", "torchvision")  # padded: a 5x5 map at 72
     assert torch.load(tmp_path / "at72.pth", weights_only=True)["vil"]["image_size"] == [72, 72]
+
+
+def test_weights_that_are_not_finite_are_refused_by_the_export_the_builder_and_timm(tmp_path):
+    import timm
+
+    from vil.checkpoint import read_checkpoint
+
+    small_checkpoint(tmp_path / "cls.pth")
+    checkpoint = read_checkpoint(str(tmp_path / "cls.pth"))
+    checkpoint["net"]["layer1.2.mlp.fc1.weight"][0, 0] = float("nan")
+    torch.save(checkpoint, tmp_path / "nan.pth")
+    status, _, error = run_tool("export_backbone", tmp_path / "nan.pth", tmp_path / "out.pth", "--format", "detectron2")
+    assert status == 1 and "holds values that are not finite (NaN or infinite) in 1 tensors" in error
+    assert "layer1.2.mlp.fc1.weight" in error and not (tmp_path / "out.pth").exists()
+    with pytest.raises(ValueError, match=r"not finite .*layer1\.2\.mlp\.fc1\.weight"):
+        build_fpn_backbone(SMALL, img_size=64, checkpoint=tmp_path / "nan.pth")
+    with pytest.raises(ValueError, match=r"not finite .*layer1\.2\.mlp\.fc1\.weight"):
+        timm.create_model(
+            "vil_arch",
+            arch=SMALL,
+            img_size=64,
+            pretrained=True,
+            pretrained_cfg_overlay=dict(file=str(tmp_path / "nan.pth")),
+        )

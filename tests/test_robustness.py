@@ -492,6 +492,16 @@ def test_kill_during_a_write_then_a_full_disk_then_resume_gives_the_uninterrupte
     assert_same_weights(final_weights(straight), final_weights(out))
 
 
+def test_only_the_temporary_files_of_interrupted_writes_are_removed(tmp_path):
+    import tempfile
+
+    _, torn = tempfile.mkstemp(dir=tmp_path, prefix=files.TEMPORARY_PREFIX)  # as atomic_write makes them
+    users = tmp_path / f"{files.TEMPORARY_PREFIX}pretrained.pth"  # a user's file of a name alike: never theirs
+    users.write_bytes(b"weights")
+    assert files.remove_temporaries(tmp_path) == [os.path.basename(torn)]
+    assert sorted(os.listdir(tmp_path)) == [users.name]
+
+
 # The parts of the loop on their own.
 
 

@@ -254,6 +254,15 @@ def test_a_resume_whose_epochs_take_other_steps_goes_on_from_the_epochs_place_in
     assert read_checkpoint(str(resumed / "checkpoint_last.pth"))["schedule_offset"] == -1
 
 
+def test_a_resume_says_that_it_does_not_read_a_new_model_path(data, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "2", "MODEL.MODEL_PATH", str(tmp_path / "other.pth")))  # never read
+    text = (out / "log.txt").read_text()
+    assert "new values, which the run follows from here: OPTIM.EPOCHS 1 -> 2." in text
+    assert f"MODEL.MODEL_PATH is read when a run starts, not when it resumes: this run goes on from {out}" in text
+
+
 def test_performer_features_are_redrawn_on_the_original_schedule(data, tmp_path, monkeypatch):
     """Every 1 + 5 * epoch training forwards (epochs counted from 0), set at the start of each epoch."""
     intervals, real_set = [], MsViT.set_feature_redraw_interval

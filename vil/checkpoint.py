@@ -257,12 +257,18 @@ _MODEL_KEYS = ("net", "state_dict", "model")
 def model_state(checkpoint, path="checkpoint"):
     """The model state dict inside a checkpoint dict: its ``"net"`` entry (timm's ``"state_dict"``, DeiT's
     ``"model"``), or the dict itself; without ``module.`` prefixes and without the derived buffers of the original
-    release."""
+    release. Weights that are not finite are refused in one sentence: nothing evaluates, exports or trains on."""
     state = next((checkpoint[k] for k in _MODEL_KEYS if isinstance(checkpoint.get(k), dict)), checkpoint)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(
             f"{path} has no model state dict: expected a dict of tensors, or one under the key 'net', 'state_dict' "
             "or 'model'."
+        )
+    broken = [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
+    if broken:
+        raise ValueError(
+            f"Checkpoint {path} holds values that are not finite (NaN or infinite) in {len(broken)} tensors, "
+            f"e.g. {broken[0]}; use a checkpoint written before the training diverged."
         )
     for prefix in ("module.", "_orig_mod."):  # DistributedDataParallel, torch.compile
         if state and all(k.startswith(prefix) for k in state):

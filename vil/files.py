@@ -12,6 +12,7 @@ Every failure here is an :class:`OutputError`: one sentence naming the path, wha
 
 import errno
 import os
+import re
 import socket
 import stat
 import tempfile
@@ -19,6 +20,9 @@ import tempfile
 import filelock
 
 TEMPORARY_PREFIX = ".tmp-"
+# The names tempfile.mkstemp gives atomic_write's files: the prefix and 8 random letters, digits or underscores (a
+# user's own file, such as .tmp-pretrained.pth, is not one).
+_TEMPORARY_NAME = re.compile(re.escape(TEMPORARY_PREFIX) + r"[a-z0-9_]{8}")
 LOCK_NAME = ".lock"
 
 SAFETENSORS_NAME = "model.safetensors"  # the weights of a Hub folder
@@ -117,7 +121,7 @@ def _unwritable(folder):
 def remove_temporaries(folder):
     """Remove the temporary files that interrupted writes left in ``folder``; returns their names. Only for a
     folder whose :class:`FolderLock` this process holds (another run may be writing them)."""
-    names = sorted(n for n in os.listdir(folder) if n.startswith(TEMPORARY_PREFIX))
+    names = sorted(n for n in os.listdir(folder) if _TEMPORARY_NAME.fullmatch(n))
     for name in names:
         os.remove(os.path.join(folder, name))
     return names

@@ -33,6 +33,8 @@ from .runtime import get_rng_state, set_rng_state
 log = logging.getLogger("vil")
 LAST = "checkpoint_last.pth"
 BEST = "model_best.pth"
+# Keys a run reads when it starts only: a resumed run may change them, and is told they are not read.
+READ_AT_START = ("MODEL.MODEL_PATH", "MODEL.LOAD_EMA")
 # Keys a resumed run may change (a key, or a section with all its keys): it follows their new values.
 FOLLOWED_ON_RESUME = (
     "OPTIM.LR",
@@ -234,11 +236,19 @@ def check_resumable(checkpoint, path, cfg, world=1):
             f"{path} was trained with {differences}{why}; "
             "set those values again to resume, or choose another OUTPUT_DIR for a new run."
         )
-    if changed:
+    followed = [key for key in changed if key not in READ_AT_START]
+    if followed:
         log.info(
             "Resuming with new values, which the run follows from here: "
-            + ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
+            + ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in followed)
             + "."
+        )
+    unread = [key for key in changed if key in READ_AT_START]
+    if unread:
+        log.warning(
+            f"{' and '.join(unread)} {'is' if len(unread) == 1 else 'are'} read when a run starts, not when it "
+            f"resumes: this run goes on from {path}, not from {now.get('MODEL.MODEL_PATH') or 'other weights'}; "
+            "choose another OUTPUT_DIR to start from them."
         )
 
 

@@ -147,12 +147,6 @@ def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
             f"Checkpoint {path} was trained with {_listed(changed)}, and its weights do not fit the model of the "
             "new values; set those values to use it."
         ) from None
-    broken = [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
-    if broken:
-        raise ValueError(
-            f"Checkpoint {path} holds values that are not finite (NaN or infinite) in {len(broken)} tensors, "
-            f"e.g. {broken[0]}; use a checkpoint written before the training diverged."
-        )
     head = {k: v.shape for k, v in state.items() if k.startswith("head.")}
     _check_classifier_parts(head, path)
     if head != {k: v.shape for k, v in model.state_dict().items() if k.startswith("head.")}:

@@ -259,7 +259,7 @@ def checkpoint_filter_fn(state_dict, model, source="the pretrained checkpoint", 
     trained with other model options is refused (:func:`check_trained_options`)."""
     if options is not None:
         check_trained_options(state_dict, options, source)
-    state = model_state(state_dict)
+    state = model_state(state_dict, source)
     first = model.pretrained_cfg["first_conv"] + ".weight"
     adapted = (first,) if first in state and state[first].shape[1] != model.in_chans else ()
     return fit_to_model(state, model, source, adapted)
