@@ -112,6 +112,7 @@ def test_unknown_keys_name_the_key(tmp_path):
         ("OPTIM:\n  WD: -0.1\n", r"OPTIM.WD is -0.1.*>= 0"),
         ("OPTIM:\n  MOM: -1.0\n", r"OPTIM.MOM is -1.0.*\[0, 1\)"),
         ("OPTIM:\n  MOM: 1.5\n", r"OPTIM.MOM is 1.5.*\[0, 1\)"),
+        ("OPTIM:\n  DROP_FACTOR: 0.1\n", r"OPTIM.DROP_FACTOR is 0.1.*above 1, which the learning rate is divided by"),
         ("OPTIM:\n  ADAM:\n    BETA1: 1.5\n", r"OPTIM.ADAM.BETA1 is 1.5.*\[0, 1\)"),
         ("OPTIM:\n  LR: 0.001\nSOLVER:\n  LR_POLICY: cosine\n  MIN_LR: 1.0\n", r"MIN_LR 1 is above OPTIM.LR 0.001"),
         ("AUG:\n  MIXUP_MODE: half\n", r"AUG.MIXUP_MODE is 'half'.*'batch', 'pair' or 'elem'"),

@@ -154,14 +154,23 @@ def test_layer_decay_gives_each_transformer_layer_its_rate():
         build_optimizer(cfg_with("OPTIM.LAYER_DECAY", "1.5"), model)
 
 
-def test_a_warmup_as_long_as_the_run_is_said(caplog):
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+@pytest.mark.parametrize("per_epoch", ["False", "True"])
+def test_a_warmup_as_long_as_the_run_is_said_with_the_rate_it_ends_at(caplog, per_epoch):
+    cfg = cfg_with(
+        "OPTIM.EPOCHS", "2", "SOLVER.WARMUP_EPOCHS", "5.0", "SOLVER.LR_POLICY", "cosine",
+        "SOLVER.EPOCH_BASED_SCHEDULE", per_epoch, "SOLVER.WARMUP_FACTOR", "0.2",
+    )  # fmt: skip
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.OPTIM.LR)
     with caplog.at_level(logging.WARNING, logger="vil"):
-        build_scheduler(
-            cfg_with("OPTIM.EPOCHS", "2", "SOLVER.WARMUP_EPOCHS", "5.0", "SOLVER.LR_POLICY", "cosine"), optimizer, 4
-        )
-    factor = load_cfg().SOLVER.WARMUP_FACTOR  # the warmup's start, as a fraction of OPTIM.LR
-    assert f"ends at about {factor + (1 - factor) * 2 / 5:.0%} of OPTIM.LR" in caplog.text
+        scheduler = build_scheduler(cfg, optimizer, 4)
+    if per_epoch == "True":
+        scheduler.step(1)  # the rate of the last epoch
+    else:
+        scheduler.step_update(2 * 4 - 1)  # the rate of the last of 8 steps
+    last = optimizer.param_groups[0]["lr"] / cfg.OPTIM.LR
+    assert last == pytest.approx(0.2 + 0.8 * (1 / 5 if per_epoch == "True" else 7 / 20))  # by hand
+    assert f"ends at {last:.0%} of OPTIM.LR" in caplog.text
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="vil"):
         build_scheduler(cfg_with("SOLVER.WARMUP_EPOCHS", "5.0"), optimizer, 4)  # 10 epochs

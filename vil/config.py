@@ -510,7 +510,10 @@ _RULES = {
     "OPTIM.ADAM.EPS": (lambda v: math.isfinite(v) and v > 0, "a small positive number"),
     "SEED": (lambda v: 0 <= v < 2**31, "an integer in [0, 2**31) (each process seeds with SEED + its rank)"),
     "OPTIM.CLIP_GRAD": (lambda v: math.isfinite(v) and v >= 0, "a finite gradient norm >= 0 (0: no clipping)"),
-    "OPTIM.DROP_FACTOR": (lambda v: math.isfinite(v) and v > 0, "a positive factor"),
+    "OPTIM.DROP_FACTOR": (
+        lambda v: math.isfinite(v) and v > 1,
+        "a factor above 1, which the learning rate is divided by (10: a tenth of it)",
+    ),
     "OPTIM.DROP_FREQ": (lambda v: v >= 1, "a positive number of epochs"),
     "SOLVER.WARMUP_EPOCHS": (lambda v: math.isfinite(v) and v >= 0, "a finite number of epochs >= 0"),
     "SOLVER.WARMUP_FACTOR": (lambda v: math.isfinite(v) and v >= 0, "a finite factor >= 0"),

@@ -100,17 +100,18 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
     solver = cfg.SOLVER
     if solver.WARMUP_METHOD != "linear":
         raise ValueError(f"SOLVER.WARMUP_METHOD {solver.WARMUP_METHOD!r} is not supported; use 'linear'.")
-    if solver.LR_POLICY and 0 < cfg.OPTIM.EPOCHS <= solver.WARMUP_EPOCHS:  # "" has no warmup
-        reached = solver.WARMUP_FACTOR + (1 - solver.WARMUP_FACTOR) * cfg.OPTIM.EPOCHS / solver.WARMUP_EPOCHS
-        log.warning(
-            f"SOLVER.WARMUP_EPOCHS {solver.WARMUP_EPOCHS:g} is not shorter than OPTIM.EPOCHS {cfg.OPTIM.EPOCHS}: the "
-            f"learning rate rises for the whole run and ends at about {reached:.0%} of OPTIM.LR, without decaying; "
-            "give SOLVER.WARMUP_EPOCHS below OPTIM.EPOCHS."
-        )
     per_epoch = 1 if solver.EPOCH_BASED_SCHEDULE else steps_per_epoch
     # Steps of a fractional warmup, truncated as the original release counts them (0.25 of 1251 steps: 312).
     warmup = solver.WARMUP_EPOCHS if solver.EPOCH_BASED_SCHEDULE else int(solver.WARMUP_EPOCHS * steps_per_epoch)
     total = cfg.OPTIM.EPOCHS * per_epoch
+    if solver.LR_POLICY and 0 < cfg.OPTIM.EPOCHS <= solver.WARMUP_EPOCHS:  # "" has no warmup
+        # The last step (or epoch) takes the rate of the warmup's place total - 1.
+        reached = solver.WARMUP_FACTOR + (1 - solver.WARMUP_FACTOR) * (total - 1) / max(warmup, 1)
+        log.warning(
+            f"SOLVER.WARMUP_EPOCHS {solver.WARMUP_EPOCHS:g} is not shorter than OPTIM.EPOCHS {cfg.OPTIM.EPOCHS}: the "
+            f"learning rate rises for the whole run and ends at {reached:.0%} of OPTIM.LR, without decaying; "
+            "give SOLVER.WARMUP_EPOCHS below OPTIM.EPOCHS."
+        )
     common = dict(
         warmup_t=warmup, warmup_lr_init=cfg.OPTIM.LR * solver.WARMUP_FACTOR, t_in_epochs=solver.EPOCH_BASED_SCHEDULE
     )
