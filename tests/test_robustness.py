@@ -9,6 +9,7 @@ import runpy
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,11 @@ from test_train import TINY_ARCH, assert_same_weights, break_loss, final_weights
 
 import vil.files as files
 import vil.training.evaluation as evaluation
+import vil.training.setup as training_setup
 from vil.checkpoint import read_checkpoint
 from vil.config import load_cfg
 from vil.files import FolderLock, OutputError, atomic_write
+from vil.loss import build_loss
 from vil.models import MsViT
 from vil.optim import build_optimizer, build_scheduler
 from vil.training.loop import train
@@ -92,6 +95,30 @@ def test_non_finite_gradients_stop_before_the_step_and_before_a_checkpoint_of_th
     ):
         train(tiny_cfg(data, out, "CHECKPOINT.EVERY_STEPS", "1"))
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 1
+
+
+FLOAT16 = ("AMP.ENABLED", "True", "AMP.ON_CPU", "True", "AMP.DTYPE", "float16")
+
+
+def test_float16_steps_the_scaler_skips_are_counted_and_a_scale_below_one_stops_the_run(data, tmp_path, monkeypatch):
+    """fp16's gradient scaler skips a step whose gradients overflow and halves its scale: one such step is counted in
+    the epoch's line; gradients that stay not finite while the scale falls below 1 are no overflow, and stop."""
+
+    def skipped(out):
+        found = re.search(r"the float16 gradient scaler skipped (\d+) optimizer steps \(gradients not finite\)", out)
+        return int(found.group(1)) if found else 0
+
+    infinite = lambda criterion, logits, targets: criterion(InfiniteGradient.apply(logits), targets)  # noqa: E731
+    train(tiny_cfg(data, tmp_path / "plain", "OPTIM.EPOCHS", "1", *FLOAT16))  # its first scale may overflow too
+    break_loss(monkeypatch, 3, infinite)
+    train(tiny_cfg(data, tmp_path / "once", "OPTIM.EPOCHS", "1", *FLOAT16))
+    plain, once = ((tmp_path / name / "log.txt").read_text() for name in ("plain", "once"))
+    assert skipped(once) == skipped(plain) + 1
+    real_scaler = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda *args, **kwargs: real_scaler(*args, init_scale=2.0, **kwargs))
+    monkeypatch.setattr(training_setup, "build_loss", lambda cfg, mixup: partial(infinite, build_loss(cfg, mixup)))
+    with pytest.raises(FloatingPointError, match=r"optimizer step 2: the float16 gradients stayed not finite while "):
+        train(tiny_cfg(data, tmp_path / "always", *FLOAT16))  # scale 2, then 1, then 0.5
 
 
 def test_a_resumed_run_follows_a_changed_learning_rate_and_schedule(data, tmp_path):

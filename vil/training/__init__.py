@@ -13,5 +13,6 @@ resumed run repeats bit for bit what an uninterrupted one would have done, from 
 with any number of data-loading workers (with shards, the number it started with).
 A loss that is not finite stops the run before the optimizer step and before any checkpoint of that state;
 so does a gradient that is not finite, except under float16 AMP (AMP.ENABLED with AMP.DTYPE float16), whose
-gradient scaler skips that step instead (the weights stay as they were).
+gradient scaler skips that step instead (the weights stay as they were; the epoch's log line counts such steps,
+and gradients that stay not finite until the scale falls below 1 stop the run).
 """

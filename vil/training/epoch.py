@@ -58,6 +58,15 @@ def optimizer_step(run, where):
     run.lr = max(group["lr"] for group in optimizer.param_groups)  # before the schedule moves on
     scaler.step(optimizer)
     scaler.update()
+    if not math.isfinite(norm):  # skipped by fp16's scaler, which halves its scale: counted in the epoch's line
+        run.scaler_skips += 1
+        if scaler.get_scale() < 1:  # halved from 2**16 more often than it grew: not an overflow, a divergence
+            stop_diverged(
+                run,
+                f"the float16 gradients stayed not finite while the gradient scaler lowered its scale to "
+                f"{scaler.get_scale():g}",
+                where,
+            )
     optimizer.zero_grad(set_to_none=True)
     run.step += 1
     run.scheduler.step_update(run.schedule_step)

@@ -134,8 +134,14 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
         f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}: "
         + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items())
         + (f"; skipped {int(skipped)} unreadable images" if skipped else "")
+        + (
+            f"; the float16 gradient scaler skipped {run.scaler_skips} optimizer steps (gradients not finite)"
+            if run.scaler_skips
+            else ""
+        )
         + f"; ETA {_run_eta(run, epoch)}"
     )
+    run.scaler_skips = 0
     return result["top1"]
 
 

@@ -162,6 +162,7 @@ class Run:
     batch_in_epoch: int = 0
     lr_drop: float = 1.0  # the product of OPTIM.VAL's learning-rate drops so far
     schedule_offset: int = 0  # the per-step schedule's place is step + schedule_offset (Snapshot says why)
+    scaler_skips: int = 0  # the optimizer steps of this epoch that fp16's gradient scaler skipped
     lr_scales: tuple[float, ...] = ()  # the optimizer groups' lr_scale before any drop (layer decay's)
     lr: float = 0.0  # the last optimizer step's learning rate: its largest group's (layer decay scales the others)
     kept: Optional[Snapshot] = None  # the one checkpoint_last.pth holds
