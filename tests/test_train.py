@@ -254,6 +254,24 @@ def test_a_resume_whose_epochs_take_other_steps_goes_on_from_the_epochs_place_in
     assert read_checkpoint(str(resumed / "checkpoint_last.pth"))["schedule_offset"] == -1
 
 
+def test_training_keys_that_the_chosen_optimizer_schedule_ema_amp_or_mixing_do_not_read_are_said(data, tmp_path):
+    unread = ["OPTIM.MOM", "0.5", "OPTIM.NU", "0.5", "OPTIM.ADAM.EPS", "1e-6", "AMP.DTYPE", "float16"]
+    unread += ["MODEL.EMA_DECAY", "0.99", "AUG.MIXUP_PROB", "1.0", "SOLVER.MIN_LR", "1e-6", "OPTIM.DROP_FACTOR", "5.0"]
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1", "SOLVER.LR_POLICY", "constant", *unread))
+    said = [line.split(" ", 2)[2] for line in (out / "log.txt").read_text().splitlines() if ", but " in line]
+    assert said == [
+        "OPTIM.MOM is set, but OPTIM.OPT adamw does not read it (sgd's and qhm's momentum).",
+        "OPTIM.NU is set, but OPTIM.OPT adamw does not read it (qhm's).",
+        "OPTIM.DROP_FACTOR is set, but only SOLVER.LR_POLICY step and OPTIM.VAL (sgd, qhm) read it.",
+        "SOLVER.MIN_LR is set, but only SOLVER.LR_POLICY cosine and linear read it.",
+        "MODEL.EMA_DECAY is set, but only MODEL.EMA True reads it.",
+        "AMP.DTYPE is set, but only AMP.ENABLED True reads it.",
+        "AUG.MIXUP_PROB is set, but no batch mixing is asked for (AUG.MIXUP, AUG.MIXCUT or AUG.MIXCUT_MINMAX), so "
+        "nothing reads it.",
+    ]  # OPTIM.ADAM.EPS is adamw's: read
+
+
 def test_a_resume_says_that_it_does_not_read_a_new_model_path(data, tmp_path):
     out = tmp_path / "run"
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))

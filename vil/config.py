@@ -261,6 +261,20 @@ def get_cfg():
     return _C.clone()
 
 
+def warn_unread_keys(cfg, unread):
+    """Say once, for each ``(keys, why)`` of ``unread``, which of ``keys`` are set to other values than their defaults
+    although what the config chose does not read them: "KEY is set, but " and ``why``, whose ``{}`` becomes "it" or
+    "them"."""
+    defaults = get_cfg()
+    for keys, why in unread:
+        changed = [key for key in keys if config_value(cfg, key) != config_value(defaults, key)]
+        if changed:
+            one = len(changed) == 1
+            logging.getLogger("vil").warning(
+                f"{', '.join(changed)} {'is' if one else 'are'} set, but {why.format('it' if one else 'them')}."
+            )
+
+
 def load_cfg(config_file=None, overrides=()):
     """Defaults, then ``config_file`` (YAML), then ``overrides`` (``["KEY", "VALUE", ...]``); checked and frozen.
 

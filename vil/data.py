@@ -18,7 +18,7 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .config import config_value, get_cfg
+from .config import warn_unread_keys
 from .files import not_a_folder
 from .images import read_image
 from .shards import ShardDataset
@@ -268,14 +268,7 @@ def _warn_unread_keys(cfg):
         unread = [(_TIMM_KEYS + _PLAIN_KEYS + _CROP_KEYS, why + " True for the training transform")]
     else:
         unread = [(_TIMM_KEYS, "only timm's transform reads {}; set AUG.TIMM_AUG.USE_TRANSFORM True")]
-    defaults = get_cfg()
-    for keys, why in unread:
-        changed = [key for key in keys if config_value(cfg, key) != config_value(defaults, key)]
-        if changed:
-            one = len(changed) == 1
-            log.warning(
-                f"{', '.join(changed)} {'is' if one else 'are'} set, but {why.format('it' if one else 'them')}."
-            )
+    warn_unread_keys(cfg, unread)
 
 
 def posterize(img, bits_to_keep, **kwargs):

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.tensorboard import SummaryWriter
 from yacs.config import CfgNode
 
-from ..config import warn_compatibility_keys
+from ..config import warn_compatibility_keys, warn_unread_keys
 from ..cpu import cpu_multiplies_natively, half_precision_rate
 from ..data import build_dataset, build_mixup, check_same_classes
 from ..files import FolderLock, atomic_write, check_writable_folder, remove_temporaries
@@ -261,6 +261,44 @@ def set_up(cfg):
         raise
 
 
+def _unread_training_keys(cfg):
+    """The ``(keys, why)`` of :func:`vil.config.warn_unread_keys` for the optimizer, schedule, EMA, AMP and batch
+    mixing keys that what the config chose does not read."""
+    optim, policy, aug = cfg.OPTIM, cfg.SOLVER.LR_POLICY, cfg.AUG
+    opt = f"OPTIM.OPT {optim.OPT}"
+    unread = []
+    if optim.OPT not in ("sgd", "qhm"):
+        unread.append((("OPTIM.MOM",), f"{opt} does not read {{}} (sgd's and qhm's momentum)"))
+    if optim.OPT != "qhm":
+        unread.append((("OPTIM.NU",), f"{opt} does not read {{}} (qhm's)"))
+    if optim.OPT not in ("adamw", "adam", "lamb"):
+        unread.append((("OPTIM.ADAM.BETA1", "OPTIM.ADAM.BETA2", "OPTIM.ADAM.EPS"), f"{opt} does not read {{}}"))
+    # OPTIM.DROP_FREQ is left out: the presets keep the original recipe's, for the step policies.
+    if policy not in ("step", "multistep") and not (optim.VAL and optim.OPT in PLATEAU_OPTIMIZERS):
+        unread.append((("OPTIM.DROP_FACTOR",), "only SOLVER.LR_POLICY step and OPTIM.VAL (sgd, qhm) read {}"))
+    if policy not in ("cosine", "linear"):
+        unread.append((("SOLVER.MIN_LR",), "only SOLVER.LR_POLICY cosine and linear read {}"))
+    if not policy:
+        unread.append(
+            (("SOLVER.WARMUP_EPOCHS", "SOLVER.WARMUP_FACTOR"), "SOLVER.LR_POLICY '' (no schedule) has no warmup")
+        )
+    if not cfg.MODEL.EMA:
+        unread.append((("MODEL.EMA_DECAY",), "only MODEL.EMA True reads {}"))
+    if not cfg.AMP.ENABLED:
+        unread.append((("AMP.DTYPE",), "only AMP.ENABLED True reads {}"))
+    mixed = aug.MIXUP > 0 or aug.MIXCUT > 0 or bool(aug.MIXCUT_MINMAX)
+    if not mixed:
+        unread.append(
+            (
+                ("AUG.MIXUP_PROB", "AUG.MIXUP_SWITCH_PROB", "AUG.MIXUP_MODE"),
+                "no batch mixing is asked for (AUG.MIXUP, AUG.MIXCUT or AUG.MIXCUT_MINMAX), so nothing reads {}",
+            )
+        )
+    elif not (aug.MIXUP > 0 and (aug.MIXCUT > 0 or aug.MIXCUT_MINMAX)):
+        unread.append((("AUG.MIXUP_SWITCH_PROB",), "only Mixup and CutMix together switch between them"))
+    return unread
+
+
 def _claim_folder(out):
     """The lock of the run folder ``out``, checked to be writable (the main process's)."""
     check_writable_folder(out)
@@ -346,6 +384,8 @@ def _build_run(cfg, runtime, lock, starts_fresh):
             f"OPTIM.VAL lowers the learning rate of {' and '.join(PLATEAU_OPTIMIZERS)} only "
             f"(as in the original release); this {cfg.OPTIM.OPT} run ignores it."
         )
+    if runtime.is_main:
+        warn_unread_keys(cfg, _unread_training_keys(cfg))
     optimizer = build_optimizer(cfg, model)
     return Run(
         cfg=cfg,
