@@ -2,8 +2,10 @@
 
 import logging
 import os
+import pickle
 import re
 import struct
+import warnings
 import zipfile
 
 import pytest
@@ -132,6 +134,16 @@ def test_missing_and_unreadable_checkpoints(tmp_path):
         load_checkpoint(model(0), tmp_path / "cut.pth")
     # One sentence: the reader's first, without its advice about its own internals.
     assert re.fullmatch(r"\S+cut\.pth is not a readable PyTorch checkpoint of tensors \([^.]*\)\.", str(refusal.value))
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as archive:  # a zip archive of something else
+        archive.writestr("notes.txt", "not weights")
+    with pytest.raises(ValueError, match=r"other\.zip is a zip archive, but not one torch.save wrote \(it holds no"):
+        load_checkpoint(model(0), tmp_path / "other.zip")
+    with open(tmp_path / "plain.pkl", "wb") as f:  # pickle.dump's own file, protocol 4: its framing and no magic
+        pickle.dump({"a": 1}, f, protocol=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor torch's warning about the protocol
+        with pytest.raises(ValueError, match=r"Unsupported operand \d+: a pickle that torch.save did not write"):
+            load_checkpoint(model(0), tmp_path / "plain.pkl")
     torch.save({"net": {"a": 1}}, tmp_path / "odd.pth")
     with pytest.raises(ValueError, match="has no model state dict"):
         load_checkpoint(model(0), tmp_path / "odd.pth")

@@ -561,6 +561,15 @@ def test_evaluation_at_another_image_size_than_the_training_says_so(data, tmp_pa
         evaluate_checkpoint(cfg)  # its log: warnings, on the console
         printed = capsys.readouterr().err
         assert ("trained on 32x32 images; this model is built for 64x64" in printed) == said, printed
+    # The original release's layout holds no config: its position tables tell the maps they were made for.
+    net = read_checkpoint(str(out / "model_best.pth"))["net"]
+    torch.save({"net": {f"module.{k}": v for k, v in net.items()}, "arch": "msvit"}, tmp_path / "original.pth")
+    for size, said in (("32", False), ("64", True)):
+        cfg = tiny_cfg(data, tmp_path / f"o{size}", "MODEL.MODEL_PATH", str(tmp_path / "original.pth"))
+        cfg.merge_from_list(["INPUT.IMAGE_SIZE", size])
+        evaluate_checkpoint(cfg)
+        printed = capsys.readouterr().err
+        assert ("tables made for 32x32 images; this model is built for 64x64" in printed) == said, printed
 
 
 def test_eval_reports_top1_top5_for_own_and_original_checkpoints(data, tmp_path):

@@ -10,6 +10,7 @@ Hugging Face Hub folder, as ``tools/export_hub.py`` writes).
 
 import json
 import os
+import warnings
 import zipfile
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -72,12 +73,19 @@ def read_checkpoint(path):
         except Exception as e:
             raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}).") from None
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a pickle of another protocol than torch.save's: its failure is said below
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         if not _saved_by_torch(path):
             raise ValueError(
                 f"{path} is not a PyTorch checkpoint (torch.save writes a zip archive or a pickle, and this file is "
                 "neither); give the checkpoint file of the run."
+            ) from None
+        if _zip_without_torch_records(path):
+            raise ValueError(
+                f"{path} is a zip archive, but not one torch.save wrote (it holds no data.pkl); give the checkpoint "
+                "file of the run."
             ) from None
         raise ValueError(f"{path} is not a readable PyTorch checkpoint of tensors ({_load_failure(e)}).") from None
     _check_records(path)
@@ -209,6 +217,15 @@ def _saved_by_torch(path):
     return head.startswith((b"PK\x03\x04", b"\x80", b"L1195"))
 
 
+def _zip_without_torch_records(path):
+    """Whether the file is a zip archive without the ``<name>/data.pkl`` record that torch.save writes in each."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return not any(name.endswith("data.pkl") for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
 def _load_failure(error):
     """What ``torch.load`` with ``weights_only=True`` failed on, without its advice to load with ``weights_only=False``
     (which runs whatever code the file holds): the weights unpickler's own reason where it gives one."""
@@ -221,6 +238,8 @@ def _load_failure(error):
     after = text.split(marker, 1)[1] if marker in text else text.split("\n\n", 1)[-1]
     chunks = [chunk.strip() for chunk in after.split("\n\n") if chunk.strip()]
     reason = chunks[0].split(". ")[0].rstrip(".") if chunks else "an object it does not take"
+    if reason.startswith("Unsupported operand"):  # a pickle instruction torch.save does not write (protocol 4's)
+        return f"{reason}: a pickle that torch.save did not write; save the weights with torch.save"
     return (
         f"{reason}; checkpoints are read with weights_only=True, which takes tensors, numbers, strings and "
         "containers of them, no other objects"

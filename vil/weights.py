@@ -11,7 +11,7 @@ from .checkpoint import ema_state, load_model_state, model_state, read_checkpoin
 from .config import config_value
 from .model_config import mechanism_of
 from .models import pretrained_checkpoint
-from .models.convert import MODEL_DEFINING_KEYS, fit_to_model, trained_with
+from .models.convert import MODEL_DEFINING_KEYS, fit_to_model, infer_image_size, trained_with
 
 log = logging.getLogger("vil")
 
@@ -160,13 +160,14 @@ def load_read_weights(model, cfg, path, checkpoint, ema, new_classifier=False):
         log.info(f"Checkpoint {path} has {found}: this run trains a new one for DATA.NUM_CLASSES {model.num_classes}.")
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     load_model_state(model, state, path, may_miss=("head.",))
-    trained = None if stored is None else (stored.INPUT.IMAGE_SIZE,) * 2
-    if trained is not None and trained != tuple(model.img_size):
-        say = log.info if new_classifier else log.warning  # a run trains on; figures at another size are others
-        say(
-            f"Checkpoint {path} was trained on {trained[0]}x{trained[1]} images; this model is built for "
-            f"{model.img_size[0]}x{model.img_size[1]}, its position tables resized."
-        )
+    say = log.info if new_classifier else log.warning  # a run trains on; figures at another size are others
+    built = f"this model is built for {model.img_size[0]}x{model.img_size[1]}, its position tables resized"
+    if stored is not None and (stored.INPUT.IMAGE_SIZE,) * 2 != tuple(model.img_size):
+        say(f"Checkpoint {path} was trained on {stored.INPUT.IMAGE_SIZE}x{stored.INPUT.IMAGE_SIZE} images; {built}.")
+    elif stored is None:  # the original release's layout, a bare state dict: its tables tell the maps they were for
+        made_for = infer_image_size(chosen, model.stage_specs)
+        if made_for not in (None, infer_image_size(model.state_dict(), model.stage_specs)):
+            say(f"Checkpoint {path} holds position tables made for {made_for[0]}x{made_for[1]} images; {built}.")
     if differences:  # said once the weights fit
         log.warning(
             f"Checkpoint {path} was trained with {listed}: this run starts from its weights with the new values."
