@@ -418,6 +418,12 @@ def test_wrong_images_at_forward():
         assert model(torch.randn(1, 3, 96, 96, dtype=torch.float16)).shape == (1, model.num_classes)
         with pytest.raises(ValueError, match=r"torch.float64 .*torch.autocast casts any floating dtype but float64"):
             model(torch.randn(1, 3, 96, 96, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"images are torch.float32 and the model's weights torch.float64"):
+            model.double()(torch.randn(1, 3, 96, 96))  # nor float64 weights
+    model.float()
+    with torch.device("meta"):  # no autocast there: the model's own checks speak
+        on_meta = build_model(tiny_cfg("MODEL.VIT.MSVIT.ARCH", "l1,s0,d48,h1_l2,s0_l3,s0"))
+        assert on_meta(torch.randn(2, 3, 96, 96)).shape == (2, on_meta.num_classes)
 
 
 @pytest.mark.parametrize(

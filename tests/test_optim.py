@@ -154,6 +154,19 @@ def test_layer_decay_gives_each_transformer_layer_its_rate():
         build_optimizer(cfg_with("OPTIM.LAYER_DECAY", "1.5"), model)
 
 
+def test_a_drop_factor_below_one_is_refused_where_the_schedule_is_built_and_a_stored_one_still_loads(tmp_path):
+    from vil.checkpoint import save_checkpoint, stored_config
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    with pytest.raises(ValueError, match=r"OPTIM.DROP_FACTOR 0.1 would raise the learning rate .* at least 1"):
+        build_scheduler(cfg_with("SOLVER.LR_POLICY", "step", "OPTIM.DROP_FACTOR", "0.1"), optimizer, 4)
+    build_scheduler(cfg_with("SOLVER.LR_POLICY", "step", "OPTIM.DROP_FACTOR", "1.0"), optimizer, 4)  # no drop
+    # A checkpoint's stored config is read as it was written, whatever a run would say of its schedule.
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(tmp_path / "old.pth", model, config=cfg_with("OPTIM.DROP_FACTOR", "0.5").dump())
+    assert stored_config(torch.load(tmp_path / "old.pth", weights_only=True), "old.pth").OPTIM.DROP_FACTOR == 0.5
+
+
 @pytest.mark.parametrize("per_epoch", ["False", "True"])
 def test_a_warmup_as_long_as_the_run_is_said_with_the_rate_it_ends_at(caplog, per_epoch):
     cfg = cfg_with(

@@ -522,11 +522,13 @@ def test_kill_during_a_write_then_a_full_disk_then_resume_gives_the_uninterrupte
 def test_only_the_temporary_files_of_interrupted_writes_are_removed(tmp_path):
     import tempfile
 
-    _, torn = tempfile.mkstemp(dir=tmp_path, prefix=files.TEMPORARY_PREFIX)  # as atomic_write makes them
-    users = tmp_path / f"{files.TEMPORARY_PREFIX}pretrained.pth"  # a user's file of a name alike: never theirs
-    users.write_bytes(b"weights")
+    users = [f"{files.TEMPORARY_PREFIX}{name}" for name in ("pretrained.pth", "snapshot", "abcdefgh")]
+    for name in users:  # a user's files of names alike: never theirs
+        (tmp_path / name).write_bytes(b"weights")
+    # As atomic_write makes them (a write killed before its rename leaves one).
+    _, torn = tempfile.mkstemp(dir=tmp_path, prefix=files.TEMPORARY_PREFIX, suffix=files.TEMPORARY_SUFFIX)
     assert files.remove_temporaries(tmp_path) == [os.path.basename(torn)]
-    assert sorted(os.listdir(tmp_path)) == [users.name]
+    assert sorted(os.listdir(tmp_path)) == sorted(users)
 
 
 # The parts of the loop on their own.

@@ -840,3 +840,12 @@ def test_bfloat16_amp_on_a_gpu_without_bfloat16_tensor_cores_says_so(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     training_setup.amp_context(cfg, torch.device("cuda"))
     assert "compute capability" not in caplog.text
+
+
+def test_distributed_backend_names_a_torch_distributed_backend(data, tmp_path):
+    from vil.runtime import Runtime
+
+    with pytest.raises(ValueError, match=r"DISTRIBUTED_BACKEND 'foo' is not a torch.distributed backend; use one of "):
+        train(tiny_cfg(data, tmp_path / "run", "DISTRIBUTED_BACKEND", "foo"))
+    for name in ("GLOO", "cpu:gloo,cuda:nccl"):  # torch takes either letter case, and one backend per device
+        assert Runtime(name).world == 1

@@ -485,7 +485,6 @@ def _shown(value):
 
 
 _PROBABILITY = (lambda v: 0 <= v <= 1, "a probability in [0, 1]")
-_DISTRIBUTED_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")  # torch.distributed.Backend's, less its placeholders
 
 # Keys whose values have a range: (test, what the value must be).
 _RULES = {
@@ -502,11 +501,6 @@ _RULES = {
     ),
     "AMP.DTYPE": (lambda v: v in ("bfloat16", "float16"), "'bfloat16' or 'float16'"),
     "AMP.MEMORY_FORMAT": (lambda v: v in ("nchw", "nhwc"), "'nchw' or 'nhwc'"),
-    "DISTRIBUTED_BACKEND": (
-        lambda v: all(part.split(":")[-1].strip() in _DISTRIBUTED_BACKENDS for part in v.split(",")),
-        "a torch.distributed backend, " + ", ".join(map(repr, _DISTRIBUTED_BACKENDS)) + " (or one per device, such "
-        "as 'cpu:gloo,cuda:nccl')",
-    ),
     "OUTPUT_DIR": (lambda v: v.strip() != "", "a folder to write the run into (./output by default)"),
     "DATA.NUM_CLASSES": (lambda v: v >= 1, "a positive number of classes"),
     "DATA.FORMAT": (lambda v: v in ("folder", "shards"), "'folder' (image folders) or 'shards' (tar shards)"),
@@ -524,10 +518,7 @@ _RULES = {
     "OPTIM.ADAM.EPS": (lambda v: math.isfinite(v) and v > 0, "a small positive number"),
     "SEED": (lambda v: 0 <= v < 2**31, "an integer in [0, 2**31) (each process seeds with SEED + its rank)"),
     "OPTIM.CLIP_GRAD": (lambda v: math.isfinite(v) and v >= 0, "a finite gradient norm >= 0 (0: no clipping)"),
-    "OPTIM.DROP_FACTOR": (
-        lambda v: math.isfinite(v) and v > 1,
-        "a factor above 1, which the learning rate is divided by (10: a tenth of it)",
-    ),
+    "OPTIM.DROP_FACTOR": (lambda v: math.isfinite(v) and v > 0, "a positive factor"),
     "OPTIM.DROP_FREQ": (lambda v: v >= 1, "a positive number of epochs"),
     "SOLVER.WARMUP_EPOCHS": (lambda v: math.isfinite(v) and v >= 0, "a finite number of epochs >= 0"),
     "SOLVER.WARMUP_FACTOR": (lambda v: math.isfinite(v) and v >= 0, "a finite factor >= 0"),

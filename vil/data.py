@@ -349,7 +349,7 @@ def check_same_classes(train_set, test_set):
         return
     pairs = (("training", train_set.classes, test_set.classes), ("evaluation", test_set.classes, train_set.classes))
     only = [f"only the {split} data has {sorted(set(a) - set(b))}" for split, a, b in pairs if set(a) - set(b)]
-    if [normalize("NFC", name) for name in train_set.classes] == [normalize("NFC", name) for name in test_set.classes]:
+    if {normalize("NFC", name) for name in train_set.classes} == {normalize("NFC", name) for name in test_set.classes}:
         raise ValueError(
             f"The training and evaluation data name their classes with the same letters written as other Unicode "
             f"characters ({'; '.join(only)}: composed and decomposed accents, as some file systems write names); "

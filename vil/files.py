@@ -19,10 +19,10 @@ import tempfile
 
 import filelock
 
-TEMPORARY_PREFIX = ".tmp-"
-# The names tempfile.mkstemp gives atomic_write's files: the prefix and 8 random letters, digits or underscores (a
-# user's own file, such as .tmp-pretrained.pth, is not one).
-_TEMPORARY_NAME = re.compile(re.escape(TEMPORARY_PREFIX) + r"[a-z0-9_]{8}")
+TEMPORARY_PREFIX, TEMPORARY_SUFFIX = ".tmp-", ".partial"
+# The names tempfile.mkstemp gives atomic_write's files: the prefix, 8 random letters, digits or underscores, the
+# suffix (a user's own file, such as .tmp-pretrained.pth or .tmp-snapshot, is not one).
+_TEMPORARY_NAME = re.compile(re.escape(TEMPORARY_PREFIX) + r"[a-z0-9_]{8}" + re.escape(TEMPORARY_SUFFIX))
 LOCK_NAME = ".lock"
 
 SAFETENSORS_NAME = "model.safetensors"  # the weights of a Hub folder
@@ -45,7 +45,7 @@ def atomic_write(path, write):
     directory = os.path.dirname(target)
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMPORARY_PREFIX)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX)
     except OSError as e:
         raise OutputError(
             f"Cannot write {path}: {_reason(e)} in {directory}; choose a folder you can write to."
@@ -110,7 +110,7 @@ def _unwritable(folder):
         return "it is a file, not a folder"
     try:
         os.makedirs(folder, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX)
         os.close(fd)
         os.remove(probe)
     except OSError as e:

@@ -98,6 +98,11 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
     Stepped once per optimizer step (``scheduler.step_update(step)``), or, with
     ``SOLVER.EPOCH_BASED_SCHEDULE``, once per epoch (``scheduler.step(epoch)``): the other call does nothing."""
     solver = cfg.SOLVER
+    if cfg.OPTIM.DROP_FACTOR < 1:  # here, not among the config's ranges: a checkpoint's stored config loads as it was
+        raise ValueError(
+            f"OPTIM.DROP_FACTOR {cfg.OPTIM.DROP_FACTOR:g} would raise the learning rate at every drop: the rate is "
+            "divided by it; give a factor of at least 1 (10: a tenth of it)."
+        )
     if solver.WARMUP_METHOD != "linear":
         raise ValueError(f"SOLVER.WARMUP_METHOD {solver.WARMUP_METHOD!r} is not supported; use 'linear'.")
     per_epoch = 1 if solver.EPOCH_BASED_SCHEDULE else steps_per_epoch

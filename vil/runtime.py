@@ -7,12 +7,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+DISTRIBUTED_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")  # torch.distributed.Backend's, less its placeholders
+
 
 class Runtime:
     """This process's place in the run: rank, world size and device (from torchrun's environment). Processes
     talk through ``backend`` on CUDA and through gloo on the CPU."""
 
     def __init__(self, backend="nccl"):
+        named = [part.split(":")[-1].strip().lower() for part in backend.split(",")]  # "cpu:gloo,cuda:nccl" too
+        if not all(name in DISTRIBUTED_BACKENDS for name in named):
+            raise ValueError(
+                f"DISTRIBUTED_BACKEND {backend!r} is not a torch.distributed backend; use one of "
+                f"{', '.join(DISTRIBUTED_BACKENDS)} (or one per device, such as 'cpu:gloo,cuda:nccl')."
+            )
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
         local = int(os.environ.get("LOCAL_RANK", 0))

@@ -179,8 +179,8 @@ def _check_num_classes(num_classes):
 @register_notrace_function  # a leaf for torch.fx: it checks sizes and types
 def check_images(x, in_chans, total_stride, dtype):
     """Refuse, in one sentence, what the first convolution would refuse in torch's words, or take as images wrongly:
-    ``x`` must be ``(B, in_chans, H, W)`` floating-point images of the weights' ``dtype`` (any but float64 under
-    autocast, which casts them), of at least ``total_stride`` pixels a side."""
+    ``x`` must be ``(B, in_chans, H, W)`` floating-point images of the weights' ``dtype`` (under autocast, which casts
+    both, any but float64, for weights of any but float64), of at least ``total_stride`` pixels a side."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"This model takes a tensor of images (B, {in_chans}, H, W), got a {type(x).__name__}.")
     if not x.is_floating_point():
@@ -188,8 +188,9 @@ def check_images(x, in_chans, total_stride, dtype):
             f"This model takes floating-point images, normalised as its transform does, got {x.dtype} ones; "
             "give them through the model's transform (pixels / 255, then the mean and std of its config)."
         )
-    autocast = torch.is_autocast_enabled(x.device.type)
-    if x.dtype != dtype and not (autocast and x.dtype != torch.float64):  # autocast casts all but float64
+    kind = x.device.type
+    autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    if x.dtype != dtype and not (autocast and torch.float64 not in (x.dtype, dtype)):  # autocast casts all but float64
         tail = (
             "; torch.autocast casts any floating dtype but float64" if autocast else ", or run it under torch.autocast"
         )
