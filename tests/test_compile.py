@@ -368,7 +368,7 @@ def test_compile_key_compiles_the_training_step():
     from vil.training.setup import _training_net
 
     model = small_model("fused_cpu")
-    runtime = Runtime("")
+    runtime = Runtime()
     assert _training_net(model, load_cfg(None, []), runtime) is model
     net = _training_net(model, load_cfg(None, ["MODEL.COMPILE", "True"]), runtime)
     assert isinstance(net, torch._dynamo.eval_frame.OptimizedModule) and net._orig_mod is model
