@@ -293,28 +293,21 @@ class MsViT(nn.Module):
                 f"attention {attention!r} is not a mechanism of this model; use one of {', '.join(MECHANISMS)}."
             )
         check_window_options(sw_exact, mode)  # also where no stage is local
-        for name, value, default, owner in (
-            ("sw_exact", sw_exact, 0, "longformer"),
-            ("mode", mode, 0, "longformer"),
-            ("share_w", share_w, True, "longformer"),
-            ("only_global", only_global, False, "longformer"),
-            ("share_kv", share_kv, True, "linformer"),
+        local = [spec for spec in self.stage_specs if spec.local]
+        a_local_stage, with_global = "a local stage (s1)", "a local stage (s1) with global tokens (g1 or more)"
+        for name, value, default, owner, stages, what in (
+            ("sw_exact", sw_exact, 0, "longformer", local, a_local_stage),
+            ("mode", mode, 0, "longformer", local, a_local_stage),
+            ("share_w", share_w, True, "longformer", [spec for spec in local if spec.num_global], with_global),
+            ("only_global", only_global, False, "longformer", local, a_local_stage),
+            ("share_kv", share_kv, True, "linformer", local, a_local_stage),
         ):
             if value != default and attention != owner:
                 raise ValueError(
                     f"{name.upper()} ({name}) {value!r} is an option of {owner} attention, not of {attention!r}: it "
                     f"would change nothing; leave it at {default!r}."
                 )
-        local = [spec for spec in self.stage_specs if spec.local]
-        with_global = "a local stage (s1) with global tokens (g1 or more)"
-        for name, value, default, needs, what in (
-            ("sw_exact", sw_exact, 0, local, "a local stage (s1)"),
-            ("mode", mode, 0, local, "a local stage (s1)"),
-            ("only_global", only_global, False, local, "a local stage (s1)"),
-            ("share_kv", share_kv, True, local, "a local stage (s1)"),
-            ("share_w", share_w, True, [spec for spec in local if spec.num_global], with_global),
-        ):
-            if value != default and not needs:
+            if value != default and not stages:
                 raise ValueError(
                     f"{name.upper()} ({name}) {value!r} acts on {what}, which this architecture has none of: it would "
                     f"change nothing; leave it at {default!r}."

@@ -50,7 +50,8 @@ def optimizer_step(run, where):
         norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.OPTIM.CLIP_GRAD)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
-    if not scaler.is_enabled() and not math.isfinite(norm):  # fp16's scaler skips such steps by itself
+    finite = math.isfinite(norm)
+    if not scaler.is_enabled() and not finite:  # fp16's scaler skips such steps by itself
         stop_diverged(run, f"the gradient norm became {norm.item()}", where)
     if run.pending:
         run.write_checkpoint(run.pending)
@@ -58,7 +59,7 @@ def optimizer_step(run, where):
     run.lr = max(group["lr"] for group in optimizer.param_groups)  # before the schedule moves on
     scaler.step(optimizer)
     scaler.update()
-    if not math.isfinite(norm):  # skipped by fp16's scaler, which halves its scale: counted in the epoch's line
+    if not finite:  # skipped by fp16's scaler, which halves its scale: counted in the epoch's line
         run.scaler_skips += 1
         if scaler.get_scale() < 1:  # halved from 2**16 more often than it grew: not an overflow, a divergence
             stop_diverged(
@@ -81,6 +82,7 @@ def train_one_epoch(run, epoch):
     loader = training_batches(run, epoch)
     run.net.train()
     seen = skipped = loss_sum = 0.0
+    run.scaler_skips = 0
     window = _new_window(time.perf_counter())  # since the last LOG_FREQ line
     bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}", disable=not runtime.is_main, leave=False)
     step_end = time.perf_counter()

@@ -141,7 +141,6 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
         )
         + f"; ETA {_run_eta(run, epoch)}"
     )
-    run.scaler_skips = 0
     return result["top1"]
 
 
