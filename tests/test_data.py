@@ -256,6 +256,24 @@ def test_digits_split_is_disjoint_stratified_and_fixed():
     assert train.images[0].size == (8, 8) and train.images[0].mode == "RGB"
 
 
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["DATA.FORMAT", "shards"], ["DATA.FORMAT"]),
+        (["DATA.PATH", "mine", "DATA.FORMAT", "shards"], ["DATA.FORMAT", "DATA.PATH"]),
+    ],
+)
+def test_digits_with_a_data_path_or_format_is_refused(overrides, named):
+    # The digits would be read instead of the shards or folders named, silently.
+    cfg = load_cfg("configs/vil_digits.yaml", overrides)
+    with pytest.raises(ValueError) as refusal:
+        build_dataset(cfg, train=False)
+    message = str(refusal.value)
+    assert message.startswith("DATA.TEST ('digits',)")
+    assert re.search(r"do not read ([^;]*);", message).group(1).split(" or ") == named
+    assert len(DigitsDataset(train=False)) == len(build_dataset(load_cfg("configs/vil_digits.yaml"), train=False))
+
+
 def test_digits_without_scikit_learn_is_one_line_from_the_tools(monkeypatch, tmp_path):
     monkeypatch.setitem(__import__("sys").modules, "sklearn.datasets", None)  # as if it were not installed
     status, _, stderr = run_tool("train", "--config-file", "vil_digits", "OUTPUT_DIR", tmp_path)

@@ -1,6 +1,8 @@
 """tools/export_backbone.py and the backbone builder together: the exported backbone is the trained model's, with
 its options, its image size in every layout, and tables made for the maps the model had."""
 
+import shutil
+
 import pytest
 import torch
 from test_checkpoint import original_release_checkpoint
@@ -80,6 +82,20 @@ def test_the_export_keeps_the_attention_mechanism_and_refuses_to_make_its_stages
     assert status == 1 and "tv.pth is a backbone export already" in error and not (tmp_path / "again.pth").exists()
     with pytest.raises(ValueError, match=rf"attention is {attention}, whose weights are not full attention's"):
         build_fpn_backbone(SMALL, img_size=64, full_attention_to_local=True, checkpoint=tmp_path / "cls.pth")
+
+
+def test_the_export_replaces_an_earlier_export_but_no_other_file(tmp_path):
+    small_checkpoint(tmp_path / "cls.pth")
+    shutil.copy(tmp_path / "cls.pth", tmp_path / "finetuned.pth")
+    kept = (tmp_path / "finetuned.pth").read_bytes()
+    status, _, error = run_tool(
+        "export_backbone", tmp_path / "cls.pth", tmp_path / "finetuned.pth", "--format", "mmdet"
+    )
+    assert status == 1 and "finetuned.pth is a file that is not a backbone export" in error
+    assert (tmp_path / "finetuned.pth").read_bytes() == kept
+    export(tmp_path / "cls.pth", tmp_path / "tv.pth", "--format", "torchvision")
+    export(tmp_path / "cls.pth", tmp_path / "tv.pth", "--format", "mmdet")  # again, in another layout
+    assert "state_dict" in torch.load(tmp_path / "tv.pth", weights_only=True)
 
 
 @pytest.mark.parametrize("fmt", ["torchvision", "mmdet"])

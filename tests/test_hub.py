@@ -137,6 +137,45 @@ def test_every_checkpoint_reader_takes_the_folder_and_the_safetensors_file(expor
     assert stdout.strip().splitlines()[-1].startswith("top-1 ")
 
 
+def test_timm_and_torch_hub_refuse_what_load_checkpoint_refuses(exported, tmp_path):
+    # timm reads a file without checking it: a byte altered after the write would load as other weights, and a file
+    # of no weights would fail inside timm. The checkpoint readers' sentences come first.
+    from test_checkpoint import flip_a_byte_of_the_largest_tensor
+
+    altered = tmp_path / "altered.pth"
+    torch.save({"net": exported["ema"].state_dict()}, altered)
+    record = flip_a_byte_of_the_largest_tensor(altered)
+    torch.save([1, 2], tmp_path / "list.pth")
+    (tmp_path / "no_weights").mkdir()
+    shutil.copy(exported["out"] / "config.json", tmp_path / "no_weights")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(exported["out"], truncated)
+    (truncated / "model.safetensors").write_bytes((truncated / "model.safetensors").read_bytes()[:100])
+    refusals = {
+        altered: rf"altered\.pth is damaged: its record {re.escape(record)} no longer reads back",
+        tmp_path / "list.pth": r"list\.pth holds a list, not a checkpoint dict",
+        tmp_path / "no_weights": r"no_weights is a folder without model\.safetensors",
+        truncated: r"truncated/model\.safetensors is not a readable safetensors file",
+    }
+    for path, refusal in refusals.items():
+        with pytest.raises((ValueError, FileNotFoundError), match=refusal):
+            timm.create_model(
+                "vil_arch", arch=TINY_ARCH, img_size=32, pretrained=True, pretrained_cfg_overlay=dict(file=str(path))
+            )
+    with pytest.raises(ValueError, match=refusals[truncated]):
+        timm.create_model(f"local-dir:{truncated}", pretrained=True)
+    with pytest.raises(ValueError, match=refusals[altered]):
+        torch.hub.load(
+            str(ROOT),
+            "vil_arch",
+            source="local",
+            arch=TINY_ARCH,
+            img_size=32,
+            pretrained=True,
+            pretrained_cfg_overlay=dict(file=str(altered)),
+        )
+
+
 @pytest.mark.parametrize("preset, size", [("vil_digits", 32), ("vil_tiny", 64)])
 def test_presets_export_and_rebuild(tmp_path, preset, size):
     cfg = load_cfg(preset, ["INPUT.IMAGE_SIZE", str(size), "DATA.NUM_CLASSES", "10"])

@@ -896,28 +896,68 @@ def test_dilated_windows_in_bfloat16_with_every_extra(backend):
         torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("backend", ["sliding_chunk", "fused_cpu"])
-def test_a_backward_inside_the_autocast_region_of_its_forward(backend):
-    # Training loops often call backward() inside the autocast block: the passes' backward runs with autocast off, as
-    # their forward does, and gets the gradients a backward outside the block gets.
-    inputs = make_inputs(9, 7, 3, 1, rel=True, glob_bias=True, dtype=torch.float32)
+def assert_backward_inside_autocast_gives_the_gradients_outside(attend, tensors):
+    """``attend(*tensors)`` under bfloat16 autocast, its backward called inside the autocast block, then outside it:
+    the same gradients."""
     grads = []
     for inside in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = local_attention_2d(
-                *(inputs[n] for n in "qkv"),
-                3,
-                global_k=inputs["global_k"],
-                global_v=inputs["global_v"],
-                rel_bias=inputs["rel_bias"],
-                global_bias=inputs["global_bias"],
-                backend=backend,
-            )
+            out = attend(*tensors)
             if inside:
-                grads.append(torch.autograd.grad(out.sum(), list(inputs.values())))
+                grads.append(torch.autograd.grad(out.sum(), tensors))
         if not inside:
-            grads.append(torch.autograd.grad(out.sum(), list(inputs.values())))
+            grads.append(torch.autograd.grad(out.sum(), tensors))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["sliding_chunk", "fused_cpu", "sliding_chunk_autograd", "unfold", "unfold_nnf", "chunk_rows", "reference"],
+)
+def test_a_backward_inside_the_autocast_region_of_its_forward(backend):
+    # Training loops often call backward() inside the autocast block: every backend's backward runs with autocast off,
+    # as its forward does, and gets the gradients a backward outside the block gets (autograd runs each node under
+    # the autocast state of the backward() call, which cast the float32 products of autograd-built backends to
+    # bfloat16: 4e-3 of the gradients' size).
+    inputs = make_inputs(9, 7, 3, 1, rel=True, glob_bias=True, dtype=torch.float32)
+    names = ("global_k", "global_v", "rel_bias", "global_bias")
+
+    def attend(q, k, v, *extras):
+        return local_attention_2d(q, k, v, 3, **dict(zip(names, extras)), backend=backend)
+
+    assert_backward_inside_autocast_gives_the_gradients_outside(attend, [inputs[n] for n in ("q", "k", "v", *names)])
+
+
+@pytest.mark.parametrize("backend", ["sliding_chunk", "fused_cpu", "chunks", "loop", "reference"])
+def test_a_1d_backward_inside_the_autocast_region_of_its_forward(backend):
+    q, k, v = (torch.randn(2, 2, 13, 8, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    assert_backward_inside_autocast_gives_the_gradients_outside(
+        lambda q, k, v: local_attention_1d(q, k, v, 3, backend=backend), (q, k, v)
+    )
+
+
+def test_second_order_and_repeated_backwards_inside_autocast_reach_the_callers_tensors():
+    # Under autocast an autograd-built backend is recorded on a graph of its own; a second backward of a retained
+    # graph gets the same gradients as without autocast, and a gradient of its gradient still reaches the caller's
+    # tensors (its products in bfloat16 where the second backward runs inside the region, as torch's own are).
+    q, k, v = (torch.randn(1, 2, 6, 5, 8, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    first, second = [], []
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = local_attention_2d(q, k, v, 3, backend="unfold")
+            first.append([torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True) for _ in range(2)])
+            (grad_q,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+            second.append(torch.autograd.grad(grad_q.pow(2).sum(), (q, k, v)))
+    runs = first[0] + first[1]
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    for got, want in zip(*reversed(second)):
+        torch.testing.assert_close(got, want, atol=3e-2 * want.abs().max().item(), rtol=0)
+
+
+def test_a_compiled_backward_inside_the_autocast_region_of_its_forward():
+    q, k, v = (torch.randn(1, 2, 6, 5, 8, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    attend = torch.compile(lambda q, k, v: local_attention_2d(q, k, v, 3, backend="unfold"), backend="aot_eager")
+    assert_backward_inside_autocast_gives_the_gradients_outside(attend, (q, k, v))
 
 
 def test_fused_cpu_products_are_counted_by_the_flop_counter():
@@ -1272,3 +1312,20 @@ def test_queries_whose_every_key_a_bias_hides_give_zeros_as_the_reference_does(b
     assert (results[1][0].abs().sum(-1) == 0).sum() == 2 * 19
     for got, want in zip(*results):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("trains", [False, True])
+def test_a_backend_of_another_device_is_refused_naming_those_that_can_do_what_is_asked(monkeypatch, trains):
+    # A training call is told the backends that train on its device: a backend that only infers there (flex on the
+    # CPU) would be refused next.
+    from dataclasses import replace
+
+    monkeypatch.setitem(BACKENDS, "triton", replace(BACKENDS["triton"], devices=("cuda",)))
+    q, k, v = (torch.randn(1, 1, 4, 4, 8, requires_grad=trains) for _ in range(3))
+    with pytest.raises(ValueError, match=r"triton backend runs on cuda tensors") as refusal:
+        local_attention_2d(q, k, v, 3, backend="triton")
+    named = re.search(r"backends that (?:run|train) there: (.*)\.$", str(refusal.value)).group(1).split(", ")
+    if trains:
+        assert named == [n for n in available_backends(2) if BACKENDS[n].trains_on_device("cpu")]
+    else:
+        assert named == [n for n in available_backends(2) if BACKENDS[n].runs_on("cpu")]

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -93,8 +94,17 @@ def test_the_logged_learning_rate_is_the_one_each_step_used(data, tmp_path, monk
     assert epoch_lines == pytest.approx([used[2], used[5]], rel=1e-3)
 
 
-def test_tensorboard_holds_each_step_once_after_a_run_killed_past_its_checkpoint(data, tmp_path, monkeypatch):
-    """Killed two steps after its checkpoint (the end of epoch 1, step 3): the resumed run's points replace those."""
+@pytest.mark.parametrize(
+    "killed_at, resumed_step",
+    [
+        (("train/loss", 5), 3),  # two steps past its checkpoint (the end of epoch 1, step 3)
+        (("top1", 2), 3),  # after epoch 2's evaluation, before its checkpoint
+        (("train/loss", 2), None),  # before the first checkpoint: the run starts again
+    ],
+)
+def test_tensorboard_holds_each_point_once_after_a_killed_run(data, tmp_path, monkeypatch, killed_at, resumed_step):
+    """The run that follows a killed one replaces the points the killed one logged after its checkpoint, on both
+    axes (optimizer steps and epochs)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
@@ -102,20 +112,26 @@ def test_tensorboard_holds_each_step_once_after_a_run_killed_past_its_checkpoint
 
     def add_then_die(self, tag, value, step=None, *args, **kwargs):
         real_add(self, tag, value, step, *args, **kwargs)
-        if tag == "train/loss" and step == 5:
+        if (tag, step) == killed_at:
             self.flush()
             raise KeyboardInterrupt
 
     monkeypatch.setattr(SummaryWriter, "add_scalar", add_then_die)
     out = tmp_path / "run"
+    started = time.time()
     with pytest.raises(KeyboardInterrupt):
         train(tiny_cfg(data, out, "LOG_FREQ", "1"))
-    assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3
+    last = out / "checkpoint_last.pth"
+    assert (read_checkpoint(str(last))["step"] if last.exists() else None) == resumed_step
     monkeypatch.setattr(SummaryWriter, "add_scalar", real_add)
+    # TensorBoard reads a folder's event files in the order of their names, which begin with the second they were
+    # opened in: the second run's must come after (runs that follow one another in time are read in that order).
+    time.sleep(max(0.0, started + 1 - time.time()))
     train(tiny_cfg(data, out, "LOG_FREQ", "1"))
-    events = EventAccumulator(str(out / "tensorboard")).Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
-    assert [e.step for e in events.Scalars("top1")] == [1, 2]
+    steps = EventAccumulator(str(out / "tensorboard" / "steps")).Reload()
+    assert [e.step for e in steps.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    epochs = EventAccumulator(str(out / "tensorboard" / "epochs")).Reload()
+    assert [e.step for e in epochs.Scalars("top1")] == [1, 2]
 
 
 def test_a_second_run_in_one_process_closes_the_first_ones_log(tmp_path):
@@ -146,10 +162,10 @@ def test_two_epochs_write_checkpoints_logs_and_report_skipped_files(data, tmp_pa
     assert [int(n) for n in step_line.findall(text)] == list(range(2, steps + 1, 2))  # every LOG_FREQ steps
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    events = EventAccumulator(str(out / "tensorboard" / "steps")).Reload()
     for name in ("loss", "lr", "images_per_s", "data_s", "step_s", "max_memory_mib"):
         assert [e.step for e in events.Scalars(f"train/{name}")] == list(range(2, steps + 1, 2)), name
-    assert [e.step for e in events.Scalars("top1")] == [1, 2]
+    assert [e.step for e in EventAccumulator(str(out / "tensorboard" / "epochs")).Reload().Scalars("top1")] == [1, 2]
     assert "skipped 1 unreadable images" in text and re.search(
         r"Skipped unreadable image \S*broken\.JPEG \(cannot identify", text
     )
@@ -239,7 +255,7 @@ def test_a_resume_whose_epochs_take_other_steps_goes_on_from_the_epochs_place_in
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     def rates(out):
-        return [e.value for e in EventAccumulator(str(out / "tensorboard")).Reload().Scalars("train/lr")]
+        return [e.value for e in EventAccumulator(str(out / "tensorboard" / "steps")).Reload().Scalars("train/lr")]
 
     resumed = tmp_path / "resumed"
     train(tiny_cfg(data, resumed, "OPTIM.EPOCHS", "1", "LOG_FREQ", "1"))  # 13 images, 4 a batch: 3 steps
@@ -445,7 +461,8 @@ def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path, attn_
     """Parameters and buffers agree at the end (the performer redraws at every step of its first epoch, also at the
     last one before the evaluation)."""
     out = tmp_path / "ddp"
-    torchrun_two_processes(data, out, "AUG.REPEATED_AUG", "True", "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type)
+    done = torchrun_two_processes(data, out, "AUG.REPEATED_AUG", "True", "MODEL.VIT.MSVIT.ATTN_TYPE", attn_type)
+    assert "Grad strides do not match" not in done.stderr  # each gradient laid out as its parameter
     text = (out / "log.txt").read_text()
     assert "2 process(es)" in text and "All 2 processes hold identical weights." in text
     backend_lines = [line for line in text.splitlines() if "DISTRIBUTED_BACKEND" in line]

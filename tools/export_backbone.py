@@ -11,10 +11,12 @@ for to those of the backbone, whose patch embeddings pad; the backbone's keys ar
 framework names them: ``backbone.body.`` under ``"model"`` (torchvision), ``backbone.bottom_up.`` under ``"model"``
 (detectron2, as the original detection release), ``backbone.`` under ``"state_dict"`` (mmdetection). The arch
 string, image size and model options (``vil.detection.BACKBONE_OPTIONS`` other than the defaults) of the exported
-backbone are stored beside them and printed. OUT is written atomically.
+backbone are stored beside them and printed. OUT is written atomically; an existing OUT is replaced only where it
+is a backbone export (a checkpoint named as OUT by mistake is refused).
 """
 
 import argparse
+import os
 import sys
 
 import torch
@@ -34,7 +36,7 @@ from vil.detection import (
     export_state,
     stored_config,
 )
-from vil.files import atomic_write, check_writable_file
+from vil.files import OutputError, atomic_write, check_writable_file
 from vil.model_config import model_kwargs
 from vil.models import PRESETS, MsViT, arch_string, parse_arch
 from vil.models.convert import GLOBAL_INITS, check_convertible, fit_to_model
@@ -139,10 +141,27 @@ def source_state(checkpoint, path, source):
     return fit_to_model(model_state(checkpoint, path), MsViT(**source), path)
 
 
+def check_replaceable(path):
+    """Raise where OUT is a file other than a backbone export (an earlier one is replaced): a checkpoint named as OUT
+    by mistake would be lost."""
+    if not os.path.isfile(path):
+        return
+    try:
+        earlier = backbone_state(read_checkpoint(path))
+    except (ValueError, OSError):
+        earlier = None
+    if earlier is None:
+        raise OutputError(
+            f"OUT {path} is a file that is not a backbone export, which writing OUT would lose; choose another path, "
+            "or remove the file first."
+        )
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
         check_writable_file(args.output, source=args.input)
+        check_replaceable(args.output)
         checkpoint = read_checkpoint(args.input)
         if backbone_state(checkpoint) is not None:
             raise ValueError(

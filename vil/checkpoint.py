@@ -185,25 +185,12 @@ def recorded_classes(checkpoint):
     return names if isinstance(names, list) and all(isinstance(name, str) for name in names) else None
 
 
-def classifier_classes(path):
-    """The class count of the classifier (``head.weight``) that the checkpoint, ``.safetensors`` file or Hub folder
-    at ``path`` holds: 0 for weights without one (a model of ``num_classes=0``), None where the file holds no
-    weights this can read (the load that follows says what is wrong with it); without reading its other tensors
-    (a ``.safetensors`` header, a memory-mapped ``.pth``) where the file allows."""
-    if os.path.isdir(path):
-        path = os.path.join(path, SAFETENSORS_NAME)
-    if str(path).endswith(".safetensors"):
-        try:
-            with safetensors.safe_open(path, framework="pt") as f:
-                return f.get_slice("head.weight").get_shape()[0] if "head.weight" in f.keys() else 0
-        except Exception:
-            return None
+def classifier_classes(checkpoint, source):
+    """The class count of the classifier (``head.weight``) in ``checkpoint`` (as :func:`read_checkpoint` gives it,
+    read from ``source``): 0 for weights without one (a model of ``num_classes=0``), None where it holds no weights
+    this can read (the load that follows says what is wrong with it)."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        checkpoint = read_checkpoint(path)  # not memory-mappable (an older format), or its error sentence
-    try:
-        head = model_state(checkpoint, path).get("head.weight")
+        head = model_state(checkpoint, source).get("head.weight")
     except (ValueError, AttributeError):
         return None
     return 0 if head is None else head.shape[0]

@@ -18,7 +18,7 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .config import warn_unread_keys
+from .config import config_value, get_cfg, warn_unread_keys
 from .files import not_a_folder
 from .images import read_image
 from .shards import ShardDataset
@@ -290,6 +290,19 @@ def _posterize_any_bits(transform):
     return transform
 
 
+def _refuse_data_keys_for_digits(cfg, train):
+    """Raise where the config names scikit-learn's digits and also where to read images from: the digits would be
+    read instead, without a word."""
+    unread = [key for key in ("DATA.FORMAT", "DATA.PATH") if config_value(cfg, key) != config_value(get_cfg(), key)]
+    if unread:
+        key = "DATA.TRAIN" if train else "DATA.TEST"
+        raise ValueError(
+            f"{key} ('digits',) is scikit-learn's digits, which do not read {' or '.join(unread)}; to read images "
+            f"from DATA.PATH, name the data otherwise (DATA.TRAIN and DATA.TEST ('imagenet',)), or leave "
+            f"{' and '.join(unread)} at the default."
+        )
+
+
 def build_dataset(cfg, train, model_classes=None):
     """The training (``DATA.TRAIN``) or evaluation (``DATA.TEST``) dataset with its transform. ``model_classes``:
     the classes the model labels, in label order (the training data's, or those a checkpoint records; taken where
@@ -299,6 +312,7 @@ def build_dataset(cfg, train, model_classes=None):
     transform = build_transform(cfg, train)
     chosen = list(cfg.DATA.CLASSES) or None
     if name == "digits":
+        _refuse_data_keys_for_digits(cfg, train)
         dataset = DigitsDataset(train, transform, classes=chosen)
     elif cfg.DATA.FORMAT == "shards":
         if chosen:

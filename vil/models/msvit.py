@@ -39,7 +39,13 @@ from timm.models import (
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpoint import SAFETENSORS_NAME, classifier_classes, download_checkpoint, with_hub_config
+from ..checkpoint import (
+    SAFETENSORS_NAME,
+    classifier_classes,
+    download_checkpoint,
+    read_checkpoint,
+    with_hub_config,
+)
 from ..ops import check_window_options
 from .arch import COMPARISONS, PRESETS, parse_arch, stage_map_sizes
 from .attention import FullAttention, LongformerAttention, LongformerOptions
@@ -106,7 +112,10 @@ class PatchEmbed(nn.Module):
             x_pos = resize_position_embedding(self.x_pos_embed, nx)
             y_pos = resize_position_embedding(self.y_pos_embed, ny)
             grid = torch.cat([x_pos[:, :, None].expand(-1, -1, ny, -1), y_pos[:, None].expand(-1, nx, -1, -1)], dim=3)
-            x = x + torch.cat([self.cls_pos_embed, grid.flatten(1, 2)], dim=1)
+            # Each part added on its own: the class tokens' table then gets its gradient summed over the batch, laid
+            # out as the table (a slice of torch.cat's gradient is not, which DistributedDataParallel warns about).
+            g = self.num_global
+            x = torch.cat([x[:, :g] + self.cls_pos_embed, x[:, g:] + grid.flatten(1, 2)], dim=1)
         return self.pos_drop(x), (nx, ny)
 
 
@@ -841,11 +850,6 @@ def _create_vil(variant, pretrained=False, **kwargs):
     folder = overlay.get("file") if os.path.isdir(overlay.get("file") or "") else None
     if folder:
         overlay = kwargs["pretrained_cfg_overlay"] = dict(overlay, file=os.path.join(folder, SAFETENSORS_NAME))
-    if pretrained and overlay.get("file") and "num_classes" not in overlay:
-        # timm keeps a checkpoint's classifier only where the model has the pretrained config's class count
-        classes = classifier_classes(overlay["file"])
-        if classes is not None:
-            kwargs["pretrained_cfg_overlay"] = dict(overlay, num_classes=classes)
     cfg = resolve_pretrained_cfg(
         variant,
         pretrained_cfg=kwargs.get("pretrained_cfg"),
@@ -863,11 +867,22 @@ def _create_vil(variant, pretrained=False, **kwargs):
             "random features; use feature_cls 'getter' (the default) or 'hook'."
         )
     if pretrained and cfg.url and not (cfg.file or cfg.state_dict):
-        kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, file=_downloaded(cfg))
-    source = (kwargs.get("pretrained_cfg_overlay") or {}).get("file") or cfg.file or cfg.hf_hub_id or variant
+        kwargs["pretrained_cfg_overlay"] = dict(overlay, file=_downloaded(cfg))
+    overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    folder = folder or (cfg.file if cfg.file and os.path.isdir(cfg.file) else None)  # also timm's local-dir:
+    local = folder or overlay.get("file") or cfg.file
+    if pretrained and local:
+        # Read as load_checkpoint reads it, so that a damaged file, or one that holds no weights, is refused in one
+        # sentence before timm loads it (timm checks neither).
+        checkpoint = read_checkpoint(local)
+        if overlay.get("file") and "num_classes" not in overlay:
+            # timm keeps a classifier only of the pretrained config's class count: the file's
+            classes = classifier_classes(checkpoint, local)
+            if classes is not None:
+                kwargs["pretrained_cfg_overlay"] = dict(overlay, num_classes=classes)
+    source = overlay.get("file") or cfg.file or cfg.hf_hub_id or variant
     defaults = {name: p.default for name, p in inspect.signature(MsViT).parameters.items()}
     options = {**defaults, **attention, **kwargs, "arch": arch}  # what the model is built with
-    folder = folder or (cfg.file if cfg.file and os.path.isdir(cfg.file) else None)  # also timm's local-dir:
     if pretrained and folder:  # timm reads the folder's weights alone: its config.json's model options are checked here
         check_trained_options(with_hub_config({}, folder), options, folder)
     with torch.device("meta") if on_meta else contextlib.nullcontext():

@@ -88,7 +88,10 @@ class Extras:
 
     def cast(self, convert: Callable[[Tensor], Tensor]) -> "Extras":
         """The same inputs with ``convert`` applied to each differentiable tensor present."""
-        tensors = (None if t is None else convert(t) for t in self.differentiable)
+        return self.with_differentiable([None if t is None else convert(t) for t in self.differentiable])
+
+    def with_differentiable(self, tensors) -> "Extras":
+        """The same inputs with ``tensors`` in place of :attr:`differentiable` (in its order)."""
         return replace(self, **dict(zip(("global_k", "global_v", "rel_bias", "global_bias"), tensors)))
 
     def of_heads(self, heads: Tensor) -> "Extras":

@@ -231,10 +231,11 @@ def _choose(backend, hood, q, trains):
     b = _declaration(backend, dims)
     device = q.device.type
     if not b.runs_on(device):
-        others = [n for n in available_backends(dims) if BACKENDS[n].runs_on(device)]
+        serves = (lambda n: BACKENDS[n].trains_on_device(device)) if trains else (lambda n: BACKENDS[n].runs_on(device))
+        others = [n for n in available_backends(dims) if serves(n)]
         raise ValueError(
             f"The {backend} backend runs on {listed(b.devices)} tensors, but q is on {q.device}; "
-            f"backends that run there: {', '.join(others)}."
+            f"backends that {'train' if trains else 'run'} there: {', '.join(others)}."
         )
     if device == "meta":
         raise ValueError(

@@ -16,7 +16,7 @@ query that only its own backward reads (a log-sum-exp, in the backend's base). O
 tracer record the same function in standard tensor operators instead (:func:`decomposed_attention`).
 """
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from typing import Optional
 
@@ -43,8 +43,15 @@ def run_eagerly(b: Backend, q: Tensor, k: Tensor, v: Tensor, hood, extras: Extra
     run = split.run_1d if hood.dims == 1 else split.run_2d
     fused = b.passes(hood.dims) is not None
     attend = partial(fused_attention, b) if fused else b.function(hood.dims)
-    with nullcontext() if fused else torch.autocast(q.device.type, enabled=False):
+    if fused:
         out = run(attend, b, q, k, v, hood, extras)
+    elif _autocast_may_reach_backward(q, k, v, *extras.differentiable):
+        out = _BackwardWithoutAutocast.apply(
+            partial(run, attend, b, hood=hood), extras, q, k, v, *extras.differentiable
+        )
+    else:
+        with torch.autocast(q.device.type, enabled=False):
+            out = run(attend, b, q, k, v, hood, extras)
     if not fused and not b.twice_differentiable and out.requires_grad:  # the passes refuse themselves
         out = _FirstOrderOnly.apply(out, b.name, hood.dims)
     return out
@@ -117,6 +124,57 @@ def refuse_function_transforms(b: Backend, dims: int, tensors) -> None:
             f"{transform} cannot differentiate the {b.name} backend, which computes outside autograd; "
             f"use a backend built from standard operators: {able}."
         )
+
+
+def _autocast_may_reach_backward(*tensors) -> bool:
+    """Whether an eager call of a backend built from autograd's operators needs :class:`_BackwardWithoutAutocast`:
+    autograd records it under autocast, so its backward may be called inside the autocast region too. (Function
+    transforms and forward-mode AD differentiate the backend's operators themselves.)"""
+    return (
+        needs_grad(*tensors)
+        and torch.is_autocast_enabled(tensors[0].device.type)
+        and not torch._C._are_functorch_transforms_active()
+        and torch.autograd.forward_ad._current_level < 0
+    )
+
+
+class _BackwardWithoutAutocast(torch.autograd.Function):
+    """A backend built from autograd's operators, recorded on a graph of its own whose backward runs with autocast off:
+    autograd runs each node in the autocast state of the ``backward()`` call, so that a backward inside the autocast
+    region of the forward would compute the backend's float32 gradients in half precision. The first backward uses
+    the recorded graph; a second one (``retain_graph=True``) or one that builds a graph (``create_graph=True``)
+    recomputes the forward from the inputs."""
+
+    @staticmethod
+    def forward(ctx, run, extras, q, k, v, *differentiable):
+        inputs = (q, k, v, *differentiable)
+        ctx.request = run, extras
+        ctx.save_for_backward(*inputs)
+        ctx.recorded = _recorded_without_autocast(run, extras, inputs, detach=True)
+        return ctx.recorded[0].detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        create_graph = torch.is_grad_enabled()
+        if ctx.recorded is None or create_graph:
+            out, leaves = _recorded_without_autocast(*ctx.request, ctx.saved_tensors, detach=not create_graph)
+        else:
+            (out, leaves), ctx.recorded = ctx.recorded, None
+        present = [x for x in leaves if x is not None and x.requires_grad]
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grads = iter(torch.autograd.grad(out, present, grad_out, allow_unused=True, create_graph=create_graph))
+        return (None, None, *(next(grads) if x is not None and x.requires_grad else None for x in leaves))
+
+
+def _recorded_without_autocast(run, extras, inputs, detach):
+    """``run``'s output for ``inputs`` (q, k, v and ``extras.differentiable``) recorded by autograd with autocast off,
+    and the tensors it was recorded from: ``inputs`` themselves, or leaves detached from them."""
+    if detach:
+        inputs = [None if x is None else x.detach().requires_grad_(x.requires_grad) for x in inputs]
+    q, k, v, *differentiable = inputs
+    with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+        out = run(q, k, v, extras=extras.with_differentiable(differentiable))
+    return out, inputs
 
 
 class _FirstOrderOnly(torch.autograd.Function):

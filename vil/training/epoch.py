@@ -295,7 +295,7 @@ def _log_steps(run, window, now):
         "max_memory_mib": peak_memory_mib(run.runtime.device),
     }
     log.info(f"step {run.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items()))
-    if run.writer:
+    if run.step_writer:
         for name, value in scalars.items():
-            run.writer.add_scalar(f"train/{name}", value, run.step)
+            run.step_writer.add_scalar(f"train/{name}", value, run.step)
     return _new_window(now)

@@ -126,10 +126,9 @@ def evaluate_epoch(run, epoch, seen, skipped, loss, elapsed):
                 "counts them as wrong (MODEL.EMA_DECAY closer to 1 averages more steps)."
             )
         scalars["top1_ema"] = ema["top1"]
-    if run.writer:
+    if run.epoch_writer:
         for name, value in scalars.items():
-            run.writer.add_scalar(name, value, epoch + 1)
-        run.writer.flush()
+            run.epoch_writer.add_scalar(name, value, epoch + 1)
     log.info(
         f"epoch {epoch + 1}/{cfg.OPTIM.EPOCHS}: "
         + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items())

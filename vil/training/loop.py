@@ -54,6 +54,7 @@ def end_epoch(run, epoch, top1):
             f"the learning rate is divided by {cfg.OPTIM.DROP_FACTOR:g}."
         )
     run.pending = None
+    run.flush_writers()  # the epoch's TensorBoard points on disk before its checkpoint
     run.write_checkpoint(run.snapshot(epoch + 1, 0, improved))
     if run.runtime.is_main:
         copy_epoch_checkpoints(cfg, epoch + 1, improved)
@@ -61,8 +62,12 @@ def end_epoch(run, epoch, top1):
 
 def _train_epochs(run):
     cfg, runtime, model, out = run.cfg, run.runtime, run.model, run.cfg.OUTPUT_DIR
-    if runtime.is_main:  # a resumed run drops the points an interrupted one logged after its checkpoint
-        run.writer = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=run.step + 1 if run.step else None)
+    if runtime.is_main:
+        # Each axis in a folder of its own, whose purge drops the points an interrupted run logged after the
+        # checkpoint this one starts from (all of them where it starts afresh).
+        board = os.path.join(out, "tensorboard")
+        run.step_writer = SummaryWriter(os.path.join(board, "steps"), purge_step=run.step + 1)
+        run.epoch_writer = SummaryWriter(os.path.join(board, "epochs"), purge_step=run.epoch + 1)
     log.info(
         f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(run.train_set)} training and "
         f"{len(run.test_set)} evaluation images, {runtime.world} process(es) on {runtime.device}."

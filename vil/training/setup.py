@@ -169,7 +169,8 @@ class Run:
     pending: Optional[Snapshot] = (
         None  # to write once the next step's loss (and, without fp16's scaler, gradients) is finite
     )
-    writer: Optional[SummaryWriter] = None
+    step_writer: Optional[SummaryWriter] = None  # TensorBoard's step lines, tensorboard/steps (main process)
+    epoch_writer: Optional[SummaryWriter] = None  # and its epoch lines, tensorboard/epochs
     started: Optional[tuple[float, int]] = None  # (time.perf_counter(), epoch) when this process began training
 
     def snapshot(self, epoch, batch_in_epoch, improved=False):
@@ -215,9 +216,15 @@ class Run:
         if self.runtime.is_main and kept.epoch and not kept.batch_in_epoch and os.path.basename(path) == LAST:
             copy_epoch_checkpoints(self.cfg, kept.epoch, kept.improved)
 
+    def flush_writers(self):
+        for writer in (self.step_writer, self.epoch_writer):
+            if writer:
+                writer.flush()
+
     def close(self):
-        if self.writer:
-            self.writer.close()
+        for writer in (self.step_writer, self.epoch_writer):
+            if writer:
+                writer.close()
         if self.lock:
             self.lock.release()
 
