@@ -106,16 +106,19 @@ class PatchEmbed(nn.Module):
         x = x.flatten(2).transpose(1, 2)
         if self.norm_embed is not None:
             x = self.norm_embed(x)
-        if self.num_global:
-            x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)
         if self.ape:
             x_pos = resize_position_embedding(self.x_pos_embed, nx)
             y_pos = resize_position_embedding(self.y_pos_embed, ny)
             grid = torch.cat([x_pos[:, :, None].expand(-1, -1, ny, -1), y_pos[:, None].expand(-1, nx, -1, -1)], dim=3)
-            # Each part added on its own: the class tokens' table then gets its gradient summed over the batch, laid
-            # out as the table (a slice of torch.cat's gradient is not, which DistributedDataParallel warns about).
-            g = self.num_global
-            x = torch.cat([x[:, :g] + self.cls_pos_embed, x[:, g:] + grid.flatten(1, 2)], dim=1)
+            x = x + grid.flatten(1, 2)
+        if self.num_global or self.ape:
+            # The class tokens with their positions, added before they join the map's tokens: the table's gradient is
+            # then summed over the batch, laid out as the table (a slice of torch.cat's gradient is not, which
+            # DistributedDataParallel warns about). A stage without global tokens has an empty table all the same.
+            cls = self.cls_token.expand(B, -1, -1) if self.num_global else x[:, :0]
+            if self.ape:
+                cls = cls + self.cls_pos_embed
+            x = torch.cat([cls, x], dim=1)
         return self.pos_drop(x), (nx, ny)
 
 
