@@ -411,6 +411,25 @@ def test_predict_names_the_classes_the_checkpoint_records(exported, tmp_path):
     assert status == 1 and "another order" in err and "label 0 is 'fish'" in err, err
 
 
+def test_predict_runs_the_model_as_the_configs_amp_keys_say(exported, monkeypatch):
+    # As evaluation runs it: under autocast with AMP.ENABLED and AMP.ON_CPU, on channels-last images with nhwc.
+    seen, forward = [], MsViT.forward
+
+    def watched(model, x):
+        seen.append((torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None, x.stride()))
+        return forward(model, x)
+
+    monkeypatch.setattr(MsViT, "forward", watched)
+    common = ["--config-file", "vil_tiny", *TINY, *PREPROCESSING, "MODEL.MODEL_PATH", exported["checkpoint"]]
+    amp = ["AMP.ENABLED", "True", "AMP.ON_CPU", "True", "AMP.DTYPE", "bfloat16", "AMP.MEMORY_FORMAT", "nhwc"]
+    for overrides in ([], amp):
+        status, _, err = run_tool("predict", *common, *overrides, str(exported["data"] / "val"))
+        assert status == 0, err
+    (plain_dtype, plain_strides), (amp_dtype, amp_strides) = seen
+    assert plain_dtype is None and amp_dtype == torch.bfloat16
+    assert plain_strides[1] > 1 and amp_strides[1] == 1  # channels last: the channel stride is 1
+
+
 def test_a_folder_gives_the_images_a_file_name_gives(tmp_path):
     """GIF files, read when named one by one, are a folder's images too; other files are not."""
     from vil.predict import image_paths

@@ -288,6 +288,48 @@ def test_training_keys_that_the_chosen_optimizer_schedule_ema_amp_or_mixing_do_n
     ]  # OPTIM.ADAM.EPS is adamw's: read
 
 
+def test_keys_that_their_own_switches_leave_unread_are_said(data, tmp_path):
+    # 13 images, 4 a batch: 3 steps an epoch, of which 0.2 epochs are none.
+    unread = ["MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.1", "MODEL.LOAD_EMA", "True", "DATA.DATA_DIR", str(tmp_path)]
+    unread += ["OUTPUT_PERCLASS_ACC", "True", "ONLY_SAVE_LAST", "1", "CHECKPOINT.KEEP", "5"]
+    unread += ["FINETUNE.USE_TRAIN_AUG", "True", "AUG.COLOR_JITTER", "[0.8, 0.8, 0.8, 0.2, 0.0]"]
+    schedule = ["SOLVER.LR_POLICY", "cosine", "SOLVER.WARMUP_EPOCHS", "0.2"]
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1", *schedule, *unread))
+    said = {line.split(" ", 2)[2] for line in (out / "log.txt").read_text().splitlines()}
+    assert {
+        "MODEL.VIT.MSVIT.VIL_MODE_SWITCH is set, but only MODEL.VIT.MSVIT.MODE 1 or 2 switches modes.",
+        "MODEL.LOAD_EMA, DATA.DATA_DIR are set, but only MODEL.MODEL_PATH's checkpoint is read with them.",
+        "OUTPUT_PERCLASS_ACC is set, but only evaluations (EVALUATE True, tools/eval.py) read it.",
+        "CHECKPOINT.KEEP is set, but ONLY_SAVE_LAST 1 writes no epoch checkpoints for it to count.",
+        "FINETUNE.USE_TRAIN_AUG is set, but only FINETUNE.FINETUNE True reads it.",
+        "AUG.COLOR_JITTER is set, but its probability (the fifth number) is 0, so its strengths do nothing.",
+        "SOLVER.WARMUP_EPOCHS 0.2 is less than one of the 3 optimizer steps an epoch takes, so the run has no "
+        "warmup; give at least 0.333 epochs for one step.",
+    } <= said
+
+
+@pytest.mark.parametrize(
+    "overrides, warned",
+    [
+        (
+            ["SOLVER.LR_POLICY", "", "SOLVER.EPOCH_BASED_SCHEDULE", "True"],
+            "SOLVER.EPOCH_BASED_SCHEDULE is set, but SOLVER.LR_POLICY '' (no schedule) has no warmup and keeps "
+            "OPTIM.LR, so nothing reads it.",
+        ),
+        (
+            ["SOLVER.LR_POLICY", "cosine", "SOLVER.WARMUP_EPOCHS", "0", "SOLVER.WARMUP_FACTOR", "0.5"],
+            "SOLVER.WARMUP_FACTOR is set, but SOLVER.WARMUP_EPOCHS 0 (no warmup) leaves it unread.",
+        ),
+    ],
+)
+def test_schedule_keys_without_a_schedule_or_warmup_to_act_on_are_said(overrides, warned, caplog):
+    from vil.config import warn_unread_keys
+
+    warn_unread_keys(load_cfg(overrides=overrides), training_setup._unread_training_keys(load_cfg(overrides=overrides)))
+    assert warned in caplog.text
+
+
 def test_a_resume_says_that_it_does_not_read_a_new_model_path(data, tmp_path):
     out = tmp_path / "run"
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))

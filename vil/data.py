@@ -268,6 +268,12 @@ def _warn_unread_keys(cfg):
         unread = [(_TIMM_KEYS + _PLAIN_KEYS + _CROP_KEYS, why + " True for the training transform")]
     else:
         unread = [(_TIMM_KEYS, "only timm's transform reads {}; set AUG.TIMM_AUG.USE_TRANSFORM True")]
+    if timm_aug.USE_TRANSFORM and timm_aug.RE_PROB == 0:
+        unread.append((("AUG.TIMM_AUG.RE_MODE", "AUG.TIMM_AUG.RE_COUNT"), "AUG.TIMM_AUG.RE_PROB 0 erases nothing"))
+    if not timm_aug.USE_TRANSFORM and len(cfg.AUG.COLOR_JITTER) == 5 and cfg.AUG.COLOR_JITTER[4] == 0:
+        unread.append((("AUG.COLOR_JITTER",), "its probability (the fifth number) is 0, so its strengths do nothing"))
+    if not cfg.FINETUNE.FINETUNE:
+        unread.append((("FINETUNE.USE_TRAIN_AUG",), "only FINETUNE.FINETUNE True reads {}"))
     warn_unread_keys(cfg, unread)
 
 

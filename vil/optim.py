@@ -109,6 +109,11 @@ def build_scheduler(cfg, optimizer, steps_per_epoch):
     # Steps of a fractional warmup, truncated as the original release counts them (0.25 of 1251 steps: 312).
     warmup = solver.WARMUP_EPOCHS if solver.EPOCH_BASED_SCHEDULE else int(solver.WARMUP_EPOCHS * steps_per_epoch)
     total = cfg.OPTIM.EPOCHS * per_epoch
+    if solver.LR_POLICY and solver.WARMUP_EPOCHS > 0 and warmup == 0:
+        log.warning(
+            f"SOLVER.WARMUP_EPOCHS {solver.WARMUP_EPOCHS:g} is less than one of the {steps_per_epoch} optimizer steps "
+            f"an epoch takes, so the run has no warmup; give at least {1 / steps_per_epoch:.3g} epochs for one step."
+        )
     if solver.LR_POLICY and 0 < cfg.OPTIM.EPOCHS <= solver.WARMUP_EPOCHS:  # "" has no warmup
         # The last step (or epoch) takes the rate of the warmup's place total - 1.
         reached = solver.WARMUP_FACTOR + (1 - solver.WARMUP_FACTOR) * (total - 1) / max(warmup, 1)

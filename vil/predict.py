@@ -4,6 +4,7 @@ folders and globs, in batches with a progress bar. An image that cannot be read 
 
 import glob
 import os
+from contextlib import nullcontext
 
 import torch
 from timm.data import ImageNetInfo
@@ -76,9 +77,12 @@ class ImageFiles(Dataset):
 
 
 @torch.no_grad()
-def predict(model, transform, paths, names, top_k=5, batch_size=32, workers=0) -> list:
+def predict(
+    model, transform, paths, names, top_k=5, batch_size=32, workers=0, amp=nullcontext, layout=torch.contiguous_format
+) -> list:
     """One record per readable image of ``paths``: ``{"path", "classes": top_k names, "probabilities"}``, best
-    first. ``names``: the model's classes by index."""
+    first. ``names``: the model's classes by index; ``amp``: the autocast context the model runs in (a callable);
+    ``layout``: the images' memory format (the model's, ``AMP.MEMORY_FORMAT``)."""
     model.eval()
     device = next(model.parameters()).device
     loader = DataLoader(ImageFiles(paths, transform), batch_size, num_workers=workers, collate_fn=collate_skipping)
@@ -89,7 +93,9 @@ def predict(model, transform, paths, names, top_k=5, batch_size=32, workers=0) -
             warn_unreadable(unreadable)
             if not len(indices):
                 continue
-            probabilities = model(images.to(device)).float().softmax(-1)
+            with amp():
+                logits = model(images.to(device, memory_format=layout))
+            probabilities = logits.float().softmax(-1)
             top = probabilities.topk(min(top_k, probabilities.shape[-1]), dim=-1)
             for index, values, classes in zip(indices.tolist(), top.values.tolist(), top.indices.tolist()):
                 records.append(dict(path=paths[index], classes=[names[c] for c in classes], probabilities=values))

@@ -287,8 +287,21 @@ def _unread_training_keys(cfg):
         unread.append((("SOLVER.MIN_LR",), "only SOLVER.LR_POLICY cosine and linear read {}"))
     if not policy:
         unread.append(
-            (("SOLVER.WARMUP_EPOCHS", "SOLVER.WARMUP_FACTOR"), "SOLVER.LR_POLICY '' (no schedule) has no warmup")
+            (
+                ("SOLVER.WARMUP_EPOCHS", "SOLVER.WARMUP_FACTOR", "SOLVER.EPOCH_BASED_SCHEDULE"),
+                "SOLVER.LR_POLICY '' (no schedule) has no warmup and keeps OPTIM.LR, so nothing reads {}",
+            )
         )
+    elif cfg.SOLVER.WARMUP_EPOCHS == 0:
+        unread.append((("SOLVER.WARMUP_FACTOR",), "SOLVER.WARMUP_EPOCHS 0 (no warmup) leaves {} unread"))
+    if cfg.MODEL.VIT.MSVIT.MODE == 0:
+        unread.append((("MODEL.VIT.MSVIT.VIL_MODE_SWITCH",), "only MODEL.VIT.MSVIT.MODE 1 or 2 switches modes"))
+    if not cfg.MODEL.MODEL_PATH:
+        unread.append((("MODEL.LOAD_EMA", "DATA.DATA_DIR"), "only MODEL.MODEL_PATH's checkpoint is read with {}"))
+    if not cfg.EVALUATE:
+        unread.append((("OUTPUT_PERCLASS_ACC",), "only evaluations (EVALUATE True, tools/eval.py) read {}"))
+    if cfg.ONLY_SAVE_LAST:
+        unread.append((("CHECKPOINT.KEEP",), "ONLY_SAVE_LAST 1 writes no epoch checkpoints for {} to count"))
     if not cfg.MODEL.EMA:
         unread.append((("MODEL.EMA_DECAY",), "only MODEL.EMA True reads {}"))
     if not cfg.AMP.ENABLED:
