@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import sys
-from contextlib import nullcontext
 
 import safetensors
 import timm
@@ -35,7 +34,7 @@ from vil.data import build_transform
 from vil.files import atomic_write, check_writable_file, not_a_folder
 from vil.hub import class_names, data_class_names, default_class_names
 from vil.model_config import build_model
-from vil.predict import image_paths, predict, readable_names
+from vil.predict import RunAs, image_paths, predict, readable_names
 from vil.training.setup import amp_context, memory_format
 from vil.weights import check_trained_classes, load_read_weights, read_model_checkpoint
 
@@ -124,8 +123,8 @@ def check_hub_folder(folder):
 
 
 def model_and_preprocessing(args):
-    """(model, its evaluation transform, its class names, and the autocast context and memory format it runs in:
-    the config's AMP keys, as evaluation takes them)."""
+    """(model, its evaluation transform, its class names, and how it runs: :class:`~vil.predict.RunAs` the config's
+    AMP keys, as evaluation takes them)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.model:
         check_model_name(args.model)
@@ -143,7 +142,7 @@ def model_and_preprocessing(args):
             ) from None
         transform = create_transform(**resolve_data_config({}, model=model))
         names = model.pretrained_cfg.get("label_names") or default_class_names(model.num_classes)
-        amp, layout = nullcontext, torch.contiguous_format
+        run_as = RunAs()
     else:
         cfg = load_cfg(args.config_file, args.overrides)
         if not cfg.MODEL.MODEL_PATH:
@@ -156,8 +155,8 @@ def model_and_preprocessing(args):
             check_trained_classes(checkpoint, path, data_names)
         load_read_weights(model, cfg, path, checkpoint, cfg.MODEL.LOAD_EMA)
         transform, names = build_transform(cfg, train=False), class_names(cfg, checkpoint)
-        amp, layout = amp_context(cfg, device)[0], memory_format(cfg)
-    return model.to(device, memory_format=layout), transform, readable_names(names), amp, layout
+        run_as = RunAs(amp_context(cfg, device)[0], memory_format(cfg))
+    return model.to(device, memory_format=run_as.layout), transform, readable_names(names), run_as
 
 
 def table(records, top_k):
@@ -178,8 +177,8 @@ def main(argv=None):
         paths = image_paths(args.images)
         if args.output:  # before the work: a path that cannot be written is refused now
             check_writable_file(args.output, "--output")
-        model, transform, names, amp, layout = model_and_preprocessing(args)
-        records = predict(model, transform, paths, names, args.top_k, args.batch_size, args.workers, amp, layout)
+        model, transform, names, run_as = model_and_preprocessing(args)
+        records = predict(model, transform, paths, names, args.top_k, args.batch_size, args.workers, run_as)
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     if not records:

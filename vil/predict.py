@@ -4,7 +4,9 @@ folders and globs, in batches with a progress bar. An image that cannot be read 
 
 import glob
 import os
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from timm.data import ImageNetInfo
@@ -76,13 +78,19 @@ class ImageFiles(Dataset):
         return loaded_or_skipped(self.paths[index], index, self.transform)
 
 
+@dataclass(frozen=True)
+class RunAs:
+    """How the model runs: under ``autocast()`` (a context), on images in the memory format ``layout`` (the model's,
+    ``AMP.MEMORY_FORMAT``)."""
+
+    autocast: Callable = nullcontext
+    layout: torch.memory_format = torch.contiguous_format
+
+
 @torch.no_grad()
-def predict(
-    model, transform, paths, names, top_k=5, batch_size=32, workers=0, amp=nullcontext, layout=torch.contiguous_format
-) -> list:
+def predict(model, transform, paths, names, top_k=5, batch_size=32, workers=0, run_as=RunAs()) -> list:
     """One record per readable image of ``paths``: ``{"path", "classes": top_k names, "probabilities"}``, best
-    first. ``names``: the model's classes by index; ``amp``: the autocast context the model runs in (a callable);
-    ``layout``: the images' memory format (the model's, ``AMP.MEMORY_FORMAT``)."""
+    first. ``names``: the model's classes by index."""
     model.eval()
     device = next(model.parameters()).device
     loader = DataLoader(ImageFiles(paths, transform), batch_size, num_workers=workers, collate_fn=collate_skipping)
@@ -93,8 +101,8 @@ def predict(
             warn_unreadable(unreadable)
             if not len(indices):
                 continue
-            with amp():
-                logits = model(images.to(device, memory_format=layout))
+            with run_as.autocast():
+                logits = model(images.to(device, memory_format=run_as.layout))
             probabilities = logits.float().softmax(-1)
             top = probabilities.topk(min(top_k, probabilities.shape[-1]), dim=-1)
             for index, values, classes in zip(indices.tolist(), top.values.tolist(), top.indices.tolist()):
