@@ -123,8 +123,8 @@ def check_hub_folder(folder):
 
 
 def model_and_preprocessing(args):
-    """(model, its evaluation transform, its class names, and how it runs: :class:`~vil.predict.RunAs` the config's
-    AMP keys, as evaluation takes them)."""
+    """(model, its evaluation transform, its class names, how it runs: a :class:`~vil.predict.RunAs` of the config's
+    AMP keys, as evaluation takes them, or float32 for ``--model``)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.model:
         check_model_name(args.model)
