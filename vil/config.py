@@ -198,16 +198,11 @@ COMPATIBILITY_KEYS = {
 
 def compatibility_warnings(cfg):
     """One sentence for every compatibility-only key that ``cfg`` sets to another value than its default."""
-    defaults = get_cfg()
-    sentences = []
-    for key, role in COMPATIBILITY_KEYS.items():
-        value, default = config_value(cfg, key), config_value(defaults, key)
-        if value != default:
-            sentences.append(
-                f"{key} {value!r} is ignored: this key only lets the original release's YAML files load "
-                f"(there: {role})."
-            )
-    return sentences
+    return [
+        f"{key} {config_value(cfg, key)!r} is ignored: this key only lets the original release's YAML files load "
+        f"(there: {COMPATIBILITY_KEYS[key]})."
+        for key in keys_set(cfg, COMPATIBILITY_KEYS)
+    ]
 
 
 def warn_compatibility_keys(cfg, log=None):
@@ -231,6 +226,12 @@ def config_value(cfg, key):
     for part in key.split("."):
         cfg = cfg[part]
     return cfg
+
+
+def keys_set(cfg, keys):
+    """Those of the dotted ``keys`` that ``cfg`` sets to other values than their defaults, in their order."""
+    defaults = get_cfg()
+    return [key for key in keys if config_value(cfg, key) != config_value(defaults, key)]
 
 
 # The keys that hold paths.
@@ -265,9 +266,8 @@ def warn_unread_keys(cfg, unread):
     """Say once, for each ``(keys, why)`` of ``unread``, which of ``keys`` are set to other values than their defaults
     although what the config chose does not read them: "KEY is set, but " and ``why``, whose ``{}`` becomes "it" or
     "them"."""
-    defaults = get_cfg()
     for keys, why in unread:
-        changed = [key for key in keys if config_value(cfg, key) != config_value(defaults, key)]
+        changed = keys_set(cfg, keys)
         if changed:
             one = len(changed) == 1
             logging.getLogger("vil").warning(

@@ -18,7 +18,7 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .config import config_value, get_cfg, warn_unread_keys
+from .config import keys_set, warn_unread_keys
 from .files import not_a_folder
 from .images import read_image
 from .shards import ShardDataset
@@ -299,7 +299,7 @@ def _posterize_any_bits(transform):
 def _refuse_data_keys_for_digits(cfg, train):
     """Raise where the config names scikit-learn's digits and also where to read images from: the digits would be
     read instead, without a word."""
-    unread = [key for key in ("DATA.FORMAT", "DATA.PATH") if config_value(cfg, key) != config_value(get_cfg(), key)]
+    unread = keys_set(cfg, ("DATA.FORMAT", "DATA.PATH"))
     if unread:
         key = "DATA.TRAIN" if train else "DATA.TEST"
         raise ValueError(
