@@ -362,16 +362,19 @@ def test_export_onnx_tool_says_what_the_model_refuses(tmp_path):
     )
 
 
-def test_compile_key_compiles_the_training_step():
+def test_compile_key_compiles_the_training_step_and_says_so(caplog):
     from vil.config import load_cfg
     from vil.runtime import Runtime
     from vil.training.setup import _training_net
 
     model = small_model("fused_cpu")
     runtime = Runtime()
-    assert _training_net(model, load_cfg(None, []), runtime) is model
-    net = _training_net(model, load_cfg(None, ["MODEL.COMPILE", "True"]), runtime)
+    with caplog.at_level("INFO", logger="vil"):
+        assert _training_net(model, load_cfg(None, []), runtime) is model
+        assert "torch.compile" not in caplog.text
+        net = _training_net(model, load_cfg(None, ["MODEL.COMPILE", "True"]), runtime)
     assert isinstance(net, torch._dynamo.eval_frame.OptimizedModule) and net._orig_mod is model
+    assert caplog.text.count("MODEL.COMPILE: the training steps run the model through torch.compile") == 1
 
 
 def test_a_dilation_tensor_is_refused_when_traced():

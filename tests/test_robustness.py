@@ -599,6 +599,11 @@ def test_resume_check_follows_schedule_changes_and_names_other_changes(caplog):
             checkpoint, "last.pth", load_cfg(overrides=["OPTIM.LR", "0.01", "SEED", "3", "SOLVER.MIN_LR", "1e-6"])
         )
     assert "OPTIM.LR 0.1 -> 0.01, SOLVER.MIN_LR 0.0 -> 1e-06." in caplog.text
+    # How the model is computed (compiled, recomputed in backward) may change: the same model goes on.
+    with caplog.at_level("INFO", logger="vil"):
+        computed_otherwise = ["OPTIM.LR", "0.1", "SEED", "3", "MODEL.COMPILE", "True", "MODEL.GRAD_CHECKPOINT", "True"]
+        check_resumable(checkpoint, "last.pth", load_cfg(overrides=computed_otherwise))
+    assert "MODEL.COMPILE False -> True, MODEL.GRAD_CHECKPOINT False -> True." in caplog.text
     with pytest.raises(
         ValueError,
         match=r"DATALOADER.BSZ 128 \(now 64\), SEED 3 \(now 4\)",

@@ -241,10 +241,6 @@ def _ema(checkpoint):
     return next((checkpoint[k] for k in _EMA_KEYS if isinstance(checkpoint.get(k), dict)), None)
 
 
-def has_ema(checkpoint):
-    return _ema(checkpoint) is not None
-
-
 def ema_state(checkpoint, path="checkpoint"):
     """The EMA weights of a checkpoint dict, as :func:`model_state` returns model weights."""
     ema = _ema(checkpoint)

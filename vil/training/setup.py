@@ -131,7 +131,13 @@ def memory_format(cfg):
 def _training_net(model, cfg, runtime):
     """What the training step calls: the model, wrapped for several processes, compiled with ``MODEL.COMPILE``."""
     net = DistributedDataParallel(model) if runtime.world > 1 else model
-    return torch.compile(net) if cfg.MODEL.COMPILE else net
+    if not cfg.MODEL.COMPILE:
+        return net
+    log.info(
+        "MODEL.COMPILE: the training steps run the model through torch.compile (Inductor); the first step compiles "
+        "it, minutes on a CPU; evaluation stays eager."
+    )
+    return torch.compile(net)
 
 
 @dataclass
