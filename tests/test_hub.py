@@ -430,6 +430,22 @@ def test_predict_runs_the_model_as_the_configs_amp_keys_say(exported, monkeypatc
     assert plain_strides[1] > 1 and amp_strides[1] == 1  # channels last: the channel stride is 1
 
 
+def test_predict_refuses_outputs_that_are_not_finite_and_writes_nothing(exported, monkeypatch, tmp_path):
+    """Overflowed arithmetic (float16 under AMP, say) gives NaN logits, whose "top classes" would be any."""
+    forward = MsViT.forward
+
+    def overflowing(model, x):
+        logits = forward(model, x)
+        return torch.cat([logits[:1], torch.full_like(logits[1:], float("nan"))])  # all but the batch's first
+
+    monkeypatch.setattr(MsViT, "forward", overflowing)
+    images = sorted(str(p) for p in (exported["data"] / "val").rglob("*.JPEG"))
+    common = ["--config-file", "vil_tiny", *TINY, *PREPROCESSING, "MODEL.MODEL_PATH", exported["checkpoint"]]
+    status, _, err = run_tool("predict", *common, *images, "--batch-size", "3", "--output", tmp_path / "labels.json")
+    assert status == 1 and f"outputs for {images[1]} (and 1 other images of its batch) are not finite" in err, err
+    assert not (tmp_path / "labels.json").exists()
+
+
 def test_a_folder_gives_the_images_a_file_name_gives(tmp_path):
     """GIF files, read when named one by one, are a folder's images too; other files are not."""
     from vil.predict import image_paths

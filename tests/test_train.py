@@ -616,10 +616,13 @@ def test_evaluation_at_another_image_size_than_the_training_says_so(data, tmp_pa
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
     capsys.readouterr()
     for size, said in (("32", False), ("64", True)):
-        cfg = tiny_cfg(data, tmp_path / size, "MODEL.MODEL_PATH", str(out / "model_best.pth"), "INPUT.IMAGE_SIZE", size)
-        evaluate_checkpoint(cfg)  # its log: warnings, on the console
+        weights = ("MODEL.MODEL_PATH", str(out / "model_best.pth"))
+        cfg = tiny_cfg(data, tmp_path / size, *weights, "INPUT.IMAGE_SIZE", size, "AMP.ENABLED", "True")
+        evaluate_checkpoint(cfg)  # its log, on the console
         printed = capsys.readouterr().err
         assert ("trained on 32x32 images; this model is built for 64x64" in printed) == said, printed
+        # The presets' AMP.ENABLED, which the CPU takes only with AMP.ON_CPU: the evaluation says it is float32.
+        assert printed.count("applies on CUDA, and on the CPU with AMP.ON_CPU True; this run is float32 on cpu") == 1
     # The original release's layout holds no config: its position tables tell the maps they were made for.
     net = read_checkpoint(str(out / "model_best.pth"))["net"]
     torch.save({"net": {f"module.{k}": v for k, v in net.items()}, "arch": "msvit"}, tmp_path / "original.pth")

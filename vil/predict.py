@@ -103,6 +103,13 @@ def predict(model, transform, paths, names, top_k=5, batch_size=32, workers=0, r
                 continue
             with run_as.autocast():
                 logits = model(images.to(device, memory_format=run_as.layout))
+            if not (finite := logits.isfinite().all(dim=-1)).all():
+                first, *others = indices[~finite].tolist()
+                raise ValueError(
+                    f"The model's outputs for {paths[first]} (and {len(others)} other images of its batch) are not "
+                    "finite: the weights hold values that are not finite, or the arithmetic overflowed (under AMP, try "
+                    "AMP.ENABLED False); nothing is labelled."
+                )
             probabilities = logits.float().softmax(-1)
             top = probabilities.topk(min(top_k, probabilities.shape[-1]), dim=-1)
             for index, values, classes in zip(indices.tolist(), top.values.tolist(), top.indices.tolist()):

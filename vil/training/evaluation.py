@@ -168,7 +168,7 @@ def evaluate_checkpoint(cfg):
         raise ValueError("Give the checkpoint to evaluate: MODEL.MODEL_PATH path/to/checkpoint.pth.")
     runtime = Runtime(cfg.DISTRIBUTED_BACKEND)
     runtime.in_main(lambda: check_writable_file(eval_report_path(cfg), "The evaluation report"))
-    setup_logging(cfg.OUTPUT_DIR, False)
+    setup_logging(cfg.OUTPUT_DIR, runtime.is_main, to_file=False)
     warn_compatibility_keys(cfg, log)
     model = build_model(cfg)
     path, checkpoint = read_model_checkpoint(cfg)

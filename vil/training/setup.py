@@ -47,9 +47,10 @@ MEMORY_FORMATS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 PLATEAU_OPTIMIZERS = ("sgd", "qhm")
 
 
-def setup_logging(output_dir, is_main):
-    """The "vil" logger to the console and, in the main process, to ``output_dir/log.txt``; the handlers of an earlier
-    run in this process are closed (its log file with them)."""
+def setup_logging(output_dir, is_main, to_file=True):
+    """The "vil" logger to the console and, in the main process with ``to_file``, to ``output_dir/log.txt``; the
+    handlers of an earlier run in this process are closed (its log file with them). The other processes say only
+    warnings."""
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
@@ -58,7 +59,7 @@ def setup_logging(output_dir, is_main):
     console = logging.StreamHandler()
     console.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(console)
-    if is_main:
+    if is_main and to_file:
         file = logging.FileHandler(os.path.join(output_dir, "log.txt"))
         file.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         log.addHandler(file)
