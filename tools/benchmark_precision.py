@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from vil.cli import check_outputs, positive_int
 from vil.cpu import cpu_description
 from vil.files import atomic_write
+from vil.models.attention import split_globals
 from vil.ops import default_backend, local_attention_1d, local_attention_2d
 from vil.ops.backends.fused_cpu import PRODUCTS_VARIABLE, half_products, half_products_missing
 from vil.profiling import flop_counter
@@ -71,13 +72,14 @@ def layer_2d(side, dtype):
     grid = (B, H, side, side, D)
 
     def local():
+        (_, q_local), (k_global, k_local), (v_global, v_local) = (split_globals(t, G, dim=2) for t in (q, k, v))
         return local_attention_2d(
-            q[:, :, G:].reshape(grid),
-            k[:, :, G:].reshape(grid),
-            v[:, :, G:].reshape(grid),
+            q_local.reshape(grid),
+            k_local.reshape(grid),
+            v_local.reshape(grid),
             w,
-            global_k=k[:, :, :G],
-            global_v=v[:, :, :G],
+            global_k=k_global,
+            global_v=v_global,
             rel_bias=rel_bias,
         )
 

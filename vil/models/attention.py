@@ -22,6 +22,15 @@ def split_heads(x, heads):
     return x.view(B, N, heads, C // heads).transpose(1, 2)
 
 
+def split_globals(x, num_global, dim=1):
+    """``(global tokens, local tokens)`` of ``x`` along ``dim`` (None and ``x`` without global tokens). One split
+    rather than two slices: autograd joins the two parts' gradients in one copy, where each slice's gradient would be
+    a zero tensor the size of ``x`` and the two would then be added (BENCHMARKS.md)."""
+    if not num_global:
+        return None, x
+    return x.split([num_global, x.shape[dim] - num_global], dim)
+
+
 def merge_heads(x):
     """(B, heads, N, D) -> (B, N, heads * D)."""
     B, H, N, D = x.shape
@@ -174,23 +183,25 @@ class LongformerAttention(_Attention):
     def forward(self, x, nx, ny):
         B, N, C = x.shape
         G, H = self.num_global, self.heads
+        x_global, x_local = split_globals(x, G)
         k, v = split_heads(self.kv(x), 2 * H).chunk(2, dim=1)  # (B, H, G + nx*ny, D), globals first
-        q = split_heads(self.query(x[:, G:]), H)
+        (k_global, k_local), (v_global, v_local) = split_globals(k, G, dim=2), split_globals(v, G, dim=2)
+        q = split_heads(self.query(x_local), H)
 
         local_bias_g = self.g2l_relative_position_bias[1] if self.rpe and G else None
         if self.only_global:  # no bias: the original release's only_glo branch adds none (its g2l[1] stays unused)
-            local_out = softmax_attention(q, k[:, :, :G], v[:, :, :G], None)
+            local_out = softmax_attention(q, k_global, v_global, None)
         else:
             grid = (B, H, nx, ny, C // H)
             local_out = local_attention_2d(
                 q.reshape(grid),
-                k[:, :, G:].reshape(grid),
-                v[:, :, G:].reshape(grid),
+                k_local.reshape(grid),
+                v_local.reshape(grid),
                 self.window,
                 exact=self.exact,
                 mode=self.current_mode(),
-                global_k=k[:, :, :G] if G else None,
-                global_v=v[:, :, :G] if G else None,
+                global_k=k_global,
+                global_v=v_global,
                 rel_bias=self.local_relative_position_bias_table.t() if self.rpe else None,
                 global_bias=local_bias_g,
                 backend=self.backend,
@@ -202,7 +213,7 @@ class LongformerAttention(_Attention):
         kv_global = k, v
         if self.kv_global is not self.kv:
             kv_global = split_heads(self.kv_global(x), 2 * H).chunk(2, dim=1)
-        q_global = split_heads(self.query_global(x[:, :G]), H)
+        q_global = split_heads(self.query_global(x_global), H)
         mask = self._global_query_bias(N - G)[None].to(q.dtype) if self.rpe else None
         global_out = softmax_attention(q_global, *kv_global, mask)
         global_out = self.proj_global(merge_heads(global_out))
