@@ -182,6 +182,22 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_any_work(data, t
     assert str(out) in message and why in message
 
 
+class DiskFullAfter:
+    """A binary file that a full disk stops after ``room`` bytes, as the system stops it: write raises ENOSPC."""
+
+    def __init__(self, file, room):
+        self.file, self.room = file, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def flush(self):
+        self.file.flush()
+
+
 def test_a_full_disk_is_one_sentence_and_keeps_the_previous_checkpoint(data, tmp_path, monkeypatch):
     out = tmp_path / "full"
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
@@ -189,8 +205,7 @@ def test_a_full_disk_is_one_sentence_and_keeps_the_previous_checkpoint(data, tmp
     real_save = torch.save
 
     def save_until_the_disk_is_full(obj, f, *args, **kwargs):
-        f.write(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, DiskFullAfter(f, 1000), *args, **kwargs)  # torch's writer fails on the file's OSError
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
     with pytest.raises(
@@ -507,9 +522,7 @@ def test_kill_during_a_write_then_a_full_disk_then_resume_gives_the_uninterrupte
 
     def disk_full_on_the_second_write(obj, f, *args, **kwargs):
         writes.append(f)
-        if len(writes) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(obj, f, *args, **kwargs)
+        real_save(obj, DiskFullAfter(f, 1000) if len(writes) == 2 else f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", disk_full_on_the_second_write)
     with pytest.raises(OutputError, match="No space left on device"):

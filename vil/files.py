@@ -37,6 +37,14 @@ def _reason(error):
     return error.strerror or type(error).__name__
 
 
+def _os_error(error):
+    """The OSError behind ``error``: itself, or one that it was raised while handling (``torch.save`` raises its
+    writer's RuntimeError on top of the file's OSError when a disk is full)."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
 def atomic_write(path, write):
     """Write a file through ``write(binary_file)`` into a temporary file beside ``path``, then rename it over
     ``path``. As a plain write would: where ``path`` is a link, the file it points to is written; an existing
@@ -60,10 +68,11 @@ def atomic_write(path, write):
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, OSError) and not isinstance(e, OutputError):
+        failed = _os_error(e)
+        if failed is not None and not isinstance(failed, OutputError):
             kept = "the previous file is intact" if os.path.exists(path) else "nothing was written"
-            advice = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check the folder"
-            raise OutputError(f"Writing {path} failed ({_reason(e)}); {kept}: {advice} and run again.") from None
+            advice = "free some space" if failed.errno in (errno.ENOSPC, errno.EDQUOT) else "check the folder"
+            raise OutputError(f"Writing {path} failed ({_reason(failed)}); {kept}: {advice} and run again.") from None
         raise
 
 
