@@ -52,6 +52,14 @@ def test_bad_arguments_are_one_sentence(tool, args, facts, not_a_folder):
     assert re.search(facts.replace("{bad}", re.escape(str(not_a_folder))), err.strip().splitlines()[-1]), err
 
 
+def test_the_precision_study_checks_the_products_variable_before_measuring(monkeypatch):
+    """VIL_FUSED_CPU_PRODUCTS, which the fused kernels read: a bad value is their sentence, with nothing measured."""
+    monkeypatch.setenv("VIL_FUSED_CPU_PRODUCTS", "bogus")
+    status, out, err = run_tool("benchmark_precision", "--sizes", "6", "--rounds", "1")
+    assert status == 1 and "|" not in out
+    assert re.search(r"VIL_FUSED_CPU_PRODUCTS must be one of auto, half, float32, got 'bogus'", err.splitlines()[-1])
+
+
 @pytest.mark.parametrize("tool", ["benchmark_attention", "benchmark_mechanisms", "benchmark_longformer"])
 def test_plots_without_matplotlib_are_refused_before_measuring(tool, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: its import fails

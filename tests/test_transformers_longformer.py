@@ -729,8 +729,11 @@ def test_benchmark_tool_prints_the_table_and_draws_the_plots(tmp_path):
 
     options = ["--lengths", "16", "32", "--hidden", "24", "--window", "4", "--layers", "1", "--rounds", "1"]
     what = ["--what", "layer", "model", "autocast"]
-    status, out, err = run_tool("benchmark_longformer", *options, *what, "--plot", tmp_path / "lf")
+    markdown = ["--markdown", tmp_path / "lf.md"]
+    status, out, err = run_tool("benchmark_longformer", *options, *what, "--plot", tmp_path / "lf", *markdown)
     assert status == 0, err
+    machine, tables = (tmp_path / "lf.md").read_text().strip().split("\n\n", 1)
+    assert machine == out.splitlines()[0] and machine.startswith("CPU: ") and tables in out
     rows = [line for line in out.splitlines() if line.startswith(("| layer |", "| model |"))]
     assert [row.split(" | ")[:2] for row in rows] == [
         ["| layer", "16"],

@@ -228,13 +228,14 @@ def plot(results, prefix):
 
 def main(argv=None):
     args = parse_args(argv)
-    print(f"CPU: {cpu_description()}; transformers {transformers.__version__}; model layers: {args.layers}")
+    machine = f"CPU: {cpu_description()}; transformers {transformers.__version__}; model layers: {args.layers}"
+    print(machine, flush=True)
     timed = [what for what in args.what if what != "autocast"]
     results = measure(args, timed)
     text = "\n\n".join(([table(results)] if timed else []) + ([autocast_rows(args)] if "autocast" in args.what else []))
     print(text)
     if args.markdown:
-        atomic_write(args.markdown, lambda f: f.write((text + "\n").encode()))
+        atomic_write(args.markdown, lambda f: f.write((machine + "\n\n" + text + "\n").encode()))
     if args.plot:
         plot(results, args.plot)
 

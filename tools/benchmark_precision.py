@@ -28,6 +28,7 @@ this CPU.
 import argparse
 import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -262,7 +263,13 @@ def products_table(results):
 
 def main(argv=None):
     args = parse_args(argv)
-    print(f"CPU: {cpu_description()}; local attention backend: {default_backend('cpu', torch.float32)}")
+    try:  # VIL_FUSED_CPU_PRODUCTS, which the kernels read, checked before anything is measured
+        for name in args.dtypes:
+            half_products(DTYPES[name])
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    machine = f"CPU: {cpu_description()}; local attention backend: {default_backend('cpu', torch.float32)}"
+    print(machine, flush=True)
     results, matmul = measure(args)
     text = table(results, matmul, args.matmul)
     for extra in (dtype_ratios(results), products_table(results)):
@@ -270,7 +277,7 @@ def main(argv=None):
             text += "\n\n" + extra
     print(text)
     if args.markdown:
-        atomic_write(args.markdown, lambda f: f.write((text + "\n").encode()))
+        atomic_write(args.markdown, lambda f: f.write((machine + "\n\n" + text + "\n").encode()))
 
 
 if __name__ == "__main__":
