@@ -30,6 +30,11 @@ def not_a_folder(tmp_path):
         ("benchmark_precision", ["--markdown", "{bad}.md"], r"{bad}.md cannot be written"),
         ("benchmark_model", ["--config-file", "vil_tiny", "--rounds", "0"], r"--rounds: .* got 0"),
         ("benchmark_model", ["--config-file", "vil_tiny", "--steps", "0"], r"--steps: .* got 0"),
+        (
+            "benchmark_model",
+            ["--config-file", "vil_tiny", "MODEL.COMPILE", "True"],
+            r"MODEL.COMPILE is not read .*--compile",
+        ),
         ("benchmark_longformer", ["--window", "7"], r"--window must be even .* got 7"),
         ("benchmark_longformer", ["--hidden", "50"], r"--hidden must be a multiple of the 12 heads, got 50"),
         ("benchmark_longformer", ["--lengths", "0"], r"--lengths: must be a positive integer, got 0"),

@@ -79,6 +79,11 @@ def test_benchmark_model_steps_run_under_the_configs_autocast(monkeypatch):
     status, out, err = run_tool("benchmark_model", *config, *TINY_MODEL, *amp)
     assert status == 0, err
     assert "| autocast bfloat16 |" in out
+    # The machine, and the backend the op layer picks for the model's bfloat16 local attention.
+    from vil.ops import default_backend
+
+    said = f"local attention backend (backend=None): {default_backend('cpu', torch.bfloat16)}"
+    assert out.startswith("Machine: ") and out.splitlines()[0].endswith(said), out
     assert logits and set(logits) == {torch.bfloat16}  # the model's logits, computed under autocast
 
 

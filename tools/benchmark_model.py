@@ -20,6 +20,7 @@ the operators with the most time of their own).
 """
 
 import argparse
+import logging
 import time
 
 import timm
@@ -28,7 +29,9 @@ from timm.models import parse_model_name
 
 from vil.cli import positive_int
 from vil.config import load_cfg
+from vil.cpu import cpu_description
 from vil.model_config import build_model
+from vil.ops import default_backend
 from vil.optim import build_optimizer
 from vil.profiling import PeakMemory, flop_counter, time_table
 from vil.training.setup import amp_context, amp_enabled
@@ -62,9 +65,18 @@ def main():
         model = build_model(cfg).to(device)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if cfg.MODEL.COMPILE:
+        parser.error("MODEL.COMPILE is not read here (the first table is the eager model's); give --compile instead.")
     size = cfg.INPUT.IMAGE_SIZE
     params = sum(p.numel() for p in model.parameters())
     other = _timm_model(args.timm, model, device) if args.timm else None  # refused, if at all, before measuring
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the op layer names the backends it picks
+    dtype = getattr(torch, cfg.AMP.DTYPE) if amp_enabled(cfg, device) else torch.float32
+    print(
+        f"Machine: {torch.cuda.get_device_name(device) if device.type == 'cuda' else cpu_description()}; "
+        f"torch {torch.__version__}; local attention backend (backend=None): {default_backend(device, dtype)}",
+        flush=True,
+    )
 
     model.eval()
     with torch.no_grad(), flop_counter() as counter:
