@@ -536,9 +536,10 @@ def test_torchrun_two_processes_end_the_epoch_together_where_a_damaged_shard_run
     first = tmp_path / "shards" / "train" / "shard-000000.tar"
     first.write_bytes(first.read_bytes()[:600])  # the first member's header and a little of its data
     out = tmp_path / "ddp"
-    torchrun_two_processes(tmp_path / "shards", out, "DATA.FORMAT", "shards")
+    done = torchrun_two_processes(tmp_path / "shards", out, "DATA.FORMAT", "shards")
     text = (out / "log.txt").read_text()
     assert "Epoch 1 ends 1 of its batches early: 1 of 2 process(es) ran out of samples" in text
+    assert (done.stdout + done.stderr).count("ends 1 of its batches early") == 1  # on the console too
     assert "All 2 processes hold identical weights." in text
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 2
 

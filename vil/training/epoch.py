@@ -181,11 +181,12 @@ def batches_of_every_process(batches, runtime, planned, epoch):
         if runtime.world > 1:
             (have,) = runtime.sum(have)
         if have < runtime.world:
-            log.warning(
-                f"Epoch {epoch + 1} ends {planned - taken} of its batches early: "
-                f"{runtime.world - int(have)} of {runtime.world} process(es) ran out of samples (a damaged shard "
-                "loses the samples after the damage; the warnings above name it)."
-            )
+            if runtime.is_main:
+                log.warning(
+                    f"Epoch {epoch + 1} ends {planned - taken} of its batches early: "
+                    f"{runtime.world - int(have)} of {runtime.world} process(es) ran out of samples (a damaged shard "
+                    "loses the samples after the damage; the warnings above name it)."
+                )
             return
         yield batch
 
