@@ -383,9 +383,14 @@ def test_safetensors_save_model_files_keep_one_name_of_a_shared_tensor_and_load(
         pretrained=True,
         pretrained_cfg_overlay=dict(file=str(tmp_path / "m.safetensors")),
     ).eval()
+    from vil.checkpoint import load_checkpoint
+
+    again = timm.create_model("vil_arch", arch=arch, img_size=32, num_classes=3).eval()
+    load_checkpoint(again, tmp_path / "m.safetensors")  # the loader of detection backbones and training runs too
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+        torch.testing.assert_close(again(x), model(x), rtol=0, atol=0)
 
 
 def test_a_missing_checkpoint_file_is_named(tmp_path):

@@ -298,8 +298,10 @@ def load_checkpoint(model, path, strict=True):
 
 def load_model_state(model, state, path, strict=True, may_miss=()):
     """Load a state dict into ``model`` as :func:`load_checkpoint` does; keys starting with one of ``may_miss``
-    may be absent from ``state`` (parameters the checkpoint cannot have, which keep their initial values)."""
+    may be absent from ``state`` (parameters the checkpoint cannot have, which keep their initial values). A tensor
+    the model holds under several names may come under one (:func:`with_shared_names`)."""
     target = _unwrap(model)
+    state = with_shared_names(state, target)
     if strict:
         check_fits(state, target, path, may_miss)
     check_shared(state, target, path)
