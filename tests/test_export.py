@@ -552,6 +552,12 @@ def test_features_only_models_and_backbones_export_with_their_maps_named():
             onnx_outputs(data, images)
     with pytest.raises(ValueError, match=r"takes a ViL model .*got Linear"):
         export_program(torch.nn.Linear(2, 2), 64, 64)
+    import timm
+
+    arch = "l1,h1,d16,n1,s1,g1,p4,f2,a0_l2,h1,d16,n1,s0,g1,p2,f2,a0_l3,h1,d16,n1,s0,g1,p2,f2,a0"
+    hooked = timm.create_model("vil_arch", arch=arch, img_size=32, features_only=True, feature_cls="hook")
+    with pytest.raises(ValueError, match=r"features_only model of one with feature_cls 'getter'.*got FeatureHookNet"):
+        export_program(hooked, 64, 64)
 
 
 def test_a_spatial_reduction_model_exports_from_the_least_size_it_takes():

@@ -132,8 +132,8 @@ def _vil_of(model):
         if all(hasattr(candidate, name) for name in ("total_stride", "fixed_input_size", "img_size", "in_chans")):
             return candidate
     raise ValueError(
-        f"vil.export takes a ViL model (MsViT, a vil.detection backbone, or timm's features_only model of one), "
-        f"got {type(model).__name__}."
+        f"vil.export takes a ViL model (MsViT, a vil.detection backbone, or timm's features_only model of one with "
+        f"feature_cls 'getter', the default, which keeps the model), got {type(model).__name__}."
     )
 
 
