@@ -489,6 +489,26 @@ def test_torchrun_the_log_names_the_unreadable_images_every_process_met(tmp_path
     assert done.stderr.count("Evaluation skipped 1 unreadable images.") == 1
 
 
+def test_torchrun_a_process_that_stops_alone_leaves_its_sentence_for_the_main_process(tmp_path):
+    """Process 1 alone meets a training batch whose images are all unreadable: the main process, which then fails in
+    gloo's words in its next collective call, says process 1's sentence instead, in log.txt too."""
+    from types import SimpleNamespace
+
+    from vil.data import build_dataset
+    from vil.training.epoch import epoch_order
+
+    data = make_folder(tmp_path / "data", per_class=4, corrupt=False)
+    cfg = load_cfg(ROOT / "configs" / "vil_tiny.yaml", ["DATA.PATH", str(data), "DATA.NUM_CLASSES", "2"])
+    dataset = build_dataset(cfg, train=True)
+    process_1 = SimpleNamespace(world=2, rank=1)
+    for index in epoch_order(dataset, 0, cfg.SEED, process_1, cfg.AUG.REPEATED_AUG)[:2]:  # its first batch of 2
+        Path(dataset.samples[index][0]).write_bytes(b"not a jpeg")
+    out = tmp_path / "ddp"
+    done = torchrun_two_processes(data, out, succeeds=False)
+    stopped = "Another process stopped the run: process 1: All 2 images of the training batch at epoch 1, batch 1"
+    assert f"error: {stopped}" in (out / "log.txt").read_text() and stopped in done.stderr, done.stderr[-4000:]
+
+
 def test_torchrun_a_refusal_of_the_main_process_alone_is_its_sentence_in_every_process(data, tmp_path):
     """The run folder is checked in the main process only: the other must say the same, not fail in gloo's words
     while it waits for the first."""

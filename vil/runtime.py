@@ -10,6 +10,9 @@ import torch.distributed as dist
 DISTRIBUTED_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")  # torch.distributed.Backend's, less its placeholders
 
 
+FAILURE_KEY = "vil/failure"  # the store's key of the sentence a process that stopped leaves for the others
+
+
 class Runtime:
     """This process's place in the run: rank, world size and device (from torchrun's environment). Processes
     talk through ``backend`` on CUDA and through gloo on the CPU."""
@@ -52,6 +55,20 @@ class Runtime:
         values = [None] * self.world if self.is_main else None
         dist.gather_object(value, values, dst=0)
         return values
+
+    def leave_failure(self, error):
+        """Leave ``error``'s sentence where the other processes can read it (torchrun's store), before this process
+        stops: they then fail in their next collective call, in torch's words, and can say this instead
+        (:meth:`failure_left`)."""
+        if self.world > 1 and dist.is_initialized():
+            dist.distributed_c10d._get_default_store().set(FAILURE_KEY, f"process {self.rank}: {error}")
+
+    def failure_left(self):
+        """The sentence a process that stopped left with :meth:`leave_failure`, or None."""
+        if self.world == 1 or not dist.is_initialized():
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        return store.get(FAILURE_KEY).decode() if store.check([FAILURE_KEY]) else None
 
     def in_main(self, action):
         """``action()`` in the main process only (its result there, None in the others), every process waiting for

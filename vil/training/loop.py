@@ -34,8 +34,15 @@ def train(cfg):
                 return run.best
         return _train_epochs(run)
     except (ValueError, OSError, FloatingPointError) as e:
+        run.runtime.leave_failure(e)
         log_failure(e)
         raise
+    except RuntimeError:  # torch's words for a collective call another process left: its sentence, where it left one
+        if (left := run.runtime.failure_left()) is None:
+            raise
+        failure = ValueError(f"Another process stopped the run: {left}")
+        log_failure(failure)
+        raise failure from None
     finally:
         run.close()
 
