@@ -408,6 +408,7 @@ def test_loader_benchmark_prints_a_row_per_worker_count():
         "benchmark_loader", "--images", "8", "--batch", "4", "--workers", "0", "1", "--epochs", "2"
     )
     assert status == 0, err
+    assert out.startswith("CPU: ")  # the machine measured
     rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ") and "workers" not in line]
     assert [row[0].strip() for row in rows] == ["0", "1"]
     for workers, per_epoch, steady, per_worker in ([cell.strip() for cell in row] for row in rows):

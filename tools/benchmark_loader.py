@@ -21,6 +21,7 @@ from PIL import Image
 
 from vil.cli import non_negative_int, positive_int
 from vil.config import load_cfg
+from vil.cpu import cpu_description
 from vil.data import build_dataset
 from vil.runtime import Runtime
 from vil.training.epoch import training_batches
@@ -80,6 +81,7 @@ def main(argv=None):
         p.error(str(e))
     with tempfile.TemporaryDirectory() as root:
         write_images(root, args.images)
+        print(f"CPU: {cpu_description()}")
         print(f"{args.images} JPEGs of 500x375, batch {args.batch}, the training transform of {args.config_file}")
         print("| workers | images/s per epoch | after the first: images/s | per worker |")
         print("|---|---|---|---|")
