@@ -103,7 +103,7 @@ def predict(model, transform, paths, names, top_k=5, batch_size=32, workers=0, r
                 continue
             with run_as.autocast():
                 logits = model(images.to(device, memory_format=run_as.layout))
-            if not (finite := logits.isfinite().all(dim=-1)).all():
+            if not (finite := logits.isfinite().all(dim=-1).cpu()).all():  # indices are on the CPU
                 first, *others = indices[~finite].tolist()
                 raise ValueError(
                     f"The model's outputs for {paths[first]} (and {len(others)} other images of its batch) are not "
