@@ -34,7 +34,7 @@ from vil.model_config import build_model
 from vil.ops import default_backend
 from vil.optim import build_optimizer
 from vil.profiling import PeakMemory, flop_counter, time_table
-from vil.training.setup import amp_context, amp_enabled
+from vil.training.setup import amp_context, amp_dtype, amp_enabled
 
 
 def main():
@@ -71,7 +71,7 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     other = _timm_model(args.timm, model, device) if args.timm else None  # refused, if at all, before measuring
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the op layer names the backends it picks
-    dtype = getattr(torch, cfg.AMP.DTYPE) if amp_enabled(cfg, device) else torch.float32
+    dtype = amp_dtype(cfg) if amp_enabled(cfg, device) else torch.float32
     print(
         f"Machine: {torch.cuda.get_device_name(device) if device.type == 'cuda' else cpu_description()}; "
         f"torch {torch.__version__}; local attention backend (backend=None): {default_backend(device, dtype)}",

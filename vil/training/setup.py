@@ -84,11 +84,16 @@ def per_process_batch(cfg, runtime):
     return batch // runtime.world
 
 
+def amp_dtype(cfg):
+    """``AMP.DTYPE`` as a torch dtype: what autocast computes in where AMP applies."""
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.AMP.DTYPE]
+
+
 def amp_context(cfg, device):
     """Autocast for AMP on CUDA, and on the CPU with ``AMP.ON_CPU`` (bf16, or fp16 with gradient scaling), and the
     gradient scaler, which is a pass-through unless fp16 needs it. The presets enable AMP for their GPU recipe: on
     the CPU it is a choice of its own, since only CPUs with half-precision matrix instructions gain from it."""
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.AMP.DTYPE]
+    dtype = amp_dtype(cfg)
     on = amp_enabled(cfg, device)
     if cfg.AMP.ENABLED and not on:
         log.info(f"AMP.ENABLED applies on CUDA, and on the CPU with AMP.ON_CPU True; this run is float32 on {device}.")
