@@ -149,14 +149,18 @@ def test_features_only(name):
 
 def test_weights_without_a_classifier_and_timms_checkpoints_give_the_class_count_they_hold(tmp_path):
     """A file without a classifier gives a model of num_classes=0, and one written by timm's train.py (its weights
-    under "state_dict") a model of its class count, each with the file's outputs."""
+    under "state_dict", its command line as an argparse.Namespace under "args") a model of its class count, each
+    with the file's outputs."""
+    import argparse
+
+    args = argparse.Namespace(model="vil_tiny", lr=0.5, epochs=3, amp=False, mean=None, model_kwargs={}, decay=[30])
     torch.manual_seed(0)
     x = torch.randn(2, 3, 64, 64)
     for classes in (0, 3):
         source = timm.create_model("vil_tiny", img_size=64, num_classes=classes).eval()
         state = source.state_dict()
         path = tmp_path / f"{classes}.pth"
-        torch.save({"epoch": 3, "arch": "vil_tiny", "state_dict": state, "state_dict_ema": state}, path)
+        torch.save({"epoch": 3, "arch": "vil_tiny", "args": args, "state_dict": state, "state_dict_ema": state}, path)
         overlay = dict(file=str(path))
         loaded = timm.create_model("vil_tiny", img_size=64, pretrained=True, pretrained_cfg_overlay=overlay).eval()
         assert loaded.num_classes == classes
@@ -424,8 +428,14 @@ model = timm.create_model(args.model, pretrained=False, in_chans=3, num_classes=
 config = resolve_data_config({}, model=model)
 logits = model(torch.randn(2, *config["input_size"][:1], args.img_size, args.img_size))
 logits.sum().backward()
-# --model-ema: each weight moves by (1 - decay) of the model's move, SHARE_W's shared ones too.
-ema = timm.utils.ModelEmaV3(model, decay=0.9)
+# --model-ema: each weight moves by (1 - decay) of the model's move, SHARE_W's shared ones too. The EMA is built as
+# train.py builds it: through its task (timm.task.task imports ModelEmaV3 by name) from timm 1.0.27 on, from
+# timm.utils before.
+try:
+    from timm.task import ClassificationTask
+    ema = ClassificationTask(model, verbose=False).setup_ema(decay=0.9)
+except ImportError:
+    ema = timm.utils.ModelEmaV3(model, decay=0.9)
 before = {name: p.detach().clone() for name, p in model.named_parameters()}
 with torch.no_grad():
     for p in model.parameters():

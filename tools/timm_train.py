@@ -30,6 +30,19 @@ class ModelEmaOfViL(timm.utils.ModelEmaV3):
         super().__init__(model, *args, **kwargs)
 
 
+def use_vil_ema():
+    """Puts ``ModelEmaOfViL`` wherever timm's ``train.py`` takes ``ModelEmaV3`` from: ``timm.utils`` (timm 1.0.26) and
+    ``timm.task.task``, whose ``setup_ema`` builds the EMA from timm 1.0.27 on and imported the class by name."""
+    try:
+        import timm.task.task  # noqa: F401  (loaded now, so that its name is replaced too)
+    except ImportError:  # timm before 1.0.27
+        pass
+    timms = ModelEmaOfViL.__base__
+    for name, module in list(sys.modules.items()):
+        if name.startswith("timm.") and getattr(module, "ModelEmaV3", None) is timms:
+            module.ModelEmaV3 = ModelEmaOfViL
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -46,7 +59,7 @@ def main(argv=None):
             f"error: {script} is not a file; give the path of train.py in a clone of timm "
             "(github.com/huggingface/pytorch-image-models)."
         )
-    timm.utils.ModelEmaV3 = ModelEmaOfViL  # the name train.py builds its EMA by
+    use_vil_ema()
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python would, for the script's own imports
     runpy.run_path(script, run_name="__main__")

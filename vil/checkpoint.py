@@ -8,6 +8,7 @@ is accepted too, and so are a ``.safetensors`` file of one and a folder that hol
 Hugging Face Hub folder, as ``tools/export_hub.py`` writes).
 """
 
+import argparse
 import json
 import os
 import warnings
@@ -75,7 +76,8 @@ def read_checkpoint(path):
     try:
         with warnings.catch_warnings():  # a pickle of another protocol than torch.save's: its failure is said below
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            with torch.serialization.safe_globals([argparse.Namespace]):  # the args timm's train.py saves
+                checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         if not _saved_by_torch(path):
             raise ValueError(
