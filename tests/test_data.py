@@ -208,6 +208,13 @@ def test_evaluation_folders_lacking_some_of_the_models_classes_are_labelled_as_t
         sorted((path.split("/")[-2], label) for path, label in dataset.samples) == [("ant", 0)] * 2 + [("cat", 2)] * 2
     )
     assert "no images of 1 of the 3 classes, ['bee']" in caplog.text
+    (root / "val" / "bee").mkdir()  # an empty folder lacks the class's images as well
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        with_empty = build_dataset(cfg, train=False, model_classes=["ant", "bee", "cat"])
+    assert with_empty.classes == ["ant", "bee", "cat"] and with_empty.samples == dataset.samples
+    assert "no images of 1 of the 3 classes, ['bee']" in caplog.text
+    (root / "val" / "bee").rmdir()
     with pytest.raises(ValueError, match=r"has 2 classes but DATA.NUM_CLASSES is 3;.*DATA.CLASSES to all 3 in label"):
         build_dataset(cfg, train=False)
     by_name = build_dataset(

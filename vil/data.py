@@ -78,13 +78,17 @@ def class_folders(root):
     return sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
 
 
+def holds_images(folder):
+    """Whether ``folder``, or a folder in it, holds a file named as an image (``IMG_EXTENSIONS``)."""
+    return any(f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(folder, followlinks=True) for f in files)
+
+
 def _without_images(root, classes):
     """One sentence on what of ``root`` holds no images: its class folders (``classes``), or the first without."""
     if not classes:
         return f"{root} has no class folders; put each class's images in {root}/<class>/ ({EXPECTED_LAYOUT})."
     for name in classes:
-        files = (f for _, _, found in os.walk(os.path.join(root, name), followlinks=True) for f in found)
-        if not any(f.lower().endswith(IMG_EXTENSIONS) for f in files):
+        if not holds_images(os.path.join(root, name)):
             return f"{os.path.join(root, name)} holds no images ({', '.join(IMG_EXTENSIONS)}); add some or remove it."
     return f"{root} holds no images of its classes; the data must be ImageNet-style folders, {EXPECTED_LAYOUT}."
 
@@ -333,17 +337,15 @@ def build_dataset(cfg, train, model_classes=None):
             raise ValueError(
                 f"DATA.PATH {cfg.DATA.PATH} {what}; give the folder that holds the data, {EXPECTED_LAYOUT}."
             )
-        has_images = os.path.isdir(root) and any(
-            f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(root, followlinks=True) for f in files
-        )
-        if not has_images:
+        if not (os.path.isdir(root) and holds_images(root)):
             raise ValueError(f"No images found in {root}: the data must be ImageNet-style folders, {EXPECTED_LAYOUT}.")
         if (
             not train
             and not chosen
             and len(model_classes or ()) == cfg.DATA.NUM_CLASSES
-            and set(class_folders(root)) < set(model_classes)
-        ):
+            and set(class_folders(root)) <= set(model_classes)
+            and {name for name in class_folders(root) if holds_images(os.path.join(root, name))} < set(model_classes)
+        ):  # some of the model's classes have no folder, or an empty one
             chosen = list(model_classes)
         dataset = SkippingImageFolder(root, transform, classes=chosen, may_lack=not train)
     classes = len(dataset.classes)
