@@ -574,6 +574,7 @@ def test_amp_runs_on_the_cpu_when_asked_and_says_so_where_its_products_are_slow(
         with amp():
             assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
         assert not scaler.is_enabled() and "this run is float32" not in caplog.text
+        assert "AMP: the model runs under torch.autocast on cpu in bfloat16" in caplog.text
         assert ("bfloat16" in caplog.text and "AVX512-BF16" in caplog.text) != native
         assert ("0.50x the rate of float32" in caplog.text and "AMP.ON_CPU" in caplog.text) == (native and rate < 1)
 

@@ -95,7 +95,9 @@ def amp_context(cfg, device):
     the CPU it is a choice of its own, since only CPUs with half-precision matrix instructions gain from it."""
     dtype = amp_dtype(cfg)
     on = amp_enabled(cfg, device)
-    if cfg.AMP.ENABLED and not on:
+    if on:
+        log.info(f"AMP: the model runs under torch.autocast on {device.type} in {cfg.AMP.DTYPE}.")
+    elif cfg.AMP.ENABLED:
         log.info(f"AMP.ENABLED applies on CUDA, and on the CPU with AMP.ON_CPU True; this run is float32 on {device}.")
     elif cfg.AMP.ON_CPU and not cfg.AMP.ENABLED:
         log.info(f"AMP.ON_CPU True applies with AMP.ENABLED True; this run is float32 on {device}.")
