@@ -353,6 +353,13 @@ def test_training_transforms_follow_the_original_choices(tmp_path):
     text = repr(plain)
     assert "ColorJitter" in text and "p=0.8" in text and "RandomGrayscale(p=0.2)" in text and "GaussianBlur" in text
     assert "ColorJitter" not in repr(build_transform(cfg_for(root), train=True))  # the default probability is 0
+    for size, refused in ((12, False), (11, True)):  # timm's 23-pixel blur pads by 11 pixels, inside the image
+        blurring = cfg_for(root, "AUG.GAUSSIAN_BLUR", "1.0", "INPUT.IMAGE_SIZE", str(size))
+        if refused:
+            with pytest.raises(ValueError, match=r"23-pixel kernel.*at least 12 pixels.*INPUT.IMAGE_SIZE is 11"):
+                build_transform(blurring, train=True)
+        else:
+            assert build_transform(blurring, train=True)(image).shape == (3, 12, 12)
 
 
 def test_augmentation_keys_the_chosen_transform_does_not_read_are_named_once(caplog):
@@ -374,6 +381,9 @@ def test_augmentation_keys_the_chosen_transform_does_not_read_are_named_once(cap
     assert "FINETUNE.FINETUNE is set" in first and "set AUG.TIMM_AUG.USE_TRANSFORM False" in first
     assert "AUG.TIMM_AUG.COLOR_JITTER is set" in second and "AUTO_AUGMENT" in second
     assert not warnings(*timm_aug, "FINETUNE.FINETUNE", "True", "FINETUNE.USE_TRAIN_AUG", "True")
+    assert not warnings(  # timm keeps color jitter beside the 3a policies
+        "AUG.TIMM_AUG.USE_TRANSFORM", "True", "AUG.TIMM_AUG.AUTO_AUGMENT", "3a", "AUG.TIMM_AUG.COLOR_JITTER", "0.3"
+    )
     for name in ("vil_small", "vil_digits", "vil_digits_finetune"):  # the presets set only what they use
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="vil"):

@@ -321,6 +321,10 @@ def test_keys_that_their_own_switches_leave_unread_are_said(data, tmp_path):
             ["SOLVER.LR_POLICY", "cosine", "SOLVER.WARMUP_EPOCHS", "0", "SOLVER.WARMUP_FACTOR", "0.5"],
             "SOLVER.WARMUP_FACTOR is set, but SOLVER.WARMUP_EPOCHS 0 (no warmup) leaves it unread.",
         ),
+        (  # timm's Mixup takes CutMix's boxes from the fractions, and no Beta alpha, when they are given
+            ["AUG.MIXUP", "0.8", "AUG.MIXCUT", "5.0", "AUG.MIXCUT_MINMAX", "[0.2, 0.8]"],
+            "AUG.MIXCUT is set, but AUG.MIXCUT_MINMAX sizes CutMix's boxes instead, so nothing reads it.",
+        ),
     ],
 )
 def test_schedule_keys_without_a_schedule_or_warmup_to_act_on_are_said(overrides, warned, caplog):

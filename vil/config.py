@@ -10,6 +10,7 @@ import difflib
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 import yaml
@@ -43,8 +44,8 @@ _C.AUG.DROPBLOCK_KEEP_PROB = 1.0
 _C.AUG.DROPBLOCK_BLOCK_SIZE = 7
 _C.AUG.MIXUP_PROB = 0.0
 _C.AUG.MIXUP = 0.0
-_C.AUG.MIXCUT = 0.0
-_C.AUG.MIXCUT_MINMAX = []
+_C.AUG.MIXCUT = 0.0  # CutMix's Beta alpha; 0: no CutMix, unless AUG.MIXCUT_MINMAX is set
+_C.AUG.MIXCUT_MINMAX = []  # [low, high]: CutMix boxes of these fractions of the image side, whatever AUG.MIXCUT is
 _C.AUG.MIXUP_SWITCH_PROB = 0.5
 _C.AUG.MIXUP_MODE = "batch"
 _C.AUG.MIXCUT_AND_MIXUP = False
@@ -556,7 +557,10 @@ _RULES = {
     # timm's Mixup takes these three modes; its "half" is FastCollateMixup's alone, which Mixup would run as "batch".
     "AUG.MIXUP_MODE": (lambda v: v in ("batch", "pair", "elem"), "'batch', 'pair' or 'elem' (timm's Mixup modes)"),
     "AUG.MIXUP": (lambda v: math.isfinite(v) and v >= 0, "a finite Beta alpha >= 0 (0: no mixup)"),
-    "AUG.MIXCUT": (lambda v: math.isfinite(v) and v >= 0, "a finite Beta alpha >= 0 (0: no CutMix)"),
+    "AUG.MIXCUT": (
+        lambda v: math.isfinite(v) and v >= 0,
+        "a finite Beta alpha >= 0 (0: no CutMix, unless AUG.MIXCUT_MINMAX sizes its boxes)",
+    ),
     "AUG.MIXCUT_MINMAX": (
         lambda v: not v or (len(v) == 2 and 0 < v[0] <= v[1] <= 1),
         "[] (CutMix boxes from AUG.MIXCUT) or two fractions of the image side, low <= high, in (0, 1]",
@@ -565,14 +569,26 @@ _RULES = {
     "AUG.TIMM_AUG.RE_MODE": (lambda v: v in ("const", "rand", "pixel"), "'const', 'rand' or 'pixel' (timm's)"),
     "AUG.TIMM_AUG.AUTO_AUGMENT": (
         lambda v: not v or _is_timm_policy(v),
-        "'' (none) or a policy timm builds, such as rand-m9-mstd0.5-inc1, augmix-m5, original or v0",
+        "'' (none) or a policy timm builds: a name, then sections of a key and a number, at least one operation "
+        "(n, w >= 1), such as rand-m9-mstd0.5-inc1, augmix-m5, original or v0",
     ),
 }
 
 
 def _is_timm_policy(text):
-    """Whether timm's transform factory builds the augmentation policy ``text`` (as it picks the builder)."""
+    """Whether timm's transform factory builds the augmentation policy ``text`` (as it picks the builder), reading
+    all of it: timm's builders skip a section without a number (``incl`` for ``inc1``, ``mX``) without a word, and
+    take any other RandAugment set than ``tweights``, ``t3a`` and ``t3aw`` as the default one, and build RandAugment of
+    ``n0`` or AugMix of ``w0`` operations, which augment nothing."""
     from timm.data import auto_augment
+
+    name, *sections = text.split("-")
+    for section in sections:
+        if name == "rand" and section in ("tweights", "t3a", "t3aw"):  # RandAugment's named sets of operations
+            continue
+        parsed = re.fullmatch(r"([a-z]+)(\d+(?:\.\d+)?)", section)
+        if not parsed or (parsed[1] in ("n", "w") and float(parsed[2]) == 0):
+            return False
 
     if text.startswith("rand"):
         build = auto_augment.rand_augment_transform

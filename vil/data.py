@@ -29,6 +29,8 @@ EXPECTED_LAYOUT = "DATA.PATH/train/<class>/<image> and DATA.PATH/val/<class>/<im
 _TIMM_KEYS = tuple(
     f"AUG.TIMM_AUG.{k}" for k in ("VFLIP", "COLOR_JITTER", "AUTO_AUGMENT", "RE_PROB", "RE_MODE", "RE_COUNT")
 )
+# The side of the Gaussian blur of timm's create_transform (gaussian_blur_prob), which pads by half of it.
+TIMM_BLUR_KERNEL = 23
 _PLAIN_KEYS = ("AUG.COLOR_JITTER", "AUG.GRAY_SCALE", "AUG.GAUSSIAN_BLUR")
 _CROP_KEYS = ("AUG.SCALE", "AUG.RATIO")
 # INPUT.INTERPOLATION holds PIL's codes, as in the original release.
@@ -231,6 +233,12 @@ def build_transform(cfg, train):
             "brightness, contrast, saturation, hue, probability."
         )
     jitter_prob = cfg.AUG.COLOR_JITTER[4]
+    if aug.GAUSSIAN_BLUR and size <= TIMM_BLUR_KERNEL // 2:
+        raise ValueError(
+            f"AUG.GAUSSIAN_BLUR blurs with timm's {TIMM_BLUR_KERNEL}-pixel kernel, which needs images of at least "
+            f"{TIMM_BLUR_KERNEL // 2 + 1} pixels, but INPUT.IMAGE_SIZE is {size}; set AUG.GAUSSIAN_BLUR 0 or a larger "
+            "INPUT.IMAGE_SIZE."
+        )
     return create_transform(
         is_training=True,
         scale=tuple(aug.SCALE),
@@ -259,7 +267,7 @@ def _warn_unread_keys(cfg):
                     "random crop are not taken; set AUG.TIMM_AUG.USE_TRANSFORM False for them",
                 )
             )
-        if timm_aug.AUTO_AUGMENT:
+        if timm_aug.AUTO_AUGMENT and "3a" not in timm_aug.AUTO_AUGMENT:  # timm keeps it beside 3a's policies
             unread.append(
                 (
                     ("AUG.TIMM_AUG.COLOR_JITTER",),

@@ -330,6 +330,8 @@ def _unread_training_keys(cfg):
         )
     elif not (aug.MIXUP > 0 and (aug.MIXCUT > 0 or aug.MIXCUT_MINMAX)):
         unread.append((("AUG.MIXUP_SWITCH_PROB",), "only Mixup and CutMix together switch between them"))
+    if aug.MIXCUT_MINMAX:
+        unread.append((("AUG.MIXCUT",), "AUG.MIXCUT_MINMAX sizes CutMix's boxes instead, so nothing reads {}"))
     return unread
 
 
