@@ -132,6 +132,12 @@ def test_unknown_keys_name_the_key(tmp_path):
         ("AUG:\n  COLOR_JITTER: [0.4, 0.4, 0.4, 0.1, 1.5]\n", r"AUG.COLOR_JITTER is .*probability in \[0, 1\]"),
         ("AUG:\n  TIMM_AUG:\n    COLOR_JITTER: -0.4\n", r"AUG.TIMM_AUG.COLOR_JITTER is -0.4.*>= 0"),
         ("DATA:\n  CLASSES: [3, 5]\n", r"DATA.CLASSES is \[3, 5\].*quoted strings"),
+        ("AUG:\n  RATIO: [1.0, .inf]\n", r"AUG.RATIO is \(1.0, inf\).*finite"),
+        ("INPUT:\n  CROP_PCT: 1.0e-12\n", r"INPUT.IMAGE_SIZE 224 / INPUT.CROP_PCT 1e-12.*above 2147483647.*CROP_PCT"),
+        ("INPUT:\n  IMAGE_SIZE: 99999999999999999999\n", r"IMAGE_SIZE is 99999999999999999999.*at most 2147483647"),
+        ("? [a, b]\n: 1\n", r"Not valid YAML.* at line 1 \(a key is a list, not a name\)"),
+        ("OPTIM:\n  {LR: 1}: 0.1\n", r"Not valid YAML.* at line 2 \(a key is a dict, not a name\)"),
+        ("INPUT:\n  MEAN: [true, 0.5, 0.5]\n", r"INPUT.MEAN is \[True, 0.5, 0.5\].*items.*not True or False"),
     ],
 )
 def test_malformed_config_files_are_one_sentence(tmp_path, text, message):

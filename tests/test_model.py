@@ -314,6 +314,10 @@ def test_pooling_follows_the_spec():
     assert model.forward_head(feats) is feats
     assert MsViT(PRESETS["vil_tiny"].replace("g0", "g2"), img_size=64, avg_pool=True).global_pool == "avg"
     assert MsViT(PRESETS["vil_tiny"], img_size=64).global_pool == "avg"  # the last stage has g0
+    with pytest.raises(ValueError, match=r"avg_pool=True.*global_pool is 'token'"):
+        MsViT(PRESETS["vil_tiny"].replace("g0", "g2"), img_size=64, avg_pool=True, global_pool="token")
+    with pytest.raises(ValueError, match=r"Image size 2147483648 has a side above 2147483647"):
+        MsViT(PRESETS["vil_tiny"], img_size=2**31)
 
 
 def test_ln_eps_is_honoured():
@@ -341,6 +345,7 @@ def test_no_weight_decay_names():
         ("l1,s2_l2_l3", r"'s2'.*0 or 1"),
         ("l1,h1,d5_l2_l3", r"d5.*even"),
         ("l1,h3,h3_l2_l3", r"'h'.*twice"),
+        ("l1,g2147483648_l2_l3", r"'g2147483648'.*g \(num_global\) must be at least 0 and at most 2147483647"),
         ("vil_small", r"'vil_small' is the name of a preset.*PRESETS\['vil_small'\].*build_fpn_backbone"),
         ("l1,h3,d\u00b2_l2_l3", r"'d\u00b2'.*non-negative integer"),  # a digit to str.isdigit, not to int()
         (None, r"is a str .*got NoneType None"),

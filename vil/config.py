@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Hashable
 from pathlib import Path
 
 import yaml
@@ -378,6 +379,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key is a {type(key).__name__}, not a name", key_node.start_mark
+                )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
@@ -464,7 +469,11 @@ def _coerced(value, default, key, source):
         if type(value) is type(default):
             return value
     elif isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
-        return type(default)(value)
+        if not any(isinstance(item, bool) for item in value):  # no list key holds True or False
+            return type(default)(value)
+        raise ValueError(
+            f"In {source}, {key} is {_shown(value)}, but its items must be numbers or text, not True or False."
+        )
     elif isinstance(default, float) and isinstance(value, (int, float)):
         return float(value)
     elif type(value) is type(default):
@@ -486,10 +495,12 @@ def _shown(value):
 
 
 _PROBABILITY = (lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+# The largest size (an image side, an arch field): PIL's and torch's C functions take sizes as int.
+LARGEST_SIZE = 2**31 - 1
 
 # Keys whose values have a range: (test, what the value must be).
 _RULES = {
-    "INPUT.IMAGE_SIZE": (lambda v: v >= 1, "a positive number of pixels"),
+    "INPUT.IMAGE_SIZE": (lambda v: 1 <= v <= LARGEST_SIZE, f"a positive number of pixels, at most {LARGEST_SIZE}"),
     "INPUT.CROP_PCT": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
     # ToTensor's pixels are in [0, 1]: a mean of 123.675 (of 0-255 pixels) would put every image near -2
     "INPUT.MEAN": (
@@ -551,7 +562,10 @@ _RULES = {
     "AUG.TIMM_AUG.VFLIP": _PROBABILITY,
     "AUG.TIMM_AUG.RE_PROB": _PROBABILITY,
     "AUG.SCALE": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "two fractions, low <= high, in (0, 1]"),
-    "AUG.RATIO": (lambda v: len(v) == 2 and 0 < v[0] <= v[1], "two positive aspect ratios, low <= high"),
+    "AUG.RATIO": (
+        lambda v: len(v) == 2 and 0 < v[0] <= v[1] and math.isfinite(v[1]),
+        "two positive finite aspect ratios, low <= high",
+    ),
     "DATA.TRAIN": (lambda v: len(v) == 1 and isinstance(v[0], str), "one dataset name, like ('imagenet',)"),
     "DATA.TEST": (lambda v: len(v) == 1 and isinstance(v[0], str), "one dataset name, like ('imagenet',)"),
     # timm's Mixup takes these three modes; its "half" is FastCollateMixup's alone, which Mixup would run as "batch".
@@ -615,10 +629,16 @@ def check_values(cfg, source=None):
             raise ValueError(
                 f"{'In ' + source + ', ' if source else ''}{key} is {_shown(value)}, but it must be {expected}."
             )
+    where = f"In {source}, " if source else ""
     if cfg.SOLVER.LR_POLICY in ("cosine", "linear") and cfg.SOLVER.MIN_LR > cfg.OPTIM.LR:  # they decay to MIN_LR
         raise ValueError(
-            f"{'In ' + source + ', ' if source else ''}SOLVER.MIN_LR {cfg.SOLVER.MIN_LR:g} is above OPTIM.LR "
-            f"{cfg.OPTIM.LR:g}, so the schedule would rise to it; give a SOLVER.MIN_LR of at most OPTIM.LR."
+            f"{where}SOLVER.MIN_LR {cfg.SOLVER.MIN_LR:g} is above OPTIM.LR {cfg.OPTIM.LR:g}, so the schedule would "
+            "rise to it; give a SOLVER.MIN_LR of at most OPTIM.LR."
+        )
+    if cfg.INPUT.IMAGE_SIZE / cfg.INPUT.CROP_PCT > LARGEST_SIZE:  # the side evaluation resizes images to
+        raise ValueError(
+            f"{where}INPUT.IMAGE_SIZE {cfg.INPUT.IMAGE_SIZE} / INPUT.CROP_PCT {cfg.INPUT.CROP_PCT:g}, the side the "
+            f"evaluation resizes images to, is above {LARGEST_SIZE} pixels; give a larger INPUT.CROP_PCT."
         )
 
 

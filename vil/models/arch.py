@@ -4,6 +4,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import LARGEST_SIZE
+
 GRAMMAR = (
     'stages separated by "_", each a comma-separated list of <letter><integer> fields: l (stage index, '
     "1-based), h (heads), d (hidden size), n (layers), s (1 local / 0 full attention), g (global tokens), "
@@ -23,7 +25,7 @@ _FIELDS = {
 }
 _DEFAULTS = {"l": 1, "h": 3, "d": 192, "n": 1, "s": 1, "g": 1, "p": 2, "f": 7, "a": 1}
 _MINIMUM = {"l": 1, "h": 1, "d": 1, "n": 1, "s": 0, "g": 0, "p": 1, "f": 1, "a": 0}
-_MAXIMUM = {"s": 1, "a": 1}
+_MAXIMUM = {"s": 1, "a": 1}  # the other fields are sizes, at most LARGEST_SIZE
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,9 @@ def parse_arch(arch: str) -> list[StageSpec]:
             if not (number.isascii() and number.isdigit()):  # str.isdigit takes superscripts, which int() refuses
                 raise ValueError(f"{where}: {letter!r} must be followed by a non-negative integer; {GRAMMAR}.")
             value = int(number)
-            low, high = _MINIMUM[letter], _MAXIMUM.get(letter)
-            if value < low or (high is not None and value > high):
-                allowed = f"{low} or {high}" if high is not None else f"at least {low}"
+            low, high = _MINIMUM[letter], _MAXIMUM.get(letter, LARGEST_SIZE)
+            if not low <= value <= high:
+                allowed = f"{low} or {high}" if high == 1 else f"at least {low} and at most {high}"
                 raise ValueError(f"{where}: {letter} ({_FIELDS[letter]}) must be {allowed}; {GRAMMAR}.")
             seen.add(letter)
             values[letter] = value

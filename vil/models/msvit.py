@@ -46,6 +46,7 @@ from ..checkpoint import (
     read_checkpoint,
     with_hub_config,
 )
+from ..config import LARGEST_SIZE
 from ..ops import check_window_options
 from .arch import COMPARISONS, PRESETS, parse_arch, stage_map_sizes
 from .attention import FullAttention, LongformerAttention, LongformerOptions
@@ -292,6 +293,8 @@ class MsViT(nn.Module):
                 f"output_stride {output_stride} is not available: this architecture's stages have fixed "
                 f"strides (its patch sizes), so its output stride is {stride}; leave output_stride out."
             )
+        if max(self.img_size) > LARGEST_SIZE:
+            raise ValueError(f"Image size {img_size} has a side above {LARGEST_SIZE}; build it for a smaller one.")
         if min(self.img_size) < stride:
             raise ValueError(
                 f"Image size {img_size} is smaller than the model's total stride {stride} (the product of the "
@@ -299,6 +302,8 @@ class MsViT(nn.Module):
             )
         if global_pool is None:
             global_pool = "token" if self.stage_specs[-1].num_global and not avg_pool else "avg"
+        elif avg_pool and global_pool == "token":
+            raise ValueError("avg_pool=True pools by the mean, but global_pool is 'token'; give one of the two.")
         self.global_pool = self._checked_pool(global_pool)
         if attention not in MECHANISMS:
             raise ValueError(
