@@ -22,6 +22,7 @@ from ..ops import Neighborhood1d, local_attention_1d
 from ..ops.base import exporting_to_onnx, tracing
 from ..ops.geometry import pair_in_band
 from ..ops.operators import autograd_gradients, fake_gradients, laid_out_as, operator_gradients
+from ..ops.registry import BACKENDS
 
 _log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class SlidingWindowSelfAttention:
         if exporting_to_onnx():
             out = dense_attention(tensors, band)
         elif tracing(q):
+            _check_compiled_backend(self.backend, q.device.type)
             out = _longformer_attention(tensors, *band)
         else:
             out = sliding_window_attention(tensors, band)
@@ -81,6 +83,18 @@ class SlidingWindowSelfAttention:
         """(B, L, dim) -> (B, heads, L, head_dim)."""
         B, L, _ = x.shape
         return x.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+
+
+def _check_compiled_backend(name, device_type):
+    """Under torch.compile the layers run the op inside one operator of their own: refuses a backend that cannot
+    run there (torch.export's programs run it)."""
+    if name is None or torch.compiler.is_exporting() or BACKENDS[name].in_compiled_operators:
+        return
+    able = [n for n, b in BACKENDS.items() if b.computes(1) and b.runs_on(device_type) and b.in_compiled_operators]
+    raise ValueError(
+        f"The {name} backend cannot run inside the operator that the Longformer layers are compiled into; under "
+        f"torch.compile give them another backend ({', '.join(able)}), or run them eagerly or through torch.export."
+    )
 
 
 def _plain_linear(module) -> bool:

@@ -242,6 +242,9 @@ class Backend:
     the batch, which vmap cannot batch, or where torch's FlexAttention fails under it: refused in one sentence).
     ``extras_in_float32``: it takes the global keys and values and bias tables in float32 beside half-precision q
     (its passes compute them in float32), so that pieces of a split request can share float32 copies.
+    ``in_compiled_operators``: it runs inside a custom operator of a torch.compile graph (False for FlexAttention,
+    which maps its masks and scores with vmap: torch checks an operator's first call in a compiled graph under a
+    dispatch mode that refuses vmap's tensors).
     """
 
     name: str
@@ -263,6 +266,7 @@ class Backend:
     function_transforms: bool = True
     vmap: bool = True
     extras_in_float32: bool = False
+    in_compiled_operators: bool = True
 
     def function(self, dims: int) -> Optional[Callable]:
         return self.attention_1d if dims == 1 else self.attention_2d

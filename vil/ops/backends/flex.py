@@ -159,7 +159,8 @@ def attention_1d(q, k, v, hood, extras):
     return attend(q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=extras.scale)
 
 
-# torch's FlexAttention has no CPU backward: forward only there; torch.func.vmap fails inside it.
+# torch's FlexAttention has no CPU backward: forward only there; torch.func.vmap fails inside it, and it
+# uses vmap itself.
 BACKEND = Backend(
     "flex",
     attention_2d=attention_2d,
@@ -170,4 +171,5 @@ BACKEND = Backend(
     traceable=True,
     function_transforms=False,
     vmap=False,
+    in_compiled_operators=False,
 )
