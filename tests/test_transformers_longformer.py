@@ -641,10 +641,13 @@ def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_o
     outputs = []
     with caplog.at_level(logging.WARNING, logger="vil.transformers_longformer"):
         vil.transformers_longformer._Accelerated._said.clear()
-        for model in (reference, accelerated, accelerated):
+        # Compiled too: that attention runs eagerly there (dynamo fails on transformers' global attention).
+        compiled = torch.compile(accelerated, backend="aot_eager")
+        for model in (reference, accelerated, accelerated, compiled):
             torch.manual_seed(7)
             outputs.append(model.train()(ids, attention_mask=mask, global_attention_mask=global_mask)[0])
     assert_same(outputs[1], outputs[0], mask)  # the same dropout draws: transformers' own attention
+    assert_same(outputs[3], outputs[0], mask)
     assert caplog.text.count("The attention dropout is above 0") == 1 and "layer.dropout = 0.0" in caplog.text
     with torch.no_grad():  # in evaluation dropout is off: the op
         assert_same(
@@ -660,15 +663,17 @@ def test_output_attentions_gives_transformers_tensors_and_says_so_once(caplog):
     ids, mask, global_mask = batch(one_global_each=True)
     vil.transformers_longformer._Accelerated._said.clear()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="vil.transformers_longformer"):
-        want, got, _ = (
+        want, got, _, compiled = (
             model.eval()(ids, attention_mask=mask, global_attention_mask=global_mask, output_attentions=True)
-            for model in (reference, accelerated, accelerated)
+            for model in (reference, accelerated, accelerated, torch.compile(accelerated, backend="aot_eager"))
         )
     assert caplog.text.count("output_attentions=True asks for the attention probabilities") == 1
-    assert_same(got.last_hidden_state, want.last_hidden_state, mask)
-    assert len(got.attentions) == len(got.global_attentions) == 2
-    for got_probs, want_probs in zip(got.attentions + got.global_attentions, want.attentions + want.global_attentions):
-        assert torch.equal(got_probs, want_probs)
+    for result in (got, compiled):  # compiled, transformers' attention runs eagerly
+        assert_same(result.last_hidden_state, want.last_hidden_state, mask)
+        assert len(result.attentions) == len(result.global_attentions) == 2
+        pairs = zip(result.attentions + result.global_attentions, want.attentions + want.global_attentions)
+        for got_probs, want_probs in pairs:
+            assert torch.equal(got_probs, want_probs)
 
 
 def test_what_is_refused():

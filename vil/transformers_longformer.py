@@ -75,7 +75,9 @@ class _Accelerated(SlidingWindowSelfAttention):
                 _log.warning("%s", reason)
         if reasons:
             head_mask = {} if layer_head_mask is None else {"layer_head_mask": layer_head_mask}
-            return super().forward(
+            # Eagerly under torch.compile: dynamo fails on its global attention (it branches on a tensor's truth).
+            attention = super().forward if torch.compiler.is_exporting() else torch.compiler.disable(super().forward)
+            return attention(
                 hidden_states,
                 attention_mask=attention_mask,
                 is_index_masked=is_index_masked,
