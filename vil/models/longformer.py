@@ -72,8 +72,7 @@ class SlidingWindowSelfAttention:
         band = Band(self.window, dilations, self.causal, self.backend, projected)
         if exporting_to_onnx():
             out = dense_attention(tensors, band)
-        elif tracing(q):
-            _check_compiled_backend(self.backend, q.device.type)
+        elif tracing(q) and _runs_in_operators(self.backend):
             out = _longformer_attention(tensors, *band)
         else:
             out = sliding_window_attention(tensors, band)
@@ -85,16 +84,10 @@ class SlidingWindowSelfAttention:
         return x.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
 
 
-def _check_compiled_backend(name, device_type):
-    """Under torch.compile the layers run the op inside one operator of their own: refuses a backend that cannot
-    run there (torch.export's programs run it)."""
-    if name is None or torch.compiler.is_exporting() or BACKENDS[name].in_compiled_operators:
-        return
-    able = [n for n, b in BACKENDS.items() if b.computes(1) and b.runs_on(device_type) and b.in_compiled_operators]
-    raise ValueError(
-        f"The {name} backend cannot run inside the operator that the Longformer layers are compiled into; under "
-        f"torch.compile give them another backend ({', '.join(able)}), or run them eagerly or through torch.export."
-    )
+def _runs_in_operators(name):
+    """Whether the layers' operator may run the backend ``name`` under torch.compile; the others are traced as the
+    layers' Python code (torch.export's programs run the operator with any)."""
+    return name is None or torch.compiler.is_exporting() or BACKENDS[name].in_compiled_operators
 
 
 def _plain_linear(module) -> bool:
