@@ -138,6 +138,8 @@ def test_unknown_keys_name_the_key(tmp_path):
         ("? [a, b]\n: 1\n", r"Not valid YAML.* at line 1 \(a key is a list, not a name\)"),
         ("OPTIM:\n  {LR: 1}: 0.1\n", r"Not valid YAML.* at line 2 \(a key is a dict, not a name\)"),
         ("INPUT:\n  MEAN: [true, 0.5, 0.5]\n", r"INPUT.MEAN is \[True, 0.5, 0.5\].*items.*not True or False"),
+        ("DATA:\n  CLASSES: [yes, no]\n", r"DATA.CLASSES is \[True, False\].*quoted text.*yes, no"),
+        ("OPTIM: &o\n  LR: 0.2\nSOLVER:\n  <<: *o\n", r"Unknown config key SOLVER.LR"),  # YAML's merge keys are read
     ],
 )
 def test_malformed_config_files_are_one_sentence(tmp_path, text, message):

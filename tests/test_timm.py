@@ -443,6 +443,15 @@ with torch.no_grad():
 ema.update(model)
 averaged = dict(ema.module.named_parameters())
 ema_error = torch.cat([(averaged[name] - before[name] - 0.1).flatten() for name in before]).abs().max().item()
+# A module holding the model (timm's feature distillation averages the student with its projection) as well.
+held = timm.utils.ModelEmaV3(torch.nn.ModuleDict(dict(student=model)), decay=0.9)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+held.update(torch.nn.ModuleDict(dict(student=model)))
+averaged = dict(held.module.named_parameters())
+moved = [(averaged["student." + name] - before[name] - 1.1).flatten() for name in before]
+ema_error = max(ema_error, torch.cat(moved).abs().max().item())
 print(sys.argv[0].endswith("train.py"), type(model).__name__, tuple(logits.shape), config["interpolation"],
       ema_error < 1e-5)
 """

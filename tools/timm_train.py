@@ -20,12 +20,13 @@ from vil.models import MsViT
 
 
 class ModelEmaOfViL(timm.utils.ModelEmaV3):
-    """timm's ``ModelEmaV3``, with ``exclude_buffers`` for ViL models: by default it averages every state-dict
-    entry, and a shared weight (SHARE_W's ``query`` and ``query_global``) is two entries of one tensor, which would
-    then move as if at decay d^2. Other models are averaged as timm does."""
+    """timm's ``ModelEmaV3``, with ``exclude_buffers`` for ViL models and modules that hold one (timm's feature
+    distillation averages the student with its projection): by default it averages every state-dict entry, and a
+    shared weight (SHARE_W's ``query`` and ``query_global``) is two entries of one tensor, which would then move as
+    if at decay d^2. Other models are averaged as timm does."""
 
     def __init__(self, model, *args, **kwargs):
-        if isinstance(model, MsViT):
+        if any(isinstance(module, MsViT) for module in model.modules()):
             kwargs["exclude_buffers"] = True
         super().__init__(model, *args, **kwargs)
 

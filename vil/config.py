@@ -378,6 +378,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": the merged keys, which the mapping's own override
+                continue
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, Hashable):
                 raise yaml.constructor.ConstructorError(
@@ -472,7 +474,8 @@ def _coerced(value, default, key, source):
         if not any(isinstance(item, bool) for item in value):  # no list key holds True or False
             return type(default)(value)
         raise ValueError(
-            f"In {source}, {key} is {_shown(value)}, but its items must be numbers or text, not True or False."
+            f"In {source}, {key} is {_shown(value)}, but its items must be numbers or quoted text, not True or False "
+            "(unquoted, YAML reads yes, no, on, off, true and false as those)."
         )
     elif isinstance(default, float) and isinstance(value, (int, float)):
         return float(value)
