@@ -394,6 +394,21 @@ def test_tensors_the_conversions_cannot_take_are_one_sentence(tmp_path, key, val
     assert "\n" not in str(refusal.value)
 
 
+def test_an_exported_backbone_whose_weights_are_not_finite_is_refused_naming_a_tensor(tmp_path):
+    """As a classification checkpoint is: in a shared weight (SHARE_W's query and query_global), NaN != NaN once
+    made the check of shared tensors say that they differ."""
+    source, _ = small_checkpoint(tmp_path / "cls.pth")
+    for key in ("layer1.2.mlp.fc1.weight", "layer2.1.attn.query.weight"):
+        state = {k: v.clone() for k, v in source.state_dict().items()}
+        state[key][0, 0] = float("nan")
+        if key.endswith("query.weight"):
+            state[key.replace("query", "query_global")] = state[key]
+        for fmt in ("torchvision", "mmdet"):
+            torch.save(export_state(state, fmt, SMALL, (64, 64)), tmp_path / "nan.pth")
+            with pytest.raises(ValueError, match=rf"nan.pth holds values that are not finite .* e.g. {key}"):
+                build_fpn_backbone(SMALL, img_size=64, checkpoint=tmp_path / "nan.pth")
+
+
 def test_a_backbone_of_fewer_stages_loads_the_stages_it_keeps(tmp_path):
     """out_indices that end before the last stage: the checkpoint's weights of the stages after it are left out,
     those of the stages kept are still all required."""

@@ -268,16 +268,22 @@ def model_state(checkpoint, path="checkpoint"):
             f"{path} has no model state dict: expected a dict of tensors, or one under the key 'net', 'state_dict' "
             "or 'model'."
         )
+    check_finite(state, path)
+    for prefix in ("module.", "_orig_mod."):  # DistributedDataParallel, torch.compile
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix) :]: v for k, v in state.items()}
+    return {k: v for k, v in state.items() if not _derived(k, state)}
+
+
+def check_finite(state, path="checkpoint"):
+    """Refuses, in one sentence naming a tensor, a state dict whose weights are not finite: nothing evaluates,
+    exports or trains on them."""
     broken = [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
     if broken:
         raise ValueError(
             f"Checkpoint {path} holds values that are not finite (NaN or infinite) in {len(broken)} tensors, "
             f"e.g. {broken[0]}; use a checkpoint written before the training diverged."
         )
-    for prefix in ("module.", "_orig_mod."):  # DistributedDataParallel, torch.compile
-        if state and all(k.startswith(prefix) for k in state):
-            state = {k[len(prefix) :]: v for k, v in state.items()}
-    return {k: v for k, v in state.items() if not _derived(k, state)}
 
 
 def _derived(key, state):

@@ -22,7 +22,7 @@ from timm.layers import LayerNorm2d, to_2tuple
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, FeaturePyramidNetwork, LastLevelMaxPool
 from yacs.config import CfgNode
 
-from .checkpoint import load_model_state, model_state, read_checkpoint, stored_config
+from .checkpoint import check_finite, load_model_state, model_state, read_checkpoint, stored_config
 from .config import config_value
 from .model_config import mechanism_of, model_kwargs
 from .models import MECHANISMS, PRESETS, MsViT, arch_string, parse_arch, stage_map_sizes
@@ -65,7 +65,8 @@ class ViLBackbone(MsViT):
 
     Args:
         arch: the architecture string; other :class:`~vil.models.MsViT` arguments by keyword.
-        out_indices: the stages to return (0-based; negative from the end); None: every stage.
+        out_indices: the stages to return (0-based; negative from the end), in stage order whatever their order
+            here; an int n: the last n stages (timm's convention); None: every stage.
         level_norm: a LayerNorm over channels on each returned map.
         global_tokens: ``"drop"``, or ``"average"`` (the mean of the stage's global tokens added everywhere).
         frozen_stages: the first k stages get no gradients and stay in eval mode (see :meth:`freeze`).
@@ -128,7 +129,7 @@ class ViLBackbone(MsViT):
 
     def forward(self, images: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
         """Images (B, C, H, W) of any size of at least the total stride -> ``{"0": map, "1": map, ...}``, one
-        entry per returned stage, named by its position in ``out_indices``."""
+        entry per returned stage, in stage order, named by its position among them."""
         maps = self.forward_intermediates(
             images, indices=self.out_indices, intermediates_only=True, stop_early=True, global_tokens=self.global_tokens
         )
@@ -193,7 +194,7 @@ def build_fpn_backbone(
             options below say) or a backbone checkpoint from ``tools/export_backbone.py``. Where it says the
             :data:`BACKBONE_OPTIONS` its model was trained with (this project's config stored in it, or an export's
             options), the backbone is built with them; a config or keyword asking for other values is refused.
-        out_indices: the stages that feed the pyramid; None: every stage.
+        out_indices: the stages that feed the pyramid, as :class:`ViLBackbone` takes them; None: every stage.
         extra_blocks: torchvision's extra pyramid block; None: ``LastLevelMaxPool`` (Mask/Faster R-CNN). RetinaNet
             takes ``LastLevelP6P7(out_channels, out_channels)`` and ``out_indices=(1, 2, 3)``.
         level_norm, global_tokens: see :class:`ViLBackbone`.
@@ -406,6 +407,7 @@ def _load_read_checkpoint(body, checkpoint, path, source_arch, conversion):
     check_options(trained, body.model_options, path)
     specs = body.stage_specs
     if state is not None:  # exports hold tables for the maps of patch embeddings that pad
+        check_finite(state, path)
         check_convertible(state, path)
         info, built_arch = export_info(checkpoint), arch_string([*specs, *body.pruned_specs])
         if isinstance(info.get("arch"), str) and arch_string(parse_arch(info["arch"])) != built_arch:
