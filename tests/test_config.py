@@ -242,6 +242,8 @@ def test_an_empty_config_file_argument_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:  # as from an unset $CFG: not the defaults
         config_from_command_line("a tool", ["--config-file", ""])
     assert exit_info.value.code == 2 and "--config-file is empty" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--config-file is empty; give a YAML file or a preset's name"):
+        load_cfg("")  # the tools that read --config-file themselves
 
 
 def test_the_config_file_may_follow_the_overrides_and_negative_values_stay_values():

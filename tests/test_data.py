@@ -5,6 +5,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from functools import partial
 
 import numpy as np
@@ -97,6 +98,18 @@ def test_images_are_read_as_a_viewer_shows_them(tmp_path):
     Image.fromarray(np.full((4, 4), 100000, np.int32), "I").save(tmp_path / "wider.tif")
     with pytest.raises(ValueError, match=r"32-bit integer pixels \(mode I\) outside 16-bit levels \(up to 100000\)"):
         read_image(tmp_path / "wider.tif")
+    # Between Pillow's limit and twice it, Pillow only warns, in words that name no file: refused as a possible bomb.
+    Image.new("1", (9500, 9500)).save(tmp_path / "large.png")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no warning of Pillow's escapes
+        with pytest.raises(ValueError, match=r"more than Pillow's 89478485 pixels.*decompression bomb.*MAX_IMAGE_PIX"):
+            read_image(tmp_path / "large.png")
+        # A palette with transparency in bytes: the RGB of the palette's colours, without Pillow's warning.
+        palette = Image.new("P", (2, 1))
+        palette.putpalette([10, 20, 30, 200, 100, 50])
+        palette.putdata([0, 1])
+        palette.save(tmp_path / "palette.png", transparency=bytes([0, 255]))
+        assert np.asarray(read_image(tmp_path / "palette.png")).tolist() == [[[10, 20, 30], [200, 100, 50]]]
 
 
 def test_image_folders_shards_and_predict_see_the_same_pixels(tmp_path):

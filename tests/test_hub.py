@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 import json
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -490,6 +491,21 @@ def test_predict_writes_as_many_csv_columns_as_the_model_has_classes_below_top_k
             probabilities = ema(transform(default_loader(path))[None]).softmax(-1)[0].tolist()
         shown = dict(zip(cells[0::2], map(float, cells[1::2])))
         assert shown == pytest.approx(dict(zip(["cat", "dog"], probabilities)), abs=1e-5)
+
+
+def test_predict_writes_a_file_name_that_is_not_utf8_as_its_bytes(exported, tmp_path):
+    """A Latin-1 name (as old archives unpack) in the CSV as the file system holds it; it stopped the write."""
+    out, data = exported["out"], exported["data"]
+    image = next((data / "val").rglob("*.*"))
+    (tmp_path / "named").mkdir()
+    with open(os.path.join(os.fsencode(tmp_path / "named"), b"caf\xe9.png"), "wb") as f:
+        f.write(image.read_bytes())
+    for output in ("labels.csv", "labels.json"):
+        status, _, err = run_tool(
+            "predict", "--model", f"local-dir:{out}", tmp_path / "named", "--output", tmp_path / output
+        )
+        assert status == 0, err
+    assert b"caf\xe9.png," in (tmp_path / "labels.csv").read_bytes()
 
 
 def test_predict_refuses_an_unknown_model_naming_the_registered_ones(tmp_path):

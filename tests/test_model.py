@@ -347,6 +347,7 @@ def test_no_weight_decay_names():
         ("l1,h3,h3_l2_l3", r"'h'.*twice"),
         ("l1,g2147483648_l2_l3", r"'g2147483648'.*g \(num_global\) must be at least 0 and at most 2147483647"),
         ("vil_small", r"'vil_small' is the name of a preset.*PRESETS\['vil_small'\].*build_fpn_backbone"),
+        ("vil_smal", r"'vil_smal' is neither a preset's name \(did you mean vil_small\?\) \(vil_tiny, .*arch string"),
         ("l1,h3,d\u00b2_l2_l3", r"'d\u00b2'.*non-negative integer"),  # a digit to str.isdigit, not to int()
         (None, r"is a str .*got NoneType None"),
         (5, r"is a str .*got int 5"),

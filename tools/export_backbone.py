@@ -106,7 +106,7 @@ def source_model(args, checkpoint):
     classifier. Where IN stores its config, that says them, and an arch given by --arch or --config-file must be the
     stored one, and model options given by --config-file the stored ones; else --config-file's (its arch replaced by
     --arch's where given), else --arch's with the model's defaults."""
-    given_cfg = load_cfg(args.config_file) if args.config_file else None
+    given_cfg = load_cfg(args.config_file) if args.config_file is not None else None
     given = PRESETS.get(args.arch, args.arch) if args.arch else given_cfg and given_cfg.MODEL.VIT.MSVIT.ARCH
     stored = stored_config(checkpoint, args.input)
     cfg = stored or given_cfg

@@ -190,7 +190,8 @@ def main(argv=None):
         top_k = min(args.top_k, len(names))  # as many as the records have
         text = table(records, top_k) if args.output.endswith(".csv") else json.dumps(records, indent=2) + "\n"
         try:
-            atomic_write(args.output, lambda f: f.write(text.encode()))
+            # A file name that is not UTF-8 is written as the bytes it has (Python reads them as surrogates).
+            atomic_write(args.output, lambda f: f.write(text.encode(errors="surrogateescape")))
         except OSError as e:
             sys.exit(f"error: {e}")
     print(f"{len(records)} of {len(paths)} images labelled.", file=sys.stderr)

@@ -284,6 +284,8 @@ def load_cfg(config_file=None, overrides=()):
     or out of range) raises ``ValueError`` with one sentence naming it.
     """
     cfg = get_cfg()
+    if config_file is not None and not str(config_file):  # an unset variable ($CFG): not the defaults
+        raise ValueError(f"{EMPTY_CONFIG_FILE}.")
     if config_file:
         config_file = _config_path(config_file)
         try:

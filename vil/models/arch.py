@@ -4,7 +4,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import LARGEST_SIZE
+from ..config import LARGEST_SIZE, did_you_mean
 
 GRAMMAR = (
     'stages separated by "_", each a comma-separated list of <letter><integer> fields: l (stage index, '
@@ -49,6 +49,11 @@ def parse_arch(arch: str) -> list[StageSpec]:
         raise ValueError(
             f"{arch!r} is the name of a preset, not an arch string; give its arch string, vil.models.PRESETS[{arch!r}]"
             ", or build it by name (timm.create_model, vil.detection.build_fpn_backbone)."
+        )
+    if not any(ch.isdigit() for ch in arch):  # every arch string has numbers: a name, likely a preset's misspelt
+        raise ValueError(
+            f"{arch!r} is neither a preset's name{did_you_mean(arch, PRESETS)} ({', '.join(PRESETS)}) nor an arch "
+            f"string ({GRAMMAR})."
         )
     stages = arch.split("_")
     if len(stages) not in (3, 4):
