@@ -407,6 +407,12 @@ def test_an_exported_backbone_whose_weights_are_not_finite_is_refused_naming_a_t
             torch.save(export_state(state, fmt, SMALL, (64, 64)), tmp_path / "nan.pth")
             with pytest.raises(ValueError, match=rf"nan.pth holds values that are not finite .* e.g. {key}"):
                 build_fpn_backbone(SMALL, img_size=64, checkpoint=tmp_path / "nan.pth")
+    body_state = {k: v for k, v in source.state_dict().items() if not k.startswith(("head.", "norm."))}
+    exported = export_state(body_state, "torchvision", SMALL, (64, 64))
+    exported["model"]["backbone.body.foo"] = 3  # not a tensor: named as a key this model does not have
+    torch.save(exported, tmp_path / "odd.pth")
+    with pytest.raises(ValueError, match=r"odd.pth does not fit this model's architecture \(1 unexpected: foo\)"):
+        build_fpn_backbone(SMALL, img_size=64, checkpoint=tmp_path / "odd.pth")
 
 
 def test_a_backbone_of_fewer_stages_loads_the_stages_it_keeps(tmp_path):

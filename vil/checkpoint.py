@@ -277,8 +277,8 @@ def model_state(checkpoint, path="checkpoint"):
 
 def check_finite(state, path="checkpoint"):
     """Refuses, in one sentence naming a tensor, a state dict whose weights are not finite: nothing evaluates,
-    exports or trains on them."""
-    broken = [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
+    exports or trains on them (entries that are not tensors are left to the checks of the keys)."""
+    broken = [k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point() and not v.isfinite().all()]
     if broken:
         raise ValueError(
             f"Checkpoint {path} holds values that are not finite (NaN or infinite) in {len(broken)} tensors, "
