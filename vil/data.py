@@ -85,6 +85,14 @@ def holds_images(folder):
     return any(f.lower().endswith(IMG_EXTENSIONS) for _, _, files in os.walk(folder, followlinks=True) for f in files)
 
 
+def _lacks_some_of(root, classes):
+    """Whether the class folders of ``root`` are some of ``classes`` and hold images of fewer than all of them (a
+    class without a folder, or with an empty one)."""
+    folders = class_folders(root)
+    with_images = {name for name in folders if holds_images(os.path.join(root, name))}
+    return set(folders) <= set(classes) and with_images < set(classes)
+
+
 def _without_images(root, classes):
     """One sentence on what of ``root`` holds no images: its class folders (``classes``), or the first without."""
     if not classes:
@@ -351,9 +359,8 @@ def build_dataset(cfg, train, model_classes=None):
             not train
             and not chosen
             and len(model_classes or ()) == cfg.DATA.NUM_CLASSES
-            and set(class_folders(root)) <= set(model_classes)
-            and {name for name in class_folders(root) if holds_images(os.path.join(root, name))} < set(model_classes)
-        ):  # some of the model's classes have no folder, or an empty one
+            and _lacks_some_of(root, model_classes)
+        ):
             chosen = list(model_classes)
         dataset = SkippingImageFolder(root, transform, classes=chosen, may_lack=not train)
     classes = len(dataset.classes)
