@@ -105,8 +105,9 @@ def test_the_timm_contender_is_built_for_the_models_images_or_refused_in_one_sen
 
 
 def test_a_timm_contender_that_cannot_be_built_is_one_sentence_before_measuring(monkeypatch):
-    """A Hub model that is neither reachable nor cached here (timm takes any hf-hub: name up front)."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    """A Hub model that is neither reachable nor cached here (timm takes any hf-hub: name up front). Offline, so
+    that no network's timeouts are waited for: huggingface_hub reads HF_HUB_OFFLINE once, when it is imported."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     name = "hf-hub:no-such-owner/no-such-model"
     status, out, err = run_tool("benchmark_model", "--config-file", "vil_tiny", "--timm", name, "--batch", "1")
     assert status == 1 and not out  # no table measured before it
