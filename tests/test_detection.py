@@ -3,6 +3,7 @@
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,8 +127,8 @@ def test_multi_scale_features_options():
 
 
 def test_frozen_stages_get_no_gradients_and_stay_in_eval_mode():
-    body = build_fpn_backbone("vil_tiny", trainable_stages=2, img_size=64).body
-    assert body.frozen_stages == 2
+    body = build_fpn_backbone("vil_tiny", trainable_stages=np.int64(2), img_size=64).body  # numpy's too
+    assert body.frozen_stages == 2 and type(body.frozen_stages) is int
     frozen = [n for n, p in body.named_parameters() if not p.requires_grad]
     assert frozen and all(n.startswith(("layer1.", "layer2.")) for n in frozen)
     assert all(p.requires_grad for n, p in body.named_parameters() if n.startswith(("layer3.", "layer4.")))

@@ -4,8 +4,8 @@ import pytest
 import torch
 from test_local_attention import assert_matches_the_window_asked_for, upstream_gradient
 
-from vil.ops import available_backends, default_backend, local_attention_1d
-from vil.ops.backends import reference, sliding_chunk
+from vil.ops import available_backends, base, default_backend, local_attention_1d
+from vil.ops.backends import reference
 from vil.ops.backends.reference import band_pairs
 from vil.ops.base import Extras
 from vil.ops.neighborhood import Neighborhood1d
@@ -219,7 +219,7 @@ def test_gradcheck(backend):
 def test_blocked_backends_in_groups_of_one_block(monkeypatch, backend, L, w, dilation, causal, G, rel, glob, mask):
     # Long sequences run in groups of blocks (chunks) whose scores fit a budget; a budget of one byte makes every
     # block a group of its own, so the softmax of a query is merged across groups.
-    monkeypatch.setitem(sliding_chunk.BLOCK_BYTES, "cpu", 1)
+    monkeypatch.setitem(base.BLOCK_BYTES, "cpu", 1)
     inputs, padding = make_inputs(L, w, G, rel, glob, mask)
     expected, expected_grads = run("reference", inputs, padding, w, dilation, causal)
     out, grads = run(backend, inputs, padding, w, dilation, causal)

@@ -190,6 +190,11 @@ def test_bad_input():
         LongformerSelfAttention(DIM, HEADS, 2, dilation=(1, 2))
     with pytest.raises(ValueError, match="window must be a positive integer"):
         LongformerSelfAttention(DIM, HEADS, 0)
+    # The backend when the layer is built, as ViL's attention module checks it, not at its first call.
+    with pytest.raises(ValueError, match=r"'nonsense'.*; available: sliding_chunk, .*reference"):
+        LongformerSelfAttention(DIM, HEADS, 2, backend="nonsense")
+    with pytest.raises(ValueError, match=r"unfold .*1D .*: sliding_chunk, .*reference"):
+        LongformerSelfAttention(DIM, HEADS, 2, backend="unfold")
 
 
 def test_flex_runs_eagerly_and_compiled_outside_the_layers_operator():

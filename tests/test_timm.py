@@ -1,5 +1,6 @@
 """The presets as timm models: timm's model conventions, features_only, local checkpoint files."""
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -282,6 +283,18 @@ def test_a_new_classifier_takes_the_models_device_and_dtype():
     assert model.head.weight.dtype == torch.bfloat16
     with torch.no_grad():
         assert model(torch.randn(1, 3, 64, 64, dtype=torch.bfloat16)).shape == (1, 3)
+
+
+def test_sizes_and_counts_take_numpy_integers_as_ints_and_refuse_bools():
+    """Counts read from arrays (numpy's integers) are taken as the ints they hold, for every count alike."""
+    model = timm.create_model("vil_arch", arch=ARCH_8, img_size=64, in_chans=np.int64(1), num_classes=np.int64(4))
+    assert (model.in_chans, model.num_classes) == (1, 4) and type(model.in_chans) is type(model.num_classes) is int
+    model.reset_classifier(np.int32(2))
+    assert model.num_classes == 2 and type(model.num_classes) is int
+    assert model(torch.randn(1, 1, 64, 64)).shape == (1, 2)
+    for num_classes in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"num_classes must be 0 .* number of classes, got {num_classes}"):
+            model.reset_classifier(num_classes)
 
 
 def test_bad_input_channels_and_traced_performer_features_are_one_sentence():

@@ -199,12 +199,13 @@ def prepare(args, backend, size):
     return run, input_bytes, io_bytes
 
 
-def host_time(backend, run, point, calls=20):
-    """The line that says the host's time per call (launches, checks, autograd), with ``calls`` calls queued
+def host_time(backend, run, point):
+    """The line that says the host's time per call (launches, checks, autograd), with 20 calls queued
     without waiting for the GPU, against the time per call until the GPU has run them all: where the two are
     close, the host sets the pace."""
     torch.cuda.synchronize()
     start = time.perf_counter()
+    calls = 20
     for _ in range(calls):
         run(wait=False)
     queued = time.perf_counter() - start

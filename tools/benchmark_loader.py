@@ -27,8 +27,8 @@ from vil.runtime import Runtime
 from vil.training.epoch import training_batches
 
 
-def write_images(root, count, seed=0):
-    rng = np.random.default_rng(seed)
+def write_images(root, count):
+    rng = np.random.default_rng(0)
     rows, cols = np.mgrid[0:375, 0:500]
     for i in range(count):
         folder = os.path.join(root, "train", f"class{i % 2}")

@@ -113,9 +113,8 @@ def main():
 
         return train_step, infer_step
 
-    def timed(step, warm_up=True):
-        if warm_up:
-            step()
+    def timed(step):
+        step()  # warm-up
         sync()
         start = time.perf_counter()
         for _ in range(args.steps):

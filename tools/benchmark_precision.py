@@ -115,12 +115,12 @@ def counted_flops(attend, training):
     return counter.get_total_flops()
 
 
-def matmul_gflops(side, dtype, repeats=3):
-    """The best of ``repeats`` products (one, where a product takes over a second: CPUs without bfloat16
-    instructions multiply it in plain loops, a minute at 2048)."""
+def matmul_gflops(side, dtype):
+    """The best of 4 products, the first included (only the first where it takes over a second: CPUs without
+    bfloat16 instructions multiply it in plain loops, a minute at 2048)."""
     a, b = (torch.randn(side, side, dtype=dtype) for _ in range(2))
     best = seconds(lambda: a @ b)  # includes the first call's set-up
-    for _ in range(repeats if best < 1 else 0):
+    for _ in range(3 if best < 1 else 0):
         best = min(best, seconds(lambda: a @ b))
     return 2 * side**3 / best / 1e9
 

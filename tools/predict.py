@@ -13,7 +13,6 @@ image that cannot be read is named in a warning and skipped.
 
 import argparse
 import csv
-import difflib
 import io
 import json
 import logging
@@ -29,7 +28,7 @@ from timm.models import parse_model_name
 
 from vil.checkpoint import SAFETENSORS_NAME, hub_record, recorded_classes
 from vil.cli import non_negative_int, positive_int
-from vil.config import EMPTY_CONFIG_FILE, get_cfg, load_cfg
+from vil.config import EMPTY_CONFIG_FILE, did_you_mean, get_cfg, load_cfg
 from vil.data import build_transform
 from vil.files import atomic_write, check_writable_file, not_a_folder
 from vil.hub import class_names, data_class_names, default_class_names
@@ -51,7 +50,7 @@ def is_override(token):
     if token in cfg and not isinstance(cfg[token], dict):
         return True
     section = token.split(".")[0]
-    near = section in cfg or difflib.get_close_matches(section, list(cfg), n=1, cutoff=0.75)
+    near = section in cfg or did_you_mean(section, cfg)
     return bool(CONFIG_KEY.match(token)) and bool(near)
 
 

@@ -395,6 +395,7 @@ def _kind(tensor):
     return "complex" if tensor.is_complex() else "floating" if tensor.is_floating_point() else "whole"
 
 
-def _sample(items, limit=6):
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+def _sample(items):
+    """The first 6 of ``items``, and how many more there are."""
+    shown = ", ".join(items[:6])
+    return shown + (f", ... ({len(items) - 6} more)" if len(items) > 6 else "")

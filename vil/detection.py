@@ -35,6 +35,7 @@ from .models.convert import (
     option_name,
     resize_tables,
 )
+from .models.msvit import check_global_tokens, is_integer
 
 # Export format -> (the key holding the state dict, the prefix of the backbone's keys in a whole detector).
 EXPORT_FORMATS: dict[str, tuple[str, str]] = {
@@ -42,10 +43,9 @@ EXPORT_FORMATS: dict[str, tuple[str, str]] = {
     "detectron2": ("model", "backbone.bottom_up."),  # as the original ViL detection release
     "mmdet": ("state_dict", "backbone."),
 }
-GLOBAL_TOKENS: tuple[str, ...] = ("drop", "average")
 # The MODEL_DEFINING_KEYS a backbone keeps from the classification model it is made from, by the MsViT argument each
-# sets (the key's last part in lower case). Not the arch (converted, and checked on its own), the
-# classifier's pooling, nor the patch embeddings' padding (the backbone's own choice; its tables are converted).
+# sets. Not the arch (converted, and checked on its own), the classifier's pooling, nor the patch embeddings'
+# padding (the backbone's own choice; its tables are converted).
 # And the attention mechanism, which ATTN_TYPE names beside a backend (every backend of one mechanism computes it).
 BACKBONE_OPTIONS: dict[str, str] = {
     **{
@@ -89,10 +89,7 @@ class ViLBackbone(MsViT):
         **kwargs: Any,
     ) -> None:
         super().__init__(arch, num_classes=0, dynamic_img_pad=dynamic_img_pad, **kwargs)
-        if global_tokens not in GLOBAL_TOKENS:
-            raise ValueError(
-                f"global_tokens {global_tokens!r} is not an option; use one of {', '.join(GLOBAL_TOKENS)}."
-            )
+        check_global_tokens(global_tokens)
         self.model_options = {name: kwargs.get(name, default) for name, default in BACKBONE_DEFAULTS.items()}
         built = self.stage_specs
         self.out_indices = self.prune_intermediate_layers(out_indices, prune_norm=True)
@@ -109,11 +106,11 @@ class ViLBackbone(MsViT):
         """The first ``stages`` stages (of those the backbone keeps) get no gradients and stay in eval mode; the
         others get gradients and follow the backbone's mode (a smaller number than before unfreezes stages)."""
         kept = len(self.stage_specs)
-        if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= kept:
+        if not is_integer(stages) or not 0 <= stages <= kept:
             raise ValueError(
                 f"frozen_stages {stages!r} is not a number of stages from 0 to {kept}, the stages this backbone keeps."
             )
-        self.frozen_stages = stages
+        self.frozen_stages = stages = int(stages)
         for i, spec in enumerate(self.stage_specs):
             getattr(self, f"layer{spec.index}").requires_grad_(i >= stages)
         self.train(self.training)
@@ -204,8 +201,9 @@ def build_fpn_backbone(
         model_overrides: other :class:`~vil.models.MsViT` arguments (``drop_path_rate``, ``attn_backend``, ...).
     """
     kwargs = {**_model_arguments(name_or_cfg), **model_overrides}
-    if isinstance(out_channels, bool) or not isinstance(out_channels, int) or out_channels < 1:
+    if not is_integer(out_channels) or out_channels < 1:
         raise ValueError(f"out_channels must be a positive number of channels, got {out_channels!r}.")
+    out_channels = int(out_channels)
     read = None
     if checkpoint is not None:
         read = read_checkpoint(checkpoint)
@@ -222,7 +220,7 @@ def build_fpn_backbone(
     )
     kept = len(body.stage_specs)
     trainable = kept if trainable_stages is None else trainable_stages
-    if isinstance(trainable, bool) or not isinstance(trainable, int) or not 0 <= trainable <= kept:
+    if not is_integer(trainable) or not 0 <= trainable <= kept:
         raise ValueError(
             f"trainable_stages {trainable_stages!r} is not a number of stages from 0 to {kept}, the stages the "
             f"backbone keeps for out_indices {body.out_indices}."

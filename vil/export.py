@@ -31,11 +31,11 @@ def _least_side(model):
     return max(2 * model.total_stride, model.least_image_side)
 
 
-def _example_and_dims(model, height, width, batch=2, dynamic_size=True):
-    """An input of ``batch x C x height x width`` and the dynamic shapes of any batch and any height and width
+def _example_and_dims(model, height, width, dynamic_size=True):
+    """An input of ``2 x C x height x width`` and the dynamic shapes of any batch and any height and width
     from :func:`_least_side` that are multiples of :func:`_size_step` (of any batch only, for a model of fixed input
     size or without ``dynamic_size``)."""
-    example = torch.randn(batch, model.in_chans, height, width)
+    example = torch.randn(2, model.in_chans, height, width)
     any_batch = {0: torch.export.Dim("batch", min=1, max=1024)}
     if model.fixed_input_size and (height, width) != tuple(model.img_size):
         raise ValueError(

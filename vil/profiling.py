@@ -17,7 +17,7 @@ def _sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_shape=None,
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
-def flop_counter(display: bool = False) -> FlopCounterMode:
+def flop_counter() -> FlopCounterMode:
     """torch's FLOP counter (``with flop_counter() as counter: ...``, then ``counter.get_total_flops()``), which
     also counts torch's CPU kernels of ``scaled_dot_product_attention`` as its CUDA kernels are counted: torch has no
     formula for them and would count every full attention on the CPU (the model's s0 stages, global tokens, other
@@ -28,7 +28,7 @@ def flop_counter(display: bool = False) -> FlopCounterMode:
         aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
     }
-    return FlopCounterMode(display=display, custom_mapping=formulas)
+    return FlopCounterMode(display=False, custom_mapping=formulas)
 
 
 class PeakMemory:
@@ -92,13 +92,13 @@ def _cpu_profile(**options):
     return profile(activities=[ProfilerActivity.CPU], **options)
 
 
-def time_table(fn, device, calls=1, rows=12):
-    """torch.profiler's table of ``calls`` calls of ``fn``: the operators (on CUDA, the kernels too) that take the
-    most time on ``device``, most first."""
+def time_table(fn, device, calls=1):
+    """torch.profiler's table of ``calls`` calls of ``fn``: the 12 operators (on CUDA, the kernels too) that take
+    the most time on ``device``, most first."""
     on_gpu = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) if on_gpu else _cpu_profile() as prof:
         for _ in range(calls):
             fn()
     sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=48)
+    return prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=48)

@@ -27,7 +27,7 @@ from transformers.models.longformer import modeling_longformer
 from transformers.models.longformer.modeling_longformer import LongformerModel, LongformerSelfAttention
 
 from .models.longformer import SlidingWindowSelfAttention
-from .ops import available_backends
+from .ops import check_backend_1d
 
 _log = logging.getLogger(__name__)
 
@@ -206,14 +206,8 @@ def accelerate_longformer(model, backend=None):
     ``save_pretrained`` writes what transformers reads; a ``LongformerModel``'s ``config._attn_implementation``
     becomes :data:`MASK_IMPLEMENTATION` (not saved) where transformers builds its mask in L x L (transformers 5).
     Raises ``ValueError`` where ``model`` is not a module, has no such layer (subclasses of transformers' layers
-    included: they may change its forward) or ``backend`` computes no 1D windows; layers left computing
+    included: they may change its forward) or ``backend`` cannot compute its layers' 1D windows; layers left computing
     transformers' attention beside converted ones are logged (:func:`_say_unaccelerated`)."""
-    if backend is not None and backend not in available_backends(1):
-        what = "computes no Longformer (1D) windows" if backend in available_backends(2) else "is not a backend"
-        raise ValueError(
-            f"backend {backend!r} {what}; use None (the fastest for the inputs) or one of "
-            f"{', '.join(available_backends(1))}."
-        )
     if not isinstance(model, torch.nn.Module):
         kind = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
         raise ValueError(
@@ -233,6 +227,8 @@ def accelerate_longformer(model, backend=None):
             f"{type(model).__name__} has no Longformer self-attention layer to accelerate; "
             "vil.accelerate_longformer takes transformers' Longformer and LED models."
         )
+    for module in layers:
+        check_backend_1d(backend, module.head_dim, module.one_sided_attn_window_size)
     # Only after the refusals: a refused call leaves the model as it was.
     for module in layers:
         module.__class__ = CONVERSIONS.get(type(module), type(module))

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from ..checkpoint import check_fits, check_shared, model_state, stored_config, with_shared_names
-from ..config import config_value
+from ..config import MODEL_ARGUMENT_KEYS, config_value
 from .arch import parse_arch, stage_map_sizes
 from .tables import full_bias_to_local, resize_full_bias_table, resize_position_embedding
 
@@ -218,8 +218,8 @@ def fit_to_model(state, model, path, adapted=()):
 
 
 def option_name(key):
-    """The MsViT argument a :data:`MODEL_DEFINING_KEYS` key sets: its last part in lower case."""
-    return key.rsplit(".", 1)[1].lower()
+    """The MsViT argument a :data:`MODEL_DEFINING_KEYS` key sets (as :data:`vil.config.MODEL_ARGUMENT_KEYS` says)."""
+    return next(name for name, argument_key in MODEL_ARGUMENT_KEYS.items() if argument_key == key)
 
 
 def trained_with(checkpoint, path, values):

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules import module as nn_module
 
-from ..ops import Neighborhood1d, local_attention_1d
+from ..ops import Neighborhood1d, check_backend_1d, local_attention_1d
 from ..ops.base import exporting_to_onnx, tracing
 from ..ops.geometry import pair_in_band
 from ..ops.operators import autograd_gradients, fake_gradients, laid_out_as, operator_gradients
-from ..ops.registry import BACKENDS
+from ..ops.registry import declaration
 
 _log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class SlidingWindowSelfAttention:
 def _runs_in_operators(name):
     """Whether the layers' operator may run the backend ``name`` under torch.compile; the others are traced as the
     layers' Python code (torch.export's programs run the operator with any)."""
-    return name is None or torch.compiler.is_exporting() or BACKENDS[name].in_compiled_operators
+    return name is None or torch.compiler.is_exporting() or declaration(name, 1).in_compiled_operators
 
 
 def _plain_linear(module) -> bool:
@@ -353,6 +353,7 @@ class LongformerSelfAttention(SlidingWindowSelfAttention, nn.Module):
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}).")
         dilation = Neighborhood1d.of_heads(window, dilation, causal, num_heads).dilation  # raises for bad values
+        check_backend_1d(backend, dim // num_heads, window, dilation, causal)
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.window, self.dilation, self.causal, self.backend = window, dilation, causal, backend
         self.query = nn.Linear(dim, dim)

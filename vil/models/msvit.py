@@ -179,14 +179,22 @@ class StageMap(nn.Module):
         return local.transpose(1, 2).reshape(local.shape[0], local.shape[-1], nx, ny)  # also for a batch of 0
 
 
-def _is_index(value):
+def check_global_tokens(global_tokens) -> None:
+    """What forward_intermediates may do with the global tokens of each map it returns: drop them, or add their
+    mean to every position."""
+    if global_tokens not in ("drop", "average"):
+        raise ValueError(f"global_tokens {global_tokens!r} is not an option; use 'drop' or 'average'.")
+
+
+def is_integer(value) -> bool:
     """An integer (Python's or numpy's), and not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_num_classes(num_classes):
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+def _checked_num_classes(num_classes) -> int:
+    if not is_integer(num_classes) or num_classes < 0:
         raise ValueError(f"num_classes must be 0 (no classifier) or a positive number of classes, got {num_classes!r}.")
+    return int(num_classes)
 
 
 @register_notrace_function  # a leaf for torch.fx: it checks sizes and types
@@ -270,13 +278,14 @@ class MsViT(nn.Module):
         super().__init__()
         self.dynamic_img_pad = dynamic_img_pad
         self.stage_specs = parse_arch(arch)
-        self.img_size, self.in_chans, self.num_classes = to_2tuple(img_size), in_chans, num_classes
-        if len(self.img_size) != 2 or not all(_is_index(side) and side > 0 for side in self.img_size):
+        self.img_size = to_2tuple(img_size)
+        if len(self.img_size) != 2 or not all(is_integer(side) and side > 0 for side in self.img_size):
             raise ValueError(f"img_size must be a positive int or an (H, W) pair of them, got {img_size!r}.")
         self.img_size = tuple(int(side) for side in self.img_size)
-        _check_num_classes(num_classes)
-        if not _is_index(in_chans) or in_chans < 1:
+        self.num_classes = num_classes = _checked_num_classes(num_classes)
+        if not is_integer(in_chans) or in_chans < 1:
             raise ValueError(f"in_chans must be a positive number of image channels, got {in_chans!r}.")
+        self.in_chans = in_chans = int(in_chans)
         if not 0 <= drop_path_rate < 1:
             raise ValueError(f"drop_path_rate must be a probability in [0, 1), got {drop_path_rate!r}.")
         if not (math.isfinite(ln_eps) and ln_eps > 0):
@@ -485,7 +494,7 @@ class MsViT(nn.Module):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A new, freshly initialised classifier for ``num_classes`` (0: none); optionally another pooling."""
-        _check_num_classes(num_classes)
+        num_classes = _checked_num_classes(num_classes)
         if global_pool is not None:
             self.global_pool = self._checked_pool(global_pool)
         self.num_classes = num_classes
@@ -522,7 +531,7 @@ class MsViT(nn.Module):
         count = len(self.stage_specs)
         if indices is None:
             indices = count
-        if not all(_is_index(i) for i in (indices if isinstance(indices, Sequence) else [indices])):
+        if not all(is_integer(i) for i in (indices if isinstance(indices, Sequence) else [indices])):
             raise ValueError(f"Stage indices must be an int or a sequence of ints, got {indices!r}.")
         if isinstance(indices, numbers.Integral):
             if not 0 < indices <= count:
@@ -571,8 +580,7 @@ class MsViT(nn.Module):
         """
         if output_fmt not in ("NCHW", "NHWC"):
             raise ValueError(f"output_fmt {output_fmt!r} is not a layout of these maps; use 'NCHW' or 'NHWC'.")
-        if global_tokens not in ("drop", "average"):
-            raise ValueError(f"global_tokens {global_tokens!r} is not an option; use 'drop' or 'average'.")
+        check_global_tokens(global_tokens)
         take = self._take_indices(indices)
         last = len(self.stage_specs) - 1
         maps = []

@@ -1,6 +1,12 @@
 """Local attention, usable on its own: ``from vil.ops import local_attention_2d, local_attention_1d``."""
 
-from .local_attention import check_backend, check_window_options, local_attention_1d, local_attention_2d
+from .local_attention import (
+    check_backend,
+    check_backend_1d,
+    check_window_options,
+    local_attention_1d,
+    local_attention_2d,
+)
 from .neighborhood import Neighborhood1d, Neighborhood2d
 from .registry import available_backends, default_backend
 
@@ -9,6 +15,7 @@ __all__ = [
     "Neighborhood2d",
     "available_backends",
     "check_backend",
+    "check_backend_1d",
     "check_window_options",
     "default_backend",
     "local_attention_1d",

@@ -164,6 +164,16 @@ def _tensors_in(value):
             yield from _tensors_in(getattr(value, field.name))
 
 
+# Scores per block of the blocked backends (sliding_chunk, chunks): small enough for the CPU's caches and
+# allocator, large enough to fill a GPU.
+BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 1 << 30}
+
+
+def items_per_block(item_bytes: int, device: torch.device) -> int:
+    """How many items of ``item_bytes`` bytes of scores a block holds: about ``BLOCK_BYTES``, at least one."""
+    return max(1, BLOCK_BYTES.get(device.type, BLOCK_BYTES["cuda"]) // item_bytes)
+
+
 def safe_max(row_max):
     """The maximum to subtract from a row's scores: 0 for rows that see no key (maximum -inf), whose exponentials
     are then all 0 instead of NaN."""
@@ -216,7 +226,8 @@ class FusedPasses:
 
 @dataclass(frozen=True)
 class Backend:
-    """What one way of computing local attention computes and supports; the op layer reads nothing else of it.
+    """What one way of computing local attention computes and supports; the op layer (and the Longformer layers'
+    operator, ``in_compiled_operators``) reads nothing else of it.
 
     A backend computes 2D windows, 1D bands or both, each either as a function ``attention_2d`` / ``attention_1d``
     ``(q, k, v, hood, extras) -> out`` whose backward is autograd's, or as :class:`FusedPasses` ``passes_2d`` /

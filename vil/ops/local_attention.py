@@ -35,7 +35,7 @@ import torch
 from . import operators, split
 from .base import LOG2E, Extras, exporting_to_onnx, listed, needs_grad, tracing
 from .neighborhood import Neighborhood1d, Neighborhood2d
-from .registry import BACKENDS, available_backends, default_backend
+from .registry import BACKENDS, available_backends, declaration, default_backend
 
 _log = logging.getLogger(__name__)
 _logged_choices = set()
@@ -228,7 +228,7 @@ def _choose(backend, hood, q, trains):
             _log.info(
                 "local_attention_%dd: backend %r for %s on %s (backend=None).", dims, backend, q.dtype, q.device.type
             )
-    b = _declaration(backend, dims)
+    b = declaration(backend, dims)
     device = q.device.type
     if not b.runs_on(device):
         serves = (lambda n: BACKENDS[n].trains_on_device(device)) if trains else (lambda n: BACKENDS[n].runs_on(device))
@@ -259,28 +259,24 @@ def _choose(backend, hood, q, trains):
     return b
 
 
-def _declaration(backend, dims):
-    """The declaration of the backend named ``backend``; one sentence if there is none or it does not compute
-    ``dims``-D windows."""
-    if not isinstance(backend, str):
-        raise ValueError(f"backend must be a backend's name or None, got a {type(backend).__name__}: {backend!r}.")
-    if backend not in BACKENDS:
-        able = ", ".join(available_backends(dims))
-        raise ValueError(f"Unknown local attention backend {backend!r}; available: {able}.")
-    b = BACKENDS[backend]
-    if not b.computes(dims):
-        able = ", ".join(available_backends(dims))
-        raise ValueError(f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {able}.")
-    return b
-
-
 def check_backend(backend: Optional[str], head_dim: int, window: int, exact: int = 0, mode: int = 0) -> None:
     """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these 2D options (device and dtype
     are checked when it runs)."""
-    hood = Neighborhood2d(window, exact, mode)
+    _check_options(backend, Neighborhood2d(window, exact, mode), head_dim)
+
+
+def check_backend_1d(
+    backend: Optional[str], head_dim: int, window: int, dilation: Union[int, Sequence[int]] = 1, causal: bool = False
+) -> None:
+    """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these 1D options (device and dtype
+    are checked when it runs)."""
+    _check_options(backend, Neighborhood1d(window, dilation, causal), head_dim)
+
+
+def _check_options(backend, hood, head_dim):
     if backend is None:
         return
-    b = _declaration(backend, 2)
+    b = declaration(backend, hood.dims)
     if b.available is not None:
         b.available()
     if b.check is not None:

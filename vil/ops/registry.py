@@ -1,8 +1,10 @@
 """The table of local attention backends, built from their declarations, and the default choice among them.
 
-The op functions (``vil/ops/local_attention.py``), its operators (``vil/ops/operators.py``), the model's ATTN_TYPE
-names (``vil/model_config.py``) and the benchmark tools read backends from here and nowhere else. Adding a backend
-is a file in ``vil/ops/backends/`` that declares it, and its line in :data:`BACKENDS` (with its name in the import).
+The op functions (``vil/ops/local_attention.py``), its operators (``vil/ops/operators.py``), the Longformer layers'
+operator (``vil/models/longformer.py``), the model's ATTN_TYPE names (``vil/model_config.py``) and the benchmark
+tools find backends here; only the tools that study one backend's kernels (``tools/compile_kernels.py``,
+``tools/benchmark_precision.py``) import its file. Adding a backend is a file in ``vil/ops/backends/`` that declares
+it, and its line in :data:`BACKENDS` (with its name in the import).
 """
 
 import logging
@@ -59,6 +61,21 @@ _warned_passed_over = set()
 def available_backends(dims: int = 2) -> list[str]:
     """Names accepted by ``local_attention_2d`` (``dims=2``) or ``local_attention_1d`` (``dims=1``)."""
     return [name for name, b in BACKENDS.items() if b.computes(dims)]
+
+
+def declaration(backend, dims: int):
+    """The declaration of the backend named ``backend``; one sentence if there is none or it does not compute
+    ``dims``-D windows."""
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be a backend's name or None, got a {type(backend).__name__}: {backend!r}.")
+    if backend not in BACKENDS:
+        able = ", ".join(available_backends(dims))
+        raise ValueError(f"Unknown local attention backend {backend!r}; available: {able}.")
+    b = BACKENDS[backend]
+    if not b.computes(dims):
+        able = ", ".join(available_backends(dims))
+        raise ValueError(f"The {backend} backend does not compute {dims}D windows; {dims}D backends: {able}.")
+    return b
 
 
 def fastest(device_type: str, dims: int = 2) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ Undilated windows only, as the paper's chunks.
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..base import LOG2E, Backend, in_float32_or_wider, safe_max
+from ..base import LOG2E, Backend, in_float32_or_wider, items_per_block, safe_max
 from ..geometry import band_chunk_tables
 from .band_blocks import (
     band_blocks,
@@ -32,7 +32,6 @@ from .band_blocks import (
     band_windows,
     scatter_band_windows_,
 )
-from .sliding_chunk import items_per_block
 
 SPAN = 2  # padded blocks per chunk
 

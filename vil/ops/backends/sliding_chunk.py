@@ -21,7 +21,7 @@ Scores are computed in base 2 (queries and biases times log2(e), ``exp2`` for ``
 import torch
 import torch.nn.functional as F
 
-from ..base import LOG2E, Backend, FusedPasses, in_float32_or_wider, safe_max
+from ..base import LOG2E, Backend, FusedPasses, in_float32_or_wider, items_per_block, safe_max
 from ..geometry import band_block_tables, chunk_plan
 from .band_blocks import (
     band_blocks,
@@ -41,14 +41,6 @@ from .chunk_windows import (
     window_bias,
     window_scores,
 )
-
-# Scores per block: small enough for the CPU's caches and allocator, large enough to fill a GPU.
-BLOCK_BYTES = {"cpu": 8 << 20, "cuda": 1 << 30}
-
-
-def items_per_block(item_bytes, device):
-    """How many items of ``item_bytes`` bytes of scores a block holds: about ``BLOCK_BYTES``, at least one."""
-    return max(1, BLOCK_BYTES.get(device.type, BLOCK_BYTES["cuda"]) // item_bytes)
 
 
 def _blocks(x, plan):
