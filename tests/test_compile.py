@@ -251,6 +251,19 @@ def test_every_backend_compiles_with_fullgraph_2d(backend):
     )
 
 
+@pytest.mark.parametrize("backend", [b for b in available_backends(2) if BACKENDS[b].passes_2d and _runs_on_the_cpu(b)])
+@pytest.mark.parametrize("exact,mode", [(0, 3), (-1, -1)])
+def test_operators_of_fused_passes_compile_with_the_neighbour_mode_given(backend, exact, mode):
+    """A fixed neighbour chunk (or the own chunk only) reaches the operators' backward too: its gradients as eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    _compiled_matches_eager(
+        lambda q, k, v, bias: local_attention_2d(q, k, v, 2, exact=exact, mode=mode, rel_bias=bias, backend=backend),
+        _leaves((1, 2, 6, 6, 16), (1, 2, 6, 6, 16), (1, 2, 6, 6, 16), (2, 49)),
+        backend,
+    )
+
+
 @pytest.mark.parametrize("backend", ALL_1D)
 def test_every_backend_compiles_with_fullgraph_1d(backend):
     torch._dynamo.reset()

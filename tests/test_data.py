@@ -353,6 +353,12 @@ def test_training_transforms_follow_the_original_choices(tmp_path):
     assert finetune.transforms[0].size == 40 and finetune.transforms[1].size == (32, 32)  # 32 / 0.8
     image = Image.new("RGB", (50, 40))
     assert finetune(image).shape == (3, 32, 32)
+    halves = Image.new("RGB", (32, 32))
+    halves.paste((255, 255, 255), (0, 0, 16, 32))  # the left half white: a flip shows
+    for hflip, flipped in (("0.0", False), ("1.0", True)):  # AUG.TIMM_AUG.HFLIP, also when fine-tuning
+        keys = ("FINETUNE.FINETUNE", "True", "INPUT.CROP_PCT", "1.0", "AUG.TIMM_AUG.HFLIP", hflip)
+        for out in map(build_transform(cfg_for(root, *keys), train=True), [halves] * 8):
+            assert (out[..., 0].mean() < out[..., -1].mean()) == flipped
     with_train_aug = build_transform(
         cfg_for(root, "FINETUNE.FINETUNE", "True", "FINETUNE.USE_TRAIN_AUG", "True"), train=True
     )

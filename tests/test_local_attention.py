@@ -399,6 +399,20 @@ def test_large_batch_spans_several_blocks():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_sliding_chunk_in_blocks_of_one_chunk(monkeypatch):
+    # Large maps are processed a few chunks at a time: a budget of one byte makes every chunk a block of its own.
+    from vil.ops import base
+
+    monkeypatch.setitem(base.BLOCK_BYTES, "cpu", 1)
+    for exact in (0, 1):
+        inputs = make_inputs(11, 9, 3, 2, rel=True, glob_bias=True, B=2, H=2)
+        expected, expected_grads = run("reference", inputs, 3, exact, 0)
+        out, grads = run("sliding_chunk", inputs, 3, exact, 0)
+        torch.testing.assert_close(out, expected)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want)
+
+
 def test_chunk_rows_in_blocks_of_one_batch_entry(monkeypatch):
     # Large inputs are processed a chunk row and a few batch entries at a time: force one entry per block.
     from vil.ops.backends import chunk_rows

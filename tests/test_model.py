@@ -278,6 +278,8 @@ def test_random_shift_mode_draws_per_layer_in_training_and_uses_mode_0_in_eval(m
     for _ in range(10):
         model(x)
     assert len(seen) == 20 and set(seen) <= set(range(1, 9)) and len(set(seen)) > 2
+    draws = [int(model.layer1[1].attn.current_mode()) for _ in range(400)]  # every neighbour: 1 to 8, none oftener
+    assert sorted(set(draws)) == list(range(1, 9)) and max(map(draws.count, set(draws))) < 100
     seen.clear()
     model.eval()
     model(x)

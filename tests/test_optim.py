@@ -268,13 +268,14 @@ def test_val_drop_divides_the_schedule_for_the_rest_of_the_run():
     )
     optimizer = build_optimizer(cfg, torch.nn.Linear(2, 2))
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch=4)
-    drop_learning_rate(optimizer, [1.0] * len(optimizer.param_groups), 0.1)
+    scales = [0.5**i for i in range(len(optimizer.param_groups))]  # OPTIM.LAYER_DECAY's, say: each group keeps its
+    drop_learning_rate(optimizer, scales, 0.1)
     scheduler.step_update(20)
-    for group in optimizer.param_groups:
-        assert group["lr"] == pytest.approx(0.1 * 0.5 * 1e-3 * (1 + math.cos(math.pi * 20 / 40)))
+    for group, scale in zip(optimizer.param_groups, scales):
+        assert group["lr"] == pytest.approx(scale * 0.1 * 0.5 * 1e-3 * (1 + math.cos(math.pi * 20 / 40)))
     restored = build_optimizer(cfg, torch.nn.Linear(2, 2))
     restored.load_state_dict(optimizer.state_dict())  # the drop survives a resume
-    assert all(g["lr_scale"] == pytest.approx(0.1) for g in restored.param_groups)
+    assert [g["lr_scale"] for g in restored.param_groups] == pytest.approx([0.1 * s for s in scales])
 
 
 def test_step_and_constant_policies():
