@@ -203,9 +203,9 @@ def host_time(backend, run, point):
     """The line that says the host's time per call (launches, checks, autograd), with 20 calls queued
     without waiting for the GPU, against the time per call until the GPU has run them all: where the two are
     close, the host sets the pace."""
+    calls = 20
     torch.cuda.synchronize()
     start = time.perf_counter()
-    calls = 20
     for _ in range(calls):
         run(wait=False)
     queued = time.perf_counter() - start
