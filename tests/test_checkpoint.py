@@ -271,3 +271,18 @@ def test_data_sharing_a_class_with_the_checkpoint_under_another_label_is_refused
     with caplog.at_level(logging.WARNING, logger="vil"):
         check_trained_classes(checkpoint, "digits.pth", ["cat", "dog"])
     assert "its label 0 is '0', the data's 'cat'" in caplog.text
+    # A "classes" entry that is not a list of names records none: nothing to compare, nothing refused.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vil"):
+        check_trained_classes({"classes": [0, "dog"]}, "odd.pth", ["cat", "dog"])
+    assert not caplog.text
+
+
+@pytest.mark.parametrize("key", ["ema", "state_dict_ema", "model_ema"])  # this project's, timm's, DeiT's and Swin's
+def test_the_ema_weights_are_found_under_each_trainers_key(key):
+    from vil.checkpoint import ema_state, model_state
+
+    ema, model = {"head.weight": torch.ones(2, 2)}, {"head.weight": torch.zeros(2, 2)}
+    checkpoint = {"model": model, key: ema}
+    assert torch.equal(ema_state(checkpoint, "deit.pth")["head.weight"], ema["head.weight"])
+    assert torch.equal(model_state(checkpoint, "deit.pth")["head.weight"], model["head.weight"])

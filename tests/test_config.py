@@ -1,6 +1,7 @@
 """The yacs config: the original release's keys and files, and clear errors; every key is read."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from vil.config import (
     MODEL_ARGUMENT_KEYS,
     compatibility_warnings,
     config_items,
+    config_value,
     get_cfg,
     load_cfg,
 )
@@ -252,3 +254,38 @@ def test_the_config_file_may_follow_the_overrides_and_negative_values_stay_value
     argv = ["OPTIM.LR", "0.1", "--config-file", "vil_tiny", "MODEL.VIT.MSVIT.SW_EXACT", "-1"]
     cfg = config_from_command_line("a tool", argv)
     assert cfg.OPTIM.LR == 0.1 and cfg.MODEL.VIT.MSVIT.SW_EXACT == -1 and cfg.MODEL.VIT.MSVIT.ARCH
+
+
+# Each range's bound: the first value is just outside it, the second just inside.
+BOUNDS = [
+    ("OPTIM.MOM", "1.0", "0.0"),
+    ("OPTIM.NU", "1.01", "1.0"),
+    ("OPTIM.ADAM.BETA1", "1.0", "0.0"),
+    ("OPTIM.ADAM.BETA2", "1.0", "0.999"),
+    ("OPTIM.ADAM.EPS", "0.0", "1e-12"),
+    ("OPTIM.LR", "-1e-9", "0.0"),
+    ("OPTIM.EPOCHS", "0", "1"),
+    ("OPTIM.ACCUM_STEPS", "0", "1"),
+    ("SEED", "2147483648", "2147483647"),
+    ("LOSS.LABEL_SMOOTHING", "1.0", "0.0"),
+    ("MODEL.EMA_DECAY", "1.01", "1.0"),
+    ("MODEL.VIT.DROP", "1.0", "0.0"),
+    ("MODEL.VIT.DROP_PATH", "1.0", "0.99"),
+    ("MODEL.VIT.MSVIT.LN_EPS", "0.0", "1e-12"),
+    ("MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "1.01", "1.0"),
+    ("CHECKPOINT.KEEP", "0", "1"),
+    ("CHECKPOINT.EVERY_STEPS", "-1", "0"),
+    ("LOG_FREQ", "-1", "0"),
+    ("DATALOADER.WORKERS", "-1", "0"),
+    ("AUG.MIXUP_PROB", "1.01", "1.0"),
+    ("AUG.SCALE", "[0.9, 0.2]", "[0.2, 0.2]"),
+    ("AUG.SCALE", "[0.0, 0.5]", "[0.5, 1.0]"),
+]
+
+
+@pytest.mark.parametrize("key,outside,inside", BOUNDS)
+def test_each_range_refuses_the_value_beyond_its_bound_and_takes_the_bound(key, outside, inside):
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)} is .*, but it must be "):
+        load_cfg(overrides=[key, outside])
+    taken = config_value(load_cfg(overrides=[key, inside]), key)
+    assert (list(taken) if isinstance(taken, tuple) else taken) == ast.literal_eval(inside)

@@ -11,6 +11,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from tool_runner import run_tool
@@ -310,8 +311,17 @@ def test_mixup_and_loss_follow_the_config(tmp_path):
     assert targets.shape == (4, 2) and torch.allclose(targets.sum(1), torch.ones(4))
     assert targets.min() >= 0.05 - 1e-6  # smoothing 0.1 over 2 classes
     assert isinstance(build_loss(cfg, mixup), SoftTargetCrossEntropy)
-    plain = cfg_for(tmp_path, "LOSS.LABEL_SMOOTHING", "0.1")
-    assert build_mixup(plain) is None and isinstance(build_loss(plain, None), LabelSmoothingCrossEntropy)
+    assert (mixup.mixup_alpha, mixup.cutmix_alpha, mixup.mode) == (0.8, 1.0, "batch")
+    assert (
+        build_mixup(cfg_for(tmp_path, "AUG.MIXUP_PROB", "1.0", "AUG.MIXUP", "0.8", "AUG.MIXUP_MODE", "elem")).mode
+        == "elem"
+    )
+    plain = cfg_for(tmp_path, "LOSS.LABEL_SMOOTHING", "0.3")
+    loss = build_loss(plain, None)
+    assert build_mixup(plain) is None and isinstance(loss, LabelSmoothingCrossEntropy)
+    logits, labels = torch.randn(4, 2), torch.tensor([0, 1, 1, 0])
+    smoothed = 0.7 * F.cross_entropy(logits, labels) - 0.3 * F.log_softmax(logits, -1).mean()  # by hand
+    torch.testing.assert_close(loss(logits, labels), smoothed)
     assert isinstance(build_loss(cfg_for(tmp_path), None), torch.nn.CrossEntropyLoss)
 
 

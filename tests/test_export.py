@@ -599,7 +599,7 @@ def test_the_trace_size_a_refusal_names_gives_a_file_for_any_size(tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(onnx_outputs(tmp_path / "m.onnx", images), model(images), atol=1e-5, rtol=0)
     # Sizes the file does not take are refused by the sizes it records, before onnxruntime fails inside the graph.
-    for height, width in ((50, 64), (16, 64)):
+    for height, width in ((50, 64), (16, 64), (64, 40), (64, 16)):
         with pytest.raises(ValueError, match=rf"multiples of 16 from 32 up, not {height}x{width}"):
             onnx_outputs(tmp_path / "m.onnx", torch.randn(1, 3, height, width))
     export_onnx(model, tmp_path / "fixed.onnx", 96, 96, dynamic_size=False)

@@ -540,6 +540,22 @@ def test_class_folders_of_another_count_name_no_classes_and_say_so(tmp_path, cap
     assert f"{data / 'train'} names 3 classes, not DATA.NUM_CLASSES 2" in caplog.text
 
 
+def test_a_checkpoints_class_names_are_taken_where_they_are_as_many_as_the_models_classes():
+    cfg = load_cfg("vil_tiny", [*TINY, "DATA.NUM_CLASSES", "3", "DATA.CLASSES", "['a', 'b', 'c']"])
+    assert class_names(cfg, {"classes": ["x", "y", "z"]}) == ["x", "y", "z"]
+    assert class_names(cfg, {"classes": ["x", "y"]}) == ["a", "b", "c"]  # two names for three outputs: the data's
+
+
+def test_the_model_cards_figures_by_hand():
+    """GMACs: multiply-adds, half the FLOP counter's count (a 768 x 1000 product: 768,000); a best top-1 of -inf
+    (a run stopped before its first evaluation) is none."""
+    from vil.hub import _gmacs, _recorded
+
+    product = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 1000, bias=False))
+    assert _gmacs(product, 16) == pytest.approx(768_000 / 1e9)
+    assert _recorded(float("-inf")) is None and _recorded(None) is None and _recorded(87.5) == 87.5
+
+
 def test_predict_refuses_a_folder_that_is_not_a_readable_hub_folder(exported, tmp_path):
     images = exported["data"] / "val"
     damaged = tmp_path / "damaged"

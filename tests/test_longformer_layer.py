@@ -143,6 +143,14 @@ def test_many_global_tokens_project_every_token(backend):
     check_gradients(make(2, backend), [14, 11, 14], global_positions, 14)
 
 
+def test_a_hooked_global_projection_in_a_batch_of_different_global_counts():
+    """A hook that changes key_global's outputs: they are computed for every token, then taken per group of
+    sequences with the same number of global tokens (here 1 and 2)."""
+    layer = make(2, "reference")
+    layer.key_global.register_forward_hook(lambda module, inputs, out: 0.5 * out)
+    check(layer, [13, 11], [[0], [3, 9]], 13)
+
+
 def test_state_dict_names():
     layer = LongformerSelfAttention(DIM, HEADS, 2)
     names = {

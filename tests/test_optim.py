@@ -87,7 +87,8 @@ def test_every_optimizer_takes_its_textbook_steps(name):
     start, bias = model.weight.detach().clone(), model.bias.detach().clone()
     # betas and eps other than every library's defaults, so that an optimizer built without them takes other steps
     betas_eps = ("OPTIM.ADAM.BETA1", "0.8", "OPTIM.ADAM.BETA2", "0.95", "OPTIM.ADAM.EPS", "0.01")
-    cfg = cfg_with("OPTIM.OPT", name, "OPTIM.LR", "0.1", "OPTIM.NU", "0.7", "OPTIM.MOM", "0.9", *betas_eps)
+    # nu 0.6, not qhoptim's 0.7: a QHM built without OPTIM.NU takes other steps.
+    cfg = cfg_with("OPTIM.OPT", name, "OPTIM.LR", "0.1", "OPTIM.NU", "0.6", "OPTIM.MOM", "0.9", *betas_eps)
     optimizer = build_optimizer(cfg, model)
     if name in ("adamw", "adam", "lamb"):
         assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 0.01 for g in optimizer.param_groups)
@@ -97,7 +98,7 @@ def test_every_optimizer_takes_its_textbook_steps(name):
         optimizer.step()
     pairs = [(g, torch.zeros(3)) for g in grads]  # the weight's and the bias's gradients of each step
     expected = {
-        "qhm": lambda: qhm_by_hand(start, grads, 0.1, 0.9, 0.7, 0.05),
+        "qhm": lambda: qhm_by_hand(start, grads, 0.1, 0.9, 0.6, 0.05),
         "sgd": lambda: sgd_by_hand(start, grads, 0.1, 0.9, 0.05),
         "adamw": lambda: adam_by_hand(start, grads, 0.1, 0.8, 0.95, 0.01, 0.05, decoupled=True),
         "adam": lambda: adam_by_hand(start, grads, 0.1, 0.8, 0.95, 0.01, 0.05, decoupled=False),
@@ -152,6 +153,8 @@ def test_layer_decay_gives_each_transformer_layer_its_rate():
     assert seen == len(names)
     with pytest.raises(ValueError, match=r"OPTIM.LAYER_DECAY 1.5.*\(0, 1\]"):
         build_optimizer(cfg_with("OPTIM.LAYER_DECAY", "1.5"), model)
+    undecayed = build_optimizer(cfg_with("OPTIM.LAYER_DECAY", "1.0"), model)  # the bound: every layer at the rate
+    assert all(group["lr"] == pytest.approx(1e-3) for group in undecayed.param_groups)
 
 
 def test_a_drop_factor_below_one_is_refused_where_the_schedule_is_built_and_a_stored_one_still_loads(tmp_path):

@@ -460,6 +460,31 @@ def test_files_written_atomically_get_the_mode_a_plain_write_gives(tmp_path, uma
     assert (tmp_path / "f").stat().st_mode & 0o777 == mode
 
 
+def test_a_file_is_on_the_disk_before_it_takes_its_name(tmp_path, monkeypatch):
+    """The new file's bytes are flushed to the disk before it replaces the old one: after a power cut the name holds
+    one whole file or the other, never a renamed empty one."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.fstat(fd).st_size)), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", dst)), real_replace(src, dst))[1])
+    atomic_write(str(tmp_path / "f"), lambda f: f.write(b"xyz"))
+    assert events[:2] == [("fsync", 3), ("replace", str(tmp_path / "f"))] and (tmp_path / "f").read_bytes() == b"xyz"
+
+
+def test_the_gradient_scalers_state_is_restored_on_resume():
+    """A float16 run's loss scale (here lowered to 128 by overflows) goes on from where it was."""
+    from vil.runtime import get_rng_state
+    from vil.training_state import restore
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = torch.amp.GradScaler("cpu", init_scale=128.0).state_dict()
+    checkpoint = dict(net=model.state_dict(), optimizer=optimizer.state_dict(), scaler=saved, epoch=1)
+    checkpoint.update(batch_in_epoch=0, step=10, best_acc=1.0, rng=[get_rng_state()])
+    scaler = torch.amp.GradScaler("cpu")
+    restore(checkpoint, "checkpoint_last.pth", model, optimizer, scaler, None, 0)
+    assert scaler.get_scale() == 128.0
+
+
 def test_a_file_written_again_keeps_its_mode_and_a_link_keeps_pointing_at_it(tmp_path):
     private = tmp_path / "private.pth"
     private.write_bytes(b"old")
@@ -637,6 +662,11 @@ def test_resume_check_follows_schedule_changes_and_names_other_changes(caplog):
     check_resumable(checkpoint, "last.pth", saved, world=2)
     checkpoint["batch_in_epoch"] = 0
     check_resumable(checkpoint, "last.pth", saved, world=1)
+    # Epoch 5 begun: OPTIM.EPOCHS 4 would end the run with the part of epoch 5 silently kept.
+    checkpoint["batch_in_epoch"] = 3
+    with pytest.raises(ValueError, match=r"trained 4 epochs and part of the next, more than OPTIM.EPOCHS 4; .* 5 "):
+        check_resumable(checkpoint, "last.pth", load_cfg(overrides=["SEED", "3", "OPTIM.EPOCHS", "4"]), world=2)
+    checkpoint["batch_in_epoch"] = 0
     checkpoint["config"] = "OPTIM: [1, 2]"
     with pytest.raises(ValueError, match=r"last.pth.*OPTIM is \[1, 2\].*section"):
         check_resumable(checkpoint, "last.pth", saved)

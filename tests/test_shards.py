@@ -186,15 +186,17 @@ def evaluated(folder):
 def test_a_sample_is_its_image_and_class_whatever_else_it_holds(tmp_path):
     import webdataset
 
-    write_index(tmp_path, ["cat", "dog"], {"shard-000000.tar": 3})
+    write_index(tmp_path, ["cat", "dog"], {"shard-000000.tar": 4})
     with webdataset.TarWriter(str(tmp_path / "shard-000000.tar")) as tar:
         tar.write({"__key__": "a", "jpg": png_bytes(), "cls": b"1", "json": b"{}"})  # an extra member
         tar.write({"__key__": "b", "cls": b"0", "json": b"{}"})  # no image
         tar.write({"__key__": "c", "png": png_bytes(), "json": b"{}"})  # no class
+        tar.write({"__key__": "d", "png": png_bytes(), "cls": b"2"})  # one past the last of the 2 classes
     targets, unreadable = evaluated(tmp_path)
-    assert targets == [1] and len(unreadable) == 2
+    assert targets == [1] and len(unreadable) == 3
     assert re.search(r"shard-000000\.tar:b \(no image member \(members: cls, json\)", unreadable[0])
     assert re.search(r"shard-000000\.tar:c \(no cls member", unreadable[1])
+    assert re.search(r"shard-000000\.tar:d \(class index 2 outside the 2 classes", unreadable[2])
 
 
 def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_itself(shards):

@@ -907,6 +907,21 @@ def test_processes_added_on_resume_keep_random_states_of_their_own():
     assert torch.equal(torch.get_rng_state(), own)
     training_state.restore_rng_state(saved, 0)
     assert torch.equal(torch.get_rng_state(), saved[0]["torch"])
+    # Resumed with the processes that wrote it, each takes its own saved state.
+    torch.manual_seed(9)
+    saved.append(get_rng_state())
+    training_state.restore_rng_state(saved, 1)
+    assert torch.equal(torch.get_rng_state(), saved[1]["torch"])
+
+
+def test_each_process_is_seeded_with_the_seed_plus_its_rank(data, tmp_path, monkeypatch):
+    seeds = []
+    monkeypatch.setattr(training_setup, "seed_everything", seeds.append)
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        run, _ = training_setup.set_up(tiny_cfg(data, tmp_path / "run", "SEED", "7"))
+        run.close()
+    assert seeds == [7, 8]
 
 
 def test_bfloat16_amp_on_a_gpu_without_bfloat16_tensor_cores_says_so(monkeypatch, caplog):
@@ -922,6 +937,14 @@ def test_bfloat16_amp_on_a_gpu_without_bfloat16_tensor_cores_says_so(monkeypatch
     assert "compute capability" not in caplog.text
 
 
+def test_mixing_an_odd_batch_is_one_sentence_before_training(data, tmp_path):
+    """timm's Mixup pairs each sample with another of its batch: an odd batch would stop in its assertion."""
+    mixing = ("AUG.MIXUP", "0.8", "AUG.MIXUP_PROB", "1.0")
+    with pytest.raises(ValueError, match=r"Mixup/CutMix pairs the samples .*DATALOADER.BSZ.* must be even, not 3\."):
+        train(tiny_cfg(data, tmp_path / "run", *mixing, "DATALOADER.BSZ", "3"))
+    assert not (tmp_path / "run" / "checkpoint_last.pth").exists()
+
+
 def test_distributed_backend_names_a_torch_distributed_backend(data, tmp_path):
     from vil.runtime import Runtime
 
@@ -929,3 +952,93 @@ def test_distributed_backend_names_a_torch_distributed_backend(data, tmp_path):
         train(tiny_cfg(data, tmp_path / "run", "DISTRIBUTED_BACKEND", "foo"))
     for name in ("GLOO", "cpu:gloo,cuda:nccl"):  # torch takes either letter case, and one backend per device
         assert Runtime(name).world == 1
+
+
+def test_model_best_keeps_the_best_epoch_and_the_random_shift_ends_at_its_epoch(tmp_path, monkeypatch):
+    """model_best.pth is replaced by a better top-1 only (scripted 50, 40, 45, 30: it stays epoch 1's); a
+    VIL_MODE_SWITCH of exactly one epoch of four ends the random shift as epoch 2 begins."""
+    import vil.training.loop as training_loop
+
+    data = make_folder(tmp_path / "data", per_class=2, corrupt=False)
+    real, scripted = training_loop.evaluate_epoch, iter([50.0, 40.0, 45.0, 30.0])
+
+    def scripted_epoch(*args):
+        real(*args)
+        return next(scripted)
+
+    monkeypatch.setattr(training_loop, "evaluate_epoch", scripted_epoch)
+    out = tmp_path / "run"
+    switch = ("MODEL.VIT.MSVIT.MODE", "1", "MODEL.VIT.MSVIT.VIL_MODE_SWITCH", "0.25")
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "4", *switch))
+    best = read_checkpoint(str(out / "model_best.pth"))
+    assert (best["epoch"], best["best_acc"]) == (1, 50.0)
+    assert read_checkpoint(str(out / "checkpoint_last.pth"))["best_acc"] == 50.0
+    text = (out / "log.txt").read_text()
+    assert "Best top-1 50.00" in text
+    assert re.findall(r"Epoch \d: random-shift training ends", text) == ["Epoch 2: random-shift training ends"]
+
+
+def test_the_epochs_loss_is_the_mean_over_its_images(tmp_path):
+    """Three full batches, each logged as a step of its own: the epoch's loss is their mean."""
+    data = make_folder(tmp_path / "data", per_class=6, corrupt=False)
+    out = tmp_path / "run"
+    train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1", "LOG_FREQ", "1"))
+    text = (out / "log.txt").read_text()
+    steps = [float(x) for x in re.findall(r" step \d+: loss ([-+0-9.e]+),", text)]
+    (epoch,) = [float(x) for x in re.findall(r"epoch 1/1: loss ([-+0-9.e]+),", text)]
+    assert len(steps) == 3 and epoch == pytest.approx(sum(steps) / 3, rel=2e-3)
+
+
+def test_the_eta_of_a_resumed_run_counts_its_own_epochs_only():
+    """Resumed at epoch 5 of 10, its first epoch taking 100 s: 4 epochs left, 400 s."""
+    from types import SimpleNamespace
+
+    from vil.training.evaluation import _run_eta
+
+    run = SimpleNamespace(cfg=load_cfg(overrides=["OPTIM.EPOCHS", "10"]), started=(time.perf_counter() - 100, 5))
+    hours, minutes, seconds = map(int, _run_eta(run, 5).split(":"))
+    assert 400 <= 3600 * hours + 60 * minutes + seconds <= 402
+
+
+def test_the_log_calls_top1_ema_what_the_ema_weights_score(tmp_path, monkeypatch):
+    """The EMA weights' evaluation is what the epoch's line calls top1_ema (a score given to them alone here)."""
+    import vil.training.evaluation as training_evaluation
+
+    real, models = training_evaluation.evaluate, []
+
+    def marked(model, *args, **kwargs):
+        models.append(model)
+        result = real(model, *args, **kwargs)
+        return {**result, "top1": 12.5} if model is not models[0] else result
+
+    monkeypatch.setattr(training_evaluation, "evaluate", marked)
+    data = make_folder(tmp_path / "data", per_class=2, corrupt=False)
+    train(tiny_cfg(data, tmp_path / "run", "OPTIM.EPOCHS", "1", "MODEL.EMA", "True"))
+    assert len(models) == 2 and models[1] is not models[0]
+    text = (tmp_path / "run" / "log.txt").read_text()
+    assert re.search(r"epoch 1/1: .*, top1 [0-9.]+, .*, top1_ema 12\.5[,;\n]", text)
+
+
+def test_a_checkpoints_report_scores_the_weights_it_names_per_class(tmp_path):
+    """The net predicts "cat" whatever the image, its EMA weights "ant": with MODEL.LOAD_EMA the report says EMA
+    and scores "ant"'s 4 images of 7 right; top-5 of three classes holds every class."""
+    from vil.checkpoint import save_checkpoint
+    from vil.model_config import build_model
+
+    data = make_folder(tmp_path / "data", classes=("ant", "bee", "cat"), per_class=4, corrupt=False)
+    for name, keep in (("bee", 2), ("cat", 1)):
+        for image in sorted((data / "val" / name).iterdir())[keep:]:
+            image.unlink()
+    cfg = tiny_cfg(data, tmp_path / "eval", "DATA.NUM_CLASSES", "3")
+    model = build_model(cfg)
+    constant = {"head.weight": torch.zeros_like(model.head.weight)}
+    ema = {**model.state_dict(), **constant, "head.bias": torch.tensor([10.0, 0.0, 0.0])}
+    entries = {**constant, "head.bias": torch.tensor([0.0, 0.0, 10.0])}
+    save_checkpoint(str(tmp_path / "w.pth"), model, entries, ema=ema)
+    keys = ("MODEL.MODEL_PATH", str(tmp_path / "w.pth"), "OUTPUT_PERCLASS_ACC", "True", "DATA.NUM_CLASSES", "3")
+    report = evaluate_checkpoint(tiny_cfg(data, tmp_path / "eval", *keys, "MODEL.LOAD_EMA", "True"))
+    assert report["weights"] == "EMA" and report["top1"] == pytest.approx(400 / 7) and report["top5"] == 100
+    per_class = {name: (c["images"], c["top1"], c["top5"]) for name, c in report["per_class"].items()}
+    assert per_class == {"ant": (4, 100, 100), "bee": (2, 0, 100), "cat": (1, 0, 100)}
+    report = evaluate_checkpoint(tiny_cfg(data, tmp_path / "eval", *keys))
+    assert report["weights"] == "model" and report["top1"] == pytest.approx(100 / 7)
