@@ -1,10 +1,11 @@
 """local_attention_1d: the reference against hand-computed bands, every backend against the reference."""
 
+import numpy as np
 import pytest
 import torch
 from test_local_attention import assert_matches_the_window_asked_for, upstream_gradient
 
-from vil.ops import available_backends, base, default_backend, local_attention_1d
+from vil.ops import available_backends, base, check_backend_1d, default_backend, local_attention_1d
 from vil.ops.backends import reference
 from vil.ops.backends.reference import band_pairs
 from vil.ops.base import Extras
@@ -333,6 +334,20 @@ def test_bad_arguments_are_one_sentence(change, message):
     with pytest.raises(ValueError, match=message) as err:
         local_attention_1d(q, k, v, window, **change)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("dilation", [2, np.int64(2), (1, 2), [1, 2], np.array([1, 2]), torch.tensor([1, 2])])
+def test_the_build_time_check_takes_every_dilation_the_op_takes(dilation):
+    """check_backend_1d (the 1D layers' check when they are built) takes what local_attention_1d takes, and refuses
+    what it refuses, in the same sentence."""
+    q, k, v = _qkv((1, 2, 10, 4))
+    local_attention_1d(q, k, v, 3, dilation=dilation, backend="sliding_chunk")
+    for backend in (None, "sliding_chunk"):
+        check_backend_1d(backend, 4, 3, dilation, causal=True)
+    with pytest.raises(ValueError, match=r"The unfold backend does not compute 1D windows; 1D backends: "):
+        check_backend_1d("unfold", 4, 3, dilation)
+    with pytest.raises(ValueError, match=r"window must be a positive integer"):
+        check_backend_1d(None, 4, 0, dilation)
 
 
 @pytest.mark.parametrize(

@@ -266,11 +266,17 @@ def check_backend(backend: Optional[str], head_dim: int, window: int, exact: int
 
 
 def check_backend_1d(
-    backend: Optional[str], head_dim: int, window: int, dilation: Union[int, Sequence[int]] = 1, causal: bool = False
+    backend: Optional[str],
+    head_dim: int,
+    window: int,
+    dilation: Union[int, Sequence[int], torch.Tensor] = 1,
+    causal: bool = False,
 ) -> None:
     """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these 1D options (device and dtype
-    are checked when it runs)."""
-    _check_options(backend, Neighborhood1d(window, dilation, causal), head_dim)
+    are checked when it runs); ``dilation`` in any form :func:`local_attention_1d` takes."""
+    values = dilation.tolist() if hasattr(dilation, "tolist") else dilation
+    heads = len(values) if isinstance(values, Sequence) and not isinstance(values, str) else 1
+    _check_options(backend, Neighborhood1d.of_heads(window, dilation, causal, heads), head_dim)
 
 
 def _check_options(backend, hood, head_dim):
