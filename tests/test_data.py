@@ -96,13 +96,16 @@ def test_images_are_read_as_a_viewer_shows_them(tmp_path):
     levels = np.arange(0, 65536, 257, dtype=np.int32).reshape(16, 16)
     Image.fromarray(levels, "I").save(tmp_path / "wide.tif")
     assert np.array_equal(np.asarray(read_image(tmp_path / "wide.tif"))[..., 0], np.arange(256).reshape(16, 16))
-    Image.fromarray(np.full((4, 4), 100000, np.int32), "I").save(tmp_path / "wider.tif")
-    with pytest.raises(ValueError, match=r"32-bit integer pixels \(mode I\) outside 16-bit levels \(up to 100000\)"):
+    Image.fromarray(np.array([[51529, 65535]], np.int32), "I").save(tmp_path / "between.tif")  # x 255 / 65535
+    assert np.asarray(read_image(tmp_path / "between.tif"))[..., 0].tolist() == [[201, 255]]  # 200.502 rounds up
+    Image.fromarray(np.full((4, 4), 65536, np.int32), "I").save(tmp_path / "wider.tif")
+    with pytest.raises(ValueError, match=r"32-bit integer pixels \(mode I\) outside 16-bit levels \(up to 65536\)"):
         read_image(tmp_path / "wider.tif")
-    # Between Pillow's limit and twice it, Pillow only warns, in words that name no file: refused as a possible bomb.
+    # Between Pillow's limit and twice it, Pillow only warns, in words that name no file: refused as a possible bomb,
+    # whatever the caller's warning filters (here: every warning recorded, none raised).
     Image.new("1", (9500, 9500)).save(tmp_path / "large.png")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # and no warning of Pillow's escapes
+    with warnings.catch_warnings(record=True) as escaped:
+        warnings.simplefilter("always")
         with pytest.raises(ValueError, match=r"more than Pillow's 89478485 pixels.*decompression bomb.*MAX_IMAGE_PIX"):
             read_image(tmp_path / "large.png")
         # A palette with transparency in bytes: the RGB of the palette's colours, without Pillow's warning.
@@ -111,6 +114,7 @@ def test_images_are_read_as_a_viewer_shows_them(tmp_path):
         palette.putdata([0, 1])
         palette.save(tmp_path / "palette.png", transparency=bytes([0, 255]))
         assert np.asarray(read_image(tmp_path / "palette.png")).tolist() == [[[10, 20, 30], [200, 100, 50]]]
+    assert not escaped  # no warning of Pillow's escapes
 
 
 def test_image_folders_shards_and_predict_see_the_same_pixels(tmp_path):

@@ -1045,7 +1045,20 @@ def _qkv(shape=(1, 2, 4, 4, 8), **kw):
             dict(global_k=torch.randn(1, 2, 1, 4), global_v=torch.randn(1, 2, 1, 4)),
             r"global_k.*\(1, 2, G, 8\).*\(1, 2, 1, 4\)",
         ),
+        (
+            dict(global_k=torch.randn(1, 2, 1, 8), global_v=torch.randn(1, 2, 2, 8)),  # as many values as keys
+            r"global_v.*\(1, 2, G, 8\).*\(1, 2, 2, 8\)",
+        ),
+        (
+            dict(global_k=torch.randn(1, 2, 1, 8), global_v=torch.randn(1, 2, 1, 8, dtype=torch.float64)),
+            r"global_v is torch.float64 on cpu but q is torch.float32 on cpu",
+        ),
+        (
+            dict(global_k=torch.randn(1, 2, 1, 8), global_v=torch.randn(1, 2, 1, 8, device="meta")),
+            r"global_v is torch.float32 on meta but q is torch.float32 on cpu",
+        ),
         (dict(rel_bias=torch.randn(2, 10)), r"rel_bias.*\(2, 49\).*\(2, 10\)"),
+        (dict(rel_bias=torch.randn(2, 49, device="meta")), r"rel_bias must be a floating tensor on cpu, got .* meta"),
         (dict(global_bias=torch.randn(2, 1)), "global_bias needs global_k and global_v"),
         (dict(dilation=2), r"dilation 2.*SW_EXACT 1.*dilation 1"),
         (dict(exact=1, dilation=0), "dilation must be a positive integer, got 0"),

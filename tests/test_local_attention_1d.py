@@ -314,6 +314,10 @@ def test_a_nan_key_reaches_only_the_queries_that_see_it(backend):
             r"key_padding_mask.*\(2, 10\).*torch.float32",
         ),
         (dict(rel_bias=torch.randn(2, 49)), r"rel_bias.*\(2, 7\), got \(2, 49\)"),
+        (
+            dict(key_padding_mask=torch.zeros(2, 10, dtype=torch.bool, device="meta")),
+            r"key_padding_mask is on meta but q is on cpu",
+        ),
         (dict(causal=1), r"causal must be True or False, got 1"),
         (dict(backend="unfold"), r"unfold.*does not compute 1D windows"),
         (dict(backend="nope"), r"'nope'; available: "),

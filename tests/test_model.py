@@ -336,6 +336,11 @@ def test_no_weight_decay_names():
 # --- Bad input: one plain sentence each. ---
 
 
+def test_an_odd_hidden_size_is_taken_without_absolute_position_embeddings():
+    (stage, *_) = parse_arch("l1,h3,d75,a0_l2_l3")  # relative position bias: nothing splits d in two
+    assert (stage.dim, stage.ape) == (75, False)
+
+
 @pytest.mark.parametrize(
     "arch,facts",
     [
@@ -345,7 +350,8 @@ def test_no_weight_decay_names():
         ("l1,h3,d96_l3,h3_l2", r"stage 2 \('l3,h3'\).*l3.*1, 2, 3"),
         ("l1,h5,d96_l2_l3", r"stage 1 \('l1,h5,d96'\).*d96.*h5"),
         ("l1,s2_l2_l3", r"'s2'.*0 or 1"),
-        ("l1,h1,d5_l2_l3", r"d5.*even"),
+        ("l1,a2_l2_l3", r"'a2'.*0 or 1"),
+        ("l1,h1,d5,a1_l2_l3", r"a1.*d5.*even"),
         ("l1,h3,h3_l2_l3", r"'h'.*twice"),
         ("l1,g2147483648_l2_l3", r"'g2147483648'.*g \(num_global\) must be at least 0 and at most 2147483647"),
         ("vil_small", r"'vil_small' is the name of a preset.*PRESETS\['vil_small'\].*build_fpn_backbone"),
