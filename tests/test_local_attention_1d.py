@@ -347,11 +347,11 @@ def test_the_build_time_check_takes_every_dilation_the_op_takes(dilation):
     q, k, v = _qkv((1, 2, 10, 4))
     local_attention_1d(q, k, v, 3, dilation=dilation, backend="sliding_chunk")
     for backend in (None, "sliding_chunk"):
-        check_backend_1d(backend, 4, 3, dilation, causal=True)
+        check_backend_1d(backend, 2, 4, 3, dilation, causal=True)
     with pytest.raises(ValueError, match=r"The unfold backend does not compute 1D windows; 1D backends: "):
-        check_backend_1d("unfold", 4, 3, dilation)
+        check_backend_1d("unfold", 2, 4, 3, dilation)
     with pytest.raises(ValueError, match=r"window must be a positive integer"):
-        check_backend_1d(None, 4, 0, dilation)
+        check_backend_1d(None, 2, 4, 0, dilation)
 
 
 @pytest.mark.parametrize(

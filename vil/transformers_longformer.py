@@ -228,7 +228,7 @@ def accelerate_longformer(model, backend=None):
             "vil.accelerate_longformer takes transformers' Longformer and LED models."
         )
     for module in layers:
-        check_backend_1d(backend, module.head_dim, module.one_sided_attn_window_size)
+        check_backend_1d(backend, module.num_heads, module.head_dim, module.one_sided_attn_window_size)
     # Only after the refusals: a refused call leaves the model as it was.
     for module in layers:
         module.__class__ = CONVERSIONS.get(type(module), type(module))

@@ -352,8 +352,8 @@ class LongformerSelfAttention(SlidingWindowSelfAttention, nn.Module):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}).")
-        dilation = Neighborhood1d.of_heads(window, dilation, causal, num_heads).dilation  # raises for bad values
-        check_backend_1d(backend, dim // num_heads, window, dilation, causal)
+        check_backend_1d(backend, num_heads, dim // num_heads, window, dilation, causal)  # raises for bad values
+        dilation = Neighborhood1d.of_heads(window, dilation, causal, num_heads).dilation
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.window, self.dilation, self.causal, self.backend = window, dilation, causal, backend
         self.query = nn.Linear(dim, dim)

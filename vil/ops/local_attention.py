@@ -267,15 +267,14 @@ def check_backend(backend: Optional[str], head_dim: int, window: int, exact: int
 
 def check_backend_1d(
     backend: Optional[str],
+    heads: int,
     head_dim: int,
     window: int,
     dilation: Union[int, Sequence[int], torch.Tensor] = 1,
     causal: bool = False,
 ) -> None:
-    """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these 1D options (device and dtype
-    are checked when it runs); ``dilation`` in any form :func:`local_attention_1d` takes."""
-    values = dilation.tolist() if hasattr(dilation, "tolist") else dilation
-    heads = len(values) if isinstance(values, Sequence) and not isinstance(values, str) else 1
+    """Raise ``ValueError`` with one sentence if ``backend`` cannot compute these 1D options of ``heads`` heads
+    (device and dtype are checked when it runs); ``dilation`` in any form :func:`local_attention_1d` takes."""
     _check_options(backend, Neighborhood1d.of_heads(window, dilation, causal, heads), head_dim)
 
 
