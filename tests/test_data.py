@@ -53,6 +53,18 @@ def test_unreadable_images_are_skipped_named_and_counted(tmp_path):
     assert [len(images) for images, _, _ in refilled] == [4, 3]  # training keeps every batch full
 
 
+def test_an_unreadable_sample_is_named_with_the_first_line_of_its_error_or_the_errors_kind():
+    from vil.unreadable import skipped, warn_unreadable
+
+    named = [
+        skipped("a.jpg", OSError("image file is truncated\n(5 bytes not processed)")),
+        skipped("b.jpg", OSError()),  # PIL raises some errors without a message
+        skipped("shard-000001.tar", ValueError("not a tar file"), images=40),  # the rest of a damaged shard
+    ]
+    assert named == ["a.jpg (image file is truncated)", "b.jpg (OSError)", "shard-000001.tar (not a tar file)"]
+    assert warn_unreadable(named, held=[]) == 1 + 1 + 40
+
+
 def test_decompression_bombs_and_damaged_images_are_skipped_also_in_worker_processes(tmp_path):
     root = make_folder(tmp_path, corrupt=False)
     folder = root / "train" / "cat"

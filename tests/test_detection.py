@@ -1,5 +1,6 @@
 """The backbone at any input size, its multi-scale features, and torchvision's detectors on top of it."""
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,6 +46,26 @@ def test_full_bias_table_resize_keeps_the_centre_and_local_conversion_keeps_offs
     clamped = full_bias_to_local(table, (3, 4), window=2).view(7, 7, 2)  # offsets -3..3: rows beyond +-2 clamped
     torch.testing.assert_close(clamped[0], grid[0])
     torch.testing.assert_close(clamped[3], grid[1 + 1])
+
+
+def test_full_bias_table_resize_is_bicubic_by_hand():
+    """A 1x3 map's table (one row of offsets -2..2) for a 1x5 map (offsets -4..4): along the columns, position p
+    samples the old offsets at x = (p + 0.5) * 5/9 - 0.5, from the four columns around it (clamped at the ends),
+    weighted by the cubic convolution kernel with a = -0.75 (torch's and OpenCV's bicubic)."""
+    values = [0.0, 1.0, 4.0, 2.0, -3.0]
+
+    def kernel(d, a=-0.75):
+        d = abs(d)
+        return (a + 2) * d**3 - (a + 3) * d**2 + 1 if d <= 1 else a * d**3 - 5 * a * d**2 + 8 * a * d - 4 * a
+
+    expected = []
+    for p in range(9):
+        x = (p + 0.5) * 5 / 9 - 0.5
+        left = math.floor(x)
+        taps = range(left - 1, left + 3)
+        expected.append(sum(kernel(x - i) * values[min(max(i, 0), 4)] for i in taps))
+    got = resize_full_bias_table(torch.tensor(values).view(5, 1), (1, 3), (1, 5))
+    torch.testing.assert_close(got.flatten(), torch.tensor(expected))
 
 
 @pytest.mark.parametrize("name", ["vil_tiny", "vil_tiny_rpb"])

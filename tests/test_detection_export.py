@@ -84,6 +84,24 @@ def test_the_export_keeps_the_attention_mechanism_and_refuses_to_make_its_stages
         build_fpn_backbone(SMALL, img_size=64, full_attention_to_local=True, checkpoint=tmp_path / "cls.pth")
 
 
+def test_a_full_attention_model_becomes_a_longformer_backbone(tmp_path):
+    """A model trained with ATTN_TYPE full: full_attention_to_local builds its backbone of longformer stages, each
+    taking the full attention's query and key-value weights, where the export does so too."""
+    source, _ = small_checkpoint(tmp_path / "cls.pth", overrides=["MODEL.VIT.MSVIT.ATTN_TYPE", "full"])
+    built = build_fpn_backbone(SMALL, img_size=64, full_attention_to_local=True, checkpoint=tmp_path / "cls.pth").body
+    assert built.model_options["attention"] == "longformer"
+    export(tmp_path / "cls.pth", tmp_path / "tv.pth", "--format", "torchvision", "--full-attention-to-local")
+    exported = {
+        k.removeprefix("backbone.body."): v
+        for k, v in torch.load(tmp_path / "tv.pth", weights_only=True)["model"].items()
+    }
+    for stage, dim in ((1, 16), (2, 32), (3, 32)):
+        qkv = source.state_dict()[f"layer{stage}.1.attn.qkv.weight"]
+        for state in (built.state_dict(), exported):
+            torch.testing.assert_close(state[f"layer{stage}.1.attn.query.weight"], qkv[:dim])
+            torch.testing.assert_close(state[f"layer{stage}.1.attn.kv_global.weight"], qkv[dim:])
+
+
 def test_the_export_replaces_an_earlier_export_but_no_other_file(tmp_path):
     small_checkpoint(tmp_path / "cls.pth")
     shutil.copy(tmp_path / "cls.pth", tmp_path / "finetuned.pth")
@@ -133,6 +151,14 @@ def test_a_model_trained_at_a_size_that_is_not_a_multiple_of_the_stride_exports(
     assert_maps_of(built, source, torch.randn(1, 3, 64, 64))
     export(tmp_path / "cls.pth", tmp_path / "at72.pth", "--format", "torchvision")  # padded: a 5x5 map at 72
     assert torch.load(tmp_path / "at72.pth", weights_only=True)["vil"]["image_size"] == [72, 72]
+    # With a bias table there, the export's table is the padded 5x5 map's, and a backbone at 64 resizes it so.
+    small_checkpoint(tmp_path / "rpb.pth", size=72, arch=SMALL_RPB)
+    export(tmp_path / "rpb.pth", tmp_path / "rpb72.pth", "--format", "torchvision")
+    key = "layer3.1.attn.local_relative_position_bias_table"
+    stored = torch.load(tmp_path / "rpb72.pth", weights_only=True)["model"]["backbone.body." + key]
+    assert stored.shape == (9 * 9, 2)
+    built = build_fpn_backbone(SMALL_RPB, img_size=64, checkpoint=tmp_path / "rpb72.pth").body
+    torch.testing.assert_close(built.get_parameter(key), resize_full_bias_table(stored, (5, 5), (4, 4)))
 
 
 def test_weights_that_are_not_finite_are_refused_by_the_export_the_builder_and_timm(tmp_path):

@@ -2,6 +2,7 @@
 tools/export_onnx.py's output check and export at one image size."""
 
 import re
+from functools import partial
 
 import onnxruntime
 import pytest
@@ -405,6 +406,10 @@ def test_a_program_of_standard_operators_holds_no_operator_of_the_op_layer():
         assert ("vil" in namespaces) is expected, namespaces
         with torch.no_grad():
             torch.testing.assert_close(program.module()(images), model(images))
+    own_chunk = MsViT(TINY, img_size=64, num_classes=5, mode=-1).eval()  # MODE -1: each chunk attends to itself only
+    program = export_program(own_chunk, 64, 64, standard_operators=True)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(images), own_chunk(images))
 
 
 def test_a_program_of_standard_operators_with_cyclic_windows_takes_one_image_size():
@@ -602,9 +607,12 @@ def test_the_trace_size_a_refusal_names_gives_a_file_for_any_size(tmp_path):
     for height, width in ((50, 64), (16, 64), (64, 40), (64, 16)):
         with pytest.raises(ValueError, match=rf"multiples of 16 from 32 up, not {height}x{width}"):
             onnx_outputs(tmp_path / "m.onnx", torch.randn(1, 3, height, width))
-    export_onnx(model, tmp_path / "fixed.onnx", 96, 96, dynamic_size=False)
-    with pytest.raises(ValueError, match=r"takes 96x96 images only, not 64x64"):
-        onnx_outputs(tmp_path / "fixed.onnx", torch.randn(1, 3, 64, 64))
+    export_onnx(model, tmp_path / "fixed.onnx", 96, 64, dynamic_size=False)  # height 96, width 64
+    images = torch.randn(1, 3, 96, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(onnx_outputs(tmp_path / "fixed.onnx", images), model(images), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"takes 96x64 images only, not 64x96"):
+        onnx_outputs(tmp_path / "fixed.onnx", torch.randn(1, 3, 64, 96))
 
 
 def test_export_onnx_tool_writes_only_a_file_that_passes_its_check(tmp_path, monkeypatch):
@@ -631,6 +639,11 @@ def test_export_onnx_tool_writes_only_a_file_that_passes_its_check(tmp_path, mon
     assert re.search(r"Traced at 64x64.* at most 80x80 .* export at 96x96 or larger", error), error
     monkeypatch.setattr(export_onnx_tool, "onnx_model", lambda *args, **kwargs: _file_of_one_input_shape())
     assert "onnxruntime cannot run the exported file at 32x32 (" in failure(TINY, 32)
+    # Logits that differ from the model's, or that are not numbers, fail the check at the first size.
+    for value, said in ((0.0, r"by \d\.\d\de-0[0-3], more than 0.0001"), (float("nan"), "by nan, more than 0.0001")):
+        logits = partial(lambda path, images, value: torch.full((images.shape[0], 10), value), value=value)
+        monkeypatch.setattr(export_onnx_tool, "onnx_outputs", logits)
+        assert re.search(f"at 32x32 the ONNX file's logits differ from the model's {said}", failure(TINY, 32))
 
 
 def _file_of_one_input_shape():

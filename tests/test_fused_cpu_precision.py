@@ -624,6 +624,31 @@ def test_precision_benchmark_prints_its_tables(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "dtype, avx512_bf16, amx_tiles, amx_fp16, flags, native",
+    [
+        (torch.bfloat16, True, False, False, "avx512_bf16", True),
+        (torch.bfloat16, False, True, False, "amx_bf16 amx_tile", True),
+        (torch.bfloat16, False, False, False, "avx512_fp16 avx2", False),
+        (torch.float16, False, False, True, "amx_fp16", True),
+        (torch.float16, False, False, False, "avx512_fp16", True),
+        (torch.float16, True, True, False, "avx512_bf16 amx_bf16 amx_tile", False),
+    ],
+)
+def test_which_half_types_the_cpu_multiplies_natively(
+    monkeypatch, dtype, avx512_bf16, amx_tiles, amx_fp16, flags, native
+):
+    # bfloat16 on AVX512-BF16 or AMX tiles; float16 on AMX-FP16 or AVX512-FP16: a CPU with the one type's
+    # instructions only multiplies the other in plain loops.
+    from vil import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: set(flags.split()))
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx_tiles)
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: amx_fp16)
+    assert cpu.cpu_multiplies_natively(dtype) is native
+
+
+@pytest.mark.parametrize(
     "flags, granted, says", [("avx512_bf16", True, None), ("amx_bf16", True, "yes"), ("amx_bf16", False, "no")]
 )
 def test_the_cpu_description_says_whether_the_os_grants_amx_where_the_cpu_lists_it(monkeypatch, flags, granted, says):

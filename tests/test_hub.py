@@ -59,7 +59,7 @@ def exported(tmp_path):
     )
     assert status == 0, err
     assert f"timm.create_model('local-dir:{out}', pretrained=True)" in stdout  # the hint loads the weights
-    return dict(cfg=cfg, data=data, out=out, ema=ema, checkpoint=checkpoint, overrides=overrides)
+    return dict(cfg=cfg, data=data, out=out, model=model, ema=ema, checkpoint=checkpoint, overrides=overrides)
 
 
 def test_a_hub_folder_rebuilds_the_ema_weights_through_timm(exported):
@@ -239,6 +239,7 @@ def test_a_folder_keeps_the_model_options_and_classes_it_records(exported, tmp_p
     from vil.detection import build_fpn_backbone
 
     overrides = [*exported["overrides"], "MODEL.VIT.MSVIT.LN_EPS", "0.1", "MODEL.LOAD_EMA", "False"]
+    overrides += ["MODEL.VIT.MSVIT.ATTN_TYPE", "sliding_chunk", "MODEL.VIT.DROP_PATH", "0.2"]  # training's choices
     cfg = load_cfg("vil_tiny", overrides)
     checkpoint = tmp_path / "eps.pth"
     save_checkpoint(checkpoint, random_model(cfg, 3), config=cfg.dump(), classes=["cat", "dog"])
@@ -248,6 +249,9 @@ def test_a_folder_keeps_the_model_options_and_classes_it_records(exported, tmp_p
     )
     assert status == 0, err
     assert read_checkpoint(out)["classes"] == ["cat", "dog"]
+    # The backend and the drop rates are not the model's: the machine that loads the folder chooses its backend.
+    recorded = json.loads((out / "config.json").read_text())["model_args"]
+    assert recorded["ln_eps"] == 0.1 and not {"attn_backend", "drop_rate", "drop_path_rate"} & set(recorded)
     plain = load_cfg("vil_tiny", [*TINY, "MODEL.MODEL_PATH", str(out)])
     with pytest.raises(ValueError, match=r"LN_EPS 0.1 \(now 1e-06\)"):
         load_weights(build_model(plain), plain)
@@ -412,6 +416,21 @@ def test_predict_names_the_classes_the_checkpoint_records(exported, tmp_path):
     assert status == 1 and "another order" in err and "label 0 is 'fish'" in err, err
 
 
+def test_predict_labels_with_the_checkpoints_ema_weights_where_model_load_ema_says(exported, tmp_path):
+    images = sorted(str(p) for p in (exported["data"] / "val").rglob("*.JPEG"))
+    common = ["--config-file", "vil_tiny", *TINY, *PREPROCESSING, "MODEL.MODEL_PATH", exported["checkpoint"]]
+    transform = build_transform(exported["cfg"], train=False)
+    batch = torch.stack([transform(default_loader(path)) for path in images])
+    for load_ema, weights in (("False", exported["model"]), ("True", exported["ema"])):
+        output = tmp_path / f"ema_{load_ema}.json"
+        status, _, err = run_tool("predict", *common, "MODEL.LOAD_EMA", load_ema, *images, "--output", output)
+        assert status == 0, err
+        with torch.no_grad():
+            expected = weights.eval()(batch).softmax(-1).max(-1).values
+        got = [record["probabilities"][0] for record in json.loads(output.read_text())]
+        torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=0)
+
+
 def test_predict_runs_the_model_as_the_configs_amp_keys_say(exported, monkeypatch):
     # As evaluation runs it: under autocast with AMP.ENABLED and AMP.ON_CPU, on channels-last images with nhwc.
     seen, forward = [], MsViT.forward
@@ -436,8 +455,9 @@ def test_predict_refuses_outputs_that_are_not_finite_and_writes_nothing(exported
     forward = MsViT.forward
 
     def overflowing(model, x):
-        logits = forward(model, x)
-        return torch.cat([logits[:1], torch.full_like(logits[1:], float("nan"))])  # all but the batch's first
+        logits = forward(model, x).clone()
+        logits[1:, -1] = float("inf")  # one logit of each image of the batch but its first: no top classes there
+        return logits
 
     monkeypatch.setattr(MsViT, "forward", overflowing)
     images = sorted(str(p) for p in (exported["data"] / "val").rglob("*.JPEG"))
@@ -456,6 +476,12 @@ def test_a_folder_gives_the_images_a_file_name_gives(tmp_path):
         (folder / name).write_bytes(b"")
     assert [Path(p).name for p in image_paths([folder])] == ["a.gif", "b.PNG"]
     assert [Path(p).name for p in image_paths([folder / "a.gif"])] == ["a.gif"]
+    # A glob's ** reaches into folders at any depth; a folder whose name the glob matches is not an image.
+    (folder / "sub" / "deeper").mkdir(parents=True)
+    (folder / "sub" / "deeper" / "c.gif").write_bytes(b"")
+    (folder / "folder.gif").mkdir()
+    found = [Path(p).relative_to(folder).as_posix() for p in image_paths([str(folder / "**" / "*.gif")])]
+    assert found == ["a.gif", "sub/deeper/c.gif"]
 
 
 def test_a_folder_gives_the_images_of_linked_folders_once(tmp_path):

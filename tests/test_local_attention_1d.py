@@ -169,24 +169,26 @@ def test_flex_forward_matches_reference(L, w, dilation, causal, G, rel, glob, ma
 
 
 @pytest.mark.parametrize(
-    "L,w,dilation,causal,G", [(1000, 100, 1, False, 0), (1000, 100, 3, True, 2), (300, 7, 1, False, 130)]
+    "L,w,dilation,causal,G",
+    [(1000, 100, 1, False, 0), (1000, 100, 3, True, 2), (300, 7, 1, False, 130), (300, 2, (1, 70), False, 1)]
+    + [(256, 1, 1, False, 0), (383, 1, 1, True, 1)],  # a band that starts at the last key of a block
 )
-def test_flex_band_blocks_are_those_of_the_evaluated_mask(L, w, dilation, causal, G):
-    # The key blocks read from the band's shape are exactly those where torch's create_block_mask, which evaluates
-    # every pair, finds a key the band takes (on the CPU FlexAttention reads only the mask_mod: this checks the blocks
-    # that compiled FlexAttention skips on a GPU).
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+def test_flex_band_blocks_are_those_of_the_evaluated_mask(monkeypatch, L, w, dilation, causal, G):
+    # The key blocks the flex backend reads from the band's shape are exactly those where torch's create_block_mask,
+    # which evaluates the backend's mask_mod on every pair of every head, finds a key (on the CPU FlexAttention reads
+    # only the mask_mod: this checks the blocks that compiled FlexAttention skips on a GPU).
+    from torch.nn.attention import flex_attention
 
     from vil.ops.backends import flex
-    from vil.ops.geometry import pair_in_band
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx < G) | (pair_in_band(q_idx, kv_idx - G, w, dilation, causal)[0] & (kv_idx >= G))
-
-    counts, indices = flex._band_blocks.__wrapped__(L, G, w * dilation, causal, CPU)
-    ours = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=flex.BAND_BLOCK, seq_lengths=(L, G + L))
-    evaluated = create_block_mask(mask_mod, None, None, L, G + L, device=CPU, BLOCK_SIZE=flex.BAND_BLOCK)
-    assert torch.equal(ours.to_dense(), evaluated.to_dense())
+    masks = []
+    monkeypatch.setattr(flex_attention, "flex_attention", lambda *a, block_mask, **_: masks.append(block_mask) or a[0])
+    inputs, _ = make_inputs(L, w, G, False, False, None, B=1, D=2, dtype=torch.float32)
+    with torch.no_grad():
+        run("flex", inputs, None, w, dilation, causal, grads=False)
+    (ours,) = masks
+    evaluated = flex_attention.create_block_mask(ours.mask_mod, 1, 2, L, G + L, device=CPU, BLOCK_SIZE=flex.BAND_BLOCK)
+    assert torch.equal(ours.to_dense()[0, 0], evaluated.to_dense()[0].any(0))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's FlexAttention has no backward on the CPU")

@@ -2,6 +2,7 @@
 through its console scripts, ``python -m vil`` and the presets by name."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -63,7 +64,7 @@ def test_a_wheel_in_a_fresh_environment_trains_the_digits_demo_from_outside_the_
 
 
 def test_python_m_vil_names_its_commands_and_presets_load_by_name(capsys):
-    from vil.__main__ import main
+    from vil.__main__ import COMMANDS, main
     from vil.config import load_cfg, preset_config_files
 
     assert set(preset_config_files()) >= {"vil_tiny", "vil_small", "vil_digits", "vil_medium_deep", "vil_base_wide"}
@@ -80,6 +81,9 @@ def test_python_m_vil_names_its_commands_and_presets_load_by_name(capsys):
     with pytest.raises(SystemExit) as done:  # each command reaches its tool
         main(["export-onnx", "--help"])
     assert done.value.code == 0 and "Export a classification model to ONNX" in capsys.readouterr().out
+    # Each command runs the tool of its console script (vil-<command>), which pyproject.toml names.
+    scripts = re.findall(r'^vil-([\w-]+) = "vil_tools\.(\w+):main"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert len(scripts) == 8 and all(COMMANDS[command] == module for command, module in scripts), scripts
     main(["--help"])
     listed = capsys.readouterr().out
     assert all(f"  {command} " in listed for command in ("train", "eval", "export-hub", "timm-train"))

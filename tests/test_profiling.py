@@ -89,7 +89,8 @@ def test_benchmark_model_steps_run_under_the_configs_autocast(monkeypatch):
 
 def test_cpu_sdpa_is_counted_by_this_projects_counter_only():
     """torch's own FLOP counter has no formula for its CPU SDPA kernel, and importing vil leaves it so; the
-    project's counter counts it as the two products of attention, 2 * L * S * D multiply-adds each."""
+    project's counter counts it as the two products of attention, 2 * L * S * D multiply-adds each (per batch entry
+    and head), and its backward too."""
     from torch.utils.flop_counter import FlopCounterMode
 
     import vil  # noqa: F401
@@ -102,3 +103,9 @@ def test_cpu_sdpa_is_counted_by_this_projects_counter_only():
         torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert torch_counter.get_total_flops() == 0
     assert counter.get_total_flops() == 2 * (2 * 2 * 5 * 7 * 8)
+    # Its backward as five such products: the scores again, then the gradients of v, the probabilities, q and k.
+    for t in (q, k, v):
+        t.requires_grad_()
+    with flop_counter() as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert counter.get_total_flops() == (2 + 5) * (2 * 2 * 5 * 7 * 8)

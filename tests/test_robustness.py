@@ -198,6 +198,26 @@ class DiskFullAfter:
         self.file.flush()
 
 
+def test_a_failed_write_says_whether_a_previous_file_is_left_and_what_to_do(tmp_path):
+    def write(code):
+        def fail(f):
+            raise OSError(code, os.strerror(code))
+
+        return fail
+
+    (tmp_path / "old.pth").write_bytes(b"kept")
+    for name, code, facts in (
+        ("old.pth", errno.ENOSPC, ("No space left on device", "the previous file is intact", "free some space")),
+        ("new.pth", errno.ENOSPC, ("No space left on device", "nothing was written", "free some space")),
+        ("new.pth", errno.EIO, ("Input/output error", "nothing was written", "check the folder")),
+    ):
+        with pytest.raises(OutputError) as raised:
+            files.atomic_write(tmp_path / name, write(code))
+        message = str(raised.value)
+        assert str(tmp_path / name) in message and all(fact in message for fact in facts), message
+    assert sorted(os.listdir(tmp_path)) == ["old.pth"] and (tmp_path / "old.pth").read_bytes() == b"kept"
+
+
 def test_a_full_disk_is_one_sentence_and_keeps_the_previous_checkpoint(data, tmp_path, monkeypatch):
     out = tmp_path / "full"
     train(tiny_cfg(data, out, "OPTIM.EPOCHS", "1"))
@@ -561,7 +581,8 @@ def test_kill_during_a_write_then_a_full_disk_then_resume_gives_the_uninterrupte
 def test_only_the_temporary_files_of_interrupted_writes_are_removed(tmp_path):
     import tempfile
 
-    users = [f"{files.TEMPORARY_PREFIX}{name}" for name in ("pretrained.pth", "snapshot", "abcdefgh")]
+    names = ("pretrained.pth", "snapshot", "abcdefgh", "weights_2024.partial", "abc.partial")
+    users = [f"{files.TEMPORARY_PREFIX}{name}" for name in names]
     for name in users:  # a user's files of names alike: never theirs
         (tmp_path / name).write_bytes(b"weights")
     # As atomic_write makes them (a write killed before its rename leaves one).

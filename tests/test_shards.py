@@ -5,6 +5,7 @@ import io
 import pickle
 import re
 import sys
+import tarfile
 
 import pytest
 from PIL import Image
@@ -325,6 +326,28 @@ def test_make_shards_names_a_file_it_cannot_read_and_leaves_it_out(tmp_path):
     assert len(train_set) == 4
     targets, unreadable = evaluated(tmp_path / "shards" / "train")
     assert sorted(targets) == [0, 0, 1, 1] and unreadable == []
+
+
+def test_make_shards_numbers_samples_across_shards_and_shuffles_only_the_training_images(tmp_path):
+    folder = make_folder(tmp_path / "folder", per_class=4, corrupt=False)
+    status, _, stderr = run_tool("make_shards", folder, tmp_path / "shards", "--per-shard", "3")
+    assert status == 0, stderr
+
+    def members(split):  # (key, class) of every sample, shard by shard
+        found = []
+        for shard in sorted((tmp_path / "shards" / split).glob("shard-*.tar")):
+            with tarfile.open(shard) as tar:
+                for member in tar.getmembers():
+                    if member.name.endswith(".cls"):
+                        found.append((member.name[: -len(".cls")], int(tar.extractfile(member).read())))
+        return found
+
+    for split in ("train", "val"):
+        keys = [key for key, _ in members(split)]
+        assert keys == [f"{n:09d}" for n in range(8)]  # one key per sample, none repeated in a later shard
+    assert [target for _, target in members("val")] == [0, 0, 0, 0, 1, 1, 1, 1]  # as image folders list them
+    training = [target for _, target in members("train")]
+    assert sorted(training) == [0, 0, 0, 0, 1, 1, 1, 1] and training != sorted(training)  # seed 0's order
 
 
 def test_make_shards_without_webdataset_says_so_before_making_anything(tmp_path, monkeypatch):

@@ -184,3 +184,7 @@ def test_initial_weights_follow_the_spec():
         values = torch.cat(values)
         assert abs(values.std().item() - 0.02) < 0.002, kind
         assert abs(values.mean().item()) < 0.002, kind
+    models[0].reset_classifier(17)  # a new head for fine-tuning is initialised so too, not as torch's nn.Linear
+    head = models[0].get_classifier()
+    assert head.out_features == 17 and not head.bias.any()
+    assert abs(head.weight.std().item() - 0.02) < 0.002 and abs(head.weight.mean().item()) < 0.002

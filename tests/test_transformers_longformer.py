@@ -635,7 +635,7 @@ def test_head_mask_gives_the_same_outputs_and_gradients(float64_by_default):
     assert_same(got, want, mask, tol=1e-5)
 
 
-def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_once(caplog):
+def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_once(caplog, monkeypatch):
     reference, accelerated = pair(transformers.LongformerModel, longformer_config(attention_probs_dropout_prob=0.3))
     ids, mask, global_mask = batch(seed=6)
     outputs = []
@@ -649,12 +649,19 @@ def test_attention_dropout_in_training_runs_transformers_attention_and_says_so_o
     assert_same(outputs[1], outputs[0], mask)  # the same dropout draws: transformers' own attention
     assert_same(outputs[3], outputs[0], mask)
     assert caplog.text.count("The attention dropout is above 0") == 1 and "layer.dropout = 0.0" in caplog.text
-    with torch.no_grad():  # in evaluation dropout is off: the op
-        assert_same(
+    attend, calls = vil.models.longformer.SlidingWindowSelfAttention.attend, []
+    monkeypatch.setattr(
+        vil.models.longformer.SlidingWindowSelfAttention, "attend", lambda *a: calls.append(1) or attend(*a)
+    )
+    caplog.clear()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="vil.transformers_longformer"):
+        vil.transformers_longformer._Accelerated._said.clear()
+        assert_same(  # in evaluation dropout is off: the op, on every layer, and nothing said
             accelerated.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0],
             reference.eval()(ids, attention_mask=mask, global_attention_mask=global_mask)[0],
             mask,
         )
+    assert len(calls) == 2 and caplog.text == ""
 
 
 def test_output_attentions_gives_transformers_tensors_and_says_so_once(caplog):
