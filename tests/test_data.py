@@ -16,6 +16,7 @@ from PIL import Image
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from tool_runner import run_tool
 from torch.utils.data import DataLoader
+from torchvision.transforms import RandomVerticalFlip
 
 from vil.config import load_cfg
 from vil.data import DigitsDataset, build_dataset, build_mixup, build_transform, collate_skipping
@@ -318,6 +319,9 @@ def test_digits_without_scikit_learn_is_one_line_from_the_tools(monkeypatch, tmp
     assert "pip install 'vil[digits]'" in stderr and "Traceback" not in stderr
 
 
+BOXES_AND_SWITCH = ("AUG.MIXCUT_MINMAX", "[0.2, 0.6]", "AUG.MIXUP_SWITCH_PROB", "0.9")
+
+
 def test_mixup_and_loss_follow_the_config(tmp_path):
     cfg = cfg_for(
         tmp_path, "AUG.MIXUP_PROB", "1.0", "AUG.MIXUP", "0.8", "AUG.MIXCUT", "1.0", "LOSS.LABEL_SMOOTHING", "0.1"
@@ -328,6 +332,8 @@ def test_mixup_and_loss_follow_the_config(tmp_path):
     assert targets.min() >= 0.05 - 1e-6  # smoothing 0.1 over 2 classes
     assert isinstance(build_loss(cfg, mixup), SoftTargetCrossEntropy)
     assert (mixup.mixup_alpha, mixup.cutmix_alpha, mixup.mode) == (0.8, 1.0, "batch")
+    boxes = build_mixup(cfg_for(tmp_path, "AUG.MIXUP_PROB", "1.0", "AUG.MIXUP", "0.8", *BOXES_AND_SWITCH))
+    assert (boxes.cutmix_minmax, boxes.switch_prob) == ((0.2, 0.6), 0.9)
     assert (
         build_mixup(cfg_for(tmp_path, "AUG.MIXUP_PROB", "1.0", "AUG.MIXUP", "0.8", "AUG.MIXUP_MODE", "elem")).mode
         == "elem"
@@ -369,6 +375,18 @@ def test_a_subset_of_classes_is_labelled_in_the_order_given(tmp_path):
     kept = [i for i, t in zip(everything.indices, everything.targets) if t in (0, 3)]
     assert digits.indices == kept  # the same held-out images as in the ten-class split
     assert [{3: 0, 0: 1}[t] for i, t in zip(everything.indices, everything.targets) if t in (0, 3)] == digits.targets
+
+
+def test_timms_training_transform_takes_the_flip_and_erasing_keys(tmp_path):
+    from timm.data.random_erasing import RandomErasing
+
+    keys = ("AUG.TIMM_AUG.USE_TRANSFORM", "True", "AUG.TIMM_AUG.VFLIP", "0.4", "AUG.TIMM_AUG.RE_PROB", "0.5")
+    keys += ("AUG.TIMM_AUG.RE_COUNT", "3", "AUG.TIMM_AUG.RE_MODE", "rand")
+    transform = build_transform(cfg_for(tmp_path, *keys), train=True)
+    (vflip,) = [t for t in transform.transforms if isinstance(t, RandomVerticalFlip)]
+    (erasing,) = [t for t in transform.transforms if isinstance(t, RandomErasing)]
+    assert vflip.p == 0.4
+    assert (erasing.probability, erasing.max_count, erasing.rand_color, erasing.per_pixel) == (0.5, 3, True, False)
 
 
 def test_training_transforms_follow_the_original_choices(tmp_path):

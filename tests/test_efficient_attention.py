@@ -161,6 +161,10 @@ def test_orthogonal_random_features():
     # Row norms are those of 8-dimensional Gaussian vectors (chi with 8 degrees of freedom: mean about 2.74).
     norms = orthogonal_random_features(2000, 8).norm(dim=1)
     assert abs(norms.mean() - math.sqrt(2) * math.gamma(4.5) / math.gamma(4)) < 0.05
+    # Haar-distributed blocks: each block's first row points either way along the first axis with probability 1/2
+    # (the QR of a Gaussian matrix alone always gives it one sign there). 500 blocks: 250 +- 11 (one s.d.).
+    first_rows = orthogonal_random_features(500 * 8, 8)[::8]
+    assert 200 < (first_rows[:, 0] < 0).sum() < 300
 
 
 def tiny_cfg(attn_type, *overrides):

@@ -155,15 +155,19 @@ def test_number_of_global_tokens(tmp_path, init):
     state = {k.removeprefix("backbone.body."): v for k, v in exported["model"].items()}
     old = source.state_dict()
     tokens, g2g = old["layer2.0.cls_token"], old["layer3.1.attn.g2g_relative_position_bias"]
+    g2l = old["layer1.1.attn.g2l_relative_position_bias"]  # (heads, 1, global tokens)
     if init == "copy":
         expected_tokens = tokens[:, [0, 1, 0]]
         expected_g2g = g2g[:, [0, 1, 0]][:, :, [0, 1, 0]]
+        expected_g2l = g2l[:, :, [0, 1, 0]]
     else:
         expected_tokens = tokens.mean(1, keepdim=True).expand(-1, 3, -1)
         expected_g2g = g2g.mean((1, 2), keepdim=True).expand(-1, 3, 3)
+        expected_g2l = g2l.mean(2, keepdim=True).expand(-1, -1, 3)
     torch.testing.assert_close(state["layer2.0.cls_token"], expected_tokens)
     torch.testing.assert_close(state["layer3.1.attn.g2g_relative_position_bias"], expected_g2g)
-    assert state["layer1.1.attn.g2l_relative_position_bias"].shape == (2, 1, 3)
+    assert g2l.shape == (2, 1, 2) and not torch.equal(g2l[..., 0], g2l[..., 1])
+    torch.testing.assert_close(state["layer1.1.attn.g2l_relative_position_bias"], expected_g2l)
     ViLBackbone(new_arch, img_size=64).load_state_dict(state, strict=False)
     build_fpn_backbone(new_arch, img_size=64, checkpoint=tmp_path / "out.pth")  # strict apart from the new level norms
     # No global tokens at all.

@@ -404,6 +404,7 @@ def test_sliding_chunk_in_blocks_of_one_chunk(monkeypatch):
     from vil.ops import base
 
     monkeypatch.setitem(base.BLOCK_BYTES, "cpu", 1)
+    assert base.items_per_block(4096, CPU) == 1  # the CPU's budget, not a GPU's, on the CPU
     for exact in (0, 1):
         inputs = make_inputs(11, 9, 3, 2, rel=True, glob_bias=True, B=2, H=2)
         expected, expected_grads = run("reference", inputs, 3, exact, 0)

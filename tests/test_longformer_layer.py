@@ -190,8 +190,11 @@ def test_bad_input():
             layer(**kwargs)
     causal = LongformerSelfAttention(DIM, HEADS, 2, causal=True, backend="reference")
     causal(x, global_mask=torch.zeros(2, 6, dtype=torch.bool))
-    with pytest.raises(ValueError, match="A causal layer takes no global tokens"):
-        causal(x, global_mask=torch.eye(2, 6, dtype=torch.bool))
+    one_sequence = torch.zeros(2, 6, dtype=torch.bool)
+    one_sequence[1, 0] = True  # a global token in one sequence of the batch only
+    for global_mask in (torch.eye(2, 6, dtype=torch.bool), one_sequence):
+        with pytest.raises(ValueError, match="A causal layer takes no global tokens"):
+            causal(x, global_mask=global_mask)
     with pytest.raises(ValueError, match=r"dim \(16\) must be divisible by num_heads \(3\)\."):
         LongformerSelfAttention(DIM, 3, 2)
     with pytest.raises(ValueError, match=r"one int per head \(4\), got 2 values"):

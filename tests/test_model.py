@@ -526,10 +526,16 @@ def test_grad_checkpointing_gives_the_same_gradients():
     model(x).square().sum().backward()
     plain = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
+    calls = []
+    model.layer1[1].register_forward_pre_hook(lambda *_: calls.append(1))  # the first block: run again in backward
     model.set_grad_checkpointing(True)
     model(x).square().sum().backward()
     for a, b in zip(plain, (p.grad for p in model.parameters())):
         torch.testing.assert_close(a, b)
+    assert len(calls) == 2
+    model.set_grad_checkpointing(False)
+    model(x).square().sum().backward()
+    assert len(calls) == 3
 
 
 def test_patch_embedding_drops_the_remainder_as_the_original_or_pads():

@@ -79,6 +79,10 @@ def test_timm_model_conventions(name):
     # The final norm joins the last block (timm's (99999,)); the head, matched by nothing, comes last.
     assert list(groups.values())[-2][-2:] == ["norm.weight", "norm.bias"]
     assert list(groups.values())[-1] == ["head.weight", "head.bias"]
+    # A later stage's patch embedding goes with its first layer, as timm groups Swin's downsampling.
+    for stage in (2, 3, 4):
+        (group,) = [g for g in groups.values() if f"layer{stage}.1.norm.weight" in g]
+        assert f"layer{stage}.0.proj.weight" in group and f"layer{stage}.2.mlp.fc1.weight" in group
     assert (
         "layer1.0.cls_token" in model.no_weight_decay() and "layer1.1.attn.query.weight" not in model.no_weight_decay()
     )
@@ -275,6 +279,7 @@ def test_pruning_the_last_stages_gives_a_model_of_the_stage_left():
         assert model.num_features == model.head_hidden_size == 16
         model.reset_classifier(10, "avg")
         assert model(torch.randn(2, 3, 64, 64)).shape == (2, 10)
+        assert model.total_stride == 4 and model(torch.randn(2, 3, 8, 8)).shape == (2, 10)  # the first stage's
 
 
 def test_a_new_classifier_takes_the_models_device_and_dtype():

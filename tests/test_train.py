@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 from test_data import make_folder
+from timm.utils import ModelEmaV3
 from tool_runner import run_tool
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import vil.training.setup as training_setup
 import vil.training_state as training_state
@@ -601,13 +603,14 @@ def break_loss(monkeypatch, at_call, broken):
     monkeypatch.setattr(training_setup, "build_loss", build)
 
 
-def test_nan_loss_stops_before_the_last_good_checkpoint_is_overwritten(data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_nan_loss_stops_before_the_last_good_checkpoint_is_overwritten(data, tmp_path, monkeypatch, value):
     # epoch 2, batch 2 (3 batches an epoch)
-    break_loss(monkeypatch, 5, lambda criterion, logits, targets: criterion(logits, targets) * float("nan"))
+    break_loss(monkeypatch, 5, lambda criterion, logits, targets: criterion(logits, targets) * float(value))
     out = tmp_path / "nan"
     with pytest.raises(
         FloatingPointError,
-        match=r"^Training stops before optimizer step 5: the loss became nan at epoch 2, batch 2; "
+        match=rf"^Training stops before optimizer step 5: the loss became {value} at epoch 2, batch 2; "
         r"\S+checkpoint_last.pth keeps optimizer step 3 \(the end of epoch 1\), "
         r"the newest state whose loss and gradients were finite",
     ):
@@ -749,6 +752,24 @@ def test_gradient_accumulation_matches_the_larger_batch(tmp_path, big, accum, ep
     assert read_checkpoint(str(tmp_path / "accum" / "checkpoint_last.pth"))["step"] == 12 // big * epochs
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_log_gives_the_seconds_of_each_optimizer_step(tmp_path, monkeypatch, accum):
+    """With a clock that advances one second each time it is read, each batch takes a second to fetch and one to
+    compute: data_s and step_s, the seconds per optimizer step, are the batches each step takes (OPTIM.ACCUM_STEPS)."""
+    import itertools
+    from types import SimpleNamespace
+
+    import vil.training.epoch as training_epoch
+
+    seconds = itertools.count()
+    monkeypatch.setattr(training_epoch, "time", SimpleNamespace(perf_counter=lambda: float(next(seconds))))
+    data = make_folder(tmp_path / "clean", per_class=4, corrupt=False)
+    common = ("OPTIM.EPOCHS", "1", "DATALOADER.BSZ", "2", "LOG_FREQ", "1", "OPTIM.ACCUM_STEPS", str(accum))
+    train(tiny_cfg(data, tmp_path / "run", *common))
+    logged = re.findall(r" step \d+: .*, data_s (\S+), step_s (\S+),", (tmp_path / "run" / "log.txt").read_text())
+    assert len(logged) == 4 // accum and all(float(d) == float(s) == accum for d, s in logged), logged
+
+
 def test_gradient_clipping_bounds_each_update(data, tmp_path, monkeypatch):
     """Each SGD step (no momentum, no weight decay) of gradients whose norm is far above OPTIM.CLIP_GRAD moves the
     weights by exactly the step's learning rate times OPTIM.CLIP_GRAD."""
@@ -771,7 +792,7 @@ def test_gradient_clipping_bounds_each_update(data, tmp_path, monkeypatch):
         assert lr > 0 and moved == pytest.approx(lr * 1e-3, rel=1e-4)
 
 
-def test_ema_weights_are_kept_and_differ_from_the_model(data, tmp_path):
+def test_ema_weights_are_kept_and_differ_from_the_model(data, tmp_path, monkeypatch):
     # Relative position bias: its models carry integer index buffers, which the average must leave alone.
     train(
         tiny_cfg(
@@ -789,6 +810,17 @@ def test_ema_weights_are_kept_and_differ_from_the_model(data, tmp_path):
     assert state["ema"].keys() == state["net"].keys()
     assert any(not torch.equal(state["ema"][k], state["net"][k]) for k in state["net"])
     assert "top1_ema" in (tmp_path / "ema" / "log.txt").read_text()
+    # The average is updated after every optimizer step: at decay 0 it is the last step's weights.
+    steps, updates, update = [], [], ModelEmaV3.update
+    monkeypatch.setattr(ModelEmaV3, "update", lambda ema, *a, **k: updates.append(1) or update(ema, *a, **k))
+    hook = register_optimizer_step_post_hook(lambda *_: steps.append(1))
+    try:
+        train(tiny_cfg(data, tmp_path / "now", "MODEL.EMA", "True", "MODEL.EMA_DECAY", "0.0", "OPTIM.EPOCHS", "1"))
+    finally:
+        hook.remove()
+    assert len(updates) == len(steps) > 1
+    state = read_checkpoint(str(tmp_path / "now" / "checkpoint_last.pth"))
+    assert all(torch.equal(state["ema"][k], state["net"][k]) for k in state["net"])
 
 
 def test_the_digits_check_asks_one_image_of_margin():
@@ -826,6 +858,19 @@ def test_repeated_augmentation_order_follows_the_seed():
     assert order(0, 0, 0) != order(1, 0, 0) and order(0, 0, 0) != order(0, 1, 0)
     both = order(0, 0, 0) + order(0, 0, 1)  # 3 repeats of each sample, spread over the processes
     assert all(both.count(i) in (0, 3) for i in range(12)) and len(set(both)) == 4
+
+
+def test_the_distributed_order_follows_the_seed_and_the_epoch():
+    from types import SimpleNamespace
+
+    from vil.training.epoch import epoch_order
+
+    def order(seed, epoch, rank):
+        return epoch_order(range(20), epoch, seed, SimpleNamespace(world=2, rank=rank))
+
+    assert order(0, 0, 0) == order(0, 0, 0) and order(0, 0, 0) != order(0, 1, 0) and order(0, 0, 0) != order(7, 0, 0)
+    for seed, epoch in ((0, 0), (7, 3)):  # the processes share each epoch's samples between them
+        assert sorted(order(seed, epoch, 0) + order(seed, epoch, 1)) == list(range(20))
 
 
 def test_the_copies_of_repeated_augmentation_are_augmented_apart():
@@ -940,8 +985,9 @@ def test_bfloat16_amp_on_a_gpu_without_bfloat16_tensor_cores_says_so(monkeypatch
 def test_mixing_an_odd_batch_is_one_sentence_before_training(data, tmp_path):
     """timm's Mixup pairs each sample with another of its batch: an odd batch would stop in its assertion."""
     mixing = ("AUG.MIXUP", "0.8", "AUG.MIXUP_PROB", "1.0")
-    with pytest.raises(ValueError, match=r"Mixup/CutMix pairs the samples .*DATALOADER.BSZ.* must be even, not 3\."):
-        train(tiny_cfg(data, tmp_path / "run", *mixing, "DATALOADER.BSZ", "3"))
+    for batch in ("3", "1"):
+        with pytest.raises(ValueError, match=rf"Mixup/CutMix pairs the samples .*DATALOADER.BSZ.* even, not {batch}\."):
+            train(tiny_cfg(data, tmp_path / "run", *mixing, "DATALOADER.BSZ", batch))
     assert not (tmp_path / "run" / "checkpoint_last.pth").exists()
 
 
