@@ -410,10 +410,20 @@ def test_a_program_of_standard_operators_holds_no_operator_of_the_op_layer():
         assert ("vil" in namespaces) is expected, namespaces
         with torch.no_grad():
             torch.testing.assert_close(program.module()(images), model(images))
-    own_chunk = MsViT(TINY, img_size=64, num_classes=5, mode=-1).eval()  # MODE -1: each chunk attends to itself only
-    program = export_program(own_chunk, 64, 64, standard_operators=True)
-    with torch.no_grad():
-        torch.testing.assert_close(program.module()(images), own_chunk(images))
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_the_window_tables_of_symbolic_sizes_are_those_of_a_chunk_whose_neighbours_are_all_in_the_map(window):
+    """A program of standard operators for any size builds its window tables as those of a chunk with all nine
+    neighbours, for every neighbour mode (-1: its own chunk only; 1..8: one neighbour): the middle chunk's of a map of
+    3x3 chunks, as the eager op computes them."""
+    from vil.ops.backends.unfold import _inner_chunk_tables
+    from vil.ops.geometry import unfolded_window_tables
+
+    for mode in range(-1, 9):
+        symbolic = _inner_chunk_tables(window, 0, mode, torch.device("cpu"))
+        allowed, bias_index = unfolded_window_tables(3 * window, 3 * window, window, 0, mode, torch.device("cpu"))
+        assert torch.equal(symbolic[0][0, 0], allowed[1, 1]) and torch.equal(symbolic[1], bias_index), mode
 
 
 def test_a_program_of_standard_operators_with_cyclic_windows_takes_one_image_size():
