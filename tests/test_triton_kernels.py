@@ -156,6 +156,19 @@ def test_tuning_picks_a_timed_tile_shape(monkeypatch):
     assert all(tiles in kernels._candidates(8) for tiles in flash._TUNED.values())
 
 
+def test_tuning_keeps_the_fastest_tile_shape(monkeypatch):
+    timings = {(64, 64, 4): 3.0, (32, 32, 4): 1.0, (16, 16, 4): 2.0}  # do_bench's milliseconds, stubbed
+    monkeypatch.setattr(flash.triton.testing, "do_bench", lambda launch: timings[launch.args])
+    assert flash._fastest("forward", list(timings), lambda *tiles: None) == (32, 32, 4)
+
+
+def test_several_batch_entries_per_program_sum_every_entrys_bias_gradients(monkeypatch):
+    """Where batch x tiles x heads exceeds TARGET_PROGRAMS (ViL-Small's first stage from a batch of 11 on), a
+    backward program takes several batch entries, whose bias-table sums must each be counted once."""
+    monkeypatch.setattr(flash, "TARGET_PROGRAMS", 30)
+    assert_matches_reference(make_inputs(8, 8, 2, 1, True, True, B=3, H=1), 2)
+
+
 def test_tile_shapes_are_tuned_per_block_of_global_keys(monkeypatch):
     """BLOCK_G (all the global keys, at least 16) sets a program's registers and shared memory: a shape tuned with
     one global key is not taken for 20 (a block of 32) without being tuned again."""
