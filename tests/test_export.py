@@ -2,7 +2,6 @@
 tools/export_onnx.py's output check and export at one image size."""
 
 import re
-from functools import partial
 
 import onnxruntime
 import pytest
@@ -653,10 +652,13 @@ def test_export_onnx_tool_writes_only_a_file_that_passes_its_check(tmp_path, mon
     assert re.search(r"Traced at 64x64.* at most 80x80 .* export at 96x96 or larger", error), error
     monkeypatch.setattr(export_onnx_tool, "onnx_model", lambda *args, **kwargs: _file_of_one_input_shape())
     assert "onnxruntime cannot run the exported file at 32x32 (" in failure(TINY, 32)
+
     # Logits that differ from the model's, or that are not numbers, fail the check at the first size.
+    def constant_logits(value):
+        return lambda path, images: torch.full((images.shape[0], 10), value)
+
     for value, said in ((0.0, r"by \d\.\d\de-0[0-3], more than 0.0001"), (float("nan"), "by nan, more than 0.0001")):
-        logits = partial(lambda path, images, value: torch.full((images.shape[0], 10), value), value=value)
-        monkeypatch.setattr(export_onnx_tool, "onnx_outputs", logits)
+        monkeypatch.setattr(export_onnx_tool, "onnx_outputs", constant_logits(value))
         assert re.search(f"at 32x32 the ONNX file's logits differ from the model's {said}", failure(TINY, 32))
 
 

@@ -72,12 +72,8 @@ def assert_matches_reference(inputs, padding, w, dilation=1, causal=False, toler
     [(128, 1, 1, True), (129, 3, 2, False)],  # a band that ends a tile's keys; a dilation class one over a tile
 )
 def test_lengths_at_the_edges_of_tiles(L, w, dilation, causal):
-    q, k, v = (t.to(DEVICE) for t in torch.randn(3, 1, 1, L, 16, generator=torch.Generator().manual_seed(0)))
-    expected = local_attention_1d(
-        q.double(), k.double(), v.double(), w, dilation=dilation, causal=causal, backend="reference"
-    )
-    out = local_attention_1d(q, k, v, w, dilation=dilation, causal=causal, backend="triton")
-    torch.testing.assert_close(out.double().cpu(), expected.cpu(), rtol=1e-4, atol=1e-4)
+    inputs, padding = make_inputs(L, w, 0, False, False, None, B=1, H=1)
+    assert_matches_reference(inputs, padding, w, dilation, causal)
 
 
 @pytest.mark.parametrize("L,w,dilation,causal,G,rel,glob,mask", CASES)
