@@ -99,6 +99,16 @@ def test_checkpoint_of_another_architecture_is_one_sentence(tmp_path):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("layers,rest", [(3, ""), (4, ", ... (2 more)")])
+def test_a_refusal_names_six_missing_keys_then_counts_the_rest(layers, rest):
+    """A model of 6 keys: the sentence names all six; of 8: the first six, then how many more."""
+    from vil.checkpoint import check_fits
+
+    six = "0.weight, 0.bias, 1.weight, 1.bias, 2.weight, 2.bias"
+    with pytest.raises(ValueError, match=re.escape(f"({2 * layers} missing: {six}{rest});")):
+        check_fits({}, torch.nn.Sequential(*[torch.nn.Linear(1, 1) for _ in range(layers)]), "empty.pth")
+
+
 def test_tensors_of_another_kind_of_number_are_named(tmp_path):
     """Loading casts floating-point tensors to the model's precision; whole, boolean or complex numbers where the
     model has real ones are named with both dtypes (they were cast and loaded)."""
@@ -286,3 +296,9 @@ def test_the_ema_weights_are_found_under_each_trainers_key(key):
     checkpoint = {"model": model, key: ema}
     assert torch.equal(ema_state(checkpoint, "deit.pth")["head.weight"], ema["head.weight"])
     assert torch.equal(model_state(checkpoint, "deit.pth")["head.weight"], model["head.weight"])
+    # The EMA weights are read as the model's are: DistributedDataParallel's prefix dropped, NaN refused.
+    assert list(ema_state({"model": model, key: {"module.head.weight": torch.ones(2, 2)}}, "ddp.pth")) == [
+        "head.weight"
+    ]
+    with pytest.raises(ValueError, match=r"nan\.pth holds values that are not finite .* in 1 tensors, e\.g\. head\.w"):
+        ema_state({"model": model, key: {"head.weight": torch.full((2, 2), float("nan"))}}, "nan.pth")

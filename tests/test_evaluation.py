@@ -27,7 +27,7 @@ LOGITS = [
     [1.0, 0, 2, 3, 4, 5, 9],  # 6: 6 5 4 3 2 0 1, rank 1
     [3.0, 2, 4, 5, 6, 1, 0],  # 1: 4 3 2 0 1 5 6, rank 5
     [1.0, 2, 3, 4, 5, 6, 7],  # 1: 6 5 4 3 2 1 0, rank 6 (in the top 6, not the top 5)
-    [0.0, 1, 2, 3, 8, 5, -math.inf],  # 4: 4 5 3 2 1 0 6, rank 1; not finite
+    [0.0, 1, 2, 3, 8, 5, -math.inf],  # 4: 4 5 3 2 1 0 6, rank 1, but not finite: no hit
     [4.0, 5, 3, 2, 1, 0, -2],  # 0: 1 0 2 3 4 5 6, rank 2
 ]
 TARGETS = [0, 3, 2, 6, 1, 1, 4, 0]
@@ -61,16 +61,16 @@ def test_evaluate_counts_top1_top5_per_class_and_nonfinite_outputs_by_hand(caplo
     with caplog.at_level("WARNING", logger="vil"):
         result = evaluate(model, loader, Runtime(), contextlib.nullcontext, num_classes=7)
     assert model.calls == [(False, False, 3), (False, False, 2), (False, False, 3)]
-    # Top-1 hits: images 0, 3 and 6 of 8; top-5 hits: all but images 2 (rank 7) and 5 (rank 6).
-    assert result["top1"] == pytest.approx(100 * 3 / 8)
-    assert result["top5"] == pytest.approx(100 * 6 / 8)
+    # Top-1 hits: images 0 and 3 of 8; top-5 hits: all but images 2 (rank 7), 5 (rank 6) and 6 (not finite).
+    assert result["top1"] == pytest.approx(100 * 2 / 8)
+    assert result["top5"] == pytest.approx(100 * 5 / 8)
     # Per class: images, top-1 hits, top-5 hits.
     per_class = [
         [2, 1, 2],  # class 0: images 0 (rank 1) and 7 (rank 2)
         [2, 0, 1],  # class 1: images 4 (rank 5) and 5 (rank 6)
         [1, 0, 0],  # class 2: image 2 (rank 7)
         [1, 0, 1],  # class 3: image 1 (rank 5)
-        [1, 1, 1],  # class 4: image 6 (rank 1)
+        [1, 0, 0],  # class 4: image 6 (rank 1, not finite)
         [0, 0, 0],  # class 5: no image
         [1, 1, 1],  # class 6: image 3 (rank 1)
     ]
@@ -80,6 +80,19 @@ def test_evaluate_counts_top1_top5_per_class_and_nonfinite_outputs_by_hand(caplo
     # Each unreadable image named in a warning, and their number in one more.
     assert sum("broken.JPEG (cannot identify image file)" in m for m in caplog.messages) == 3, caplog.messages
     assert sum(bool(re.search(r"\bskipped 3 unreadable\b", m)) for m in caplog.messages) == 1, caplog.messages
+
+
+def test_images_whose_outputs_are_not_finite_are_no_hits_whatever_topk_ranks():
+    """topk ranks NaN as well as numbers: rows of NaN (the EMA weights' outputs, say, which evaluation scores rather
+    than stops at) would otherwise count as hits at whatever ranks it gives them."""
+    nan = math.nan
+    rows = [[nan, nan, nan], [2.0, nan, 0], [2.0, 1, 0]]
+    targets = [0, 0, 0]  # topk ranks class 0 first, second and first: three top-5 hits, but two are not finite
+    loader = DataLoader([(image(i), t) for i, t in enumerate(targets)], batch_size=3, collate_fn=collate_skipping)
+    result = evaluate(FixedLogits(rows), loader, Runtime(), contextlib.nullcontext, num_classes=3)
+    assert result["top1"] == pytest.approx(100 / 3) and result["top5"] == pytest.approx(100 / 3)
+    assert result["per_class"].tolist() == [[3, 1, 1], [0, 0, 0], [0, 0, 0]]
+    assert result["nonfinite"] == 2
 
 
 def test_evaluation_of_which_no_image_can_be_read_is_refused_not_scored_zero():

@@ -403,6 +403,9 @@ def test_the_training_loader_is_built_once_and_seeds_each_sample(data, tmp_path)
     assert torch.equal(torch.get_rng_state(), states[0])  # the caller's random states are left as they were
     assert (random.getstate(), np.random.get_state()[1].tolist()) == states[1:]
     assert draws[(0, 1)] == first and draws[(1, 1)] != first and draws[(0, 2)] != first
+    # Keys whose numbers add up alike draw apart too: epoch 1's sample 0, and the next seed's epoch 0 sample 0.
+    next_seed = SeededSamples(RandomDraws(), cfg.SEED + 1)[(0, 0)]
+    assert draws[(1, 0)] != first and next_seed != first and next_seed != draws[(1, 0)]
 
 
 class RandomDraws(torch.utils.data.Dataset):
@@ -1063,6 +1066,56 @@ def test_the_log_calls_top1_ema_what_the_ema_weights_score(tmp_path, monkeypatch
     assert len(models) == 2 and models[1] is not models[0]
     text = (tmp_path / "run" / "log.txt").read_text()
     assert re.search(r"epoch 1/1: .*, top1 [0-9.]+, .*, top1_ema 12\.5[,;\n]", text)
+
+
+def test_evaluation_outputs_that_are_not_finite_stop_the_run_at_the_epochs_end(tmp_path, monkeypatch):
+    """Outputs that are finite in training but NaN in evaluation: the run stops when it evaluates, naming the
+    images (all 8 of the evaluation set), rather than logging a top-1 and going on."""
+    real = training_setup.build_model
+
+    def nan_in_evaluation(cfg):
+        model = real(cfg)
+        model.register_forward_hook(lambda module, inputs, out: out if module.training else out * float("nan"))
+        return model
+
+    monkeypatch.setattr(training_setup, "build_model", nan_in_evaluation)
+    data = make_folder(tmp_path / "data", per_class=4, corrupt=False)
+    with pytest.raises(FloatingPointError, match=r"the outputs of 8 evaluation images were not finite at the end of "):
+        train(tiny_cfg(data, tmp_path / "run", "OPTIM.EPOCHS", "1"))
+
+
+def test_ema_outputs_that_are_not_finite_are_named_and_scored_wrong(tmp_path, monkeypatch):
+    """The EMA weights are evaluated, not trained: their NaN outputs get a warning with their count, and top1_ema
+    counts those images as wrong (0, not whatever class topk ranks first). A set read whole warns of no lost image."""
+    real = training_setup.model_ema
+
+    def nan_ema(model, decay):
+        ema = real(model, decay)
+        ema.module.register_forward_hook(lambda module, inputs, out: out * float("nan"))
+        return ema
+
+    monkeypatch.setattr(training_setup, "model_ema", nan_ema)
+    data = make_folder(tmp_path / "data", per_class=4, corrupt=False)
+    train(tiny_cfg(data, tmp_path / "run", "OPTIM.EPOCHS", "1", "MODEL.EMA", "True"))
+    text = (tmp_path / "run" / "log.txt").read_text()
+    assert "The EMA weights' outputs of 8 evaluation images were not finite" in text
+    assert re.search(r"epoch 1/1: .*, top1_ema 0[,;\n]", text), text
+    assert "never read" not in text
+
+
+def test_the_epoch_line_gives_the_training_images_per_second_of_its_epoch(tmp_path, monkeypatch):
+    """With the loop's clock at 100 s when the run and the epoch start and 104 s when the epoch's training ends,
+    the epoch's 8 training images (two batches of 4) went at 2 images per second."""
+    from types import SimpleNamespace
+
+    import vil.training.loop as training_loop
+
+    readings = iter([100.0, 100.0, 104.0])
+    monkeypatch.setattr(training_loop, "time", SimpleNamespace(perf_counter=lambda: next(readings)))
+    data = make_folder(tmp_path / "data", per_class=4, corrupt=False)
+    train(tiny_cfg(data, tmp_path / "run", "OPTIM.EPOCHS", "1"))
+    logged = re.findall(r"epoch 1/1: .*, images_per_s (\S+),", (tmp_path / "run" / "log.txt").read_text())
+    assert logged == ["2"], logged
 
 
 def test_a_checkpoints_report_scores_the_weights_it_names_per_class(tmp_path):

@@ -34,9 +34,9 @@ log = logging.getLogger("vil")
 def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.contiguous_format, expected=None):
     """Top-1 and top-5 accuracy (percent) over the whole evaluation set, all processes together, and per class:
     ``{"top1", "top5", "per_class": (classes, 3) tensor of images, top-1 hits, top-5 hits, "images": images
-    scored, "skipped": unreadable images, "nonfinite": images whose outputs are not all finite}``. Unreadable images
-    are skipped, each named in a warning. ``expected``: the evaluation set's size; images of it that no process read
-    (lost with the rest of a damaged shard) count as skipped too."""
+    scored, "skipped": unreadable images, "nonfinite": images whose outputs are not all finite, which count as
+    wrong}``. Unreadable images are skipped, each named in a warning. ``expected``: the evaluation set's size;
+    images of it that no process read (lost with the rest of a damaged shard) count as skipped too."""
     model.eval()
     counts = torch.zeros(num_classes, 3, dtype=torch.float64, device=runtime.device)
     skipped, nonfinite = 0, torch.zeros((), dtype=torch.long, device=runtime.device)
@@ -50,8 +50,10 @@ def evaluate(model, loader, runtime, amp, num_classes, memory_format=torch.conti
             images, targets = images.to(runtime.device, memory_format=memory_format), targets.to(runtime.device)
             with amp():
                 logits = model(images).float()
-            nonfinite += (~torch.isfinite(logits).all(dim=1)).sum()
-            ranks = logits.topk(min(5, num_classes), dim=1).indices.eq(targets[:, None])
+            finite = torch.isfinite(logits).all(dim=1)
+            nonfinite += (~finite).sum()
+            # topk ranks NaN too: an image whose outputs are not all finite is no hit
+            ranks = logits.topk(min(5, num_classes), dim=1).indices.eq(targets[:, None]) & finite[:, None]
             hits = torch.stack([torch.ones_like(ranks[:, 0]), ranks[:, 0], ranks.any(dim=1)], dim=1)
             counts.index_add_(0, targets, hits.double())
     warn_held(runtime, held or [])
