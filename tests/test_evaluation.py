@@ -112,22 +112,23 @@ def test_evaluate_with_fewer_than_five_classes_counts_every_image_in_the_top_fiv
     assert result["nonfinite"] == 0
 
 
+@pytest.mark.parametrize("stream", ["stderr", "stdout"])  # setup_logging's console, or basicConfig(stream=...)'s
 @pytest.mark.parametrize("where", ["the vil logger's own handler", "the root logger's, propagated to"])
-def test_log_lines_during_a_progress_bar_are_printed_above_it_once(capsys, where):
+def test_log_lines_during_a_progress_bar_are_printed_above_it_once(capsys, where, stream):
     """What a terminal shows of each line (the text after its last carriage return): the logged lines whole, each
-    once, not behind the bar's text."""
+    once, not behind the bar's text (the bar and the log on the same stream, as on one terminal)."""
     vil_log, root = logging.getLogger("vil"), logging.getLogger()
     saved = vil_log.handlers, vil_log.propagate, root.handlers
-    console = logging.StreamHandler(sys.stderr)  # as setup_logging's, or a basicConfig's
+    console = logging.StreamHandler(getattr(sys, stream))
     if where == "the vil logger's own handler":
         vil_log.handlers, vil_log.propagate = [console], False
     else:
         vil_log.handlers, vil_log.propagate, root.handlers = [], True, [console]
     try:
         with log_lines_above_bars():
-            for i in tqdm(range(3), desc="bar", file=sys.stderr):
+            for i in tqdm(range(3), desc="bar", file=getattr(sys, stream)):
                 vil_log.warning(f"line {i}")
     finally:
         vil_log.handlers, vil_log.propagate, root.handlers = saved
-    shown = [line.split("\r")[-1] for line in capsys.readouterr().err.split("\n")]
+    shown = [line.split("\r")[-1] for line in getattr(capsys.readouterr(), stream[3:]).split("\n")]
     assert [line for line in shown if "line" in line] == ["line 0", "line 1", "line 2"]

@@ -1,5 +1,6 @@
 """Training end to end on tiny data: outputs, exact resume, torchrun, the mode switch, and clear failures."""
 
+import itertools
 import json
 import logging
 import os
@@ -201,6 +202,57 @@ def test_resume_after_one_epoch_gives_identical_weights(data, tmp_path):
     assert_same_weights(final_weights(straight), final_weights(resumed))
     ema = [read_checkpoint(str(d / "checkpoint_last.pth"))["ema"] for d in (straight, resumed)]
     assert_same_weights(*ema)
+
+
+def test_a_resume_with_mixup_gives_identical_weights(data, tmp_path):
+    """timm's Mixup draws from NumPy's random state in the main process: a resume restores it with torch's and
+    Python's, or the resumed run mixes other pairs and ends elsewhere."""
+    straight, resumed = straight_and_resumed(data, tmp_path, "AUG.MIXUP", "0.8", "AUG.MIXUP_PROB", "1.0")
+    assert_same_weights(final_weights(straight), final_weights(resumed))
+
+
+def test_a_resumed_runs_eta_counts_the_epochs_it_ran(data, tmp_path, monkeypatch):
+    """A run of 1 epoch resumed to 3, with a clock that reads 10 s more each time: the resumed run starts at 0 s,
+    its first epoch (2 of 3) runs from 10 s to 20 s and logs its ETA at 30 s, 30 s for that one epoch; the epoch left
+    takes as long. Counting the epoch before the resume as well would halve it."""
+    from types import SimpleNamespace
+
+    import vil.training.evaluation as training_evaluation
+    import vil.training.loop as training_loop
+
+    train(tiny_cfg(data, tmp_path / "run", "OPTIM.EPOCHS", "1"))
+    seconds = itertools.count(step=10)
+    clock = SimpleNamespace(perf_counter=lambda: float(next(seconds)))
+    for module in (training_loop, training_evaluation):
+        monkeypatch.setattr(module, "time", clock)
+    train(tiny_cfg(data, tmp_path / "run", "OPTIM.EPOCHS", "3"))
+    etas = re.findall(r"epoch (\d)/3: .*; ETA (\S+)", (tmp_path / "run" / "log.txt").read_text())
+    assert etas == [("2", "0:00:30"), ("3", "0:00:00")], etas
+
+
+def test_train_returns_the_last_epochs_top1_and_keeps_the_best(data, tmp_path, monkeypatch):
+    import vil.training.loop as training_loop
+
+    scores = iter([50.0, 30.0])
+    monkeypatch.setattr(training_loop, "evaluate_epoch", lambda *args: next(scores))
+    assert train(tiny_cfg(data, tmp_path / "run")) == 30.0
+    assert read_checkpoint(str(tmp_path / "run" / "checkpoint_last.pth"))["best_acc"] == 50.0
+
+
+def test_a_snapshot_due_at_an_epochs_last_step_is_superseded_by_the_epochs_checkpoint(tmp_path, monkeypatch):
+    """12 images in batches of 4 and CHECKPOINT.EVERY_STEPS 3: the snapshot due at each epoch's last step waits
+    for the epoch's end, whose checkpoint (after the evaluation, with the best top-1) replaces it; nothing writes
+    the older state over checkpoint_last.pth afterwards."""
+    real, written = training_state.save_checkpoint, []
+
+    def recorded(*args, **entries):
+        written.append((entries["epoch"], entries["batch_in_epoch"], entries["step"], entries["best_acc"] >= 0))
+        return real(*args, **entries)
+
+    monkeypatch.setattr(training_state, "save_checkpoint", recorded)
+    data = make_folder(tmp_path / "data", per_class=6, corrupt=False)
+    train(tiny_cfg(data, tmp_path / "run", "CHECKPOINT.EVERY_STEPS", "3"))
+    assert written == [(1, 0, 3, True), (2, 0, 6, True)], written
 
 
 def test_a_run_resumed_after_an_optim_val_drop_keeps_the_rates_bits(data, tmp_path, monkeypatch):
@@ -759,7 +811,6 @@ def test_gradient_accumulation_matches_the_larger_batch(tmp_path, big, accum, ep
 def test_the_log_gives_the_seconds_of_each_optimizer_step(tmp_path, monkeypatch, accum):
     """With a clock that advances one second each time it is read, each batch takes a second to fetch and one to
     compute: data_s and step_s, the seconds per optimizer step, are the batches each step takes (OPTIM.ACCUM_STEPS)."""
-    import itertools
     from types import SimpleNamespace
 
     import vil.training.epoch as training_epoch
