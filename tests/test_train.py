@@ -550,9 +550,29 @@ def test_torchrun_the_log_names_the_unreadable_images_every_process_met(tmp_path
     assert done.stderr.count("Evaluation skipped 1 unreadable images.") == 1
 
 
-def test_torchrun_a_process_that_stops_alone_leaves_its_sentence_for_the_main_process(tmp_path):
+SLOW_MAIN_PROCESS = """
+import os
+
+if os.environ.get("RANK") == "0":
+    import time
+
+    import vil.training.loop as loop
+
+    epoch = loop.train_one_epoch
+
+    def after_a_pause(*args):  # torchrun stops every process within 0.1 s of one failing: this one sleeps then
+        time.sleep(3)
+        return epoch(*args)
+
+    loop.train_one_epoch = after_a_pause
+"""
+
+
+@pytest.mark.parametrize("main", ["meets the failure", "is stopped by torchrun first"])
+def test_torchrun_a_process_that_stops_alone_leaves_its_sentence_for_the_main_process(tmp_path, monkeypatch, main):
     """Process 1 alone meets a training batch whose images are all unreadable: the main process, which then fails in
-    gloo's words in its next collective call, says process 1's sentence instead, in log.txt too."""
+    gloo's words in its next collective call, says process 1's sentence instead, in log.txt too; so it does when
+    torchrun stops it (SIGTERM) before its first training step (a sitecustomize module delays it)."""
     from types import SimpleNamespace
 
     from vil.data import build_dataset
@@ -564,10 +584,46 @@ def test_torchrun_a_process_that_stops_alone_leaves_its_sentence_for_the_main_pr
     process_1 = SimpleNamespace(world=2, rank=1)
     for index in epoch_order(dataset, 0, cfg.SEED, process_1, cfg.AUG.REPEATED_AUG)[:2]:  # its first batch of 2
         Path(dataset.samples[index][0]).write_bytes(b"not a jpeg")
+    if main == "is stopped by torchrun first":
+        (tmp_path / "slow_main").mkdir()
+        (tmp_path / "slow_main" / "sitecustomize.py").write_text(SLOW_MAIN_PROCESS)
+        monkeypatch.setenv(
+            "PYTHONPATH", os.pathsep.join([str(tmp_path / "slow_main"), os.environ.get("PYTHONPATH", "")])
+        )
     out = tmp_path / "ddp"
     done = torchrun_two_processes(data, out, succeeds=False)
     stopped = "Another process stopped the run: process 1: All 2 images of the training batch at epoch 1, batch 1"
     assert f"error: {stopped}" in (out / "log.txt").read_text() and stopped in done.stderr, done.stderr[-4000:]
+
+
+def test_the_main_process_stopped_by_sigterm_runs_its_action_then_stops_as_sigterm_stops_it():
+    """torchrun stops every process with SIGTERM within 0.1 s of one failing, maybe before the main process has met
+    the failure: the main process first says what it must (the action), then stops as SIGTERM stops it. Outside
+    the block, and in the other processes, SIGTERM's handler is the one before."""
+    import signal
+
+    from vil.runtime import Runtime
+
+    script = """
+import os, signal, time
+from vil.runtime import Runtime
+runtime = Runtime("gloo")
+runtime.world = 2  # as under torchrun, without a process group
+with runtime.before_stopped(lambda: print("said before stopping", flush=True)):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+print("not stopped")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (-signal.SIGTERM, "said before stopping\n"), done
+    runtime, before = Runtime("gloo"), signal.getsignal(signal.SIGTERM)
+    runtime.world = 2
+    with runtime.before_stopped(lambda: None):
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+    runtime.is_main = False
+    with runtime.before_stopped(lambda: None):
+        assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_torchrun_a_refusal_of_the_main_process_alone_is_its_sentence_in_every_process(data, tmp_path):

@@ -1,7 +1,10 @@
 """This process's place in a run (rank, world size, device) and its random state."""
 
+import contextlib
 import os
 import random
+import signal
+import threading
 
 import numpy as np
 import torch
@@ -69,6 +72,29 @@ class Runtime:
             return None
         store = dist.distributed_c10d._get_default_store()
         return store.get(FAILURE_KEY).decode() if store.check([FAILURE_KEY]) else None
+
+    @contextlib.contextmanager
+    def before_stopped(self, action):
+        """Within the block, ``action()`` runs in the main process before SIGTERM stops it, which then stops as
+        SIGTERM stops it. torchrun stops every process so within its ``--monitor-interval`` (0.1 s) of one failing:
+        the main process may not have met the failure in a collective call yet (only with several processes, in
+        the main thread, where Python runs signal handlers)."""
+        if self.world == 1 or not self.is_main or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def stop(signum, frame):
+            signal.signal(signum, signal.SIG_DFL)
+            try:
+                action()
+            finally:
+                os.kill(os.getpid(), signum)
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     def in_main(self, action):
         """``action()`` in the main process only (its result there, None in the others), every process waiting for

@@ -23,28 +23,44 @@ def train(cfg):
     """Train (or resume training) as ``cfg`` says; returns the final top-1 on the evaluation data (a run that has
     trained all its epochs already: its best)."""
     run, resume_point = set_up(cfg)
-    try:
-        if resume_point:
-            run.resume(resume_point[1], resume_point[0])
-            if run.epoch >= cfg.OPTIM.EPOCHS:
-                log.info(
-                    f"{resume_point[0]} has trained all {cfg.OPTIM.EPOCHS} epochs (OPTIM.EPOCHS), best top-1 "
-                    f"{run.best:.2f}: nothing is left to train; raise OPTIM.EPOCHS to train on."
-                )
-                return run.best
-        return _train_epochs(run)
-    except (ValueError, OSError, FloatingPointError) as e:
-        run.runtime.leave_failure(e)
-        log_failure(e)
-        raise
-    except RuntimeError:  # torch's words for a collective call another process left: its sentence, where it left one
-        if (left := run.runtime.failure_left()) is None:
+    logged = []  # the error this process logged
+
+    def another_process_stopped():
+        """The sentence another process left when it stopped, as this run's error; or None."""
+        left = run.runtime.failure_left()
+        return None if left is None else ValueError(f"Another process stopped the run: {left}")
+
+    def stopped_by_torchrun():
+        """torchrun stops this process (SIGTERM) once another has failed, maybe before this one meets the failure in
+        a collective call: the sentence the other left goes to log.txt and the console, which hear it from no one
+        else then."""
+        if not logged and (failure := another_process_stopped()) is not None:
+            log.error(f"error: {failure}")
+
+    with run.runtime.before_stopped(stopped_by_torchrun):
+        try:
+            if resume_point:
+                run.resume(resume_point[1], resume_point[0])
+                if run.epoch >= cfg.OPTIM.EPOCHS:
+                    log.info(
+                        f"{resume_point[0]} has trained all {cfg.OPTIM.EPOCHS} epochs (OPTIM.EPOCHS), best top-1 "
+                        f"{run.best:.2f}: nothing is left to train; raise OPTIM.EPOCHS to train on."
+                    )
+                    return run.best
+            return _train_epochs(run)
+        except (ValueError, OSError, FloatingPointError) as e:
+            logged.append(e)
+            run.runtime.leave_failure(e)
+            log_failure(e)
             raise
-        failure = ValueError(f"Another process stopped the run: {left}")
-        log_failure(failure)
-        raise failure from None
-    finally:
-        run.close()
+        except RuntimeError:  # torch's words for a collective call another process left: its sentence, if it left one
+            if (failure := another_process_stopped()) is None:
+                raise
+            log_failure(failure)
+            logged.append(failure)
+            raise failure from None
+        finally:
+            run.close()
 
 
 def end_epoch(run, epoch, top1):
