@@ -197,18 +197,14 @@ def straight_and_resumed(data, tmp_path, *overrides):
 
 
 def test_resume_after_one_epoch_gives_identical_weights(data, tmp_path):
-    straight, resumed = straight_and_resumed(data, tmp_path, "MODEL.EMA", "True")
+    """With the EMA weights, and Mixup, which draws from NumPy's random state in the main process: a resume restores
+    it with torch's and Python's, or the resumed run mixes other pairs and ends elsewhere."""
+    mixup = ("AUG.MIXUP", "0.8", "AUG.MIXUP_PROB", "1.0")
+    straight, resumed = straight_and_resumed(data, tmp_path, "MODEL.EMA", "True", *mixup)
     assert re.search(r"Resumed from \S+: optimizer step 3 \(the end of epoch 1\)\.", (resumed / "log.txt").read_text())
     assert_same_weights(final_weights(straight), final_weights(resumed))
     ema = [read_checkpoint(str(d / "checkpoint_last.pth"))["ema"] for d in (straight, resumed)]
     assert_same_weights(*ema)
-
-
-def test_a_resume_with_mixup_gives_identical_weights(data, tmp_path):
-    """timm's Mixup draws from NumPy's random state in the main process: a resume restores it with torch's and
-    Python's, or the resumed run mixes other pairs and ends elsewhere."""
-    straight, resumed = straight_and_resumed(data, tmp_path, "AUG.MIXUP", "0.8", "AUG.MIXUP_PROB", "1.0")
-    assert_same_weights(final_weights(straight), final_weights(resumed))
 
 
 def test_a_resumed_runs_eta_counts_the_epochs_it_ran(data, tmp_path, monkeypatch):
