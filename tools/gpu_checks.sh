@@ -34,8 +34,8 @@
 # measured before its time ran out, a size whose profiles the limit stopped included. The shares go by what a run
 # compiles: in a fresh machine the first 1D run of each kind (causal or not) compiles its kernels (triton 14 s, flex
 # 11 s on an H200), the second finds them in the on-disk caches (2.5 s, 8 s).
-# The limits fit a session's 15 minutes of device time in two calls, the second while the machine is still warm
-# (times of 2026-11-29 on a fresh H200 machine, whose first calls compile everything):
+# The limits fit the checks into 15 minutes of a GPU machine in two calls, the second while the machine is still
+# warm (times of 2026-11-29 on a fresh H200 machine, whose first calls compile everything):
 #   bash tools/gpu_checks.sh                  # steps 1 and 2: 170 + 120 s (the tests took 140 s and 100 s with 8
 #                                             # workers, and both ran out)
 #   STEPS="3 4 6" bash tools/gpu_checks.sh    # steps 3 and 4 (210 + 250 s), step 6 beside them (470 s)
@@ -159,7 +159,8 @@ refuse_other_shapes"
        on_host_cpus "${LIMIT_6:-470}" 47 \
          "11:python -m pytest -q -p no:cacheprovider tests/test_fused_cpu_precision.py tests/test_fused_cpu_1d.py" \
          "4:ATEN_CPU_CAPABILITY=avx2 python $checks" "4:ATEN_CPU_CAPABILITY=default python $checks" \
-         "14:python tools/benchmark_precision.py --rounds 3" "14:python $host_model --profile $cpu_fused AMP.ENABLED True" ;;
+         "14:python tools/benchmark_precision.py --rounds 3" \
+         "14:python $host_model --profile $cpu_fused AMP.ENABLED True" ;;
     7) on_host_cpus "${LIMIT_7:-200}" 20 "9:python $host_model $cpu_fused AMP.ENABLED False" \
          "11:python tools/benchmark_longformer.py --lengths 4096 --what model --rounds 3" ;;
     *) echo "Unknown step $step; the steps are 1 2 3 4 5 6 7."; failed=1 ;;
