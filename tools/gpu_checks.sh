@@ -88,11 +88,15 @@ limited() {
     failed=1
   fi
 }
-# on_host_cpus LIMIT PARTS RUN...: each RUN ("SHARE:COMMAND", COMMAND with any VARIABLE=value before it) under its
-# SHARE of PARTS of LIMIT seconds, on the host's first two CPUs with OMP_NUM_THREADS=2, its output in cpu_host.log.
+# on_host_cpus LIMIT RUN...: each RUN ("SHARE:COMMAND", COMMAND with any VARIABLE=value before it) under its SHARE
+# of LIMIT seconds (the shares of all RUNs make the whole), on the host's first two CPUs with OMP_NUM_THREADS=2, its
+# output in cpu_host.log.
 on_host_cpus() {
-  local limit=$1 parts=$2 run pin=()
-  shift 2
+  local limit=$1 parts=0 run pin=()
+  shift
+  for run in "$@"; do
+    parts=$((parts + ${run%%:*}))
+  done
   if command -v taskset > /dev/null && [ "${#cpus[@]}" -ge 2 ]; then
     pin=(taskset -c "${cpus[0]},${cpus[1]}")
   else
@@ -151,17 +155,17 @@ for step in $STEPS; do
            --config-file configs/vil_small.yaml --device cuda --batch 64 --steps 10 --rounds 2 \
            --timm swin_tiny_patch4_window7_224 AMP.ENABLED "$precision"
        done ;;
-    6) # Each run's share of the step's time (of 47 parts) and its command line. The fused CPU kernels' tests come
+    6) # Each run's share of the step's time and its command line. The fused CPU kernels' tests come
        # first: they build the kernels, and they run every way of multiplying this CPU has (AMX tiles included).
        "${CXX:-c++}" --version 2>&1 | head -n 1 | tee -a "$OUT/cpu_host.log"  # the compiler that builds the kernels
        checks="-m pytest -q -p no:cacheprovider tests/test_fused_cpu_1d.py tests/test_local_attention.py -k \
 refuse_other_shapes"
-       on_host_cpus "${LIMIT_6:-470}" 47 \
+       on_host_cpus "${LIMIT_6:-470}" \
          "11:python -m pytest -q -p no:cacheprovider tests/test_fused_cpu_precision.py tests/test_fused_cpu_1d.py" \
          "4:ATEN_CPU_CAPABILITY=avx2 python $checks" "4:ATEN_CPU_CAPABILITY=default python $checks" \
          "14:python tools/benchmark_precision.py --rounds 3" \
          "14:python $host_model --profile $cpu_fused AMP.ENABLED True" ;;
-    7) on_host_cpus "${LIMIT_7:-200}" 20 "9:python $host_model $cpu_fused AMP.ENABLED False" \
+    7) on_host_cpus "${LIMIT_7:-200}" "9:python $host_model $cpu_fused AMP.ENABLED False" \
          "11:python tools/benchmark_longformer.py --lengths 4096 --what model --rounds 3" ;;
     *) echo "Unknown step $step; the steps are 1 2 3 4 5 6 7."; failed=1 ;;
   esac
