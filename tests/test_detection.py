@@ -297,8 +297,11 @@ def test_a_padding_backbone_exports_and_compiles_for_sizes_that_are_not_multiple
     program.save(str(tmp_path / "backbone.onnx"))
     session = onnxruntime.InferenceSession(str(tmp_path / "backbone.onnx"), providers=["CPUExecutionProvider"])
     compiled = torch.compile(Maps(), backend="aot_eager")
-    for size in ((45, 70), (50, 33)):  # traced at 32 x 32
+    for size in ((45, 70), (50, 33)):  # traced at 32 x 32; compiled for any height and width at the first size
         x = torch.randn(1, 3, *size)
+        if size == (45, 70):
+            torch._dynamo.mark_dynamic(x, 2)
+            torch._dynamo.mark_dynamic(x, 3)
         rows, cols, maps = -(-size[0] // 4), -(-size[1] // 4), []  # each stage pads to a multiple of its patch
         for _ in range(3):
             maps.append((rows, cols))
@@ -307,7 +310,9 @@ def test_a_padding_backbone_exports_and_compiles_for_sizes_that_are_not_multiple
             expected = Maps()(x)
             onnx_maps = session.run(None, {session.get_inputs()[0].name: x.numpy()})
             assert [tuple(m.shape[-2:]) for m in expected] == maps
-            for ours, theirs, compiled_map in zip(expected, onnx_maps, compiled(x)):
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                compiled_maps = compiled(x)
+            for ours, theirs, compiled_map in zip(expected, onnx_maps, compiled_maps):
                 torch.testing.assert_close(torch.from_numpy(theirs), ours, rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(compiled_map, ours, rtol=1e-4, atol=1e-4)
 
