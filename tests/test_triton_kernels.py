@@ -111,6 +111,20 @@ def test_batch_of_several_and_strided_inputs():
     assert_matches_reference(inputs, 3, 0, 0)
 
 
+def test_queries_whose_every_key_a_bias_hides_give_zeros_as_the_reference_does():
+    # Only the table's offset (-3, -3) is finite (query minus key): the queries without a key 3 rows and 3 columns
+    # further in their window see none, and output zeros with zero gradients (their log-sum-exp is +inf).
+    inputs = make_inputs(4, 5, 2, 0, True, False)
+    rel_bias = torch.full_like(inputs["rel_bias"], float("-inf"))
+    rel_bias[:, 0] = 0.5
+    inputs["rel_bias"] = rel_bias.requires_grad_()
+    out, _ = run(
+        "reference", {n: None if t is None else t.detach().double().requires_grad_() for n, t in inputs.items()}, 2
+    )
+    assert (out.abs().sum(-1) == 0).sum() == 2 * 19  # of the 2 heads x 20 queries
+    assert_matches_reference(inputs, 2)
+
+
 @pytest.mark.parametrize("D", [32, 48, 96, 128])
 def test_head_dims(D):
     # 48 and 96 are not powers of two: the kernels mask the channels past them.
@@ -576,6 +590,67 @@ def test_bias_bins_sum_score_gradients_per_offset_to_float32_accuracy(parts):
     relative = 2**-14 if parts == "bfloat16" and flash.interpreting() else 2e-5
     allowed = relative * magnitude + (2**-24 * terms if parts == "float16" else 0) + 1e-30
     assert ((out.cpu().double() - expected).abs() <= allowed).all()
+
+
+@pytest.mark.parametrize("key_major", [False, True])
+def test_scores_read_the_bias_table_only_for_tokens_of_the_chunks(key_major):
+    # kernels._local_scores on tiles of P x P tokens whose last row and column are padding (chunks of C = 3 in tiles
+    # of P = 4): the scores of the chunks' tokens add the table's entry of their offset, and padding queries and
+    # keys score -inf without reading the table, where their offsets would reach past it (here into NaN around it).
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scores_kernel(
+        Q,
+        K,
+        BIAS,
+        OUT,
+        a,
+        b,
+        qk_scale,
+        W: tl.constexpr,
+        C: tl.constexpr,
+        P: tl.constexpr,
+        D: tl.constexpr,
+        PRECISION: tl.constexpr,
+        KEY_MAJOR: tl.constexpr,
+    ):
+        t, d = tl.arange(0, P * P), tl.arange(0, D)
+        row, col = t // P, t % P
+        valid = (row < C) & (col < C)
+        q = tl.load(Q + t[:, None] * D + d[None, :])
+        k = tl.load(K + t[:, None] * D + d[None, :])
+        if KEY_MAJOR:  # (keys, queries), as the dK and dV pass asks: the key tile first, the offset negated
+            s = kernels._local_scores(
+                k, q, row, col, row, col, valid, -a, -b, BIAS, qk_scale, W, C, 0, True, PRECISION, KEY_MAJOR=True
+            )
+        else:
+            s = kernels._local_scores(q, k, row, col, row, col, valid, a, b, BIAS, qk_scale, W, C, 0, True, PRECISION)
+        tl.store(OUT + t[:, None] * (P * P) + t[None, :], s)
+
+    W = C = 3
+    P, D, T, (a, b) = 4, 16, 4 * W - 1, (-1, 1)  # the key chunk is the query chunk's neighbour up and right
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, P * P, D, generator=generator)
+    table = torch.randn(T * T, generator=generator)
+    around = torch.full((3 * T * T,), float("nan"))
+    around[T * T : 2 * T * T] = table
+    scale = D**-0.5
+    out = torch.full((P * P, P * P), float("nan"), device=DEVICE)
+    precision = flash.dot_precision(torch.float32)
+    args = (q.to(DEVICE), k.to(DEVICE), around.to(DEVICE)[T * T :], out, a, b, scale * flash.LOG2E)
+    scores_kernel[(1,)](*args, W, C, P, D, precision, key_major)
+    expected = torch.full((P * P, P * P), float("-inf"), dtype=torch.float64)
+    for i in range(P * P):
+        for j in range(P * P):
+            (qi, qj), (ki, kj) = divmod(i, P), divmod(j, P)
+            if max(qi, qj, ki, kj) < C:
+                di, dj = qi - ki - a * C, qj - kj - b * C  # query minus key, the chunks side by side
+                bias = table[(di + 2 * W - 1) * T + dj + 2 * W - 1].item()
+                expected[i, j] = (q[i].double() @ k[j].double() * scale + bias) * flash.LOG2E
+    got = out.cpu().double()
+    torch.testing.assert_close(got.T if key_major else got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_default_on_cuda_is_triton_for_the_windows_its_kernels_take(monkeypatch, caplog):
