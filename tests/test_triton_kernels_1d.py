@@ -175,17 +175,25 @@ def test_bfloat16():
     assert_matches_reference(inputs, padding, 6, causal=True, tolerance=3e-2)
 
 
-def test_products_are_counted_by_the_flop_counter():
-    inputs, padding = make_inputs(150, 5, 1, False, False, None, B=1, H=1)
-    # Tiles of 64 queries at 0, 64, 128 read key blocks of 64 from 5 (w) before them to 5 after their last query:
-    # -5..122, 59..186 and 123..186, and the global key.
-    pairs = 64 * (128 + 1) + 64 * (128 + 1) + 64 * (64 + 1)
+@pytest.mark.parametrize(
+    "window,pairs",
+    [
+        # Tiles of 64 queries at 0, 64, 128 read key blocks of 64 from w before them to w after their last query:
+        # -5..122, 59..186 and 123..186, and the global key.
+        (5, 64 * (128 + 1) + 64 * (128 + 1) + 64 * (64 + 1)),
+        # With w 70 the first tile's first block would lie wholly before the sequence (-70..-7) and is skipped:
+        # -6..185, -6..185 and 58..185.
+        (70, 64 * (192 + 1) + 64 * (192 + 1) + 64 * (128 + 1)),
+    ],
+)
+def test_products_are_counted_by_the_flop_counter(window, pairs):
+    inputs, padding = make_inputs(150, window, 1, False, False, None, B=1, H=1)
     assert_products_counted(
         lambda: local_attention_1d(
             inputs["q"],
             inputs["k"],
             inputs["v"],
-            5,
+            window,
             global_k=inputs["global_k"],
             global_v=inputs["global_v"],
             backend="triton",
