@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, seed
 from test_fuzz import fuzz_settings, padding_mask, request_2d, requests_1d
-from tool_runner import run_tool
+from tool_runner import load_tool, run_tool
 from torch.profiler import profile
 
 from vil.config import load_cfg
@@ -621,6 +621,37 @@ def test_precision_benchmark_prints_its_tables(tmp_path):
     assert "half-precision matrix flags" in out.splitlines()[0]
     machine, tables = (tmp_path / "precision.md").read_text().strip().split("\n\n", 1)
     assert machine == out.splitlines()[0] and tables in out  # the file: what was printed, the CPU first
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_precision_benchmark_figures_are_those_of_the_times_and_counts_measured(monkeypatch, half):
+    """From given medians (s), FLOP counts and matrix-product rates (GFLOP/s), hand-computed: SDPA's time over the
+    op's; the op's GFLOP/s and their share of the product's rate in the dtype the op multiplies in (bfloat16's where
+    the fused kernels multiply bfloat16, ``half``, else float32's); float32's time over bfloat16's; and the
+    half-precision products' speed-up, the op's row timed with the products ``auto`` takes and the third time with
+    the others."""
+    tool = load_tool("benchmark_precision")
+    monkeypatch.setattr(tool, "half_products", lambda dtype: half)
+    results = {  # (local, SDPA, local FLOPs, local with the other products)
+        ("2D 8x8", "float32", "training"): (0.004, 0.010, 2e8, None),
+        ("2D 8x8", "bfloat16", "training"): (0.002, 0.009, 2e8, 0.003),
+    }
+    lines = tool.table(results, {"float32": 100.0, "bfloat16": 400.0}, 64).splitlines()[2:]
+    rows = {tuple(cells[:3]): cells[3:] for cells in (line.strip("| ").split(" | ") for line in lines)}
+    assert rows["2D 8x8", "float32", "training"] == ["4.0", "10.0", "2.50x", "50.0", "100.0", "50%"]
+    roof = ["400.0", "25%"] if half else ["100.0", "100%"]
+    assert rows["2D 8x8", "bfloat16", "training"] == ["2.0", "9.0", "4.50x", "100.0", *roof]
+    assert "| 2D 8x8 | training | bfloat16 | 2.00x |" in tool.dtype_ratios(results).splitlines()
+    products = tool.products_table(results)
+    in_half, in_float32, speed_up = ("2.0", "3.0", "1.50x") if half else ("3.0", "2.0", "0.67x")
+    assert f"| 2D 8x8 | bfloat16 | training | {in_half} | {in_float32} | {speed_up} |" in products.splitlines()
+    assert f"auto takes {'half-precision' if half else 'float32'} ones for bfloat16 here" in products
+
+
+def test_precision_benchmark_rates_the_matrix_product_by_its_multiply_adds_twice():
+    tool = load_tool("benchmark_precision")
+    tool.seconds = lambda fn: 0.5  # every product timed at 0.5 s
+    assert tool.matmul_gflops(100, torch.float32) == pytest.approx(2 * 100**3 / 0.5 / 1e9)
 
 
 @pytest.mark.parametrize(

@@ -109,3 +109,49 @@ def test_cpu_sdpa_is_counted_by_this_projects_counter_only():
     with flop_counter() as counter:
         torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
     assert counter.get_total_flops() == (2 + 5) * (2 * 2 * 5 * 7 * 8)
+
+
+def test_benchmark_model_counts_multiply_adds_and_images_over_the_clocks_seconds(monkeypatch, capsys):
+    """GMACs are multiply-adds, the paper's convention (ViL-Tiny at 224: 1.43G published, 1.39G counted here, where
+    border chunks skip the keys outside the map); images/s are the timed steps' images over the clock's seconds:
+    2 steps of 2 training images in 14 - 10 s and 2 of 2 inference images in 21 - 20 s."""
+    from types import SimpleNamespace
+
+    from tool_runner import ROOT, load_tool
+
+    tool = load_tool("benchmark_model")
+    readings = iter([10.0, 14.0, 20.0, 21.0])
+    monkeypatch.setattr(tool, "time", SimpleNamespace(perf_counter=lambda: next(readings)))
+    config = ["--config-file", str(ROOT / "configs/vil_tiny.yaml"), "--batch", "2", "--steps", "2"]
+    monkeypatch.setattr(sys, "argv", ["benchmark_model.py", *config])
+    tool.main()
+    row = capsys.readouterr().out.splitlines()[-1].strip("| ").split(" | ")
+    gmacs, train, infer = float(row[6]), row[7], row[8]
+    assert 1.35 < gmacs < 1.43 and (train, infer) == ("1.0", "4.0")
+
+
+def test_benchmark_model_compares_each_contenders_best_round_with_the_eager_models():
+    """The side-by-side table: each contender's fastest of its rounds, in images/s, over the eager model's."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from tool_runner import load_tool
+
+    tool = load_tool("benchmark_model")
+    speeds = {  # per (net, step): images/s in rounds 1 and 2
+        ("vil", "train"): [8.0, 10.0],
+        ("vil", "infer"): [30.0, 25.0],
+        ("swin", "train"): [12.5, 11.0],
+        ("swin", "infer"): [20.0, 24.0],
+    }
+    rounds = {key: iter(values) for key, values in speeds.items()}
+    args = SimpleNamespace(compile=False, timm="swin", rounds=2, batch=4, profile=False)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        tool.compare(
+            args, "vil", "swin", lambda net: ((net, "train"), (net, "infer")), lambda s: next(rounds[s]), "cpu"
+        )
+    rows = {line.split(" | ")[0]: line for line in printed.getvalue().splitlines() if line.startswith("| ")}
+    assert rows["| eager"] == "| eager | 10.0 | 30.0 | 1.00x | 1.00x |"
+    assert rows["| timm swin"] == "| timm swin | 12.5 | 24.0 | 1.25x | 0.80x |"
