@@ -88,6 +88,12 @@ def test_study_1d_table_and_plots(tmp_path, monkeypatch, capsys):
     assert all(
         float(r[2]) > 0 and float(r[3]) >= 0 and r[5].endswith("x") and float(r[7].rstrip(" |")) >= 0 for r in rows
     ), rows
+    for size in (64, 128):  # "vs SDPA": SDPA's time over the row's, within the printed times' rounding (0.05 ms)
+        times = {r[1]: float(r[2]) for r in rows if r[0] == f"| {size}"}
+        for name, took in times.items():
+            speedup = float(next(r[5] for r in rows if r[:2] == [f"| {size}", name]).rstrip("x"))
+            assert (times[tool.SDPA] - 0.05) / (took + 0.05) - 0.005 <= speedup, (size, name, times, speedup)
+            assert took <= 0.05 or speedup <= (times[tool.SDPA] + 0.05) / (took - 0.05) + 0.005, (size, name, times)
     assert len(workers) == 2 and all(
         "--causal" in w and w[w.index("--dilation") + 1] == "1" and "--exact" not in w for w in workers
     )

@@ -737,6 +737,24 @@ def test_without_transformers_the_call_says_how_to_install_it(monkeypatch):
         vil.accelerate_longformer(torch.nn.Linear(2, 2))
 
 
+def test_benchmark_tool_figures_are_those_of_the_times_and_peaks_measured():
+    """From given medians (s) and peaks (MiB), hand-computed: each speed-up is transformers' time over the
+    accelerated one's, the peak ratio the accelerated peak over transformers', and the bound transformers' time over
+    the shared parts' (the model without attention)."""
+    from tool_runner import load_tool
+
+    tool = load_tool("benchmark_longformer")
+    results = {
+        ("model", 4096, "transformers"): (0.300, 0.120, 800.0),
+        ("model", 4096, "accelerated"): (0.100, 0.040, 200.0),
+        ("model", 4096, tool.SHARED): (0.060, 0.030, None),
+    }
+    (row,) = tool.table(results).splitlines()[2:]
+    assert row == (
+        "| model | 4096 | 300 / 120 | 100 / 40 | 3.00x / 3.00x | 800 -> 200 (0.25x) | 60 / 30: 5.00x / 4.00x |"
+    )
+
+
 def test_benchmark_tool_prints_the_table_and_draws_the_plots(tmp_path):
     from tool_runner import run_tool
 
