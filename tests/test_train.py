@@ -645,25 +645,13 @@ def test_torchrun_two_processes_end_with_identical_weights(data, tmp_path, attn_
     assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3  # 13 images, 2 a process a batch
 
 
-def test_torchrun_two_processes_on_shards_each_read_their_own(tmp_path):
-    """4 shards of 3 images, 2 processes with batches of 2: each process reads its 2 shards (which ones, and
-    that they cover every sample once, tests/test_shards.py checks for every rank), 3 steps an epoch."""
-    folder = make_folder(tmp_path / "folder", per_class=6, corrupt=False)
-    assert run_tool("make_shards", folder, tmp_path / "shards", "--per-shard", "3")[0] == 0
-    out = tmp_path / "ddp"
-    torchrun_two_processes(tmp_path / "shards", out, "DATA.FORMAT", "shards")
-    text = (out / "log.txt").read_text()
-    assert (
-        "12 training and 12 evaluation images, 2 process(es)" in text
-        and "All 2 processes hold identical weights." in text
-    )
-    assert read_checkpoint(str(out / "checkpoint_last.pth"))["step"] == 3
-
-
-def test_torchrun_two_processes_end_the_epoch_together_where_a_damaged_shard_runs_one_short(tmp_path):
-    """As above, with the first shard cut within its first sample: the process that reads it has 3 readable
-    images and the cut shard's one unreadable sample, 2 batches where the plan has 3. Both processes end the
-    epoch after 2 steps, said once, instead of the other waiting in its third step for ever."""
+def test_torchrun_two_processes_on_shards_end_the_epoch_together_where_a_damaged_shard_runs_one_short(tmp_path):
+    """4 shards of 3 images, 2 processes with batches of 2: each process reads its 2 shards (which ones, and that
+    they cover every sample once, tests/test_shards.py checks for every rank), 3 steps an epoch by the plan. The
+    first shard is cut within its first sample: the process that reads it has 3 readable images and the cut shard's
+    one unreadable sample, 2 batches where the plan has 3. Both processes end the epoch after 2 steps, said once,
+    instead of the other waiting in its third step for ever (had each process read every shard, the plan would
+    have 6 steps and the short one 5)."""
     folder = make_folder(tmp_path / "folder", per_class=6, corrupt=False)
     assert run_tool("make_shards", folder, tmp_path / "shards", "--per-shard", "3")[0] == 0
     first = tmp_path / "shards" / "train" / "shard-000000.tar"
@@ -671,6 +659,7 @@ def test_torchrun_two_processes_end_the_epoch_together_where_a_damaged_shard_run
     out = tmp_path / "ddp"
     done = torchrun_two_processes(tmp_path / "shards", out, "DATA.FORMAT", "shards")
     text = (out / "log.txt").read_text()
+    assert "12 training and 12 evaluation images, 2 process(es)" in text
     assert "Epoch 1 ends 1 of its batches early: 1 of 2 process(es) ran out of samples" in text
     assert (done.stdout + done.stderr).count("ends 1 of its batches early") == 1  # on the console too
     assert "All 2 processes hold identical weights." in text
