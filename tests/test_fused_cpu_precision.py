@@ -478,19 +478,35 @@ def test_the_check_passes_where_the_cpu_multiplies_half_precision(dtype):
     assert fused_cpu.half_products_fault(dtype) == ""
 
 
-@pytest.mark.parametrize("rate", [0.5, 1.2, 2.0])
-def test_auto_multiplies_in_half_precision_where_the_cpu_does_it_faster(monkeypatch, fresh_check, caplog, rate):
+@pytest.mark.parametrize("rate,pays", [(0.5, False), (1.2, False), (1.5, True), (2.0, True)])
+def test_auto_multiplies_in_half_precision_where_the_cpu_does_it_faster(monkeypatch, fresh_check, caplog, rate, pays):
+    """At least 1.5x float32's rate (HALF_RATE_THAT_PAYS): below it the products' own layouts cost more than the
+    faster rate gains."""
     monkeypatch.setattr(fused_cpu, "cpu_multiplies_natively", lambda dtype: True)
     monkeypatch.setattr(fused_cpu, "half_products_fault", lambda dtype: "")
     monkeypatch.setattr(fused_cpu, "half_precision_rate", lambda dtype: rate)
     monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "auto")
     with caplog.at_level(logging.INFO, logger="vil"):
         chosen = [fused_cpu.half_products(torch.bfloat16) for _ in range(2)]
-    pays = rate >= fused_cpu.HALF_RATE_THAT_PAYS  # 1.5: the products' own layouts cost more than a faster rate gains
     assert chosen == [pays] * 2
     assert caplog.text.count(f"bfloat16 at {rate:.2f}x the rate of float32 (under 1.5x)") == (not pays)  # said once
     monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "half")
     assert fused_cpu.half_products(torch.bfloat16)  # asked for, half precision however slow
+    monkeypatch.setenv(fused_cpu.PRODUCTS_VARIABLE, "float32")
+    assert not fused_cpu.half_products(torch.bfloat16)  # asked for, float32 however fast half precision is
+
+
+def test_products_that_give_not_a_number_are_a_fault(monkeypatch):
+    """The check's half-precision results all NaN (float32's finite): a disagreement, not a pass."""
+    check = fused_cpu._check_problem
+
+    def not_a_number_in_half(*args):
+        results = check(*args[:-1], False)
+        return [torch.full_like(r, float("nan")) for r in results] if args[-1] else results
+
+    monkeypatch.setattr(fused_cpu, "_check_problem", not_a_number_in_half)
+    fault = fused_cpu.half_products_fault(torch.bfloat16)
+    assert "bfloat16 products disagree with float32 ones" in fault and "relative error nan" in fault, fault
 
 
 def test_the_half_precision_rate_is_the_ratio_of_the_best_times(monkeypatch):
