@@ -23,7 +23,7 @@ def train(cfg):
     """Train (or resume training) as ``cfg`` says; returns the final top-1 on the evaluation data (a run that has
     trained all its epochs already: its best)."""
     run, resume_point = set_up(cfg)
-    logged = []  # the error this process logged
+    logged = False  # whether this process logged an error of its own
 
     def another_process_stopped():
         """The sentence another process left when it stopped, as this run's error; or None."""
@@ -49,7 +49,7 @@ def train(cfg):
                     return run.best
             return _train_epochs(run)
         except (ValueError, OSError, FloatingPointError) as e:
-            logged.append(e)
+            logged = True
             run.runtime.leave_failure(e)
             log_failure(e)
             raise
@@ -57,7 +57,7 @@ def train(cfg):
             if (failure := another_process_stopped()) is None:
                 raise
             log_failure(failure)
-            logged.append(failure)
+            logged = True
             raise failure from None
         finally:
             run.close()
